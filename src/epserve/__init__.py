@@ -1,0 +1,20 @@
+"""epserve: expert-parallel inference server for DeepSeek-V3/R1-class MoE models."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import epserve` (e.g. for the CLI's --help or the planner) does not import torch.
+    if name == "LLM":
+        from epserve.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from epserve.engine.request import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(name)
