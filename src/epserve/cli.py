@@ -1,0 +1,130 @@
+"""``epserve`` command line: generate, make-checkpoint, plan."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="memory for weights + KV cache")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _build_llm(args: argparse.Namespace):
+    from epserve import LLM
+
+    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        memory_budget_bytes=budget,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from epserve import SamplingParams
+
+    llm = _build_llm(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or ["The quick brown fox", "Expert parallelism spreads"]
+    if args.chat:
+        if llm.tokenizer is None:
+            raise ValueError("--chat needs a tokenizer in the checkpoint")
+        prompts = [
+            llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            for p in prompts
+        ]
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        print(f"prompt: {prompt!r}\noutput: {out.text!r}\ntokens: {out.token_ids} ({out.finish_reason})\n")
+    return 0
+
+
+def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    from epserve.presets import make_checkpoint
+
+    path = make_checkpoint(args.dir, preset=args.preset, fp8=args.fp8, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.preset}{' fp8' if args.fp8 else ''} checkpoint to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline with the engine")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.set_defaults(func=_cmd_generate)
+
+    mk = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the HF DeepSeek-V3 format")
+    mk.add_argument("dir")
+    mk.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    mk.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights with 128x128 block scales")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    mk.set_defaults(func=_cmd_make_checkpoint)
+
+    try:
+        from epserve.planner.cli import add_parser as add_plan_parser
+    except ImportError:
+        pass
+    else:
+        add_plan_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from epserve.engine.memory import OutOfMemoryError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, OutOfMemoryError) as e:  # ConfigError, CheckpointError: ValueError
+        print(f"epserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The tensors one forward step needs, built by the runner (the only place sequences become tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """A flattened batch of ``T`` tokens from ``B`` sequences; decode sequences (one new token each)
+    come first, then prefill chunks.
+
+    - ``input_ids``/``positions``/``slot_mapping``: ``[T]``; a token's KV goes to flat cache slot
+      ``slot_mapping[t]`` = ``block_id * block_size + position % block_size``.
+    - ``query_start_loc``: ``[B + 1]`` offsets of each sequence's tokens in the flat batch.
+    - ``seq_lens``: ``[B]`` context length after this step (cached + new tokens).
+    - ``block_tables``: ``[B, max_blocks]`` block ids per sequence (padded with 0).
+    - ``logits_indices``: ``[S]`` flat token indices whose logits are wanted (chunks that sample).
+    - ``seq_lens_cpu``/``query_start_loc_cpu``: the same as Python lists, for per-sequence loops.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+    num_decode_seqs: int
+    seq_lens_cpu: tuple[int, ...]
+    query_start_loc_cpu: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_seqs
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        return self.num_seqs - self.num_decode_seqs

@@ -1,0 +1,96 @@
+"""Small building blocks: RMSNorm, rotary embedding with YaRN scaling, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., dim] -> [..., dim], normalised in fp32, scaled in x's dtype."""
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: blend interpolated and extrapolated frequencies with a linear ramp over the dims. [dim/2]"""
+
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(s.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (s.factor * pos_freqs)
+    extrapolation_weight = 1 - ramp
+    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding on the ``qk_rope_head_dim`` part of q and k, with a cos/sin table for every
+    position up to ``max_position_embeddings``. DeepSeek stores rotary dims as interleaved pairs
+    ``(x0, x1), (x2, x3), …``; the output is laid out de-interleaved ``[evens', odds']`` (the same
+    permutation for q and k, so scores are unchanged)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dim = config.qk_rope_head_dim
+        s = config.rope_scaling
+        if s is None:
+            inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+            attention_scaling = 1.0
+        else:
+            inv_freq = yarn_inv_freq(dim, config.rope_theta, s)
+            attention_scaling = yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
+        self.interleave = config.rope_interleave
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, dim/2]
+        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [T, ..., rope_dim], positions: [T] -> same shape as x."""
+        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [-1]
+        cos = self.cos[positions].to(x.dtype).view(shape)
+        sin = self.sin[positions].to(x.dtype).view(shape)
+        if self.interleave:
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        else:
+            x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H]"""
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)

@@ -1,0 +1,42 @@
+"""DeepSeek MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine, plus the
+shared expert, computed while the dispatch is in flight."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from epserve.config import ModelConfig
+from epserve.model.layers import GatedMLP
+from epserve.moe.dispatch.base import Dispatcher
+from epserve.moe.experts import GroupedExperts
+from epserve.moe.placement import ExpertPlacement
+from epserve.moe.router import Router
+
+
+class MoE(nn.Module):
+    def __init__(
+        self, config: ModelConfig, dispatcher: Dispatcher, placement: ExpertPlacement, ep_rank: int = 0
+    ) -> None:
+        super().__init__()
+        self.router = Router(config)
+        self.dispatcher = dispatcher
+        self.local_logical_experts = placement.local_logical_experts(ep_rank)
+        self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size)
+        self.register_buffer("logical_to_physical", placement.logical_to_physical_table(), persistent=False)
+        self.shared_experts = (
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H]"""
+        routing = self.router(x)
+        physical_ids = self.logical_to_physical[routing.topk_ids]
+        in_flight = self.dispatcher.dispatch_send(x, physical_ids, routing.topk_weights)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        expert_input, route = self.dispatcher.dispatch_recv(in_flight)
+        y = self.experts(expert_input)
+        out = self.dispatcher.combine_recv(self.dispatcher.combine_send(y, route))
+        return out if shared is None else out + shared

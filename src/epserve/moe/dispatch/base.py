@@ -1,0 +1,61 @@
+"""The dispatcher contract: move tokens to the ranks owning their experts and back.
+
+``dispatch(x[T,H], topk_ids[T,K], topk_weights[T,K]) -> (ExpertInput, handle)``: received tokens
+grouped by local expert plus the count per local expert. ``combine(y, handle) -> out[T,H]``: the
+routing-weighted sum of expert outputs in the original token order. The split halves
+(``dispatch_send``/``dispatch_recv``, ``combine_send``/``combine_recv``) are the overlap points: work
+placed between a send and its receive (the shared expert, the other micro-batch) hides the transfer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ExpertInput:
+    """Tokens for this rank's experts, grouped by local expert slot."""
+
+    hidden_states: torch.Tensor  # [N, H], rows of local slot 0 first, then slot 1, …
+    num_tokens_per_expert: torch.Tensor  # [num_local_slots] int64, on CPU
+    num_tokens_per_expert_list: tuple[int, ...]
+
+
+class DispatchHandle:
+    """Backend-specific state carried from dispatch to combine (each backend subclasses it as a
+    frozen dataclass)."""
+
+
+class Dispatcher(ABC):
+    """One backend per file; chosen once at start-up; model code never branches on it."""
+
+    name: str
+
+    @abstractmethod
+    def dispatch_send(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> DispatchHandle:
+        """Start sending; ``topk_ids`` are physical expert slots. Returns the in-flight handle."""
+
+    @abstractmethod
+    def dispatch_recv(self, handle: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
+        """Wait for the tokens; returns them grouped by local expert and the handle for combine."""
+
+    @abstractmethod
+    def combine_send(self, y: torch.Tensor, handle: DispatchHandle) -> DispatchHandle:
+        """Start returning expert outputs ``y`` ([N, H], same order as ``ExpertInput``)."""
+
+    @abstractmethod
+    def combine_recv(self, handle: DispatchHandle) -> torch.Tensor:
+        """Wait for the outputs; returns ``[T, H]``, weighted and summed over each token's top-k."""
+
+    def dispatch(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[ExpertInput, DispatchHandle]:
+        return self.dispatch_recv(self.dispatch_send(x, topk_ids, topk_weights))
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        return self.combine_recv(self.combine_send(y, handle))
