@@ -24,6 +24,8 @@ class MoE(nn.Module):
         self.local_logical_experts = placement.local_logical_experts(ep_rank)
         self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size)
         self.register_buffer("logical_to_physical", placement.logical_to_physical_table(), persistent=False)
+        # Tokens routed to each local slot since start-up (CPU, cheap to read for statistics).
+        self.expert_load = torch.zeros(placement.num_local_slots, dtype=torch.long, device="cpu")
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts
@@ -37,6 +39,7 @@ class MoE(nn.Module):
         in_flight = self.dispatcher.dispatch_send(x, physical_ids, routing.topk_weights)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         expert_input, route = self.dispatcher.dispatch_recv(in_flight)
+        self.expert_load += expert_input.num_tokens_per_expert
         y = self.experts(expert_input)
         out = self.dispatcher.combine_recv(self.dispatcher.combine_send(y, route))
         return out if shared is None else out + shared

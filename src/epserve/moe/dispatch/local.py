@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.moe.dispatch.base import DispatchHandle, Dispatcher, ExpertInput
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,311 @@
+"""Continuous-batching scheduler: chunked prefill under a token budget, decode first, preemption by
+recompute when KV blocks run out.
+
+One engine step is ``output = scheduler.schedule()``, the runner's forward over ``output.chunks``
+(sampling one token for each chunk with ``needs_sample``), then exactly one
+``scheduler.update(output, sampled)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from epserve.config import CacheConfig, SchedulerConfig
+from epserve.engine.kv_manager import KVCacheManager
+from epserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``request.all_token_ids`` to run this step.
+
+    ``start`` is the request's ``num_computed_tokens`` before the step (KV for ``[0, start)`` is in
+    the cache, in ``request.block_ids``). ``needs_sample`` and ``is_prefill`` read the request's
+    current length, so they hold between ``schedule()`` and ``update()`` (which appends a token).
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the last known token, so the runner samples the next one."""
+        return self.end == self.request.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """False only for a *decode*: exactly one token, the last known one, an output token.
+        Every other chunk (prompt chunks, a recompute after preemption) is a prefill; a prefill
+        chunk may also be a single token."""
+        is_decode = (
+            self.num_tokens == 1 and self.needs_sample and self.start >= self.request.num_prompt_tokens
+        )
+        return not is_decode
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.end]
+
+    def slot_ids(self, block_size: int) -> list[int]:
+        """KV cache slot of each position of the chunk (``block * block_size + offset``)."""
+        block_ids = self.request.block_ids
+        return [block_ids[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]  # decodes first, then prefills
+    num_batched_tokens: int
+    preempted_ids: tuple[str, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for c in self.chunks if not c.is_prefill)
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one ``update`` did to one request: the token it got (if any) and whether it ended."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if scheduler_config.max_num_seqs < 1 or scheduler_config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.kv_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.waiting: deque[Request] = deque()  # in arrival order; preempted ones go back in front
+        self.running: list[Request] = []  # in arrival order; the last one is preempted first
+        self._requests: dict[str, Request] = {}
+        self._arrival_index: dict[str, int] = {}
+        self._num_arrivals = 0
+        self.num_preemptions_total = 0
+        self._unreported: list[Request] = []  # aborted since the last update
+        self._in_flight: set[str] = set()  # scheduled by the last schedule(), not yet updated
+
+    # ---- requests --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running, or an abort is yet to be reported."""
+        return bool(self.waiting or self.running or self._unreported)
+
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+            raise ValueError(f"request {rid!r} is not a new request ({request.status.name})")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: the prompt is empty")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt has {num_prompt} tokens; the context is {self.max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+        # The last token of a finished request is never fed back, so it needs no KV slot.
+        max_tokens = request.sampling_params.max_tokens
+        num_kv_tokens = min(num_prompt + max_tokens, self.max_model_len) - 1
+        num_blocks_needed = self.kv_manager.num_blocks_for(num_kv_tokens)
+        if num_blocks_needed > self.kv_manager.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
+                f"{num_blocks_needed} KV blocks of {self.block_size} tokens; the whole cache has "
+                f"{self.kv_manager.num_blocks}"
+            )
+        self._requests[rid] = request
+        self._arrival_index[rid] = self._num_arrivals
+        self._num_arrivals += 1
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks. Returns False if it is unknown or already finished;
+        the abort is reported (finish_reason "abort") by the next ``update``. A request in the batch
+        of the last ``schedule()`` keeps its blocks (the forward may be using them) until that
+        ``update``. Not thread-safe: call it from the thread that steps the engine."""
+        request = self._requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._unreported.append(request)
+        if request_id not in self._in_flight:
+            self._release(request)
+        return True
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+
+        # 1. Decodes, one token each, oldest first; out of blocks -> preempt the newest running.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if not self._is_decoding(request):
+                i += 1
+                continue
+            while not self.kv_manager.allocate_slots(request, 1):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                chunks.append(self._make_chunk(request, 1))
+                budget -= 1
+                i += 1
+
+        # 2. Running requests with an unfinished (chunked) prefill. A prefill stops short only when
+        # the budget runs out, and nothing is admitted after it, so there is at most one. If its
+        # blocks run out it waits, keeping them, until the decodes free some or preempt it.
+        for request in self.running:
+            if budget == 0:
+                break
+            if self._is_decoding(request):
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv_manager.allocate_slots(request, num_new):
+                chunks.append(self._make_chunk(request, num_new))
+                budget -= num_new
+
+        # 3. Waiting requests, FIFO: the head blocks those behind it. None after a preemption.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit = self.kv_manager.get_computed_blocks(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.kv_manager.allocate_slots(request, num_new, hit.block_ids):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit.num_tokens
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._arrival_of)
+            chunks.append(self._make_chunk(request, num_new))
+            budget -= num_new
+
+        ordered = [c for c in chunks if not c.is_prefill] + [c for c in chunks if c.is_prefill]
+        self._in_flight = {c.request.request_id for c in ordered}
+        return SchedulerOutput(
+            chunks=tuple(ordered),
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=tuple(r.request_id for r in preempted),
+        )
+
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, object] | None = None
+    ) -> list[RequestUpdate]:
+        """Apply a finished step: advance computed tokens, append sampled tokens (and
+        ``logprobs[request_id]`` to ``request.output_logprobs`` when given), cache full blocks,
+        stop and free finished requests. Returns an update for every request that got a token or
+        finished, aborted ones included."""
+        updates = [RequestUpdate(r.request_id, (), True, r.finish_reason) for r in self._unreported]
+        for request in self._unreported:
+            if self._requests.get(request.request_id) is request:  # aborted while in flight
+                self._release(request)
+        self._unreported.clear()
+        self._in_flight = set()
+        finished: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            rid = request.request_id
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted after it was scheduled
+            if request.num_computed_tokens != chunk.start:
+                raise RuntimeError(f"request {rid!r}: update() must follow each schedule() exactly once")
+            request.num_computed_tokens = chunk.end
+            if not chunk.needs_sample:
+                self.kv_manager.cache_full_blocks(request)
+                continue
+            if rid not in sampled:
+                raise KeyError(f"no sampled token for request {rid!r}")
+            token = sampled[rid]
+            request.append_output_token(token, None if logprobs is None else logprobs.get(rid))
+            self.kv_manager.cache_full_blocks(request)
+            status = self._check_stop(request, token)
+            if status is not None:
+                request.status = status
+                finished.append(request)
+            updates.append(RequestUpdate(rid, (token,), status is not None, request.finish_reason))
+        if finished:
+            done = {r.request_id for r in finished}
+            self.running = [r for r in self.running if r.request_id not in done]
+            for request in finished:
+                self._release(request)
+        return updates
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    @staticmethod
+    def _is_decoding(request: Request) -> bool:
+        """Only the last sampled token lacks KV (anything else is a prefill, recompute included)."""
+        n = request.num_computed_tokens
+        return n == request.num_tokens - 1 and n >= request.num_prompt_tokens
+
+    @staticmethod
+    def _make_chunk(request: Request, num_tokens: int) -> ScheduledChunk:
+        return ScheduledChunk(request, request.num_computed_tokens, num_tokens)
+
+    def _arrival_of(self, request: Request) -> int:
+        return self._arrival_index[request.request_id]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV, keep the outputs, wait at the front of the queue."""
+        self.kv_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        self.kv_manager.free(request)
+        del self._requests[request.request_id]
+        del self._arrival_index[request.request_id]

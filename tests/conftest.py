@@ -1,0 +1,47 @@
+"""Shared fixtures: random-weight DeepSeek-V3 checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from epserve.presets import make_checkpoint
+
+CkptFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory: pytest.TempPathFactory) -> CkptFactory:
+    """``make_ckpt(preset="tiny", **kw) -> Path``: ``make_checkpoint`` into a session temp dir.
+
+    Same arguments → same directory (built once per session); treat it as read-only. Unlike
+    ``make_checkpoint``, ``dtype`` defaults to ``"float32"`` so implementations can be compared
+    exactly. Example: ``make_ckpt(overrides={"q_lora_rank": None})``, ``make_ckpt(fp8=True)``.
+    """
+    cache: dict[str, Path] = {}
+
+    def factory(preset: str = "tiny", **kw: Any) -> Path:
+        kw.setdefault("dtype", "float32")
+        key = json.dumps({"preset": preset, **kw}, sort_keys=True, default=str)
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"ckpt-{preset}")
+            cache[key] = make_checkpoint(path, preset=preset, **kw)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(make_ckpt: CkptFactory) -> Path:
+    """The ``tiny`` preset, float32, seed 0."""
+    return make_ckpt("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_ckpt(make_ckpt: CkptFactory) -> Path:
+    """The ``tiny`` preset with FP8 block-quantized linears (other tensors float32), seed 0."""
+    return make_ckpt("tiny", fp8=True)
