@@ -1,4 +1,4 @@
-"""The engine against the numerical oracle: transformers' DeepseekV3ForCausalLM in fp32."""
+"""The engine against the numerical oracle: transformers' DeepseekV3ForCausalLM (and V2) in fp32."""
 
 from __future__ import annotations
 
@@ -16,6 +16,18 @@ VARIANTS = {
     "q_lora_null": {"q_lora_rank": None},
     "no_yarn": {"rope_scaling": None},
     "one_group": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
+    # DeepSeek-V2-Lite style: softmax scores, plain top-k, no q LoRA, no renormalisation.
+    "v2_lite": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "q_lora_rank": None,
+        "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+    },
+    # DeepSeek-V2 style: softmax scores, groups ranked by their best expert.
+    "v2_group_limited": {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "topk_method": "group_limited_greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+        "routed_scaling_factor": 16.0,
+    },
 }
 
 PROMPTS = [
@@ -30,8 +42,9 @@ PROMPTS = [
 ]
 
 
-def hf_model(path: str):
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+def hf_model(path: str, overrides: dict):
+    arch = overrides.get("architectures", ["DeepseekV3ForCausalLM"])[0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32)
     return model.eval()
 
 
@@ -54,7 +67,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request, make_ckpt):
     path = make_ckpt("tiny", dtype="float32", overrides=VARIANTS[request.param])
-    return path, hf_model(str(path)), LLM(path, dtype="float32", num_blocks=256)
+    return path, hf_model(str(path), VARIANTS[request.param]), LLM(path, dtype="float32", num_blocks=256)
 
 
 def test_prefill_logits_match_transformers(variant):

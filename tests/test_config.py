@@ -1,0 +1,82 @@
+"""ModelConfig.from_hf: the published fields, both rope spellings, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from epserve.config import ConfigError, ModelConfig, yarn_get_mscale
+from epserve.presets import build_config
+
+
+def test_tiny_preset_parses_with_derived_fields():
+    c = ModelConfig.from_dict(build_config("tiny"))
+    assert c.architecture == "DeepseekV3ForCausalLM"
+    assert c.kv_cache_dim == c.kv_lora_rank + c.qk_rope_head_dim
+    assert c.qk_head_dim == c.qk_nope_head_dim + c.qk_rope_head_dim
+    assert c.moe_layer_ids == tuple(range(c.first_k_dense_replace, c.num_hidden_layers))
+    assert c.rope_scaling is not None and c.topk_method == "noaux_tc" and c.scoring_func == "sigmoid"
+    m = yarn_get_mscale(c.rope_scaling.factor, c.rope_scaling.mscale_all_dim)
+    assert math.isclose(c.softmax_scale, c.qk_head_dim**-0.5 * m * m)
+
+
+def test_rope_parameters_and_rope_scaling_are_equivalent():
+    published = build_config("tiny")
+    current = dict(published)
+    scaling = current.pop("rope_scaling")
+    current["rope_parameters"] = {
+        "rope_type": scaling["type"], "rope_theta": current.pop("rope_theta"),
+        **{k: v for k, v in scaling.items() if k != "type"},
+    }
+    assert ModelConfig.from_dict(published) == ModelConfig.from_dict(current)
+
+
+def test_moe_layer_freq_and_dense_prefix():
+    c = ModelConfig.from_dict(build_config("tiny", overrides={"num_hidden_layers": 6, "moe_layer_freq": 2}))
+    assert c.moe_layer_ids == (2, 4)
+
+
+def test_v2_defaults_softmax_greedy():
+    raw = build_config("tiny", overrides={"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2"})
+    for key in ("scoring_func", "topk_method"):
+        raw.pop(key)
+    c = ModelConfig.from_dict(raw)
+    assert (c.scoring_func, c.topk_method) == ("softmax", "greedy")
+
+
+def test_fp8_quantization_config():
+    c = ModelConfig.from_dict(build_config("tiny", fp8=True))
+    assert c.fp8_block_size == (128, 128)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"architectures": ["LlamaForCausalLM"]}, "unsupported architecture"),
+        ({"topk_method": "sinkhorn"}, "unsupported topk_method 'sinkhorn'"),
+        ({"scoring_func": "relu"}, "unsupported scoring_func 'relu'"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"n_group": 3}, "not divisible by n_group"),
+        ({"topk_group": 9}, "topk_group=9"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "unsupported rotary scaling 'dynamic'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "unsupported quantization"),
+        ({"kv_lora_rank": None}, "kv_lora_rank"),
+    ],
+)
+def test_unsupported_fields_name_the_problem(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict(build_config("tiny", overrides=overrides))
+
+
+def test_from_hf_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        ModelConfig.from_hf(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(build_config("tiny")))
+    assert ModelConfig.from_hf(tmp_path).hidden_size == 64
