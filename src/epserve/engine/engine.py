@@ -43,6 +43,12 @@ class LLMEngine:
         updates = self.scheduler.update(
             output, result.sampled if result else {}, result.logprobs if result else None
         )
+        if not output.chunks and not updates and self.scheduler.has_unfinished_requests():
+            # Cannot happen while the scheduler keeps its invariants; never spin silently.
+            raise RuntimeError(
+                f"scheduler stalled: {self.scheduler.num_running} running, {self.scheduler.num_waiting} waiting, "
+                f"{self.scheduler.kv_manager.num_free_blocks} free KV blocks"
+            )
         for update in updates:
             if update.finished:
                 self.runner.release(update.request_id)

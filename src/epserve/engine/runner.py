@@ -59,11 +59,9 @@ class ModelRunner:
         logits_idx: list[int] = []
         num_decode = 0
         for chunk in chunks:
-            block_ids = chunk.request.block_ids
             input_ids.extend(chunk.token_ids)
-            pos = range(chunk.start, chunk.end)
-            positions.extend(pos)
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in pos)
+            positions.extend(range(chunk.start, chunk.end))
+            slots.extend(chunk.slot_ids(bs))
             query_start.append(query_start[-1] + chunk.num_tokens)
             seq_lens.append(chunk.end)
             if chunk.needs_sample:

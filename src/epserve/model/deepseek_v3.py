@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
+from epserve.kernels import linear
 from epserve.model.batch import ForwardBatch
 from epserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from epserve.model.mla import MLAttention
@@ -62,4 +63,4 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, H] -> logits [S, V] in fp32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

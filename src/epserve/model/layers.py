@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
+from epserve.kernels import linear
 
 
 class RMSNorm(nn.Module):
@@ -92,5 +93,5 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]"""
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj)

@@ -16,6 +16,7 @@ from torch import nn
 from epserve.checkpoint import CheckpointReader, iter_with_progress
 from epserve.config import ModelConfig
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from epserve.model.mla import MLAttention
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.placement import ExpertPlacement
 
@@ -88,4 +89,7 @@ def load_model(
             else:
                 target.copy_(src)
     model.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, MLAttention):
+            module.prepare()
     return model.eval()

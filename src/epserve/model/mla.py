@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
+from epserve.kernels import linear
 from epserve.model.batch import ForwardBatch
 from epserve.model.layers import RMSNorm, RotaryEmbedding
 
@@ -48,13 +49,13 @@ class MLAttention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> q [T, h, qk_head] (rope applied), latent [T, kv_lora + rope] (normed, rope applied)."""
         if self.q_lora_rank is None:
-            q = F.linear(x, self.q_proj)
-            latent = F.linear(x, self.kv_a_proj_with_mqa)
+            q = linear(x, self.q_proj)
+            latent = linear(x, self.kv_a_proj_with_mqa)
         else:
-            q_a, latent = F.linear(x, self.fused_qkv_a_proj).split(
+            q_a, latent = linear(x, self.fused_qkv_a_proj).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
             )
-            q = F.linear(self.q_a_layernorm(q_a), self.q_b_proj)
+            q = linear(self.q_a_layernorm(q_a), self.q_b_proj)
         q = q.view(-1, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -62,10 +63,15 @@ class MLAttention(nn.Module):
         latent = torch.cat([self.kv_a_layernorm(c_kv), self.rotary(k_pe, positions)], dim=-1)
         return q, latent
 
-    def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head: W_UK [h, nope, r], W_UV [h, v, r]."""
-        w = self.kv_b_proj.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
-        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+    def prepare(self) -> None:
+        """After loading: split ``kv_b_proj`` per head into the absorbed decode weights, kept in fp32
+        (small: heads x nope x kv_lora_rank) so the decode attention math runs in fp32.
+        W_UK [h, nope, r] and W_UV^T [h, r, v]."""
+        w = self.kv_b_proj.detach().float().view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
+        self.register_buffer("w_uk", w[:, : self.qk_nope_head_dim].contiguous(), persistent=False)
+        self.register_buffer("w_uv_t", w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous(), persistent=False)
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -79,27 +85,25 @@ class MLAttention(nn.Module):
             out[:num_decode] = self._decode_absorbed(q[:num_decode], batch, kv_cache)
         if batch.num_prefill_seqs:
             self._prefill_mha(q, batch, kv_cache, out)
-        return F.linear(out.flatten(1), self.o_proj)
+        return linear(out.flatten(1), self.o_proj)
 
     def _decode_absorbed(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """One query token per sequence. q: [B, h, qk_head] -> [B, h, v]"""
+        """One query token per sequence, attention in fp32 on the latent cache. q: [B, h, qk_head] -> [B, h, v]"""
         num_seqs = q.shape[0]
-        w_uk, w_uv = self._w_kv_b()
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # [B, h, r]
+        q_nope, q_pe = q.float().split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, h, r]
         q_full = torch.cat([q_latent, q_pe], dim=-1)  # [B, h, r + rope]
         seq_lens = batch.seq_lens[:num_seqs]
         max_len = max(batch.seq_lens_cpu[:num_seqs])
         num_blocks = -(-max_len // batch.block_size)
         tables = batch.block_tables[:num_seqs, :num_blocks]
-        kv = kv_cache[tables].view(num_seqs, num_blocks * batch.block_size, -1)[:, :max_len]  # [B, L, r+rope]
-        kv = kv.to(q.dtype)
+        kv = kv_cache[tables].view(num_seqs, num_blocks * batch.block_size, -1)[:, :max_len].float()  # [B, L, r+rope]
         scores = torch.bmm(q_full, kv.transpose(1, 2)) * self.softmax_scale  # [B, h, L]
         pad = torch.arange(max_len, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
         scores.masked_fill_(pad[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o_latent = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, h, r]
-        return torch.einsum("bhr,hvr->bhv", o_latent, w_uv)
+        o_latent = torch.bmm(torch.softmax(scores, dim=-1), kv[..., : self.kv_lora_rank])  # [B, h, r]
+        out = torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1)  # [B, h, v]
+        return out.to(q.dtype)
 
     def _prefill_mha(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         """Chunks that may continue from cached blocks: attend over the whole cached context in MHA form."""
@@ -112,7 +116,7 @@ class MLAttention(nn.Module):
             latent = kv_cache[batch.block_tables[i, :num_blocks]].view(-1, kv_cache.shape[-1])[:seq_len]
             latent = latent.to(q.dtype)
             c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            kv = F.linear(c_kv, self.kv_b_proj).view(seq_len, self.num_heads, -1)
+            kv = linear(c_kv, self.kv_b_proj).view(seq_len, self.num_heads, -1)
             k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
             q_len = hi - lo

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epserve.kernels import moe_swiglu
 from epserve.moe.dispatch.base import ExpertInput
 
 
@@ -31,6 +32,9 @@ class GroupedExperts(nn.Module):
         x = expert_input.hidden_states
         if x.shape[0] == 0:
             return x.new_empty(0, self.w2.shape[1])
+        out = moe_swiglu(x, expert_input.num_tokens_per_expert_list, self.w13, self.w2)  # decode-sized
+        if out is not None:
+            return out
         if _grouped_mm_ok(x):
             offs = expert_input.num_tokens_per_expert.cumsum(0).to(device=x.device, dtype=torch.int32)
             gate, up = torch._grouped_mm(x, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)

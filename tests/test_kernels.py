@@ -1,0 +1,49 @@
+"""CPU decode kernels against torch's bf16 path (skipped where the CPU lacks AVX512-BF16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from epserve.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels need AVX512-BF16 and a C compiler")
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_linear_matches_torch(m):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=g).bfloat16()
+    w = (torch.randn(96, 256, generator=g) * 0.05).bfloat16()
+    ours = cpu.linear(x, w)
+    ref = x.float() @ w.float().T
+    assert ours.dtype == torch.bfloat16 and ours.shape == (m, 96)
+    assert torch.allclose(ours.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_linear_falls_back_outside_its_domain():
+    x = torch.randn(17, 64).bfloat16()  # too many rows for one weight pass
+    w = torch.randn(8, 64).bfloat16()
+    assert torch.equal(cpu.linear(x, w), F.linear(x, w))
+    x32, w32 = x.float(), w.float()  # fp32 is torch's
+    assert torch.equal(cpu.linear(x32, w32), F.linear(x32, w32))
+
+
+def test_moe_swiglu_matches_per_expert_torch():
+    g = torch.Generator().manual_seed(0)
+    num_experts, hidden, inter = 6, 128, 64
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).bfloat16()
+    counts = [2, 0, 5, 1, 0, 3]
+    x = torch.randn(sum(counts), hidden, generator=g).bfloat16()
+    ours = cpu.moe_swiglu(x, counts, w13, w2)
+    start, rows = 0, []
+    for e, n in enumerate(counts):
+        gate, up = F.linear(x[start : start + n], w13[e]).chunk(2, dim=-1)
+        rows.append(F.linear(F.silu(gate) * up, w2[e]))
+        start += n
+    ref = torch.cat(rows)
+    assert ours is not None and ours.shape == ref.shape
+    assert torch.allclose(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert cpu.moe_swiglu(x, [17], w13[:1], w2[:1]) is None  # prefill-sized groups go to torch
