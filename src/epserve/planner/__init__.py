@@ -1,0 +1,45 @@
+"""Deployment planner: which EP/TP/batch gives the most throughput for a model, GPUs and speed target.
+
+A roofline model per operation of the engine's own stage lists (``epserve.parallel.stages``), a
+memory model, communication over NVLink/InfiniBand, the overlap schedule run stage by stage, and
+MTP. Pure Python: ``plots`` imports matplotlib and ``calibrate`` imports torch, only when used.
+
+    from epserve.planner import Deployment, load_hardware, load_model, plan_decode
+    name, model = load_model("deepseek-v3")
+    plan = plan_decode(model, load_hardware("h100"), Deployment(ep=128, batch=64, mtp_draft=1), name)
+    plan.output_tokens_per_s_per_request, plan.throughput_tokens_per_s_per_node
+"""
+
+from __future__ import annotations
+
+from epserve.planner.deployment import Deployment, check_deployment
+from epserve.planner.errors import PlanError
+from epserve.planner.hardware import BUILTIN, HardwareSpec, load_hardware, save_hardware
+from epserve.planner.memory import MemoryEstimate, estimate_memory, kv_bytes_per_token
+from epserve.planner.models import load_model
+from epserve.planner.prefill import PrefillPlan, plan_prefill
+from epserve.planner.step import DecodePlan, StepEstimate, plan_decode
+from epserve.planner.sweep import SweepRow, best_plan, microbatch_crossover, sweep
+
+__all__ = [
+    "BUILTIN",
+    "DecodePlan",
+    "Deployment",
+    "HardwareSpec",
+    "MemoryEstimate",
+    "PlanError",
+    "PrefillPlan",
+    "StepEstimate",
+    "SweepRow",
+    "best_plan",
+    "check_deployment",
+    "estimate_memory",
+    "kv_bytes_per_token",
+    "load_hardware",
+    "load_model",
+    "microbatch_crossover",
+    "plan_decode",
+    "plan_prefill",
+    "save_hardware",
+    "sweep",
+]

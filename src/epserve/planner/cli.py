@@ -1,0 +1,169 @@
+"""``epserve plan``: price a deployment, sweep EP x TP x batch, plot, or calibrate this device.
+
+The lead's ``epserve.cli`` calls ``add_parser(subparsers)`` and dispatches to ``run(args)``;
+``python -m epserve.planner.cli plan ...`` does the same on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from epserve.config import ConfigError
+from epserve.planner.deployment import KV_DTYPES, OVERLAP_CHOICES, WEIGHT_DTYPES, Deployment
+from epserve.planner.errors import PlanError
+from epserve.planner.hardware import DEFAULT_LOCAL_FILE, GPU_CHOICES, load_hardware, save_hardware
+from epserve.planner.models import load_model
+from epserve.planner.prefill import plan_prefill
+from epserve.planner.report import format_plan, format_sweep
+from epserve.planner.step import plan_decode
+from epserve.planner.sweep import best_plan, default_eps, microbatch_crossover, sweep
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``plan`` (and its ``calibrate`` action) on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "plan", help="predict throughput and latency of a deployment before buying the GPUs",
+        description="Price a deployment of an MoE model (EP/TP/batch) with a roofline model, sweep the "
+        "design space, or calibrate this device (`epserve plan calibrate`).")
+    p.add_argument("--model", default="deepseek-v3", help="config.json, checkpoint directory or 'deepseek-v3'")
+    p.add_argument("--gpu", default="h200", help=f"{'|'.join(GPU_CHOICES)} or a hardware JSON file")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per NVLink domain (default 8; 72 for gb200)")
+    p.add_argument("--ep", type=int, help="expert-parallel size = DP x TP (fixed in a sweep if given)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size inside a DP group")
+    p.add_argument("--batch", type=int, help="requests per GPU")
+    p.add_argument("--kv-len", type=int, default=5000, help="KV length per request (default 5000)")
+    p.add_argument("--mtp-draft", type=int, help="MTP draft tokens per step (default 1 if the model has MTP)")
+    p.add_argument("--mtp-accept", type=float, default=0.6, help="acceptance rate per draft token (0.6)")
+    p.add_argument("--overlap", choices=OVERLAP_CHOICES, default="auto",
+                   help="communication overlap; auto = the faster of dispatch and microbatch")
+    p.add_argument("--num-redundant-experts", type=int, default=0)
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="fp8")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    p.add_argument("--prompt-len", type=int, default=4096, help="prompt length for the prefill estimate")
+    p.add_argument("--sweep", action="store_true", help="sweep EP x TP x batch 1..256 (given axes stay fixed)")
+    p.add_argument("--slo-speed", type=float, help="output tokens/s per request to meet")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write figures (sweep: Pareto, -roofline, -prefill)")
+    actions = p.add_subparsers(dest="plan_action", metavar="{calibrate}")
+    c = actions.add_parser("calibrate", help="measure kernels on this device and write a hardware file")
+    c.add_argument("--quick", action="store_true", help="few shapes, short timings (seconds)")
+    c.add_argument("--out", default=str(DEFAULT_LOCAL_FILE), help=f"output file (default {DEFAULT_LOCAL_FILE})")
+    c.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
+    c.add_argument("--world-size", type=int, default=2, help="processes for the all-to-all (0: skip)")
+    c.add_argument("--base", help="datasheet entry to express fractions against (default: by device name)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if getattr(args, "plan_action", None) == "calibrate":
+            return _calibrate(args)
+        return _plan(args)
+    except (PlanError, ConfigError) as e:
+        print(f"epserve plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from epserve.planner.calibrate import calibrate  # imports torch
+
+    base = load_hardware(args.base) if args.base else None
+    spec = calibrate(quick=args.quick, device=args.device, world_size=args.world_size, base=base)
+    path = save_hardware(spec, args.out)
+    fr = ", ".join(f"{k} {e.compute:.0%}/{e.memory:.0%}" for k, e in spec.efficiency.items())
+    print(f"wrote {path}: {spec.name}, achievable compute/memory {fr}, kernel floor {spec.kernel_latency_us:.1f} us, "
+          f"all-to-all latency {spec.nvlink_latency_us:.0f} us; use it with --gpu {path}")
+    return 0
+
+
+def _deployment(args: argparse.Namespace, model: Any, hw: Any) -> Deployment:
+    mtp = args.mtp_draft if args.mtp_draft is not None else (1 if model.num_nextn_predict_layers else 0)
+    base = Deployment(ep=1, kv_len=args.kv_len, mtp_draft=mtp, mtp_accept=args.mtp_accept, overlap=args.overlap,
+                      num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype,
+                      kv_dtype=args.kv_dtype, gpus_per_node=args.gpus_per_node or hw.gpus_per_node)
+    return replace(base, ep=default_eps(model, base)[0] if args.ep is None else args.ep,
+                   tp=1 if args.tp is None else args.tp, batch=32 if args.batch is None else args.batch)
+
+
+def _emit(args: argparse.Namespace, text: str) -> None:
+    print(text, file=sys.stderr if args.json else sys.stdout)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    name, model = load_model(args.model)
+    hw = load_hardware(args.gpu)
+    d = _deployment(args, model, hw)
+    if args.sweep:
+        return _sweep(args, name, model, hw, d)
+    plan = plan_decode(model, hw, d, name)
+    crossover = microbatch_crossover(model, hw, d) if plan.fits else None
+    try:
+        prefill = plan_prefill(model, hw, d, args.prompt_len)
+    except PlanError:
+        prefill = None
+    if args.json:
+        out = plan.to_json()
+        out["microbatch_crossover_batch"] = crossover
+        out["prefill"] = prefill and {"prompt_len": prefill.prompt_len, "prompts_per_gpu": prefill.prompts_per_gpu,
+                                      "tokens_per_s_per_gpu": prefill.tokens_per_s_per_gpu}
+        if args.slo_speed is not None:
+            out["meets_slo"] = plan.fits and plan.output_tokens_per_s_per_request >= args.slo_speed
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_plan(plan, crossover, prefill))
+    if args.plot:
+        from epserve.planner.plots import plot_roofline
+
+        _emit(args, f"wrote {plot_roofline(model, hw, d, args.plot)}")
+    return 0 if plan.fits else 1
+
+
+def _sweep(args: argparse.Namespace, name: str, model: Any, hw: Any, d: Deployment) -> int:
+    def fixed(value: int | None) -> list[int] | None:
+        return None if value is None else [value]
+
+    rows = sweep(model, hw, d, eps=fixed(args.ep), tps=fixed(args.tp), batches=fixed(args.batch), model_name=name)
+    if args.json:
+        out: dict[str, Any] = {"rows": [r.to_json(args.slo_speed) for r in rows]}
+        if args.slo_speed is not None:
+            best = best_plan(rows, args.slo_speed)
+            out["slo_speed"] = args.slo_speed
+            out["best"] = best and best.to_json()
+            out["best_per_ep"] = {str(ep): (b := best_plan(rows, args.slo_speed, ep)) and b.to_json()
+                                  for ep in sorted({r.plan.deployment.ep for r in rows})}
+        print(json.dumps(out))
+    else:
+        print(format_sweep(rows, args.slo_speed))
+    if args.plot:
+        from epserve.planner.plots import plot_pareto, plot_prefill, plot_roofline
+
+        path = Path(args.plot)
+        mtp = f"MTP {d.mtp_draft} @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
+        title = f"{name} on {hw.name}: KV {d.kv_len}, {mtp}, {d.weight_dtype} weights"
+        eps = sorted({r.plan.deployment.ep for r in rows})
+        written = [
+            plot_pareto(rows, path, title, args.slo_speed),
+            plot_roofline(model, hw, d, path.with_name(f"{path.stem}-roofline{path.suffix}"), eps),
+            plot_prefill(model, hw, d, path.with_name(f"{path.stem}-prefill{path.suffix}"), eps,
+                         f"{name} prefill on {hw.name} (TP1, {d.weight_dtype} weights)"),
+        ]
+        _emit(args, "wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="epserve")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_parser(subparsers)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

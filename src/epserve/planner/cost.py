@@ -1,0 +1,127 @@
+"""Roofline primitives: FLOPs and bytes from shapes, kernel time, link time.
+
+- GEMM ``[m, k] x [k, n]``: ``2mkn`` FLOPs, ``mk + nk + mn`` elements moved.
+- GroupGEMM over ``g`` groups of ``m`` tokens: ``2gmkn`` FLOPs, ``g(mk + nk + mn)`` elements.
+- A kernel takes ``floor + max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth)``.
+- A transfer takes ``latency + max(NVLink bytes / NVLink rate, IB bytes / IB rate)``; both links
+  run at once, each at its achievable fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from epserve.planner.hardware import HardwareSpec
+
+
+@dataclass(frozen=True)
+class Work:
+    flops: float
+    bytes: float
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.flops + other.flops, self.bytes + other.bytes)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel launch: its work, the class of kernel (for the achievable fraction) and the dtype
+    its tensor cores run in (for the peak)."""
+
+    kernel_class: str  # gemm | group_gemm | attention | other
+    work: Work
+    dtype: str = "bf16"
+
+
+@dataclass(frozen=True)
+class KernelTime:
+    compute_us: float
+    memory_us: float
+    floor_us: float
+
+    @property
+    def time_us(self) -> float:
+        return self.floor_us + max(self.compute_us, self.memory_us)
+
+    @property
+    def bound(self) -> str:
+        """What limits the kernel: ``compute``, ``memory`` or, for tiny kernels, ``latency``."""
+        if self.floor_us > max(self.compute_us, self.memory_us):
+            return "latency"
+        return "compute" if self.compute_us >= self.memory_us else "memory"
+
+
+def gemm_work(m: float, k: int, n: int, *, in_bytes: float = 2, weight_bytes: float = 2, out_bytes: float = 2) -> Work:
+    """``[m, k] x [k, n]``: 2mkn FLOPs; mk input, nk weight and mn output elements."""
+    return Work(2 * m * k * n, m * k * in_bytes + n * k * weight_bytes + m * n * out_bytes)
+
+
+def group_gemm_work(
+    g: float, m: float, k: int, n: int, *, in_bytes: float = 2, weight_bytes: float = 2, out_bytes: float = 2
+) -> Work:
+    """``g`` independent ``[m, k] x [k, n]`` GEMMs (one per expert): 2gmkn FLOPs, g(mk + nk + mn) elements."""
+    one = gemm_work(m, k, n, in_bytes=in_bytes, weight_bytes=weight_bytes, out_bytes=out_bytes)
+    return Work(g * one.flops, g * one.bytes)
+
+
+def tokens_per_expert(batch_per_gpu: float, query_len: int, top_k: int, ep: int, n_experts: int) -> float:
+    """Mean tokens each expert receives in one decode step: ``batch * query_len * top_k * EP / E``."""
+    return batch_per_gpu * query_len * top_k * ep / n_experts
+
+
+def activated_experts(slots_per_gpu: int, num_slots: int, top_k: int, global_tokens: float) -> float:
+    """Expected local experts that receive at least one of ``global_tokens`` tokens, each token
+    picking ``top_k`` of ``num_slots`` uniformly: ``slots_per_gpu * (1 - (1 - k/S)^N)``."""
+    return slots_per_gpu * (1.0 - (1.0 - top_k / num_slots) ** global_tokens)
+
+
+def kernel_time(hw: HardwareSpec, kernel: Kernel) -> KernelTime:
+    eff = hw.eff(kernel.kernel_class)
+    compute = kernel.work.flops / (hw.flops_for(kernel.dtype) * eff.compute) * 1e6
+    memory = kernel.work.bytes / (hw.memory_bandwidth * eff.memory) * 1e6
+    return KernelTime(compute, memory, hw.kernel_latency_us)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """An asynchronous transfer: ``wire_us`` holds the link, ``latency_us`` only delays arrival."""
+
+    latency_us: float = 0.0
+    wire_us: float = 0.0
+
+    @property
+    def time_us(self) -> float:
+        return self.latency_us + self.wire_us
+
+
+def all_to_all(
+    hw: HardwareSpec, ep: int, gpus_per_node: int, tokens: float, top_k: int, bytes_per_copy: float,
+    dedup_nodes: bool = False,
+) -> Transfer:
+    """One GPU sends each of ``tokens`` tokens to the ranks of its ``top_k`` experts (uniform over
+    the ``ep`` ranks; copies for its own rank stay local). Without dedup (decode's low-latency
+    kernels) every (token, expert) copy travels: ``(G-1)/EP`` of them over NVLink, ``(EP-G)/EP``
+    over InfiniBand. With ``dedup_nodes`` (prefill's high-throughput kernels) a token crosses
+    InfiniBand once per remote node, ``(N-1)(1 - (1 - 1/N)^k)`` times for ``N`` nodes, and is
+    forwarded over NVLink inside the node. Both links run at once."""
+    if ep <= 1:
+        return Transfer()
+    local = min(gpus_per_node, ep)
+    copies = tokens * top_k
+    nvlink_copies = copies * (local - 1) / ep
+    ib_copies = copies * (ep - local) / ep
+    if dedup_nodes and ep > local:
+        nodes = ep / local
+        ib_copies = tokens * (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
+        nvlink_copies = copies * (local - 1) / local
+    nvlink = nvlink_copies * bytes_per_copy / (hw.nvlink_bandwidth * hw.nvlink_efficiency)
+    ib = ib_copies * bytes_per_copy / (hw.ib_bandwidth * hw.ib_efficiency)
+    latency = hw.ib_latency_us if ep > local else hw.nvlink_latency_us
+    return Transfer(latency, max(nvlink, ib) * 1e6)
+
+
+def tp_collective_time_us(hw: HardwareSpec, tp: int, bytes_moved: float) -> float:
+    """A reduce-scatter or all-gather inside a TP group (always inside a node, over NVLink)."""
+    if tp <= 1:
+        return 0.0
+    return hw.collective_latency_us + bytes_moved / (hw.nvlink_bandwidth * hw.nvlink_efficiency) * 1e6

@@ -1,0 +1,99 @@
+"""What is being planned: one layout, batch and precision choice, checked against model and hardware."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from epserve.config import ModelConfig
+from epserve.parallel.stages import OVERLAP_MODES
+from epserve.planner.errors import PlanError
+from epserve.planner.hardware import HardwareSpec
+
+OVERLAP_CHOICES = (*OVERLAP_MODES, "auto")  # auto: the faster of dispatch and microbatch, as the engine picks
+WEIGHT_DTYPES = ("fp8", "bf16", "fp4")
+KV_DTYPES = ("bf16", "fp8")
+
+# Bytes per element, block scales included: FP8 weights carry one fp32 scale per 128×128 tile and FP8
+# activations one per 1×128 vector (BRIEF.md, "Precision"); NVFP4 carries one fp8 scale per 16 values.
+WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / (128 * 128), "fp4": 0.5 + 1 / 16}
+ACT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / 128, "fp4": 0.5 + 1 / 16}
+KV_BYTES = {"bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """One point of the design space. ``batch`` is requests per GPU; a DP group of ``tp`` GPUs
+    serves ``batch * tp`` requests. ``overlap='auto'`` is resolved per batch by the step model."""
+
+    ep: int
+    tp: int = 1
+    batch: int = 1
+    kv_len: int = 5000
+    mtp_draft: int = 0
+    mtp_accept: float = 0.6
+    overlap: str = "auto"
+    num_redundant_experts: int = 0
+    weight_dtype: str = "fp8"
+    kv_dtype: str = "bf16"
+    gpus_per_node: int = 8
+
+    @property
+    def dp(self) -> int:
+        return self.ep // self.tp
+
+    @property
+    def num_nodes(self) -> int:
+        return math.ceil(self.ep / self.gpus_per_node)
+
+    @property
+    def query_len(self) -> int:
+        """Tokens per request per step: the next token plus the drafts being verified."""
+        return 1 + self.mtp_draft
+
+    @property
+    def accepted_tokens_per_step(self) -> float:
+        """Expected tokens a request gains per step: draft i survives only if drafts 1..i all do."""
+        return sum(self.mtp_accept**i for i in range(self.mtp_draft + 1))
+
+
+def num_expert_slots(model: ModelConfig, d: Deployment) -> int:
+    return model.n_routed_experts + d.num_redundant_experts
+
+
+def check_deployment(model: ModelConfig, hw: HardwareSpec, d: Deployment) -> None:
+    """Raise ``PlanError`` naming the first thing that makes ``d`` impossible for this model."""
+    if model.n_routed_experts == 0:
+        raise PlanError("the model has no routed experts; the planner prices MoE models")
+    for name, value in (("EP", d.ep), ("TP", d.tp), ("batch", d.batch), ("kv-len", d.kv_len)):
+        if value < 1:
+            raise PlanError(f"{name} must be at least 1, got {value}")
+    if d.gpus_per_node < 1:
+        raise PlanError(f"gpus-per-node must be at least 1, got {d.gpus_per_node}")
+    if d.num_redundant_experts < 0:
+        raise PlanError(f"num-redundant-experts must be >= 0, got {d.num_redundant_experts}")
+    slots = num_expert_slots(model, d)
+    if slots % d.ep:
+        extra = f" ({model.n_routed_experts} routed + {d.num_redundant_experts} redundant)"
+        raise PlanError(f"EP {d.ep} does not divide the {slots} expert slots{extra if d.num_redundant_experts else ''}")
+    if model.num_attention_heads % d.tp:
+        raise PlanError(f"TP {d.tp} does not divide the {model.num_attention_heads} attention heads")
+    if d.ep % d.tp:
+        raise PlanError(f"TP {d.tp} does not divide EP {d.ep} (EP = DP x TP)")
+    if d.tp > d.gpus_per_node:
+        raise PlanError(f"TP {d.tp} spans nodes of {d.gpus_per_node} GPUs; engine instances never span nodes")
+    if d.ep > d.gpus_per_node and d.ep % d.gpus_per_node:
+        raise PlanError(f"EP {d.ep} does not fill whole nodes of {d.gpus_per_node} GPUs")
+    if d.mtp_draft < 0:
+        raise PlanError(f"mtp-draft must be >= 0, got {d.mtp_draft}")
+    if d.mtp_draft and model.num_nextn_predict_layers == 0:
+        raise PlanError("mtp-draft > 0 but the model has no MTP layer (num_nextn_predict_layers = 0)")
+    if not 0.0 <= d.mtp_accept <= 1.0:
+        raise PlanError(f"mtp-accept must be in [0, 1], got {d.mtp_accept}")
+    if d.overlap not in OVERLAP_CHOICES:
+        raise PlanError(f"unknown overlap {d.overlap!r}; expected one of {', '.join(OVERLAP_CHOICES)}")
+    if d.weight_dtype not in WEIGHT_DTYPES:
+        raise PlanError(f"unknown weight dtype {d.weight_dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
+    if d.kv_dtype not in KV_DTYPES:
+        raise PlanError(f"unknown KV dtype {d.kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}")
+    hw.flops_for(d.weight_dtype)

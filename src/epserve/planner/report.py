@@ -1,0 +1,99 @@
+"""Human-readable text for plans and sweeps (JSON comes from the dataclasses' ``to_json``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from epserve.planner.prefill import PrefillPlan
+from epserve.planner.step import BREAKDOWN_KEYS, DecodePlan
+from epserve.planner.sweep import SweepRow, best_plan
+
+GIB = 2**30
+
+
+def _layout(plan: DecodePlan) -> str:
+    d = plan.deployment
+    nodes = f"{d.num_nodes} node{'s' if d.num_nodes > 1 else ''}"
+    mtp = f"MTP {d.mtp_draft} draft @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
+    return (f"{plan.model_name} on {d.ep} x {plan.hardware} ({nodes}): EP{d.ep} = DP{d.dp} x TP{d.tp}, "
+            f"{d.batch} requests/GPU, KV {d.kv_len} tokens ({d.kv_dtype}), weights {d.weight_dtype}, {mtp}")
+
+
+def format_plan(plan: DecodePlan, crossover: int | None = None, prefill: PrefillPlan | None = None) -> str:
+    mem, d = plan.memory, plan.deployment
+    lines = [
+        _layout(plan),
+        f"memory per GPU: weights {mem.weights_bytes / GIB:.1f} GiB + KV {mem.kv_bytes / GIB:.1f} GiB "
+        f"(+ {mem.reserved_bytes / GIB:.1f} GiB reserved) of {mem.capacity_bytes / GIB:.1f} GiB; "
+        f"KV {mem.kv_bytes_per_token:,} B/token; max batch {mem.max_batch_per_gpu}/GPU",
+    ]
+    step = plan.step
+    if step is None:
+        lines.append(f"REFUSED: {plan.refusal}")
+        return "\n".join(lines)
+    lines += [
+        f"step {step.step_time_us / 1e3:.2f} ms (overlap {step.overlap}): MoE layer {step.moe_layer_time_us:.0f} us, "
+        f"dense layer {step.dense_layer_time_us:.0f} us, head {step.head_time_us:.0f} us, "
+        f"MTP drafts {step.mtp_time_us:.0f} us",
+        "breakdown: " + " | ".join(f"{k} {step.breakdown_us[k] / 1e3:.2f}" for k in BREAKDOWN_KEYS)
+        + f" ms (exposed communication {step.exposed_comm_us / 1e3:.2f} ms)",
+        f"output: {plan.output_tokens_per_s_per_request:.1f} tok/s per request "
+        f"({d.accepted_tokens_per_step:.2f} tokens/step), {plan.throughput_tokens_per_s_per_gpu:,.0f} tok/s per GPU, "
+        f"{plan.throughput_tokens_per_s_per_node:,.0f} tok/s per node",
+    ]
+    if crossover is not None:
+        lines.append(f"two micro-batches beat dispatch overlap from batch {crossover}/GPU at this EP/TP")
+    else:
+        lines.append("two micro-batches never beat dispatch overlap at this EP/TP (batch <= 256)")
+    if prefill is not None:
+        lines.append(f"prefill: {prefill.prompts_per_gpu} x {prefill.prompt_len}-token prompts per GPU -> "
+                     f"{prefill.tokens_per_s_per_gpu:,.0f} tok/s per GPU ({prefill.step.overlap})")
+    lines.append("one MoE layer, per op (first micro-batch):")
+    lines.append(f"  {'op':<20}{'kind':<12}{'us':>9}  {'bound':<9}{'GFLOP':>9}{'MB':>10}")
+    for op in step.moe_ops.values():
+        if op.bound == "skipped":
+            continue
+        wire = f"  + transfer {op.transfer.time_us:.0f} us" if op.transfer.time_us else ""
+        lines.append(f"  {op.name:<20}{op.kind:<12}{op.compute_us:>9.1f}  {op.bound:<9}"
+                     f"{op.flops / 1e9:>9.2f}{op.bytes / 1e6:>10.2f}{wire}")
+    return "\n".join(lines)
+
+
+def _sweep_line(p: DecodePlan) -> str:
+    q, step = p.deployment, p.step
+    assert step is not None
+    return (f"  {q.ep:>4}{q.tp:>4}{q.dp:>5}{q.batch:>7}  {step.overlap:<11}"
+            f"{p.output_tokens_per_s_per_request:>10.1f}{p.throughput_tokens_per_s_per_gpu:>11,.0f}"
+            f"{p.throughput_tokens_per_s_per_node:>12,.0f}{step.step_time_us / 1e3:>9.2f}")
+
+
+def format_sweep(rows: Sequence[SweepRow], slo_speed: float | None = None) -> str:
+    plans = [r.plan for r in rows]
+    first = plans[0]
+    d = first.deployment
+    refused = sum(not p.fits for p in plans)
+    mtp = f"MTP {d.mtp_draft} @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
+    lines = [f"{first.model_name} on {first.hardware}, KV {d.kv_len} tokens, {mtp}, weights {d.weight_dtype}: "
+             f"{len(plans)} plans, {refused} beyond memory",
+             "Pareto frontier of each EP:",
+             f"  {'EP':>4}{'TP':>4}{'DP':>5}{'batch':>7}  {'overlap':<11}{'tok/s/req':>10}{'tok/s/GPU':>11}"
+             f"{'tok/s/node':>12}{'step ms':>9}"]
+    for ep in sorted({p.deployment.ep for p in plans}):
+        front = sorted((r.plan for r in rows if r.pareto and r.plan.deployment.ep == ep),
+                       key=lambda p: -p.output_tokens_per_s_per_request)
+        lines += [_sweep_line(p) for p in front]
+    if slo_speed is not None:
+        best = best_plan(rows, slo_speed)
+        if best is None:
+            lines.append(f"no plan reaches {slo_speed:g} tok/s per request")
+        else:
+            q = best.deployment
+            lines.append(f"best at >= {slo_speed:g} tok/s per request: EP{q.ep} TP{q.tp} batch {q.batch}: "
+                         f"{best.output_tokens_per_s_per_request:.1f} tok/s, "
+                         f"{best.throughput_tokens_per_s_per_node:,.0f} tok/s per node")
+            per_ep = []
+            for ep in sorted({p.deployment.ep for p in plans}):
+                b = best_plan(rows, slo_speed, ep)
+                per_ep.append(f"EP{ep} {b.throughput_tokens_per_s_per_node:,.0f}" if b else f"EP{ep} -")
+            lines.append("  per EP (tok/s per node): " + " | ".join(per_ep))
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""Planner arithmetic checked by hand: GEMM / GroupGEMM FLOPs and bytes, tokens per expert, kernel
+time, all-to-all volumes, KV bytes per token and the memory model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from epserve.parallel.stages import moe_layer_schedule
+from epserve.planner import (
+    Deployment,
+    estimate_memory,
+    kv_bytes_per_token,
+    load_hardware,
+    load_model,
+    plan_decode,
+)
+from epserve.planner.cost import (
+    Kernel,
+    Work,
+    activated_experts,
+    all_to_all,
+    gemm_work,
+    group_gemm_work,
+    kernel_time,
+    tokens_per_expert,
+)
+from epserve.planner.deployment import WEIGHT_BYTES
+from epserve.planner.hardware import Efficiency, HardwareSpec
+from epserve.planner.memory import expert_params, weight_counts
+from epserve.planner.ops import BatchShape, price_ops
+
+V3 = load_model("deepseek-v3")[1]
+TOY = HardwareSpec(
+    name="toy", peak_flops={"bf16": 1e12}, memory_bytes=10 * 2**30, memory_bandwidth=1e11,
+    nvlink_bandwidth=1e10, ib_bandwidth=1e9, gpus_per_node=4,
+    efficiency={c: Efficiency(0.5, 0.5) for c in ("gemm", "group_gemm", "attention", "other")},
+    nvlink_efficiency=0.5, ib_efficiency=0.5, nvlink_latency_us=10.0, ib_latency_us=30.0,
+    collective_latency_us=5.0, kernel_latency_us=2.0, reserved_memory_fraction=0.0,
+)
+
+
+def test_gemm_flops_and_bytes_by_hand() -> None:
+    # [4, 8] x [8, 16] in BF16: 2*4*8*16 FLOPs; (4*8 + 16*8 + 4*16) elements of 2 bytes
+    w = gemm_work(4, 8, 16)
+    assert w.flops == 1024
+    assert w.bytes == 2 * (32 + 128 + 64)
+    # FP8 input with one fp32 scale per 128 values, FP8 weight with one per 128x128 tile, BF16 out
+    w8 = gemm_work(2, 256, 128, in_bytes=1 + 4 / 128, weight_bytes=1 + 4 / 128**2, out_bytes=2)
+    assert w8.flops == 2 * 2 * 256 * 128
+    assert w8.bytes == pytest.approx(512 * 1.03125 + 32768 * (1 + 4 / 16384) + 256 * 2)
+
+
+def test_group_gemm_flops_and_bytes_by_hand() -> None:
+    # 3 experts of 4 tokens each: 2gmkn FLOPs, g(mk + nk + mn) elements
+    w = group_gemm_work(3, 4, 8, 16)
+    assert w.flops == 3 * 2 * 4 * 8 * 16
+    assert w.bytes == 3 * 2 * (32 + 128 + 64)
+    # V3 expert up-projection at 16 tokens per expert, 2 active experts, FP8 weights
+    up = group_gemm_work(2, 16, 7168, 4096, in_bytes=1, weight_bytes=1, out_bytes=2)
+    assert up.flops == 2 * 2 * 16 * 7168 * 4096
+    assert up.bytes == 2 * (16 * 7168 + 4096 * 7168 + 16 * 4096 * 2)
+
+
+def test_tokens_per_expert_formula() -> None:
+    # m = batch_per_gpu * query_len * top_k * EP / n_routed_experts
+    assert tokens_per_expert(32, 2, 8, 128, 256) == 256
+    assert tokens_per_expert(1, 1, 8, 8, 256) == 0.25
+    # V3 at EP 256 = one expert per GPU: every GPU receives batch * top_k tokens
+    assert tokens_per_expert(64, 1, 8, 256, 256) == 64 * 8
+
+
+def test_activated_experts() -> None:
+    assert activated_experts(32, 256, 8, 0) == 0
+    assert activated_experts(32, 256, 8, 8) == pytest.approx(32 * (1 - (248 / 256) ** 8))
+    assert activated_experts(2, 256, 8, 10**6) == pytest.approx(2)
+
+
+def test_experts_op_prices_grouped_gemm_over_the_active_experts() -> None:
+    d = Deployment(ep=128, tp=1, batch=4)
+    ops = price_ops(V3, TOY, d, BatchShape(4, 1, 1000), moe_layer_schedule("dispatch").ops)
+    h, inter = 7168, 2048
+    pairs = 4 * 8  # tokens per GPU x top-k
+    groups = activated_experts(2, 256, 8, 4 * 128)
+    act = 2.0  # TOY has no FP8 tensor cores: activations stay BF16
+    w = WEIGHT_BYTES["fp8"]
+    expected_bytes = (groups * 3 * h * inter * w  # the active experts' weights, read once
+                      + pairs * h * act + pairs * 2 * inter * 2  # gate_up: in, out
+                      + pairs * inter * (4 + act)  # SwiGLU: read gate and up, write the product
+                      + pairs * inter * act + pairs * h * 2)  # down: in, out
+    assert ops["experts"].flops == pytest.approx(2 * pairs * h * 3 * inter)
+    assert ops["experts"].bytes == pytest.approx(expected_bytes)
+
+
+def test_kernel_time_is_floor_plus_roofline() -> None:
+    # 1 MFLOP at 0.5 TFLOP/s = 2 us; 1 MB at 50 GB/s = 20 us; floor 2 us -> 22 us, memory-bound
+    t = kernel_time(TOY, Kernel("gemm", Work(1e6, 1e6)))
+    assert t.time_us == pytest.approx(22.0)
+    assert t.bound == "memory"
+    assert kernel_time(TOY, Kernel("gemm", Work(1e8, 1e6))).bound == "compute"
+    assert kernel_time(TOY, Kernel("other", Work(0, 10))).bound == "latency"
+
+
+def test_all_to_all_volume_and_links() -> None:
+    assert all_to_all(TOY, 1, 4, 100, 8, 1000).time_us == 0
+    # inside one node (EP 4 = G): 3/4 of the 800 copies over NVLink at 5 GB/s, NVLink latency
+    intra = all_to_all(TOY, 4, 4, 100, 8, 1000)
+    assert intra.latency_us == 10.0
+    assert intra.wire_us == pytest.approx(600 * 1000 / 5e9 * 1e6)
+    # EP 16 over 4 nodes: 12/16 of the copies over IB at 0.5 GB/s dominate
+    inter = all_to_all(TOY, 16, 4, 100, 8, 1000)
+    assert inter.latency_us == 30.0
+    assert inter.wire_us == pytest.approx(800 * 12 / 16 * 1000 / 0.5e9 * 1e6)
+    # prefill kernels send a token once per remote node: (N-1)(1 - (1-1/N)^k) with N = 4
+    dedup = all_to_all(TOY, 16, 4, 100, 8, 1000, dedup_nodes=True)
+    assert dedup.wire_us == pytest.approx(100 * 3 * (1 - 0.75**8) * 1000 / 0.5e9 * 1e6)
+
+
+def test_kv_bytes_per_token() -> None:
+    # (kv_lora_rank + qk_rope_head_dim) values per layer: (512 + 64) x 61 layers
+    assert kv_bytes_per_token(V3, "bf16") == 61 * 576 * 2 == 70272
+    assert kv_bytes_per_token(V3, "fp8") == 61 * 576
+    assert kv_bytes_per_token(V3, "bf16", mtp_draft=1) == 62 * 576 * 2  # the MTP layer caches too
+
+
+def test_deepseek_v3_parameter_count() -> None:
+    total = weight_counts(V3, Deployment(ep=1))
+    assert (total.quantized + total.bf16) / 1e9 == pytest.approx(671, rel=0.002)
+
+
+def test_memory_arithmetic() -> None:
+    hw = load_hardware("h200")
+    d = Deployment(ep=8, tp=1, batch=10, kv_len=4000)
+    mem = estimate_memory(V3, hw, d)
+    per_request = 4000 * 70272
+    assert mem.kv_bytes == 10 * per_request
+    assert mem.reserved_bytes == int(hw.memory_bytes * 0.10)
+    assert mem.max_batch_per_gpu == (hw.memory_bytes - mem.reserved_bytes - mem.weights_bytes) // per_request
+    # halving EP adds 16 experts x 58 MoE layers of FP8 weights on every GPU
+    wide = estimate_memory(V3, hw, replace(d, ep=16))
+    assert mem.weights_bytes - wide.weights_bytes == pytest.approx(
+        16 * 58 * expert_params(V3) * WEIGHT_BYTES["fp8"], abs=2)
+    # TP replicates the latent cache: TP 2 stores both DP ranks' requests
+    tp2 = estimate_memory(V3, hw, replace(d, tp=2))
+    assert tp2.kv_bytes == 2 * mem.kv_bytes
+    # FP8 KV halves the cache and so roughly doubles the batch that fits
+    fp8 = estimate_memory(V3, hw, replace(d, kv_dtype="fp8"))
+    assert fp8.kv_bytes * 2 == mem.kv_bytes
+    assert fp8.max_batch_per_gpu in (2 * mem.max_batch_per_gpu, 2 * mem.max_batch_per_gpu + 1)
+
+
+def test_redundant_experts_cost_memory() -> None:
+    hw = load_hardware("h200")
+    base = estimate_memory(V3, hw, Deployment(ep=32))
+    extra = estimate_memory(V3, hw, Deployment(ep=32, num_redundant_experts=32))
+    assert extra.weights_bytes - base.weights_bytes == pytest.approx(
+        58 * expert_params(V3) * WEIGHT_BYTES["fp8"], abs=2)
+
+
+def test_weights_that_do_not_fit_are_refused() -> None:
+    # 671B FP8 parameters on one node of 80 GB H100s: ~95 GiB of weights per GPU
+    plan = plan_decode(V3, load_hardware("h100"), Deployment(ep=8, batch=1))
+    assert not plan.fits and plan.step is None
+    assert "weights need" in (plan.refusal or "")
+    assert plan.memory.max_batch_per_gpu == 0
+    assert math.isclose(plan.memory.weights_bytes / 2**30, 95.5, rel_tol=0.02)
