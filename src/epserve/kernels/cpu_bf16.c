@@ -29,22 +29,43 @@ static inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] for rows n in [n0, n1); M <= TILE_M; K % 32 == 0. fp32 out. */
+/* R weight rows (R streams in flight) against M <= 4 rows of x, for compile-time R and M so the
+ * R*M accumulators live in registers: y[m, r] = sum_k x[m, k] * w[r, k]. */
+#define DEFINE_DOT(R, M)                                                                              \
+  static void dot_##R##x##M(const uint16_t *x, const uint16_t *w, int64_t K, float *y, int64_t ldy) { \
+    __m512 acc[R][M];                                                                                 \
+    for (int r = 0; r < R; r++)                                                                       \
+      for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();                                    \
+    for (int64_t k = 0; k < K; k += 32) {                                                             \
+      __m512bh wv[R];                                                                                 \
+      for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + r * K + k)); \
+      for (int m = 0; m < M; m++) {                                                                   \
+        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + m * K + k));                    \
+        for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv, wv[r]);               \
+      }                                                                                               \
+    }                                                                                                 \
+    for (int m = 0; m < M; m++)                                                                       \
+      for (int r = 0; r < R; r++) y[m * ldy + r] = _mm512_reduce_add_ps(acc[r][m]);                   \
+  }
+DEFINE_DOT(4, 1) DEFINE_DOT(4, 2) DEFINE_DOT(4, 3) DEFINE_DOT(4, 4)
+DEFINE_DOT(1, 1) DEFINE_DOT(1, 2) DEFINE_DOT(1, 3) DEFINE_DOT(1, 4)
+
+typedef void (*dot_fn)(const uint16_t *, const uint16_t *, int64_t, float *, int64_t);
+static const dot_fn DOT4[5] = {0, dot_4x1, dot_4x2, dot_4x3, dot_4x4};
+static const dot_fn DOT1[5] = {0, dot_1x1, dot_1x2, dot_1x3, dot_1x4};
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] for rows n in [n0, n1); M <= TILE_M; K % 32 == 0. fp32 out.
+ * Weight rows are the outer loop so each group of four stays in L1 while every 4-row tile of x
+ * passes over it: the weights are read from memory once whatever M is. */
 static void rows_dot(const uint16_t *x, int64_t M, const uint16_t *w, int64_t n0, int64_t n1, int64_t K,
                      float *y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; n++) {
-    __m512 acc[TILE_M];
-    for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
-    const uint16_t *wr = w + n * K;
-    for (int64_t k = 0; k < K; k += 32) {
-      __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(wr + k));
-      for (int64_t m = 0; m < M; m++) {
-        __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + m * K + k));
-        acc[m] = _mm512_dpbf16_ps(acc[m], xv, wv);
-      }
-    }
-    for (int64_t m = 0; m < M; m++) y[m * ldy + n] = _mm512_reduce_add_ps(acc[m]);
-  }
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      DOT4[M - m0 < 4 ? M - m0 : 4](x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy);
+  for (; n < n1; n++)
+    for (int64_t m0 = 0; m0 < M; m0 += 4)
+      DOT1[M - m0 < 4 ? M - m0 : 4](x + m0 * K, w + n * K, K, y + m0 * ldy + n, ldy);
 }
 
 /* out[M, N] (bf16) = x[M, K] @ w[N, K]^T, M <= TILE_M. */
