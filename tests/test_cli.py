@@ -1,0 +1,49 @@
+"""The `epserve` command line: the README's main job on a small checkpoint, and make-checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "epserve.cli", *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
+    )
+
+
+def test_make_checkpoint_then_generate(tmp_path):
+    ckpt = tmp_path / "ck"
+    made = run_cli("make-checkpoint", str(ckpt), "--preset", "tiny", "--fp8", "--seed", "3")
+    assert made.returncode == 0, made.stderr
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    assert (ckpt / "model.safetensors.index.json").is_file() and (ckpt / "tokenizer.json").is_file()
+
+    gen = run_cli("generate", str(ckpt), "--prompt", "hello there", "--max-tokens", "5", "--ignore-eos",
+                  "--dtype", "float32")
+    assert gen.returncode == 0, gen.stderr
+    assert "prompt: 'hello there'" in gen.stdout and "(length)" in gen.stdout
+    chat = run_cli("generate", str(ckpt), "--prompt", "hi", "--chat", "--max-tokens", "3", "--dtype", "float32")
+    assert chat.returncode == 0, chat.stderr
+    assert "<｜User｜>" in chat.stdout
+
+
+def test_default_model_is_built_once(tmp_path):
+    env = {"EPSERVE_CACHE_DIR": str(tmp_path)}
+    first = run_cli("generate", "--max-tokens", "4", env=env)
+    assert first.returncode == 0, first.stderr
+    assert (tmp_path / "tiny-v1" / "config.json").is_file()
+    stamp = (tmp_path / "tiny-v1" / "config.json").stat().st_mtime_ns
+    again = run_cli("generate", "--max-tokens", "4", env=env)
+    assert again.returncode == 0 and (tmp_path / "tiny-v1" / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_bad_option_values_are_one_line_errors(tmp_path):
+    out = run_cli("generate", "--max-tokens", "0", env={"EPSERVE_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 2 and "max_tokens" in out.stderr and "Traceback" not in out.stderr
+    out = run_cli("make-checkpoint", str(tmp_path / "x"), "--preset", "huge")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
