@@ -114,6 +114,14 @@ def test_bad_prompts_are_refused(ckpt):
         SamplingParams(temperature=-1.0)
 
 
+@pytest.mark.parametrize("device, message", [("tpu", "device"), ("cuda:7", "CUDA|cuda")])
+def test_bad_device_is_a_clear_error(ckpt, device, message):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that GPU")
+    with pytest.raises(ValueError, match=message):
+        LLM(ckpt, dtype="float32", device=device)
+
+
 def test_weights_larger_than_budget_is_a_clear_error(ckpt):
     with pytest.raises(OutOfMemoryError, match="weights need"):
         LLM(ckpt, dtype="float32", memory_budget_bytes=1000)

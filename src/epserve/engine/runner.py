@@ -19,6 +19,22 @@ from epserve.moe.placement import ExpertPlacement
 
 logger = logging.getLogger(__name__)
 
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` or ``cuda:N``; a clear error for anything else or a missing GPU."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but no CUDA device is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} does not exist ({torch.cuda.device_count()} CUDA devices)")
+    return device
+
+
 @dataclass(frozen=True)
 class StepResult:
     sampled: dict[str, int]
@@ -28,7 +44,7 @@ class StepResult:
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = resolve_device(config.device)
         self.dtype = as_torch_dtype(config.dtype)
         mc = config.model
         placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ep_size=1)
