@@ -13,7 +13,7 @@ from torch import nn
 from epserve.config import ModelConfig
 from epserve.kernels import linear
 from epserve.model.batch import ForwardBatch
-from epserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from epserve.model.layers import GatedMLP, RMSNorm, RopeTable, RotaryEmbedding
 from epserve.model.mla import MLAttention
 from epserve.model.moe import MoE
 from epserve.moe.dispatch.base import Dispatcher
@@ -21,17 +21,17 @@ from epserve.moe.placement import ExpertPlacement
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, rotary)
+        self.self_attn = MLAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """x: [T, H] -> [T, H]"""
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache, rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -49,7 +49,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 mlp: nn.Module = MoE(config, dispatcher, placement, ep_rank)
             else:
                 mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-            layers.append(DecoderLayer(config, i, self.rotary, mlp))
+            layers.append(DecoderLayer(config, i, mlp))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
@@ -57,8 +57,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Run every layer over the flat batch, writing its latent KV; returns final hidden [T, H]."""
         x = F.embedding(batch.input_ids, self.embed_tokens)
+        rope = self.rotary.lookup(batch.positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, batch, kv_cache)
+            x = layer(x, batch, kv_cache, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -70,11 +71,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, ..., rope_dim], positions: [T] -> same shape as x."""
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
+        """cos/sin rows for ``positions`` [T], looked up once per forward and shared by every layer."""
+        return RopeTable(self.cos[positions].to(dtype), self.sin[positions].to(dtype), self.interleave)
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    cos: torch.Tensor  # [T, rope_dim / 2]
+    sin: torch.Tensor  # [T, rope_dim / 2]
+    interleave: bool
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, ..., rope_dim] -> same shape, rotated."""
         shape = [x.shape[0]] + [1] * (x.dim() - 2) + [-1]
-        cos = self.cos[positions].to(x.dtype).view(shape)
-        sin = self.sin[positions].to(x.dtype).view(shape)
+        cos, sin = self.cos.view(shape), self.sin.view(shape)
         if self.interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:

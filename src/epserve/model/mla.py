@@ -16,11 +16,11 @@ from torch import nn
 from epserve.config import ModelConfig
 from epserve.kernels import linear
 from epserve.model.batch import ForwardBatch
-from epserve.model.layers import RMSNorm, RotaryEmbedding
+from epserve.model.layers import RMSNorm, RopeTable
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, num_local_heads: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, num_local_heads: int | None = None) -> None:
         super().__init__()
         c = config
         self.num_heads = num_local_heads or c.num_attention_heads
@@ -31,7 +31,6 @@ class MLAttention(nn.Module):
         self.qk_head_dim = c.qk_head_dim
         self.v_head_dim = c.v_head_dim
         self.softmax_scale = c.softmax_scale
-        self.rotary = rotary
         h = self.num_heads
         if c.q_lora_rank is None:
             self.q_proj = nn.Parameter(torch.empty(h * c.qk_head_dim, c.hidden_size))
@@ -46,7 +45,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, h * c.v_head_dim))
 
     # ---- projections ------------------------------------------------------------------------
-    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor, rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> q [T, h, qk_head] (rope applied), latent [T, kv_lora + rope] (normed, rope applied)."""
         if self.q_lora_rank is None:
             q = linear(x, self.q_proj)
@@ -59,8 +58,8 @@ class MLAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        q = torch.cat([q_nope, self.rotary(q_pe, positions)], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), self.rotary(k_pe, positions)], dim=-1)
+        q = torch.cat([q_nope, rope.apply(q_pe)], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), rope.apply(k_pe)], dim=-1)
         return q, latent
 
     def prepare(self) -> None:
@@ -74,9 +73,9 @@ class MLAttention(nn.Module):
         self.register_buffer("w_uv_t", w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous(), persistent=False)
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """x: [T, H]; kv_cache: [num_blocks, block_size, kv_lora + rope] -> [T, H]"""
-        q, latent = self._project(x, batch.positions)
+        q, latent = self._project(x, rope)
         flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
         flat_cache.index_copy_(0, batch.slot_mapping, latent.to(kv_cache.dtype))
         out = x.new_empty(x.shape[0], self.num_heads, self.v_head_dim)
