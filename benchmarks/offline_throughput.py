@@ -23,15 +23,15 @@ from epserve.model.moe import MoE
 from epserve.presets import make_checkpoint
 
 
-def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+def measure_bandwidth(device: str, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Memory read bandwidth in bytes/s: the best of ``repeats`` reductions over a 1 GiB array (far
     larger than any cache), which is what streaming weights needs."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    data.sum()
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    float(data.sum())
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        data.sum()
+        float(data.sum())  # float() waits for the device
         best = min(best, time.perf_counter() - t)
     return num_bytes / best
 
@@ -73,11 +73,11 @@ def decode_step_profile(llm: LLM, batch: int, prompt_len: int, steps: int, seed:
     }
 
 
-def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int) -> float:
+def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int, device: str) -> float:
     import transformers
 
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    x = torch.tensor(prompts)
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+    x = torch.tensor(prompts, device=device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
         model.generate(x[:2], max_new_tokens=4, **kw)  # warm-up
@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--json", default=None, help="write results here")
     args = ap.parse_args()
@@ -109,8 +110,10 @@ def main() -> None:
 
     results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                 f"torch {torch.__version__}, {torch.get_num_threads()} threads"}
-    results["read_bandwidth_GBps"] = measure_bandwidth() / 1e9
-    llm = LLM(path, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
+    results["read_bandwidth_GBps"] = measure_bandwidth(args.device) / 1e9
+    if args.device != "cpu":
+        results["machine"] += f", {torch.cuda.get_device_name(args.device)}"
+    llm = LLM(path, dtype="bfloat16", device=args.device, num_blocks=1024, enable_prefix_caching=False)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     best = float("inf")
     for _ in tqdm(range(args.repeats), desc="epserve"):
@@ -129,7 +132,7 @@ def main() -> None:
         results["decode"].append(prof)
     del llm
     if not args.skip_transformers:
-        hf = min(run_transformers(path, prompts, args.max_tokens) for _ in tqdm(range(args.repeats), desc="transformers"))
+        hf = min(run_transformers(path, prompts, args.max_tokens, args.device) for _ in tqdm(range(args.repeats), desc="transformers"))
         results["transformers_s"] = hf
         results["transformers_tok_per_s"] = num_out / hf
         results["speedup"] = hf / best

@@ -45,3 +45,12 @@ def tiny_ckpt(make_ckpt: CkptFactory) -> Path:
 def tiny_fp8_ckpt(make_ckpt: CkptFactory) -> Path:
     """The ``tiny`` preset with FP8 block-quantized linears (other tensors float32), seed 0."""
     return make_ckpt("tiny", fp8=True)
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where the engine under test runs: ``$EPSERVE_TEST_DEVICE`` (e.g. ``cuda``), default ``cpu``.
+    The transformers oracle always runs on the CPU."""
+    import os
+
+    return os.environ.get("EPSERVE_TEST_DEVICE", "cpu")

@@ -24,14 +24,14 @@ def ckpt(make_ckpt):
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt):
+def reference(ckpt, device):
     """Greedy tokens with no prefix cache, generous blocks, large prefill budget."""
-    llm = LLM(ckpt, dtype="float32", num_blocks=512, enable_prefix_caching=False)
+    llm = LLM(ckpt, dtype="float32", num_blocks=512, enable_prefix_caching=False, device=device)
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def test_prefix_cache_hits_give_identical_outputs(ckpt, reference):
-    llm = LLM(ckpt, dtype="float32", num_blocks=512, block_size=16)
+def test_prefix_cache_hits_give_identical_outputs(ckpt, device, reference):
+    llm = LLM(ckpt, dtype="float32", device=device, num_blocks=512, block_size=16)
     first = llm.generate(PROMPTS, GREEDY)
     second = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in first] == reference
@@ -41,21 +41,21 @@ def test_prefix_cache_hits_give_identical_outputs(ckpt, reference):
     assert sum(o.num_cached_tokens for o in second) > sum(o.num_cached_tokens for o in first)
 
 
-def test_tiny_prefill_chunks_give_identical_outputs(ckpt, reference):
-    llm = LLM(ckpt, dtype="float32", num_blocks=512, max_num_batched_tokens=3, enable_prefix_caching=False)
+def test_tiny_prefill_chunks_give_identical_outputs(ckpt, device, reference):
+    llm = LLM(ckpt, dtype="float32", device=device, num_blocks=512, max_num_batched_tokens=3, enable_prefix_caching=False)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
-def test_forced_preemption_gives_identical_outputs(ckpt, reference):
+def test_forced_preemption_gives_identical_outputs(ckpt, device, reference):
     # 8 requests need up to 6 blocks each (≤ 85 tokens / 16); 14 blocks force recompute preemptions.
-    llm = LLM(ckpt, dtype="float32", num_blocks=14, block_size=16, enable_prefix_caching=False)
+    llm = LLM(ckpt, dtype="float32", device=device, num_blocks=14, block_size=16, enable_prefix_caching=False)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert llm.engine.scheduler.num_preemptions_total > 0
 
 
-def test_sampling_is_seeded_and_batch_independent(ckpt):
-    llm = LLM(ckpt, dtype="float32", num_blocks=512)
+def test_sampling_is_seeded_and_batch_independent(ckpt, device):
+    llm = LLM(ckpt, dtype="float32", device=device, num_blocks=512)
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], p)[0].token_ids
     together = llm.generate(PROMPTS, [p] + [SamplingParams(max_tokens=16, temperature=1.0)] * 7)[0].token_ids
@@ -64,8 +64,8 @@ def test_sampling_is_seeded_and_batch_independent(ckpt):
     assert other[0].token_ids != alone
 
 
-def test_stop_tokens_and_logprobs(ckpt, reference):
-    llm = LLM(ckpt, dtype="float32", num_blocks=512)
+def test_stop_tokens_and_logprobs(ckpt, device, reference):
+    llm = LLM(ckpt, dtype="float32", device=device, num_blocks=512)
     stop = reference[0][5]
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=[stop],
                                                     logprobs=3))[0]

@@ -65,9 +65,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request, make_ckpt):
+def variant(request, make_ckpt, device):
     path = make_ckpt("tiny", dtype="float32", overrides=VARIANTS[request.param])
-    return path, hf_model(str(path), VARIANTS[request.param]), LLM(path, dtype="float32", num_blocks=256)
+    llm = LLM(path, dtype="float32", num_blocks=256, device=device)
+    return path, hf_model(str(path), VARIANTS[request.param]), llm
 
 
 def test_prefill_logits_match_transformers(variant):
@@ -75,7 +76,7 @@ def test_prefill_logits_match_transformers(variant):
     for prompt in PROMPTS[:4]:
         with torch.no_grad():
             ref = hf(torch.tensor([prompt])).logits[0].float()
-        ours = engine_logits(llm, prompt)
+        ours = engine_logits(llm, prompt).cpu()
         assert ours.shape == ref.shape
         assert rel_err(ours, ref) < 1e-4, f"prompt of {len(prompt)} tokens"
 

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU checks of the single-process engine, for a session that is lent a CUDA machine:
+# the engine tests and the transformers parity tests with the engine on CUDA (the oracle stays on
+# the CPU), then the offline benchmark on CUDA. Results go to $OUT (or ./bench_out).
+# Usage (device tool): bash benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench_out}
+mkdir -p "$OUT"
+export EPSERVE_TEST_DEVICE=cuda EPSERVE_CACHE_DIR=${EPSERVE_CACHE_DIR:-$PWD/.gpu-cache} PYTHONPATH=$PWD/src
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
+  | tee -a "$OUT/gpu.txt"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_engine.py \
+  2>&1 | tail -25 | tee "$OUT/tests.txt"
+timeout 240 python3 benchmarks/offline_throughput.py --device cuda --repeats 3 --json "$OUT/offline.json" \
+  2>&1 | tail -30 | tee "$OUT/offline.txt"
