@@ -102,6 +102,14 @@ def attention_ops(phase: Phase = "decode") -> tuple[Op, ...]:
     return _ATTN_PREP[phase] + _ATTN_CORE[phase]
 
 
+def ffn_op_names() -> frozenset[str]:
+    """The ops of the FFN half of a layer (after the attention's reduce-scatter, up to the
+    all-gather): they run on the tokens a TP rank owns, not on the DP group's."""
+    attention = {op.name for phase in ("decode", "prefill") for op in attention_ops(phase)}  # type: ignore[arg-type]
+    layers = [moe_layer_schedule(m) for m in OVERLAP_MODES] + [dense_layer_schedule()]
+    return frozenset(op.name for s in layers for op in s.ops if op.name not in attention)
+
+
 def dense_layer_schedule(phase: Phase = "decode") -> Schedule:
     """Dense layers (the first ``first_k_dense_replace``) always run the whole batch in order."""
     ops = attention_ops(phase) + (POST_NORM, MLP, FFN_ALL_GATHER)

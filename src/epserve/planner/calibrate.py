@@ -1,11 +1,31 @@
-"""``epserve plan calibrate``: measure kernels on this device and write a hardware file.
+"""``epserve plan calibrate``: time the engine's own kernels on this device and write a hardware file.
 
-Times torch GEMMs, grouped GEMMs (``torch._grouped_mm`` on CUDA when present, else a loop over
-experts), absorbed-MLA attention (batched matmuls over a latent cache), an RMSNorm-like
-elementwise kernel and an all-to-all between ``world_size`` processes (gloo on CPU, NCCL on CUDA).
-Per kernel class it keeps the best attained FLOP/s and bytes/s (after the measured per-kernel
-floor) and writes them as achievable fractions of a datasheet entry (a recognised GPU) or, on an
-unknown device, of the best measured rates themselves. Only this module imports torch.
+What is timed (bf16, on CUDA or the CPU):
+
+- ``floor``: ``epserve.kernels.linear`` on one row of a 32 x 32 weight: the per-kernel floor;
+- ``stream``: a reduction over a buffer far larger than the caches: the bandwidth a weight stream
+  can reach (a CPU's "datasheet" figure);
+- ``gemm``: ``epserve.kernels.linear`` (the CPU's AVX512-BF16 kernel up to its tile of rows, torch
+  beyond it and on CUDA) at 1 ... 1024 rows, cycling through weights that together exceed the caches;
+- ``group_gemm``: the engine's ``GroupedExperts`` (``epserve.kernels.moe_swiglu`` for decode-sized
+  groups on the CPU, ``torch._grouped_mm`` or a loop over experts otherwise) at 1 ... 64 tokens per
+  expert;
+- ``attention``: the engine's absorbed-MLA decode attention over a paged latent cache, with
+  DeepSeek-V3's latent dimensions and 8 or 64 heads;
+- ``other``: the engine's RMSNorm;
+- ``all_to_all``: ``all_to_all_single`` between ``world_size`` processes (gloo on CPU, NCCL on CUDA);
+- ``engine_step``: decode steps of the engine itself on the ``tiny`` preset at several depths and
+  batches: a model too small to do any work, so what it spends beyond the priced kernels is host
+  overhead.
+
+The fit: the floor is ``kernel_latency_us``; per class the best attained FLOP/s and bytes/s (the
+floor taken off) become the achievable fractions of a datasheet entry (a recognised GPU) or, on an
+unknown device, of the best measured rates themselves; the GEMM and grouped-GEMM points become the
+achievable-bandwidth curves ``memory_by_rows`` (the planner then reproduces every measured point);
+the engine steps, less what the planner prices for them, are split by least squares into
+``op_overhead_us`` per stage op that runs, ``op_overhead_per_token_us`` per token of such an op, and
+``step_overhead_us`` per step. Only this module imports
+torch.
 """
 
 from __future__ import annotations
@@ -15,8 +35,9 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,100 +45,203 @@ import torch
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import BUILTIN, Efficiency, HardwareSpec, MeasuredPoint
 
-SIZES = {  # (quick, full) shapes
-    "gemm_m": ((1, 16, 128), (1, 4, 16, 64, 256, 1024)),
-    "gemm_kn": (((1024, 1024),), ((4096, 4096), (8192, 2048), (2048, 8192))),  # full: 32 MB, past the caches
-    "group": (((4, 1), (4, 16), (4, 64)), ((8, 1), (8, 4), (8, 16), (8, 64), (4, 256))),
-    "attn": (((1, 256), (4, 512)), ((1, 512), (4, 1024), (16, 1024), (16, 4096))),
+SIZES = {  # (quick, full)
+    "rows": ((1, 4, 64, 256), (1, 2, 4, 8, 12, 24, 32, 64, 128, 256, 1024)),  # + the CPU kernel's tile edge
+    "expert_rows": ((1, 4), (1, 2, 4, 6, 8, 12, 24, 32, 64)),  # + the tile edge
+    "pool_bytes": (96 << 20, 256 << 20),  # weights cycled through: 3-8x a 32 MiB last-level cache
+    "stream_bytes": (256 << 20, 1 << 30),
+    "attn": (((8, 16, 256), (64, 4, 256)),  # (heads, requests, KV length): few heads pin the bandwidth,
+             ((8, 64, 128), (8, 16, 512), (8, 1, 4096), (64, 16, 512), (64, 1, 4096))),  # many the FLOP/s
+    "norm_tokens": ((16, 256), (16, 256, 2048)),
     "a2a": ((1 << 10, 1 << 16, 1 << 20), (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)),
+    "engine_layers": ((2, 6), (2, 5, 8)),  # tiny preset depths (1 dense + MoE layers)
+    "engine_batches": ((1, 32), (1, 16, 64)),
+    "engine_steps": (12, 30),
 }
 BUDGET_S = (0.03, 0.25)  # time spent measuring one shape
+GEMM_KN = (2048, 4096)  # K, N of the calibration GEMMs: 16 MiB per bf16 weight
+EXPERT_DIMS = (1024, 512)  # hidden, intermediate of the calibration experts (3 MiB each in bf16)
+ENGINE_PROMPT = 32
 
 
-def _timer(device: str) -> Callable[[Callable[[], object], float], float]:
-    """A function timing ``fn`` for about ``budget_s``. On CUDA: the best mean of a few chunks of
-    launches. On CPU: a low percentile of single calls, which a preempted call cannot move."""
-
-    def time_us(fn: Callable[[], object], budget_s: float) -> float:
-        fn()
-        deadline = time.perf_counter() + budget_s
-        if device == "cuda":
-            torch.cuda.synchronize()
-            best = float("inf")
-            while True:
-                n, start = 0, time.perf_counter()
-                while n < 4 or (time.perf_counter() - start < budget_s / 4 and n < 1000):
-                    fn()
-                    n += 1
-                torch.cuda.synchronize()
-                best = min(best, (time.perf_counter() - start) / n * 1e6)
-                if time.perf_counter() > deadline:
-                    return best
-        return _low_percentile_us(fn, lambda n: n >= 5 and (time.perf_counter() > deadline or n >= 2000))
-
-    return time_us
-
-
-def _low_percentile_us(fn: Callable[[], object], done: Callable[[int], bool]) -> float:
+def _time_calls(device: str, calls: Sequence[Callable[[], object]], budget_s: float) -> float:
+    """Median time of one call in µs, cycling through ``calls`` (each on its own weights, so nothing
+    stays cached) for about ``budget_s`` and at least one full cycle. CPU: each call timed alone;
+    CUDA: chunks of calls between synchronisations."""
+    cuda = device == "cuda"
+    chunk = max(4, len(calls)) if cuda else 1
+    calls[0]()
+    if cuda:
+        torch.cuda.synchronize()
     samples: list[float] = []
-    while not done(len(samples)):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
+    start, i = time.perf_counter(), 0
+    while True:
+        t = time.perf_counter()
+        for _ in range(chunk):
+            calls[i % len(calls)]()
+            i += 1
+        if cuda:
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t) / chunk)
+        elapsed = time.perf_counter() - start
+        if len(samples) >= 3 and (i >= len(calls) and elapsed > budget_s or elapsed > 4 * budget_s or i >= 4000):
+            break
     samples.sort()
-    return samples[len(samples) // 5] * 1e6
+    return samples[len(samples) // 2] * 1e6
+
+
+def _tile_rows(device: str) -> tuple[int, ...]:
+    """The row counts on either side of the CPU kernels' tile, where the kernel hands over to torch."""
+    if device != "cpu":
+        return ()
+    from epserve.kernels.cpu import TILE_M
+
+    return (TILE_M, TILE_M + 1)
 
 
 def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[MeasuredPoint]:
+    from epserve.kernels import linear
+    from epserve.model.layers import RMSNorm
+    from epserve.moe.dispatch.base import ExpertInput
+    from epserve.moe.experts import GroupedExperts
+
     q = 0 if quick else 1
-    time_us, budget = _timer(device), BUDGET_S[q]
+    budget = BUDGET_S[q]
     esize = torch.finfo(dtype).bits // 8
+    pool_bytes = SIZES["pool_bytes"][q]
     pts: list[MeasuredPoint] = []
+
+    def full(*shape: int) -> torch.Tensor:  # values do not change the speed; filling is cheap
+        return torch.full(shape, 0.01, device=device, dtype=dtype)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
 
-    tiny_a, tiny_b = rand(1, 16), rand(16, 16)
-    pts.append(MeasuredPoint("floor", "1x16x16", 0.0, 0.0, time_us(lambda: tiny_a @ tiny_b, budget)))
-    for k, n in SIZES["gemm_kn"][q]:
-        w = rand(k, n)
-        for m in SIZES["gemm_m"][q]:
-            x = rand(m, k)
-            t = time_us(lambda x=x, w=w: x @ w, budget)
-            pts.append(MeasuredPoint("gemm", f"{m}x{k}x{n}", 2 * m * k * n, (m * k + k * n + m * n) * esize, t))
-    k, n = SIZES["gemm_kn"][q][0]
-    grouped = getattr(torch, "_grouped_mm", None) if device == "cuda" else None
-    for g, m in SIZES["group"][q]:
-        ws, xs = rand(g, k, n), rand(g * m, k)
-        def loop(xs: torch.Tensor = xs, ws: torch.Tensor = ws, g: int = g, m: int = m) -> object:
-            return [xs[i * m:(i + 1) * m] @ ws[i] for i in range(g)]
+    tiny_x, tiny_w = rand(1, 32), rand(32, 32)
+    pts.append(MeasuredPoint("floor", "linear 1x32x32", 0.0, 0.0,
+                             _time_calls(device, [partial(linear, tiny_x, tiny_w)], budget)))
+    stream = SIZES["stream_bytes"][q]
+    data = torch.ones(stream // 4, dtype=torch.float32, device=device)
+    pts.append(MeasuredPoint("stream", f"sum {stream >> 20} MiB", 0.0, float(stream),
+                             _time_calls(device, [data.sum], budget)))
+    del data
 
-        fn: Callable[[], object] = loop
-        if grouped is not None:
-            offs = torch.arange(m, g * m + 1, m, device=device, dtype=torch.int32)
-            try:
-                grouped(xs, ws, offs=offs)
-                fn = lambda xs=xs, ws=ws, offs=offs: grouped(xs, ws, offs=offs)  # noqa: E731
-            except (RuntimeError, TypeError, ValueError):  # shape or dtype the fused kernel refuses
-                pass
-        t = time_us(fn, budget)
-        pts.append(MeasuredPoint("group_gemm", f"{g}x{m}x{k}x{n}", 2 * g * m * k * n,
-                                 g * (m * k + k * n + m * n) * esize, t))
-    heads, latent, rope = 16, 512, 64
-    for b, length in SIZES["attn"][q]:
-        qry, cache = rand(b, heads, latent + rope), rand(b, length, latent + rope)
+    k, n = GEMM_KN
+    pool = [full(n, k) for _ in range(max(2, pool_bytes // (n * k * esize)))]
+    for m in sorted({*SIZES["rows"][q], *_tile_rows(device)}):
+        x = rand(m, k)
+        t = _time_calls(device, [partial(linear, x, w) for w in pool], budget)
+        pts.append(MeasuredPoint("gemm", f"{m}x{k}x{n}", 2 * m * k * n, (m * k + n * k + m * n) * esize, t))
+    del pool
 
-        def mla(qry: torch.Tensor = qry, cache: torch.Tensor = cache) -> torch.Tensor:
-            scores = torch.softmax(qry @ cache.transpose(1, 2), dim=-1)  # [B, h, L]
-            return scores @ cache[..., :latent]  # [B, h, latent]
+    h, inter = EXPERT_DIMS
+    num_experts = max(2, pool_bytes // (3 * h * inter * esize))
+    experts = GroupedExperts(num_experts, h, inter)
+    experts.w13.data = full(num_experts, 2 * inter, h)
+    experts.w2.data = full(num_experts, h, inter)
+    for m in sorted({*SIZES["expert_rows"][q], *_tile_rows(device)}):
+        counts = (m,) * num_experts
+        inp = ExpertInput(rand(m * num_experts, h), torch.tensor(counts, dtype=torch.int64), counts)
+        t = _time_calls(device, [partial(experts, inp)], budget)
+        up = m * h + 2 * inter * h + m * 2 * inter
+        down = m * inter + h * inter + m * h
+        pts.append(MeasuredPoint("group_gemm", f"{num_experts}x{m}x{h}x{inter}", 6 * num_experts * m * h * inter,
+                                 num_experts * (up + down) * esize, t))
+    del experts
 
-        flops = 2 * b * heads * length * (2 * latent + rope)
-        moved = (b * length * (latent + rope) + b * heads * (2 * latent + rope)) * esize
-        pts.append(MeasuredPoint("attention", f"{b}x{heads}x{length}", flops, moved, time_us(mla, budget)))
-    for tokens in (16, 256) if quick else (16, 256, 2048):
+    pts += _measure_attention(device, dtype, quick, budget)
+    for tokens in SIZES["norm_tokens"][q]:
+        norm = RMSNorm(4096).to(device=device, dtype=dtype)
         x = rand(tokens, 4096)
-        t = time_us(lambda x=x: x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(dtype), budget)
+        t = _time_calls(device, [partial(norm, x)], budget)
         pts.append(MeasuredPoint("other", f"rmsnorm {tokens}x4096", 0.0, 2 * tokens * 4096 * esize, t))
+    return pts
+
+
+def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: float) -> list[MeasuredPoint]:
+    """The engine's decode attention (``MLAttention._decode_absorbed``: W_UK, MQA over the latent
+    cache, W_UV) on DeepSeek-V3's MLA dimensions."""
+    from epserve.config import ModelConfig
+    from epserve.model.batch import ForwardBatch
+    from epserve.model.layers import RotaryEmbedding
+    from epserve.model.mla import MLAttention
+    from epserve.planner.models import DEEPSEEK_V3
+
+    block = 16
+    pts = []
+    modules: dict[int, tuple[ModelConfig, MLAttention]] = {}
+    for heads, requests, length in SIZES["attn"][0 if quick else 1]:
+        if heads not in modules:
+            cfg = ModelConfig.from_dict({**DEEPSEEK_V3, "num_attention_heads": heads, "num_key_value_heads": heads,
+                                         "hidden_size": 1024, "max_position_embeddings": 8192,
+                                         "quantization_config": None})
+            attn = MLAttention(cfg, RotaryEmbedding(cfg))
+            torch.nn.init.normal_(attn.kv_b_proj, std=0.02)
+            attn = attn.to(device=device, dtype=dtype)
+            attn.prepare()
+            modules[heads] = cfg, attn
+        cfg, attn = modules[heads]
+        dim = cfg.kv_cache_dim
+        blocks = -(-length // block)
+        cache = torch.randn(requests * blocks + 1, block, dim, device=device, dtype=dtype)
+        lens = (length,) * requests
+
+        def t(values: object) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        batch = ForwardBatch(
+            input_ids=t([0] * requests), positions=t([length - 1] * requests), slot_mapping=t([0] * requests),
+            query_start_loc=t(list(range(requests + 1))), seq_lens=t(lens),
+            block_tables=t(list(range(1, requests * blocks + 1))).view(requests, blocks),
+            logits_indices=t(list(range(requests))), num_decode_seqs=requests, seq_lens_cpu=lens,
+            query_start_loc_cpu=tuple(range(requests + 1)), block_size=block)
+        query = torch.randn(requests, heads, cfg.qk_head_dim, device=device, dtype=dtype)
+        us = _time_calls(device, [partial(attn._decode_absorbed, query, batch, cache)], budget)
+        flops = 2 * requests * heads * length * (dim + cfg.kv_lora_rank)
+        moved = requests * length * dim * 2 + requests * heads * (dim + cfg.kv_lora_rank) * 2
+        pts.append(MeasuredPoint("attention", f"{requests}x{heads}x{length}", flops, moved, us))
+    return pts
+
+
+def _engine_config(layers: int) -> dict:
+    from epserve.presets import build_config
+
+    return build_config("tiny", overrides={"num_hidden_layers": layers}, dtype="bfloat16")
+
+
+def _measure_engine(device: str, quick: bool) -> list[MeasuredPoint]:
+    """Median decode step of the engine on the ``tiny`` preset at each depth and batch."""
+    from epserve import LLM, SamplingParams
+    from epserve.presets import make_checkpoint
+
+    q = 0 if quick else 1
+    steps = SIZES["engine_steps"][q]
+    pts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in SIZES["engine_layers"][q]:
+            cfg = _engine_config(layers)
+            path = make_checkpoint(Path(tmp) / f"tiny-{layers}", preset="tiny", dtype="bfloat16",
+                                   overrides={"num_hidden_layers": layers})
+            engine = LLM(path, dtype="bfloat16", device=device, num_blocks=512, enable_prefix_caching=False).engine
+            params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+            prompt = [10 + i % (cfg["vocab_size"] - 10) for i in range(ENGINE_PROMPT)]
+            for batch in SIZES["engine_batches"][q]:
+                for i in range(batch):
+                    engine.add_request(f"calibrate-{batch}-{i}", prompt, params)
+                for _ in range(3):  # prefill and two warm decode steps
+                    engine.step()
+                times = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - start)
+                while engine.has_unfinished_requests():
+                    engine.step()
+                times.sort()
+                kv = ENGINE_PROMPT + 2 + steps // 2
+                pts.append(MeasuredPoint("engine_step", f"tiny {layers} layers b{batch} kv{kv}", 0.0, 0.0,
+                                         times[len(times) // 2] * 1e6))
+            del engine
     return pts
 
 
@@ -144,7 +268,12 @@ def _a2a_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, 
             torch.cuda.synchronize()
             best = (time.perf_counter() - start) / iters * 1e6
         else:  # same count on every rank: a collective each
-            best = _low_percentile_us(lambda x=x, y=y: dist.all_to_all_single(y, x), lambda n: n >= iters)
+            samples = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                dist.all_to_all_single(y, x)
+                samples.append(time.perf_counter() - start)
+            best = sorted(samples)[len(samples) // 5] * 1e6
         result[size] = best
     if rank == 0:
         Path(out).write_text(json.dumps(result))
@@ -167,12 +296,32 @@ def _measure_all_to_all(world: int, quick: bool) -> list[MeasuredPoint]:
             for size, t in ((int(k), v) for k, v in times.items())]
 
 
+def _rows(point: MeasuredPoint) -> int:
+    """Rows per weight of a gemm (``m x k x n``) or group_gemm (``experts x m x h x inter``) point."""
+    return int(point.shape.split("x")[0 if point.kind == "gemm" else 1])
+
+
 def _fit(points: list[MeasuredPoint], floor_us: float, kind: str) -> tuple[float, float]:
     """Best attained FLOP/s and bytes/s of one kernel class, its per-kernel floor taken off."""
     own = [p for p in points if p.kind == kind and p.time_us > 2 * floor_us]  # floor-dominated points say nothing
     flops = max((p.flops / max(p.time_us - floor_us, 1e-3) * 1e6 for p in own), default=0.0)
     moved = max((p.bytes / max(p.time_us - floor_us, 1e-3) * 1e6 for p in own), default=0.0)
     return flops, moved
+
+
+def _kernel_us(point: MeasuredPoint, floor_us: float, other_bw: float) -> float:
+    """Measured time of the GEMM kernels in a point, as the planner splits it: a grouped SwiGLU is
+    priced as two grouped GEMMs plus an elementwise SwiGLU kernel, each with its floor."""
+    if point.kind == "gemm":
+        return max(point.time_us - floor_us, 1e-3)
+    num_experts, m, _, inter = (int(v) for v in point.shape.split("x"))
+    act_us = floor_us + num_experts * m * inter * 6 / other_bw * 1e6  # read gate and up, write the product
+    return max(point.time_us - 2 * floor_us - act_us, 1e-3)
+
+
+def _fraction(x: float) -> float:
+    """A share of a peak, to 4 significant digits, in (0, 1]."""
+    return min(1.0, max(float(f"{x:.4g}"), 1e-6))
 
 
 def _device_name(device: str) -> str:
@@ -187,35 +336,84 @@ def match_builtin(device_name: str) -> HardwareSpec | None:
     return None
 
 
+def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[float, float, float]:
+    """``(op_overhead_us, op_overhead_per_token_us, step_overhead_us)`` from ``engine_step`` points.
+    The measured step less the step the planner prices without host overhead is
+    ``ops x op_overhead + op tokens x per_token + step_overhead``, with the op and token counts read
+    off the planner itself (the same stage list); least squares over depths and batches, a negative
+    coefficient dropped."""
+    from epserve.config import ModelConfig
+    from epserve.planner.deployment import Deployment
+    from epserve.planner.step import estimate_step
+
+    bare = replace(spec, op_overhead_us=0.0, op_overhead_per_token_us=0.0, step_overhead_us=0.0)
+    rows, ys = [], []
+    for p in points:
+        if p.kind != "engine_step":
+            continue
+        _, layers, _, batch, kv = p.shape.split()
+        model = ModelConfig.from_dict(_engine_config(int(layers)))
+        d = Deployment(ep=1, batch=int(batch.removeprefix("b")), kv_len=int(kv.removeprefix("kv")),
+                       overlap="dispatch", weight_dtype="bf16")
+
+        def step(hw: HardwareSpec, model: ModelConfig = model, d: Deployment = d) -> float:
+            return estimate_step(model, hw, d, "dispatch").step_time_us
+
+        base = step(bare)
+        rows.append([step(replace(bare, op_overhead_us=1.0)) - base,
+                     step(replace(bare, op_overhead_per_token_us=1.0)) - base, 1.0])
+        ys.append(p.time_us - base)
+    if not rows:
+        return spec.op_overhead_us, spec.op_overhead_per_token_us, spec.step_overhead_us
+    keep = [0, 1, 2]
+    while True:
+        a = torch.tensor([[r[i] for i in keep] for r in rows], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+        if min(coef) >= 0 or len(keep) == 1:
+            break
+        keep.pop(coef.index(min(coef)))
+    out = [0.0, 0.0, 0.0]
+    for i, c in zip(keep, coef):
+        out[i] = max(c, 0.0)
+    return out[0], out[1], out[2]
+
+
 def calibrate(quick: bool = False, device: str | None = None, world_size: int = 2,
-              base: HardwareSpec | None = None) -> HardwareSpec:
-    """Measure this device and return a ``HardwareSpec`` whose fractions are the measured ones."""
+              base: HardwareSpec | None = None, engine: bool = True) -> HardwareSpec:
+    """Measure this device and return a ``HardwareSpec`` whose fractions, curves and overheads are
+    the measured ones. ``engine=False`` skips the engine steps (host overheads stay the base's)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise PlanError("--device cuda but CUDA is not available")
     if device == "cuda":  # NCCL needs one GPU per rank; with fewer, the link figures stay the datasheet's
         world_size = min(world_size, torch.cuda.device_count())
     dtype = torch.bfloat16
-    points = _measure_kernels(device, dtype, quick)
+    with torch.inference_mode():
+        points = _measure_kernels(device, dtype, quick)
     if world_size > 1:
         points += _measure_all_to_all(world_size, quick)
     floor = next(p.time_us for p in points if p.kind == "floor")
+    stream = next(p for p in points if p.kind == "stream")
     rates = {c: _fit(points, floor, c) for c in ("gemm", "group_gemm", "attention", "other")}
+    other_bw = rates["other"][1] or stream.bytes / stream.time_us * 1e6
+    curves_bw = {c: [(_rows(p), p.bytes / _kernel_us(p, floor, other_bw) * 1e6) for p in points if p.kind == c]
+                 for c in ("gemm", "group_gemm")}
     name = _device_name(device)
     base = base or match_builtin(name)
     if base is None:
         memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         peak = max(r[0] for r in rates.values())
-        bw = max(r[1] for r in rates.values())
+        bw = max([stream.bytes / stream.time_us * 1e6, *(b for c in curves_bw.values() for _, b in c)])
         base = HardwareSpec(name=f"local-{name}", peak_flops={"bf16": peak}, memory_bytes=int(memory),
                             memory_bandwidth=bw, nvlink_bandwidth=bw, ib_bandwidth=bw,
                             gpus_per_node=max(8, os.cpu_count() or 1), nvlink_efficiency=1.0, ib_efficiency=1.0)
     peak, bw = base.flops_for("bf16"), base.memory_bandwidth
-    efficiency = {c: Efficiency(compute=round(min(1.0, f / peak), 4) if f else base.eff(c).compute,
-                                memory=round(min(1.0, b / bw), 4) if b else base.eff(c).memory)
+    efficiency = {c: Efficiency(compute=_fraction(f / peak) if f else base.eff(c).compute,
+                                memory=_fraction(b / bw) if b else base.eff(c).memory)
                   for c, (f, b) in rates.items()}
-    changes: dict = {"efficiency": efficiency, "kernel_latency_us": round(floor, 3), "points": tuple(points)}
+    curves = {c: tuple((float(r), _fraction(b / bw)) for r, b in sorted(pts)) for c, pts in curves_bw.items() if pts}
+    changes: dict = {"efficiency": efficiency, "memory_by_rows": curves, "kernel_latency_us": round(floor, 3)}
     a2a = sorted((p for p in points if p.kind == "all_to_all"), key=lambda p: p.bytes)
     if a2a:
         latency = a2a[0].time_us
@@ -227,7 +425,14 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
                            ib_latency_us=round(latency, 2))
         elif link:
             changes["nvlink_efficiency"] = round(min(1.0, link / base.nvlink_bandwidth), 4)
+    if engine:
+        points += _measure_engine(device, quick)
+        op_us, token_us, step_us = fit_overhead(replace(base, **changes), points)
+        changes.update(op_overhead_us=round(op_us, 2), op_overhead_per_token_us=round(token_us, 4),
+                       step_overhead_us=round(step_us, 1))
+    changes["points"] = tuple(points)
     stamp = time.strftime("%Y-%m-%d %H:%M")
-    changes["source"] = (f"calibrated on {name} ({device}, {dtype}) at {stamp} by `epserve plan calibrate"
-                         f"{' --quick' if quick else ''}`; peaks from {base.source if not base.name.startswith('local-') else 'the best measured rates'}")
+    peaks = "the best measured rates" if base.name.startswith("local-") else base.source
+    changes["source"] = (f"calibrated on {name} ({device}, {dtype}, {torch.get_num_threads()} threads) at {stamp} "
+                         f"by `epserve plan calibrate{' --quick' if quick else ''}`; peaks from {peaks}")
     return replace(base, **changes)

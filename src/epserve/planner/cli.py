@@ -25,6 +25,9 @@ from epserve.planner.step import plan_decode
 from epserve.planner.sweep import best_plan, default_eps, microbatch_crossover, sweep
 
 
+BUSY_FLOOR_US = 500.0  # a kernel floor above this is a measurement taken on a busy machine
+
+
 def add_parser(subparsers: Any) -> None:
     """Register ``plan`` (and its ``calibrate`` action) on an argparse subparsers object."""
     p = subparsers.add_parser(
@@ -57,6 +60,8 @@ def add_parser(subparsers: Any) -> None:
     c.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     c.add_argument("--world-size", type=int, default=2, help="processes for the all-to-all (0: skip)")
     c.add_argument("--base", help="datasheet entry to express fractions against (default: by device name)")
+    c.add_argument("--no-engine", action="store_true",
+                   help="skip timing the engine's own steps (host overheads stay the base entry's)")
     p.set_defaults(func=run)
 
 
@@ -74,11 +79,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     from epserve.planner.calibrate import calibrate  # imports torch
 
     base = load_hardware(args.base) if args.base else None
-    spec = calibrate(quick=args.quick, device=args.device, world_size=args.world_size, base=base)
+    spec = calibrate(quick=args.quick, device=args.device, world_size=args.world_size, base=base,
+                     engine=not args.no_engine)
     path = save_hardware(spec, args.out)
     fr = ", ".join(f"{k} {e.compute:.0%}/{e.memory:.0%}" for k, e in spec.efficiency.items())
-    print(f"wrote {path}: {spec.name}, achievable compute/memory {fr}, kernel floor {spec.kernel_latency_us:.1f} us, "
-          f"all-to-all latency {spec.nvlink_latency_us:.0f} us; use it with --gpu {path}")
+    bw = "; ".join(f"{k} " + " ".join(f"{r:g}:{f * spec.memory_bandwidth / 1e9:.0f}" for r, f in curve)
+                   for k, curve in spec.memory_by_rows.items())
+    print(f"wrote {path}: {spec.name}, {spec.flops_for('bf16') / 1e12:.3g} TFLOP/s, "
+          f"{spec.memory_bandwidth / 1e9:.0f} GB/s; achievable compute/memory {fr}; "
+          f"GB/s by rows: {bw}; kernel floor {spec.kernel_latency_us:.1f} us, op overhead "
+          f"{spec.op_overhead_us:.1f} us + {spec.op_overhead_per_token_us:.2f} us/token, step overhead {spec.step_overhead_us:.0f} us, all-to-all latency "
+          f"{spec.nvlink_latency_us:.0f} us; use it with --gpu {path}")
+    if spec.kernel_latency_us > BUSY_FLOOR_US:
+        print(f"warning: a {spec.kernel_latency_us:.0f} us kernel floor means another process was competing for "
+              "the cores (threads waiting a scheduler tick); calibrate again on a quiet machine", file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,20 @@ compute and of memory bandwidth. The built-in fractions come from published kern
 H800 (same SM and HBM as H100), named in ``ACHIEVABLE_SOURCES``; ``epserve plan calibrate``
 replaces them with fractions measured on the current device and writes a file
 ``load_hardware`` reads.
+
+Three more properties describe how a runtime, not just the silicon, spends time:
+
+- ``memory_by_rows``: an *achievable-bandwidth curve* per kernel class, the memory fraction as a
+  function of the rows a kernel applies each weight to (``m`` of a GEMM, tokens per expert of a
+  grouped GEMM). A decode GEMV kernel streams weights near the memory's speed; at 16 rows the same
+  kernel is compute-bound and delivers a fraction of it. Empty (the GPU entries): the class's
+  constant fraction.
+- ``op_overhead_us`` + ``op_overhead_per_token_us`` x tokens: host time per operation of the stage
+  list that runs (Python, framework dispatch, kernel launches, and the unfused elementwise chains
+  of an eager runtime, which grow with the tokens). Zero on the GPU entries, which assume CUDA
+  graphs and fused kernels.
+- ``kernel_latency_us`` / ``step_overhead_us``: the floor of every kernel, and the host time per step
+  outside the model (scheduling, batch building).
 """
 
 from __future__ import annotations
@@ -59,8 +73,12 @@ class HardwareSpec:
     ib_latency_us: float = 90.0  # ... and across nodes
     collective_latency_us: float = 10.0  # fixed cost of a TP reduce-scatter / all-gather (NVLink)
     kernel_latency_us: float = 3.0  # floor of any kernel (launch + ramp) under CUDA graphs
-    step_overhead_us: float = 0.0  # per step, outside the kernels (scheduler, sampling sync)
+    op_overhead_us: float = 0.0  # host time per stage op run (Python + dispatch); 0 with CUDA graphs
+    op_overhead_per_token_us: float = 0.0  # ... plus this per token the op processes (eager elementwise chains)
+    step_overhead_us: float = 0.0  # per step, outside the model (scheduler, batch building)
     reserved_memory_fraction: float = 0.10  # context, activations, graphs, communication buffers
+    # Achievable-bandwidth curve per kernel class: ((rows, memory fraction), ...) by rising rows
+    memory_by_rows: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
     source: str = "datasheet"
     points: tuple[MeasuredPoint, ...] = ()
 
@@ -79,6 +97,15 @@ class HardwareSpec:
     def eff(self, kernel_class: str) -> Efficiency:
         return self.efficiency.get(kernel_class, self.efficiency.get("gemm", Efficiency(1.0, 1.0)))
 
+    def memory_fraction(self, kernel_class: str, rows: float = 0.0) -> float:
+        """Achievable share of the memory bandwidth for a kernel applying each weight to ``rows`` rows:
+        the class's curve when it has one (time per byte interpolated linearly in rows between the
+        measured row counts, held flat outside them), else its constant fraction."""
+        curve = self.memory_by_rows.get(kernel_class)
+        if not curve or rows <= 0:
+            return self.eff(kernel_class).memory
+        return interpolate_fraction(curve, rows)
+
     # ---- (de)serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -93,10 +120,26 @@ class HardwareSpec:
         data["efficiency"] = {k: Efficiency(**v) for k, v in raw.get("efficiency", {}).items()}
         data["points"] = tuple(MeasuredPoint(**p) for p in raw.get("points", ()))
         data["peak_flops"] = {k: float(v) for k, v in raw["peak_flops"].items()}
+        data["memory_by_rows"] = {k: tuple((float(r), float(f)) for r, f in v)
+                                  for k, v in raw.get("memory_by_rows", {}).items()}
         try:
             return cls(**data)
         except TypeError as e:
             raise PlanError(f"hardware file is incomplete: {e}") from None
+
+
+def interpolate_fraction(curve: tuple[tuple[float, float], ...], rows: float) -> float:
+    """A fraction at ``rows`` from ``(rows, fraction)`` points: the inverse (time per byte) is linear
+    in rows between neighbours, which is exact for a kernel whose time grows linearly with its rows;
+    flat beyond the first and last points."""
+    points = sorted(curve)
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (r0, f0), (r1, f1) in zip(points, points[1:]):
+        if rows <= r1:
+            a = (rows - r0) / (r1 - r0)
+            return 1.0 / ((1 - a) / f0 + a / f1)
+    return points[-1][1]
 
 
 # Fractions of peak reached by published kernels on H800 (989 BF16 / 1979 FP8 TFLOP/s, 3.35 TB/s):

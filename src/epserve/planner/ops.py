@@ -4,6 +4,10 @@ Token counts per GPU (BRIEF.md, "Parallelism"): attention runs all ``T_attn = re
 tokens of the DP group with ``heads / tp`` heads; after the reduce-scatter each TP rank owns
 ``T_moe = requests * q`` tokens, which it routes, dispatches and runs through the FFNs.
 Routing is assumed uniform: each GPU sends and receives ``T_moe * top_k`` (token, expert) pairs.
+
+An op that runs (has a kernel or a collective) also holds the stream for the host's cost of issuing
+it, ``op_overhead_us + op_overhead_per_token_us x tokens`` (``T_attn`` for the attention half and
+the head, ``T_moe`` for the FFN half); a skipped op (a TP collective at TP 1) costs nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from epserve.config import ModelConfig
-from epserve.parallel.stages import Op, Phase
+from epserve.parallel.stages import Op, Phase, ffn_op_names
 from epserve.planner.cost import (
     Kernel,
     Transfer,
@@ -48,8 +52,9 @@ class PricedOp:
     transfer: Transfer  # send ops: the transfer it starts
     flops: float
     bytes: float
-    bound: str  # compute | memory | latency | link | skipped
+    bound: str  # compute | memory | latency | link | overhead | skipped
     num_kernels: int
+    overhead_us: float = 0.0  # part of compute_us spent issuing the op (host side)
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class _Ctx:
 
     def gemm(self, m: float, k: int, n: int, groups: float = 1) -> Kernel:
         work = group_gemm_work(groups, m, k, n, in_bytes=self.a, weight_bytes=self.w, out_bytes=2)
-        return Kernel("gemm", work, self.compute_dtype)
+        return Kernel("gemm", work, self.compute_dtype, rows=m)
 
     def elementwise(self, bytes_moved: float) -> Kernel:
         return Kernel("other", Work(0.0, bytes_moved))
@@ -88,7 +93,7 @@ class _Ctx:
         up = group_gemm_work(groups, m, k, 2 * inter, **kw)
         down = group_gemm_work(groups, m, inter, k, **kw)
         act = self.elementwise(tokens * inter * (2 * 2 + self.a))
-        return (Kernel(cls, up, self.compute_dtype), act, Kernel(cls, down, self.compute_dtype))
+        return (Kernel(cls, up, self.compute_dtype, rows=m), act, Kernel(cls, down, self.compute_dtype, rows=m))
 
 
 # ---- one pricer per op name ------------------------------------------------------------------------
@@ -161,7 +166,7 @@ def _post_norm(c: _Ctx) -> _Price:
 
 def _gate(c: _Ctx) -> _Price:  # BF16 router GEMM, then sigmoid/softmax, group-limited top-k
     e = c.model.n_routed_experts
-    logits = Kernel("gemm", gemm_work(c.t_moe, c.h, e, in_bytes=2, weight_bytes=2, out_bytes=4))
+    logits = Kernel("gemm", gemm_work(c.t_moe, c.h, e, in_bytes=2, weight_bytes=2, out_bytes=4), rows=c.t_moe)
     return _Price((logits, c.elementwise(c.t_moe * e * 4 * 2)))
 
 
@@ -218,7 +223,8 @@ def _lm_head_tokens(c: _Ctx) -> int:  # prefill only needs logits at each prompt
 
 def _lm_head(c: _Ctx) -> _Price:  # vocabulary-parallel over TP, BF16
     vocab = math.ceil(c.model.vocab_size / c.d.tp)
-    return _Price((Kernel("gemm", gemm_work(_lm_head_tokens(c), c.h, vocab, out_bytes=4)),))
+    tokens = _lm_head_tokens(c)
+    return _Price((Kernel("gemm", gemm_work(tokens, c.h, vocab, out_bytes=4), rows=tokens),))
 
 
 def _sample(c: _Ctx) -> _Price:
@@ -228,6 +234,8 @@ def _sample(c: _Ctx) -> _Price:
 def _eh_proj(c: _Ctx) -> _Price:  # MTP: enorm, hnorm, concat, [2H] -> [H]
     return _Price((c.elementwise(4 * c.t_attn * c.h * 2), c.gemm(c.t_attn, 2 * c.h, c.h)))
 
+
+FFN_OPS = ffn_op_names()  # ops on the T_moe tokens a TP rank owns after the reduce-scatter
 
 PRICERS: dict[str, Callable[[_Ctx], _Price]] = {
     "input_norm": _input_norm,
@@ -276,13 +284,19 @@ def price_ops(
             raise KeyError(f"the planner has no cost model for stage op {op.name!r}")
         price = PRICERS[op.name](ctx)
         times = [kernel_time(hw, k) for k in price.kernels]
-        compute = sum(t.time_us for t in times) + price.sync_us
-        if price.sync_us > 0 and price.sync_us >= compute - price.sync_us:
+        runs = bool(times) or price.sync_us > 0
+        tokens = ctx.t_moe if op.name in FFN_OPS else ctx.t_attn
+        overhead = hw.op_overhead_us + hw.op_overhead_per_token_us * tokens if runs else 0.0
+        device = sum(t.time_us for t in times) + price.sync_us
+        compute = device + overhead
+        if price.sync_us > 0 and price.sync_us >= device - price.sync_us:
             bound = "link"
         elif times:
             bound = max(times, key=lambda t: t.time_us).bound
         else:
             bound = "skipped"
+        if runs and overhead > device:
+            bound = "overhead"
         priced[op.name] = PricedOp(
             name=op.name,
             kind=op.kind,
@@ -292,5 +306,6 @@ def price_ops(
             bytes=sum(k.work.bytes for k in price.kernels),
             bound=bound,
             num_kernels=len(price.kernels),
+            overhead_us=overhead,
         )
     return priced

@@ -1,7 +1,7 @@
 """A decode step: dense layers, MoE layers under their overlap schedule, the head and the MTP drafts.
 
 ``step = dense layers + MoE layers (schedule) + embed/norm/LM head/sample + drafts x (MTP layer
-+ head) + step overhead``. Output speed per request is the expected accepted tokens per step
++ head) + step overhead``; every op that runs adds the hardware's per-op host overhead. Output speed per request is the expected accepted tokens per step
 (``1 + a + a^2 + ... + a^drafts``) over the step time.
 """
 
@@ -27,7 +27,7 @@ from epserve.planner.memory import MemoryEstimate, estimate_memory
 from epserve.planner.ops import BatchShape, PricedOp, price_ops
 from epserve.planner.timeline import EMPTY, Timeline, run_schedule
 
-BREAKDOWN_KEYS = ("gemm", "group_gemm", "attention", "dispatch", "combine", "other")
+BREAKDOWN_KEYS = ("gemm", "group_gemm", "attention", "dispatch", "combine", "other", "overhead")
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,8 @@ def estimate_step(
         mtp = (layer + _run_ops(model, hw, d, draft, MTP_DRAFT_OPS)).scaled(d.mtp_draft)
     total = dense + moe + head + mtp
     breakdown = {k: total.by_kind_us[k] for k in BREAKDOWN_KEYS}
-    breakdown["other"] += total.by_kind_us["collective"] + hw.step_overhead_us
+    breakdown["other"] += total.by_kind_us["collective"]
+    breakdown["overhead"] += hw.step_overhead_us
     return StepEstimate(
         overlap=mode,
         step_time_us=total.time_us + hw.step_overhead_us,

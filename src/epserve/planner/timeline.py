@@ -4,8 +4,8 @@ Compute ops run back to back on the stream. A ``send`` op holds the stream for i
 then its transfer occupies the link for its wire time (transfers queue behind each other; their
 fixed latencies overlap) and lands no earlier than latency + wire time after the send; the
 matching ``recv`` stalls the stream until it has landed. Micro-batches interleave stage by stage as
-``Schedule`` describes. Each op's stream time, and each stall, is charged to the op's kind, so the
-breakdown sums to the elapsed time.
+``Schedule`` describes. Each op's stream time, and each stall, is charged to the op's kind (its host
+overhead to ``overhead``), so the breakdown sums to the elapsed time.
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ from dataclasses import dataclass
 from epserve.parallel.stages import OP_KINDS, Schedule, Stage
 from epserve.planner.ops import PricedOp
 
+BUCKETS: tuple[str, ...] = (*OP_KINDS, "overhead")  # op kinds, plus the host time spent issuing ops
+
 
 @dataclass(frozen=True)
 class Timeline:
     time_us: float
-    by_kind_us: dict[str, float]  # stream time plus exposed communication, per op kind
+    by_kind_us: dict[str, float]  # stream time plus exposed communication, per op kind (BUCKETS)
     exposed_comm_us: float  # part of by_kind spent waiting for transfers
     transfer_us: float  # link time, hidden or not
 
     def __add__(self, other: Timeline) -> Timeline:
-        kinds = {k: self.by_kind_us.get(k, 0.0) + other.by_kind_us.get(k, 0.0) for k in OP_KINDS}
+        kinds = {k: self.by_kind_us.get(k, 0.0) + other.by_kind_us.get(k, 0.0) for k in BUCKETS}
         return Timeline(
             self.time_us + other.time_us,
             kinds,
@@ -43,7 +45,7 @@ class Timeline:
         )
 
 
-EMPTY = Timeline(0.0, dict.fromkeys(OP_KINDS, 0.0), 0.0, 0.0)
+EMPTY = Timeline(0.0, dict.fromkeys(BUCKETS, 0.0), 0.0, 0.0)
 
 
 def stage_order(schedule: Schedule, num_layers: int) -> list[tuple[int, Stage]]:
@@ -81,10 +83,11 @@ def run_schedule(schedule: Schedule, costs: Sequence[dict[str, PricedOp]], num_l
                 exposed += wait
                 by_kind[op.kind] += wait
             now += cost.compute_us
-            by_kind[op.kind] += cost.compute_us
+            by_kind[op.kind] += cost.compute_us - cost.overhead_us
+            by_kind["overhead"] += cost.overhead_us
             if op.comm == "send":
                 xfer = cost.transfer
                 link_free = max(now, link_free) + xfer.wire_us
                 landed[(mb, op.kind)] = max(link_free, now + xfer.time_us)
                 transfer_total += xfer.time_us
-    return Timeline(now, {k: by_kind.get(k, 0.0) for k in OP_KINDS}, exposed, transfer_total)
+    return Timeline(now, {k: by_kind.get(k, 0.0) for k in BUCKETS}, exposed, transfer_total)
