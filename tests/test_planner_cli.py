@@ -121,9 +121,16 @@ def test_calibrate_quick_writes_a_usable_hardware_file(tmp_path: Path, capsys: p
     assert "wrote" in capsys.readouterr().out
     spec = load_hardware(out)
     kinds = {p.kind for p in spec.points}
-    assert {"floor", "gemm", "group_gemm", "attention", "other", "all_to_all"} <= kinds
+    assert {"floor", "stream", "gemm", "group_gemm", "attention", "other", "all_to_all", "engine_step"} <= kinds
     assert all(0 < e.compute <= 1 and 0 < e.memory <= 1 for e in spec.efficiency.values())
     assert spec.kernel_latency_us > 0 and spec.nvlink_latency_us > 0
+    # the engine's own kernels give the bandwidth curves; its own steps the host overhead
+    for kernel_class in ("gemm", "group_gemm"):
+        curve = spec.memory_by_rows[kernel_class]
+        assert min(r for r, _, _ in curve) == 1 and all(0 < f <= 1 for _, _, f in curve)
+        assert len({size for _, size, _ in curve}) == 2  # two weight sizes
+    assert spec.op_overhead_us > 0 and spec.step_overhead_us >= 0
+    assert load_hardware(out) == spec  # loads back as written
     small = json.dumps({**DEEPSEEK_V3, "n_routed_experts": 16, "num_hidden_layers": 4, "hidden_size": 512,
                         "moe_intermediate_size": 128, "intermediate_size": 1024, "num_attention_heads": 8,
                         "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4, "quantization_config": None})

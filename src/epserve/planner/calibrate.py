@@ -6,22 +6,27 @@ What is timed (bf16, on CUDA or the CPU):
 - ``stream``: a reduction over a buffer far larger than the caches: the bandwidth a weight stream
   can reach (a CPU's "datasheet" figure);
 - ``gemm``: ``epserve.kernels.linear`` (the CPU's AVX512-BF16 kernel up to its tile of rows, torch
-  beyond it and on CUDA) at 1 ... 1024 rows, cycling through weights that together exceed the caches;
+  beyond it and on CUDA) at 1 ... 1024 rows on 16 MiB and 1 MiB weights, cycling through weights
+  that together exceed the caches;
 - ``group_gemm``: the engine's ``GroupedExperts`` (``epserve.kernels.moe_swiglu`` for decode-sized
   groups on the CPU, ``torch._grouped_mm`` or a loop over experts otherwise) at 1 ... 64 tokens per
-  expert;
+  expert on large (2048 x 1024) and small (1024 x 256) experts. The rows per expert spread as uniform
+  random routing spreads them (``routed_counts``);
 - ``attention``: the engine's absorbed-MLA decode attention over a paged latent cache, with
   DeepSeek-V3's latent dimensions and 8 or 64 heads;
 - ``other``: the engine's RMSNorm;
 - ``all_to_all``: ``all_to_all_single`` between ``world_size`` processes (gloo on CPU, NCCL on CUDA);
 - ``engine_step``: decode steps of the engine itself on the ``tiny`` preset at several depths and
   batches: a model too small to do any work, so what it spends beyond the priced kernels is host
-  overhead.
+  overhead. On the CPU the cores' private caches are flushed before every attention and FFN block
+  (and the flush's time taken off), because in a real model the weights each block streams evict
+  the runtime's own state from the caches the host shares with the kernels.
 
 The fit: the floor is ``kernel_latency_us``; per class the best attained FLOP/s and bytes/s (the
 floor taken off) become the achievable fractions of a datasheet entry (a recognised GPU) or, on an
 unknown device, of the best measured rates themselves; the GEMM and grouped-GEMM points become the
-achievable-bandwidth curves ``memory_by_rows`` (the planner then reproduces every measured point);
+achievable-bandwidth curves ``memory_by_rows`` by rows and weight size (the planner then reproduces
+every measured point);
 the engine steps, less what the planner prices for them, are split by least squares into
 ``op_overhead_us`` per stage op that runs, ``op_overhead_per_token_us`` per token of such an op, and
 ``step_overhead_us`` per step. Only this module imports
@@ -31,6 +36,7 @@ torch.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import tempfile
@@ -59,8 +65,9 @@ SIZES = {  # (quick, full)
     "engine_steps": (12, 30),
 }
 BUDGET_S = (0.03, 0.25)  # time spent measuring one shape
-GEMM_KN = (2048, 4096)  # K, N of the calibration GEMMs: 16 MiB per bf16 weight
-EXPERT_DIMS = (1024, 512)  # hidden, intermediate of the calibration experts (3 MiB each in bf16)
+GEMM_KN = ((2048, 4096), (1024, 512))  # K, N of the calibration GEMMs: 16 MiB and 1 MiB bf16 weights
+EXPERT_DIMS = ((2048, 1024), (1024, 256))  # hidden, intermediate: large (12 MiB) and small (1.5 MiB) experts
+EXPERTS_PER_CALL = (8, 16)  # quick, full
 ENGINE_PROMPT = 32
 
 
@@ -88,6 +95,26 @@ def _time_calls(device: str, calls: Sequence[Callable[[], object]], budget_s: fl
             break
     samples.sort()
     return samples[len(samples) // 2] * 1e6
+
+
+def routed_counts(mean_rows: float, groups: int, seed: int = 0) -> tuple[int, ...]:
+    """Rows of ``groups`` active experts averaging about ``mean_rows``, as uniform random routing
+    spreads them: each expert's count is Poisson, conditioned on the expert being active (>= 1),
+    with the rate whose conditional mean is ``mean_rows``. A kernel that tiles rows or pads groups
+    (or, on the CPU, hands a layer to torch when one expert overflows its tile) pays for the spread,
+    not just the mean, so the curve is measured under the routing the planner assumes."""
+    if mean_rows <= 1:
+        return (1,) * groups
+    lo, hi = 0.0, float(mean_rows)  # lam / (1 - exp(-lam)) rises from 1 at 0 to mean_rows below mean_rows
+    for _ in range(60):
+        lam = (lo + hi) / 2
+        lo, hi = (lam, hi) if lam / -math.expm1(-lam) < mean_rows else (lo, lam)
+    gen = torch.Generator().manual_seed(seed)
+    counts: list[int] = []
+    while len(counts) < groups:
+        draw = torch.poisson(torch.full((2 * groups,), lam, dtype=torch.float64), generator=gen)
+        counts += [int(c) for c in draw.tolist() if c >= 1]
+    return tuple(counts[:groups])
 
 
 def _tile_rows(device: str) -> tuple[int, ...]:
@@ -126,28 +153,32 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
                              _time_calls(device, [data.sum], budget)))
     del data
 
-    k, n = GEMM_KN
-    pool = [full(n, k) for _ in range(max(2, pool_bytes // (n * k * esize)))]
-    for m in sorted({*SIZES["rows"][q], *_tile_rows(device)}):
-        x = rand(m, k)
-        t = _time_calls(device, [partial(linear, x, w) for w in pool], budget)
-        pts.append(MeasuredPoint("gemm", f"{m}x{k}x{n}", 2 * m * k * n, (m * k + n * k + m * n) * esize, t))
-    del pool
+    for k, n in GEMM_KN:  # two weight sizes: small matrices stream slower than large ones
+        pool = [full(n, k) for _ in range(max(2, pool_bytes // (n * k * esize)))]
+        for m in sorted({*SIZES["rows"][q], *_tile_rows(device)}):
+            x = rand(m, k)
+            t = _time_calls(device, [partial(linear, x, w) for w in pool], budget)
+            pts.append(MeasuredPoint("gemm", f"{m}x{k}x{n}", 2 * m * k * n, (m * k + n * k + m * n) * esize, t))
+        del pool
 
-    h, inter = EXPERT_DIMS
-    num_experts = max(2, pool_bytes // (3 * h * inter * esize))
-    experts = GroupedExperts(num_experts, h, inter)
-    experts.w13.data = full(num_experts, 2 * inter, h)
-    experts.w2.data = full(num_experts, h, inter)
-    for m in sorted({*SIZES["expert_rows"][q], *_tile_rows(device)}):
-        counts = (m,) * num_experts
-        inp = ExpertInput(rand(m * num_experts, h), torch.tensor(counts, dtype=torch.int64), counts)
-        t = _time_calls(device, [partial(experts, inp)], budget)
-        up = m * h + 2 * inter * h + m * 2 * inter
-        down = m * inter + h * inter + m * h
-        pts.append(MeasuredPoint("group_gemm", f"{num_experts}x{m}x{h}x{inter}", 6 * num_experts * m * h * inter,
-                                 num_experts * (up + down) * esize, t))
-    del experts
+    per_call = EXPERTS_PER_CALL[q]
+    for h, inter in EXPERT_DIMS:  # two expert sizes, as for the GEMMs
+        modules = []
+        for _ in range(max(1, pool_bytes // (per_call * 3 * h * inter * esize))):  # enough to leave the caches
+            experts = GroupedExperts(per_call, h, inter)
+            experts.w13.data = full(per_call, 2 * inter, h)
+            experts.w2.data = full(per_call, h, inter)
+            modules.append(experts)
+        for m in sorted({*SIZES["expert_rows"][q], *_tile_rows(device)}):
+            counts = routed_counts(m, per_call, seed=m)
+            tokens = sum(counts)
+            inp = ExpertInput(rand(tokens, h), torch.tensor(counts, dtype=torch.int64), counts)
+            t = _time_calls(device, [partial(e, inp) for e in modules], budget)
+            weights = per_call * 3 * h * inter
+            moved = weights + tokens * (h + 2 * inter + inter + h)  # per expert: its weights; per row: in and out
+            pts.append(MeasuredPoint("group_gemm", f"{per_call}x{tokens / per_call:.4g}x{h}x{inter}",
+                                     6 * tokens * h * inter, moved * esize, t))
+        del modules
 
     pts += _measure_attention(device, dtype, quick, budget)
     for tokens in SIZES["norm_tokens"][q]:
@@ -163,7 +194,6 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
     cache, W_UV) on DeepSeek-V3's MLA dimensions."""
     from epserve.config import ModelConfig
     from epserve.model.batch import ForwardBatch
-    from epserve.model.layers import RotaryEmbedding
     from epserve.model.mla import MLAttention
     from epserve.planner.models import DEEPSEEK_V3
 
@@ -175,7 +205,7 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
             cfg = ModelConfig.from_dict({**DEEPSEEK_V3, "num_attention_heads": heads, "num_key_value_heads": heads,
                                          "hidden_size": 1024, "max_position_embeddings": 8192,
                                          "quantization_config": None})
-            attn = MLAttention(cfg, RotaryEmbedding(cfg))
+            attn = MLAttention(cfg)
             torch.nn.init.normal_(attn.kv_b_proj, std=0.02)
             attn = attn.to(device=device, dtype=dtype)
             attn.prepare()
@@ -223,6 +253,7 @@ def _measure_engine(device: str, quick: bool) -> list[MeasuredPoint]:
             path = make_checkpoint(Path(tmp) / f"tiny-{layers}", preset="tiny", dtype="bfloat16",
                                    overrides={"num_hidden_layers": layers})
             engine = LLM(path, dtype="bfloat16", device=device, num_blocks=512, enable_prefix_caching=False).engine
+            flushed = _flush_before_blocks(engine.runner.model) if device == "cpu" else [0.0]
             params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
             prompt = [10 + i % (cfg["vocab_size"] - 10) for i in range(ENGINE_PROMPT)]
             for batch in SIZES["engine_batches"][q]:
@@ -232,9 +263,9 @@ def _measure_engine(device: str, quick: bool) -> list[MeasuredPoint]:
                     engine.step()
                 times = []
                 for _ in range(steps):
-                    start = time.perf_counter()
+                    before, start = flushed[0], time.perf_counter()
                     engine.step()
-                    times.append(time.perf_counter() - start)
+                    times.append(time.perf_counter() - start - (flushed[0] - before))
                 while engine.has_unfinished_requests():
                     engine.step()
                 times.sort()
@@ -243,6 +274,41 @@ def _measure_engine(device: str, quick: bool) -> list[MeasuredPoint]:
                                          times[len(times) // 2] * 1e6))
             del engine
     return pts
+
+
+def _private_cache_bytes() -> int:
+    """This CPU's per-core caches (the largest level not shared between cores, from sysfs) summed
+    over the cores torch uses; 1 MiB per core if unknown."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except OSError:
+            continue
+        if shared != "0":  # shared with other cores: the last level
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+        best = max(best, int(size.rstrip("KM")) * scale)
+    return (best or 1 << 20) * torch.get_num_threads()
+
+
+def _flush_before_blocks(model: torch.nn.Module) -> list[float]:
+    """Before every attention and FFN block of ``model``, read twice the cores' private caches, as
+    streaming a block's weights does to the runtime's state; returns a one-element list accumulating
+    the seconds spent doing so."""
+    buffer = torch.ones(2 * _private_cache_bytes() // 4)
+    spent = [0.0]
+
+    def flush(*_: object) -> None:
+        start = time.perf_counter()
+        buffer.sum()
+        spent[0] += time.perf_counter() - start
+
+    for layer in model.layers:
+        layer.self_attn.register_forward_pre_hook(flush)
+        layer.mlp.register_forward_pre_hook(flush)
+    return spent
 
 
 def _a2a_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, out: str) -> None:
@@ -296,9 +362,9 @@ def _measure_all_to_all(world: int, quick: bool) -> list[MeasuredPoint]:
             for size, t in ((int(k), v) for k, v in times.items())]
 
 
-def _rows(point: MeasuredPoint) -> int:
-    """Rows per weight of a gemm (``m x k x n``) or group_gemm (``experts x m x h x inter``) point."""
-    return int(point.shape.split("x")[0 if point.kind == "gemm" else 1])
+def _rows(point: MeasuredPoint) -> float:
+    """Rows per weight of a gemm (``m x k x n``) or group_gemm (``experts x mean m x h x inter``) point."""
+    return float(point.shape.split("x")[0 if point.kind == "gemm" else 1])
 
 
 def _fit(points: list[MeasuredPoint], floor_us: float, kind: str) -> tuple[float, float]:
@@ -314,9 +380,16 @@ def _kernel_us(point: MeasuredPoint, floor_us: float, other_bw: float) -> float:
     priced as two grouped GEMMs plus an elementwise SwiGLU kernel, each with its floor."""
     if point.kind == "gemm":
         return max(point.time_us - floor_us, 1e-3)
-    num_experts, m, _, inter = (int(v) for v in point.shape.split("x"))
+    num_experts, m, _, inter = (float(v) for v in point.shape.split("x"))
     act_us = floor_us + num_experts * m * inter * 6 / other_bw * 1e6  # read gate and up, write the product
     return max(point.time_us - 2 * floor_us - act_us, 1e-3)
+
+
+def _matrix_bytes(point: MeasuredPoint, esize: int = 2) -> float:
+    """Bytes of one weight matrix of a gemm point (``k x n``) or group_gemm point (an expert's
+    ``3 h inter`` over its two GEMMs)."""
+    dims = [float(v) for v in point.shape.split("x")]
+    return dims[1] * dims[2] * esize if point.kind == "gemm" else 3 * dims[2] * dims[3] * esize / 2
 
 
 def _fraction(x: float) -> float:
@@ -339,15 +412,16 @@ def match_builtin(device_name: str) -> HardwareSpec | None:
 def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[float, float, float]:
     """``(op_overhead_us, op_overhead_per_token_us, step_overhead_us)`` from ``engine_step`` points.
     The measured step less the step the planner prices without host overhead is
-    ``ops x op_overhead + op tokens x per_token + step_overhead``, with the op and token counts read
-    off the planner itself (the same stage list); least squares over depths and batches, a negative
-    coefficient dropped."""
+    ``ops x (op_overhead + tokens x per_token) + step_overhead``, the op count read off the planner
+    itself (the same stage list). At each batch the slope over the depths is the overhead per op
+    (the intercept, the step's, cannot leak into it); a line through those slopes against the
+    tokens gives the per-op and per-token parts; the intercept at the smallest batch the step's."""
     from epserve.config import ModelConfig
     from epserve.planner.deployment import Deployment
     from epserve.planner.step import estimate_step
 
     bare = replace(spec, op_overhead_us=0.0, op_overhead_per_token_us=0.0, step_overhead_us=0.0)
-    rows, ys = [], []
+    by_batch: dict[int, list[tuple[float, float]]] = {}
     for p in points:
         if p.kind != "engine_step":
             continue
@@ -355,27 +429,31 @@ def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[f
         model = ModelConfig.from_dict(_engine_config(int(layers)))
         d = Deployment(ep=1, batch=int(batch.removeprefix("b")), kv_len=int(kv.removeprefix("kv")),
                        overlap="dispatch", weight_dtype="bf16")
-
-        def step(hw: HardwareSpec, model: ModelConfig = model, d: Deployment = d) -> float:
-            return estimate_step(model, hw, d, "dispatch").step_time_us
-
-        base = step(bare)
-        rows.append([step(replace(bare, op_overhead_us=1.0)) - base,
-                     step(replace(bare, op_overhead_per_token_us=1.0)) - base, 1.0])
-        ys.append(p.time_us - base)
-    if not rows:
+        base = estimate_step(model, bare, d, "dispatch").step_time_us
+        ops = estimate_step(model, replace(bare, op_overhead_us=1.0), d, "dispatch").step_time_us - base
+        by_batch.setdefault(d.batch, []).append((ops, p.time_us - base))
+    lines = {b: _line(pts) for b, pts in sorted(by_batch.items()) if len({x for x, _ in pts}) > 1}
+    if not lines:
         return spec.op_overhead_us, spec.op_overhead_per_token_us, spec.step_overhead_us
-    keep = [0, 1, 2]
-    while True:
-        a = torch.tensor([[r[i] for i in keep] for r in rows], dtype=torch.float64)
-        coef = torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
-        if min(coef) >= 0 or len(keep) == 1:
-            break
-        keep.pop(coef.index(min(coef)))
-    out = [0.0, 0.0, 0.0]
-    for i, c in zip(keep, coef):
-        out[i] = max(c, 0.0)
-    return out[0], out[1], out[2]
+    first = min(lines)
+    if len(lines) == 1:
+        per_op, per_token = max(lines[first][0], 0.0), 0.0
+    else:
+        per_token, per_op = _line([(b, slope) for b, (slope, _) in lines.items()])
+        per_token = max(per_token, 0.0)
+        per_op = max(per_op, 0.0) if per_token else max(sum(s for s, _ in lines.values()) / len(lines), 0.0)
+    slope_first = per_op + per_token * first
+    step = sum(y - slope_first * x for x, y in by_batch[first]) / len(by_batch[first])
+    return per_op, per_token, max(step, 0.0)
+
+
+def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares ``(slope, intercept)`` of ``y = slope x + intercept``."""
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return slope, my - slope * mx
 
 
 def calibrate(quick: bool = False, device: str | None = None, world_size: int = 2,
@@ -396,15 +474,15 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     stream = next(p for p in points if p.kind == "stream")
     rates = {c: _fit(points, floor, c) for c in ("gemm", "group_gemm", "attention", "other")}
     other_bw = rates["other"][1] or stream.bytes / stream.time_us * 1e6
-    curves_bw = {c: [(_rows(p), p.bytes / _kernel_us(p, floor, other_bw) * 1e6) for p in points if p.kind == c]
-                 for c in ("gemm", "group_gemm")}
+    rows_fit = {c: [(_rows(p), _matrix_bytes(p), p.bytes / _kernel_us(p, floor, other_bw) * 1e6)
+                    for p in points if p.kind == c] for c in ("gemm", "group_gemm")}
     name = _device_name(device)
     base = base or match_builtin(name)
     if base is None:
         memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         peak = max(r[0] for r in rates.values())
-        bw = max([stream.bytes / stream.time_us * 1e6, *(b for c in curves_bw.values() for _, b in c)])
+        bw = max([stream.bytes / stream.time_us * 1e6, *(b for c in rows_fit.values() for _, _, b in c)])
         base = HardwareSpec(name=f"local-{name}", peak_flops={"bf16": peak}, memory_bytes=int(memory),
                             memory_bandwidth=bw, nvlink_bandwidth=bw, ib_bandwidth=bw,
                             gpus_per_node=max(8, os.cpu_count() or 1), nvlink_efficiency=1.0, ib_efficiency=1.0)
@@ -412,7 +490,8 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     efficiency = {c: Efficiency(compute=_fraction(f / peak) if f else base.eff(c).compute,
                                 memory=_fraction(b / bw) if b else base.eff(c).memory)
                   for c, (f, b) in rates.items()}
-    curves = {c: tuple((float(r), _fraction(b / bw)) for r, b in sorted(pts)) for c, pts in curves_bw.items() if pts}
+    curves = {c: tuple(sorted((round(r, 3), size, _fraction(b / bw)) for r, size, b in fit))
+              for c, fit in rows_fit.items() if fit}
     changes: dict = {"efficiency": efficiency, "memory_by_rows": curves, "kernel_latency_us": round(floor, 3)}
     a2a = sorted((p for p in points if p.kind == "all_to_all"), key=lambda p: p.bytes)
     if a2a:

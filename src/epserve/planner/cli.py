@@ -24,7 +24,6 @@ from epserve.planner.report import format_plan, format_sweep
 from epserve.planner.step import plan_decode
 from epserve.planner.sweep import best_plan, default_eps, microbatch_crossover, sweep
 
-
 BUSY_FLOOR_US = 500.0  # a kernel floor above this is a measurement taken on a busy machine
 
 
@@ -83,8 +82,9 @@ def _calibrate(args: argparse.Namespace) -> int:
                      engine=not args.no_engine)
     path = save_hardware(spec, args.out)
     fr = ", ".join(f"{k} {e.compute:.0%}/{e.memory:.0%}" for k, e in spec.efficiency.items())
-    bw = "; ".join(f"{k} " + " ".join(f"{r:g}:{f * spec.memory_bandwidth / 1e9:.0f}" for r, f in curve)
-                   for k, curve in spec.memory_by_rows.items())
+    bw = "; ".join(f"{k} {size / 2**20:.3g} MiB " + " ".join(f"{r:.3g}:{f * spec.memory_bandwidth / 1e9:.0f}"
+                                                             for r, s, f in curve if s == size)
+                   for k, curve in spec.memory_by_rows.items() for size in sorted({s for _, s, _ in curve}))
     print(f"wrote {path}: {spec.name}, {spec.flops_for('bf16') / 1e12:.3g} TFLOP/s, "
           f"{spec.memory_bandwidth / 1e9:.0f} GB/s; achievable compute/memory {fr}; "
           f"GB/s by rows: {bw}; kernel floor {spec.kernel_latency_us:.1f} us, op overhead "
@@ -134,7 +134,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.plot:
         from epserve.planner.plots import plot_roofline
 
-        _emit(args, f"wrote {plot_roofline(model, hw, d, args.plot)}")
+        eps = sorted({d.ep, *(e for e in (8, 32, 128) if model.n_routed_experts % e == 0)})
+        _emit(args, f"wrote {plot_roofline(model, hw, d, args.plot, eps)}")
     return 0 if plan.fits else 1
 
 

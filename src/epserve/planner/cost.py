@@ -3,7 +3,8 @@
 - GEMM ``[m, k] x [k, n]``: ``2mkn`` FLOPs, ``mk + nk + mn`` elements moved.
 - GroupGEMM over ``g`` groups of ``m`` tokens: ``2gmkn`` FLOPs, ``g(mk + nk + mn)`` elements.
 - A kernel takes ``floor + max(FLOPs / achievable FLOP/s, bytes / achievable bandwidth)``; the
-  achievable bandwidth may depend on the rows each weight is applied to (``HardwareSpec.memory_by_rows``).
+  achievable bandwidth may depend on the rows each weight is applied to and on the weight's size
+  (``HardwareSpec.memory_by_rows``).
 - A transfer takes ``latency + max(NVLink bytes / NVLink rate, IB bytes / IB rate)``; both links
   run at once, each at its achievable fraction.
 """
@@ -28,12 +29,14 @@ class Work:
 class Kernel:
     """One kernel launch: its work, the class of kernel (for the achievable fraction), the dtype
     its tensor cores run in (for the peak) and, for GEMMs, the rows each weight is applied to
-    (``m``; tokens per expert for a grouped GEMM; 0 = not a weight-streaming kernel)."""
+    (``m``; tokens per expert for a grouped GEMM; 0 = not a weight-streaming kernel) and the bytes of
+    one weight matrix (one expert's, for a grouped GEMM)."""
 
     kernel_class: str  # gemm | group_gemm | attention | other
     work: Work
     dtype: str = "bf16"
     rows: float = 0.0
+    matrix_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ def activated_experts(slots_per_gpu: int, num_slots: int, top_k: int, global_tok
 def kernel_time(hw: HardwareSpec, kernel: Kernel) -> KernelTime:
     eff = hw.eff(kernel.kernel_class)
     compute = kernel.work.flops / (hw.flops_for(kernel.dtype) * eff.compute) * 1e6
-    memory = kernel.work.bytes / (hw.memory_bandwidth * hw.memory_fraction(kernel.kernel_class, kernel.rows)) * 1e6
+    fraction = hw.memory_fraction(kernel.kernel_class, kernel.rows, kernel.matrix_bytes)
+    memory = kernel.work.bytes / (hw.memory_bandwidth * fraction) * 1e6
     return KernelTime(compute, memory, hw.kernel_latency_us)
 
 

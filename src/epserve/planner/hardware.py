@@ -10,9 +10,10 @@ Three more properties describe how a runtime, not just the silicon, spends time:
 
 - ``memory_by_rows``: an *achievable-bandwidth curve* per kernel class, the memory fraction as a
   function of the rows a kernel applies each weight to (``m`` of a GEMM, tokens per expert of a
-  grouped GEMM). A decode GEMV kernel streams weights near the memory's speed; at 16 rows the same
-  kernel is compute-bound and delivers a fraction of it. Empty (the GPU entries): the class's
-  constant fraction.
+  grouped GEMM), measured at one or more weight-matrix sizes. A decode GEMV kernel streams weights
+  near the memory's speed; at 16 rows the same kernel is compute-bound and delivers a fraction of
+  it; small matrices stream slower than large ones. Empty (the GPU entries): the class's constant
+  fraction.
 - ``op_overhead_us`` + ``op_overhead_per_token_us`` x tokens: host time per operation of the stage
   list that runs (Python, framework dispatch, kernel launches, and the unfused elementwise chains
   of an eager runtime, which grow with the tokens). Zero on the GPU entries, which assume CUDA
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,8 +79,8 @@ class HardwareSpec:
     op_overhead_per_token_us: float = 0.0  # ... plus this per token the op processes (eager elementwise chains)
     step_overhead_us: float = 0.0  # per step, outside the model (scheduler, batch building)
     reserved_memory_fraction: float = 0.10  # context, activations, graphs, communication buffers
-    # Achievable-bandwidth curve per kernel class: ((rows, memory fraction), ...) by rising rows
-    memory_by_rows: dict[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    # Achievable-bandwidth curve per kernel class: ((rows, bytes of one weight matrix, memory fraction), ...)
+    memory_by_rows: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
     source: str = "datasheet"
     points: tuple[MeasuredPoint, ...] = ()
 
@@ -97,14 +99,28 @@ class HardwareSpec:
     def eff(self, kernel_class: str) -> Efficiency:
         return self.efficiency.get(kernel_class, self.efficiency.get("gemm", Efficiency(1.0, 1.0)))
 
-    def memory_fraction(self, kernel_class: str, rows: float = 0.0) -> float:
-        """Achievable share of the memory bandwidth for a kernel applying each weight to ``rows`` rows:
-        the class's curve when it has one (time per byte interpolated linearly in rows between the
-        measured row counts, held flat outside them), else its constant fraction."""
+    def memory_fraction(self, kernel_class: str, rows: float = 0.0, matrix_bytes: float = 0.0) -> float:
+        """Achievable share of the memory bandwidth for a kernel applying each weight (of
+        ``matrix_bytes``) to ``rows`` rows: the class's curve when it has one, else its constant
+        fraction. Between row counts the time per byte is linear in rows; between matrix sizes the
+        fraction is interpolated in log size; flat outside the measured range (an unknown size
+        takes the largest measured one)."""
         curve = self.memory_by_rows.get(kernel_class)
         if not curve or rows <= 0:
             return self.eff(kernel_class).memory
-        return interpolate_fraction(curve, rows)
+        sizes = sorted({size for _, size, _ in curve})
+
+        def at(size: float) -> float:
+            return interpolate_fraction(tuple((r, f) for r, s, f in curve if s == size), rows)
+
+        if matrix_bytes <= 0 or matrix_bytes >= sizes[-1]:
+            return at(sizes[-1])
+        if matrix_bytes <= sizes[0]:
+            return at(sizes[0])
+        hi = next(i for i, size in enumerate(sizes) if size >= matrix_bytes)
+        s0, s1 = sizes[hi - 1], sizes[hi]
+        a = math.log(matrix_bytes / s0) / math.log(s1 / s0)
+        return 1.0 / ((1 - a) / at(s0) + a / at(s1))
 
     # ---- (de)serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -120,7 +136,7 @@ class HardwareSpec:
         data["efficiency"] = {k: Efficiency(**v) for k, v in raw.get("efficiency", {}).items()}
         data["points"] = tuple(MeasuredPoint(**p) for p in raw.get("points", ()))
         data["peak_flops"] = {k: float(v) for k, v in raw["peak_flops"].items()}
-        data["memory_by_rows"] = {k: tuple((float(r), float(f)) for r, f in v)
+        data["memory_by_rows"] = {k: tuple(tuple(float(x) for x in point) for point in v)
                                   for k, v in raw.get("memory_by_rows", {}).items()}
         try:
             return cls(**data)

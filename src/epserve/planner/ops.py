@@ -81,7 +81,7 @@ class _Ctx:
 
     def gemm(self, m: float, k: int, n: int, groups: float = 1) -> Kernel:
         work = group_gemm_work(groups, m, k, n, in_bytes=self.a, weight_bytes=self.w, out_bytes=2)
-        return Kernel("gemm", work, self.compute_dtype, rows=m)
+        return Kernel("gemm", work, self.compute_dtype, rows=m, matrix_bytes=k * n * self.w)
 
     def elementwise(self, bytes_moved: float) -> Kernel:
         return Kernel("other", Work(0.0, bytes_moved))
@@ -93,7 +93,8 @@ class _Ctx:
         up = group_gemm_work(groups, m, k, 2 * inter, **kw)
         down = group_gemm_work(groups, m, inter, k, **kw)
         act = self.elementwise(tokens * inter * (2 * 2 + self.a))
-        return (Kernel(cls, up, self.compute_dtype, rows=m), act, Kernel(cls, down, self.compute_dtype, rows=m))
+        return (Kernel(cls, up, self.compute_dtype, rows=m, matrix_bytes=2 * inter * k * self.w), act,
+                Kernel(cls, down, self.compute_dtype, rows=m, matrix_bytes=inter * k * self.w))
 
 
 # ---- one pricer per op name ------------------------------------------------------------------------
@@ -166,7 +167,8 @@ def _post_norm(c: _Ctx) -> _Price:
 
 def _gate(c: _Ctx) -> _Price:  # BF16 router GEMM, then sigmoid/softmax, group-limited top-k
     e = c.model.n_routed_experts
-    logits = Kernel("gemm", gemm_work(c.t_moe, c.h, e, in_bytes=2, weight_bytes=2, out_bytes=4), rows=c.t_moe)
+    logits = Kernel("gemm", gemm_work(c.t_moe, c.h, e, in_bytes=2, weight_bytes=2, out_bytes=4), rows=c.t_moe,
+                    matrix_bytes=c.h * e * 2)
     return _Price((logits, c.elementwise(c.t_moe * e * 4 * 2)))
 
 
@@ -224,7 +226,7 @@ def _lm_head_tokens(c: _Ctx) -> int:  # prefill only needs logits at each prompt
 def _lm_head(c: _Ctx) -> _Price:  # vocabulary-parallel over TP, BF16
     vocab = math.ceil(c.model.vocab_size / c.d.tp)
     tokens = _lm_head_tokens(c)
-    return _Price((Kernel("gemm", gemm_work(tokens, c.h, vocab, out_bytes=4), rows=tokens),))
+    return _Price((Kernel("gemm", gemm_work(tokens, c.h, vocab, out_bytes=4), rows=tokens, matrix_bytes=c.h * vocab * 2),))
 
 
 def _sample(c: _Ctx) -> _Price:

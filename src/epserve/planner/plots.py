@@ -9,7 +9,7 @@ from typing import Any
 
 from epserve.config import ModelConfig
 from epserve.planner.cost import kernel_time
-from epserve.planner.deployment import Deployment
+from epserve.planner.deployment import WEIGHT_BYTES, Deployment
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import HardwareSpec
 from epserve.planner.ops import BatchShape, op_kernels
@@ -55,10 +55,15 @@ def plot_pareto(rows: Sequence[SweepRow], path: str | Path, title: str, slo_spee
     return _save(fig, path)
 
 
-def _roof(ax: Any, hw: HardwareSpec, kernel_class: str, dtype: str, xs: Sequence[float]) -> None:
+def _roof(ax: Any, hw: HardwareSpec, kernel_class: str, dtype: str, xs: Sequence[float], weight_bytes: float) -> None:
     eff = hw.eff(kernel_class)
     peak, bw = hw.flops_for(dtype), hw.memory_bandwidth
     ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], "k--", lw=1, label=f"datasheet ({dtype})")
+    if kernel_class in hw.memory_by_rows:  # a weight-streaming GEMM of m rows does ~2m / weight_bytes FLOP/byte
+        frac = [hw.memory_fraction(kernel_class, x * weight_bytes / 2) for x in xs]
+        ax.plot(xs, [min(peak * eff.compute, x * bw * f) / 1e12 for x, f in zip(xs, frac)], "k-", lw=1.5,
+                label=f"achievable (calibrated by rows, compute {eff.compute:.0%})")
+        return
     ax.plot(xs, [min(peak * eff.compute, x * bw * eff.memory) / 1e12 for x in xs], "k-", lw=1.5,
             label=f"achievable ({eff.compute:.0%} / {eff.memory:.0%})")
 
@@ -77,7 +82,7 @@ def plot_roofline(
         (axes[1], "group_gemm", [(f"experts EP{ep}", replace(d, ep=ep, tp=1)) for ep in eps]),
     ]
     for ax, kernel_class, curves in series:
-        _roof(ax, hw, kernel_class, dtype, xs)
+        _roof(ax, hw, kernel_class, dtype, xs, WEIGHT_BYTES[d.weight_dtype])
         for label, dep in curves:
             op = "experts" if kernel_class == "group_gemm" else label
             pts = []
