@@ -46,4 +46,14 @@ def test_moe_swiglu_matches_per_expert_torch():
     ref = torch.cat(rows)
     assert ours is not None and ours.shape == ref.shape
     assert torch.allclose(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    assert cpu.moe_swiglu(x, [17], w13[:1], w2[:1]) is None  # prefill-sized groups go to torch
+    # One skewed expert past the kernel's row tile runs through torch inside the call.
+    skew = [17, 5, 3, 6, 4, 2]
+    xs = torch.randn(sum(skew), hidden, generator=g).bfloat16()
+    got = cpu.moe_swiglu(xs, skew, w13, w2)
+    start, rows = 0, []
+    for e, n in enumerate(skew):
+        gate, up = F.linear(xs[start : start + n], w13[e]).chunk(2, dim=-1)
+        rows.append(F.linear(F.silu(gate) * up, w2[e]))
+        start += n
+    assert got is not None and torch.allclose(got.float(), torch.cat(rows).float(), rtol=2e-2, atol=2e-2)
+    assert cpu.moe_swiglu(xs, [24], w13[:1], w2[:1]) is None  # mostly large groups: the grouped GEMM

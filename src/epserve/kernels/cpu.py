@@ -86,9 +86,14 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
-    """Experts on rows grouped by expert; None when the kernel does not apply (the caller falls back)."""
+    """Experts on rows grouped by expert. The kernel takes every expert with at most TILE_M rows;
+    the few larger ones (skewed routing) run through torch here. Returns None when the kernel does not
+    apply or most of the work is large groups (prefill), for which the caller's grouped GEMM is best."""
     hidden, inter = w2.shape[1], w2.shape[2]
-    if not counts or max(counts) > TILE_M or hidden % 32 or inter % 32 or not _eligible(x, w13, w2):
+    if not counts or hidden % 32 or inter % 32 or not _eligible(x, w13, w2):
+        return None
+    big = [e for e, n in enumerate(counts) if n > TILE_M]
+    if sum(counts[e] for e in big) * 2 > len(x):
         return None
     lib = _library()
     if lib is None:
@@ -97,4 +102,8 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
     out = torch.empty(x.shape[0], hidden, dtype=torch.bfloat16)
     lib.epserve_moe_swiglu_bf16(x.data_ptr(), offsets.data_ptr(), len(counts), w13.data_ptr(), w2.data_ptr(),
                                 hidden, inter, out.data_ptr(), torch.get_num_threads())
+    for e in big:
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        gate, up = F.linear(x[lo:hi], w13[e]).chunk(2, dim=-1)
+        out[lo:hi] = F.linear(F.silu(gate) * up, w2[e])
     return out

@@ -84,8 +84,8 @@ void epserve_linear_bf16(const uint16_t *x, int64_t M, const uint16_t *w, int64_
 
 /* Routed experts on rows grouped by expert: for expert e, rows [offsets[e], offsets[e+1]) of x[*, H]
  * go through down(silu(gate(x)) * up(x)) with w13[e] = [gate; up] (2I x H) and w2[e] (H x I).
- * Rounds to bf16 where torch would (after each GEMM and after the activation). Each expert's rows
- * must number at most TILE_M. */
+ * Rounds to bf16 where torch would (after each GEMM and after the activation). Experts with more
+ * than TILE_M rows are skipped (their output rows are left untouched for the caller). */
 void epserve_moe_swiglu_bf16(const uint16_t *x, const int64_t *offsets, int64_t E, const uint16_t *w13,
                              const uint16_t *w2, int64_t H, int64_t I, uint16_t *out, int num_threads) {
   /* Work items: (expert, half of the rows of its weight) so two threads share a busy expert. */
@@ -97,7 +97,7 @@ void epserve_moe_swiglu_bf16(const uint16_t *x, const int64_t *offsets, int64_t 
     #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < E; e++) {
       int64_t r0 = offsets[e], M = offsets[e + 1] - offsets[e];
-      if (M == 0) continue;
+      if (M == 0 || M > TILE_M) continue;
       rows_dot(x + r0 * H, M, w13 + e * 2 * I * H, 0, 2 * I, H, h, 2 * I);
       for (int64_t m = 0; m < M; m++) {
         for (int64_t j = 0; j < I; j++) {
