@@ -99,7 +99,8 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 def test_prompt_longer_than_context_is_refused(ckpt):
     llm = LLM(ckpt, dtype="float32", num_blocks=64, max_model_len=64)
     with pytest.raises(ValueError, match="context"):
-        llm.generate([list(range(1, 80))], GREEDY)
+        llm.generate([[1, 2, 3], list(range(1, 80))], GREEDY)  # the first was queued, then aborted
+    assert llm.engine.runner.num_blocks == llm.engine.scheduler.kv_manager.num_free_blocks
     # The engine is still usable afterwards.
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
 

@@ -104,7 +104,9 @@ class LLM:
             bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
             while self.engine.has_unfinished_requests():
                 for update in self.engine.step():
-                    out = outputs[update.request_id]
+                    out = outputs.get(update.request_id)
+                    if out is None:  # e.g. the abort report of an earlier, failed call
+                        continue
                     out.token_ids.extend(update.new_token_ids)
                     if update.finished:
                         out.finish_reason = update.finish_reason
