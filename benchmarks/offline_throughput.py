@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import start_decode_batch
 from tqdm import tqdm
 
 from epserve import LLM, SamplingParams
@@ -40,16 +41,7 @@ def decode_step_profile(llm: LLM, batch: int, prompt_len: int, steps: int, seed:
     """Time ``steps`` decode steps at a fixed batch; count the weight bytes each step touches."""
     engine = llm.engine
     model = engine.runner.model
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"dec{batch}-{i}", torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), params)
-    while engine.scheduler.num_waiting or any(  # run prefills until every request decodes
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
-    engine.step()  # one warm decode step
+    start_decode_batch(engine, batch, prompt_len, steps, seed, tag=f"dec{batch}")
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     expert_bytes = sum(p.numel() * p.element_size() for m in moes for p in m.experts.parameters())
     per_expert = expert_bytes // sum(m.experts.num_local_experts for m in moes)

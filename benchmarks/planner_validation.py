@@ -33,9 +33,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import start_decode_batch
 from tqdm import tqdm
 
-from epserve import LLM, SamplingParams
+from epserve import LLM
 from epserve.kernels.cpu import TILE_M
 from epserve.model.moe import MoE
 from epserve.planner import Deployment, load_hardware, load_model, plan_decode, save_hardware
@@ -52,16 +53,7 @@ def measure_decode(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int)
     expert (the engine then runs that layer's experts through torch instead)."""
     engine = llm.engine
     model = engine.runner.model
-    g = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"val{seed}-{i}", torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), params)
-    while engine.scheduler.num_waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
-    ):
-        engine.step()
-    engine.step()  # one warm decode step
+    start_decode_batch(engine, batch, prompt_len, steps, seed, tag=f"val{seed}")
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     times, kv, over_tile = [], [], 0
     for _ in range(steps):

@@ -30,6 +30,15 @@ def test_linear_falls_back_outside_its_domain():
     assert torch.equal(cpu.linear(x32, w32), F.linear(x32, w32))
 
 
+def per_expert_torch(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    start, rows = 0, []
+    for e, n in enumerate(counts):
+        gate, up = F.linear(x[start : start + n], w13[e]).chunk(2, dim=-1)
+        rows.append(F.linear(F.silu(gate) * up, w2[e]))
+        start += n
+    return torch.cat(rows)
+
+
 def test_moe_swiglu_matches_per_expert_torch():
     g = torch.Generator().manual_seed(0)
     num_experts, hidden, inter = 6, 128, 64
@@ -38,22 +47,13 @@ def test_moe_swiglu_matches_per_expert_torch():
     counts = [2, 0, 5, 1, 0, 3]
     x = torch.randn(sum(counts), hidden, generator=g).bfloat16()
     ours = cpu.moe_swiglu(x, counts, w13, w2)
-    start, rows = 0, []
-    for e, n in enumerate(counts):
-        gate, up = F.linear(x[start : start + n], w13[e]).chunk(2, dim=-1)
-        rows.append(F.linear(F.silu(gate) * up, w2[e]))
-        start += n
-    ref = torch.cat(rows)
+    ref = per_expert_torch(x, counts, w13, w2)
     assert ours is not None and ours.shape == ref.shape
     assert torch.allclose(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
     # One skewed expert past the kernel's row tile runs through torch inside the call.
     skew = [17, 5, 3, 6, 4, 2]
     xs = torch.randn(sum(skew), hidden, generator=g).bfloat16()
     got = cpu.moe_swiglu(xs, skew, w13, w2)
-    start, rows = 0, []
-    for e, n in enumerate(skew):
-        gate, up = F.linear(xs[start : start + n], w13[e]).chunk(2, dim=-1)
-        rows.append(F.linear(F.silu(gate) * up, w2[e]))
-        start += n
-    assert got is not None and torch.allclose(got.float(), torch.cat(rows).float(), rtol=2e-2, atol=2e-2)
+    ref = per_expert_torch(xs, skew, w13, w2)
+    assert got is not None and torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
     assert cpu.moe_swiglu(xs, [24], w13[:1], w2[:1]) is None  # mostly large groups: the grouped GEMM

@@ -117,12 +117,12 @@ def test_gpu_entries_assume_cuda_graphs() -> None:
 
 def _engine_points(op_us: float, token_us: float, step_us: float) -> list[MeasuredPoint]:
     """What the engine would measure if the planner's host-overhead model held exactly."""
-    from epserve.planner.calibrate import _engine_config
+    from epserve.planner.calibrate_engine import engine_config
 
     hw = replace(TOY, op_overhead_us=op_us, op_overhead_per_token_us=token_us, step_overhead_us=step_us)
     points = []
     for layers in (2, 5, 8):
-        model = ModelConfig.from_dict(_engine_config(layers))
+        model = ModelConfig.from_dict(engine_config(layers))
         for batch in (1, 16, 64):
             d = Deployment(ep=1, batch=batch, kv_len=50, overlap="dispatch", weight_dtype="bf16")
             t = estimate_step(model, hw, d, "dispatch").step_time_us

@@ -29,25 +29,23 @@ achievable-bandwidth curves ``memory_by_rows`` by rows and weight size (the plan
 every measured point);
 the engine steps, less what the planner prices for them, are split by least squares into
 ``op_overhead_us`` per stage op that runs, ``op_overhead_per_token_us`` per token of such an op, and
-``step_overhead_us`` per step. Only this module imports
-torch.
+``step_overhead_us`` per step. The engine steps are measured by ``calibrate_engine``, the
+all-to-all by ``calibrate_comm``; only these calibration modules import torch.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import socket
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 
 import torch
 
+from epserve.planner.calibrate_comm import measure_all_to_all
+from epserve.planner.calibrate_engine import engine_config, measure_engine
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import BUILTIN, Efficiency, HardwareSpec, MeasuredPoint
 
@@ -233,135 +231,6 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
     return pts
 
 
-def _engine_config(layers: int) -> dict:
-    from epserve.presets import build_config
-
-    return build_config("tiny", overrides={"num_hidden_layers": layers}, dtype="bfloat16")
-
-
-def _measure_engine(device: str, quick: bool) -> list[MeasuredPoint]:
-    """Median decode step of the engine on the ``tiny`` preset at each depth and batch."""
-    from epserve import LLM, SamplingParams
-    from epserve.presets import make_checkpoint
-
-    q = 0 if quick else 1
-    steps = SIZES["engine_steps"][q]
-    pts = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for layers in SIZES["engine_layers"][q]:
-            cfg = _engine_config(layers)
-            path = make_checkpoint(Path(tmp) / f"tiny-{layers}", preset="tiny", dtype="bfloat16",
-                                   overrides={"num_hidden_layers": layers})
-            engine = LLM(path, dtype="bfloat16", device=device, num_blocks=512, enable_prefix_caching=False).engine
-            flushed = _flush_before_blocks(engine.runner.model) if device == "cpu" else [0.0]
-            params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-            prompt = [10 + i % (cfg["vocab_size"] - 10) for i in range(ENGINE_PROMPT)]
-            for batch in SIZES["engine_batches"][q]:
-                for i in range(batch):
-                    engine.add_request(f"calibrate-{batch}-{i}", prompt, params)
-                for _ in range(3):  # prefill and two warm decode steps
-                    engine.step()
-                times = []
-                for _ in range(steps):
-                    before, start = flushed[0], time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - start - (flushed[0] - before))
-                while engine.has_unfinished_requests():
-                    engine.step()
-                times.sort()
-                kv = ENGINE_PROMPT + 2 + steps // 2
-                pts.append(MeasuredPoint("engine_step", f"tiny {layers} layers b{batch} kv{kv}", 0.0, 0.0,
-                                         times[len(times) // 2] * 1e6))
-            del engine
-    return pts
-
-
-def _private_cache_bytes() -> int:
-    """This CPU's per-core caches (the largest level not shared between cores, from sysfs) summed
-    over the cores torch uses; 1 MiB per core if unknown."""
-    best = 0
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            size = (index / "size").read_text().strip()
-            shared = (index / "shared_cpu_list").read_text().strip()
-        except OSError:
-            continue
-        if shared != "0":  # shared with other cores: the last level
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-        best = max(best, int(size.rstrip("KM")) * scale)
-    return (best or 1 << 20) * torch.get_num_threads()
-
-
-def _flush_before_blocks(model: torch.nn.Module) -> list[float]:
-    """Before every attention and FFN block of ``model``, read twice the cores' private caches, as
-    streaming a block's weights does to the runtime's state; returns a one-element list accumulating
-    the seconds spent doing so."""
-    buffer = torch.ones(2 * _private_cache_bytes() // 4)
-    spent = [0.0]
-
-    def flush(*_: object) -> None:
-        start = time.perf_counter()
-        buffer.sum()
-        spent[0] += time.perf_counter() - start
-
-    for layer in model.layers:
-        layer.self_attn.register_forward_pre_hook(flush)
-        layer.mlp.register_forward_pre_hook(flush)
-    return spent
-
-
-def _a2a_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, out: str) -> None:
-    import torch.distributed as dist
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group("nccl" if device == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    result = {}
-    for size in sizes:  # every rank runs the same number of collectives
-        x = torch.zeros(size // 4 * world, dtype=torch.float32, device=device)
-        y = torch.empty_like(x)
-        for _ in range(3):
-            dist.all_to_all_single(y, x)
-        if device == "cuda":
-            dist.barrier()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(iters):
-                dist.all_to_all_single(y, x)
-            torch.cuda.synchronize()
-            best = (time.perf_counter() - start) / iters * 1e6
-        else:  # same count on every rank: a collective each
-            samples = []
-            for _ in range(iters):
-                start = time.perf_counter()
-                dist.all_to_all_single(y, x)
-                samples.append(time.perf_counter() - start)
-            best = sorted(samples)[len(samples) // 5] * 1e6
-        result[size] = best
-    if rank == 0:
-        Path(out).write_text(json.dumps(result))
-    dist.destroy_process_group()
-
-
-def _measure_all_to_all(world: int, quick: bool) -> list[MeasuredPoint]:
-    """Each rank sends ``size`` bytes to every other rank; one point per size."""
-    import torch.multiprocessing as mp
-
-    sizes = list(SIZES["a2a"][0 if quick else 1])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "a2a.json")
-        mp.spawn(_a2a_worker, args=(world, port, sizes, 5 if quick else 20, out), nprocs=world)
-        times = json.loads(Path(out).read_text())
-    return [MeasuredPoint("all_to_all", f"{world} ranks x {size} B", 0.0, size * (world - 1), t)
-            for size, t in ((int(k), v) for k, v in times.items())]
-
-
 def _rows(point: MeasuredPoint) -> float:
     """Rows per weight of a gemm (``m x k x n``) or group_gemm (``experts x mean m x h x inter``) point."""
     return float(point.shape.split("x")[0 if point.kind == "gemm" else 1])
@@ -426,7 +295,7 @@ def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[f
         if p.kind != "engine_step":
             continue
         _, layers, _, batch, kv = p.shape.split()
-        model = ModelConfig.from_dict(_engine_config(int(layers)))
+        model = ModelConfig.from_dict(engine_config(int(layers)))
         d = Deployment(ep=1, batch=int(batch.removeprefix("b")), kv_len=int(kv.removeprefix("kv")),
                        overlap="dispatch", weight_dtype="bf16")
         base = estimate_step(model, bare, d, "dispatch").step_time_us
@@ -469,7 +338,7 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     with torch.inference_mode():
         points = _measure_kernels(device, dtype, quick)
     if world_size > 1:
-        points += _measure_all_to_all(world_size, quick)
+        points += measure_all_to_all(world_size, SIZES["a2a"][0 if quick else 1], 5 if quick else 20)
     floor = next(p.time_us for p in points if p.kind == "floor")
     stream = next(p for p in points if p.kind == "stream")
     rates = {c: _fit(points, floor, c) for c in ("gemm", "group_gemm", "attention", "other")}
@@ -505,7 +374,9 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
         elif link:
             changes["nvlink_efficiency"] = round(min(1.0, link / base.nvlink_bandwidth), 4)
     if engine:
-        points += _measure_engine(device, quick)
+        q = 0 if quick else 1
+        points += measure_engine(device, SIZES["engine_layers"][q], SIZES["engine_batches"][q],
+                                 SIZES["engine_steps"][q], ENGINE_PROMPT)
         op_us, token_us, step_us = fit_overhead(replace(base, **changes), points)
         changes.update(op_overhead_us=round(op_us, 2), op_overhead_per_token_us=round(token_us, 4),
                        step_overhead_us=round(step_us, 1))
