@@ -93,3 +93,17 @@ def test_greedy_continuations_match_transformers(variant):
             )[0, len(prompt):].tolist()
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
         assert out.finish_reason == "length"
+
+
+def test_long_prompt_beyond_yarn_original_context_in_chunks(make_ckpt, device):
+    """A 700-token prompt (past YaRN's original 512 positions) prefilled in 128-token chunks, each
+    continuing from the cached blocks of the ones before, then decoded: same tokens as transformers."""
+    path = make_ckpt("tiny", dtype="float32")
+    hf = hf_model(str(path), {})
+    llm = LLM(path, dtype="float32", num_blocks=128, max_num_batched_tokens=128, device=device)
+    prompt = [(i * 37) % 500 + 2 for i in range(700)]
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert out.token_ids == ref
