@@ -81,7 +81,9 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="epserve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="epserve", description="Expert-parallel inference for DeepSeek-V3-class MoE models."
+    )
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
