@@ -159,6 +159,7 @@ def main() -> None:
                 "memory_bandwidth": hw.memory_bandwidth, "kernel_latency_us": hw.kernel_latency_us,
                 "op_overhead_us": hw.op_overhead_us,
                 "op_overhead_per_token_us": hw.op_overhead_per_token_us, "step_overhead_us": hw.step_overhead_us,
+                "stream_efficiency": hw.stream_efficiency,
                 "efficiency": {k: vars(e) for k, e in hw.efficiency.items()},
                 "memory_by_rows_GBps": {k: [(r, size, f * hw.memory_bandwidth / 1e9) for r, size, f in c]
                                         for k, c in hw.memory_by_rows.items()}}

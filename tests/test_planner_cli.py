@@ -121,7 +121,9 @@ def test_calibrate_quick_writes_a_usable_hardware_file(tmp_path: Path, capsys: p
     assert "wrote" in capsys.readouterr().out
     spec = load_hardware(out)
     kinds = {p.kind for p in spec.points}
-    assert {"floor", "stream", "gemm", "group_gemm", "attention", "other", "all_to_all", "engine_step"} <= kinds
+    assert {"floor", "stream", "gemm", "group_gemm", "attention", "other", "all_to_all", "engine_step",
+            "engine_stream"} <= kinds
+    assert 0.25 <= spec.stream_efficiency <= 2.0
     assert all(0 < e.compute <= 1 and 0 < e.memory <= 1 for e in spec.efficiency.values())
     assert spec.kernel_latency_us > 0 and spec.nvlink_latency_us > 0
     # the engine's own kernels give the bandwidth curves; its own steps the host overhead

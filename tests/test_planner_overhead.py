@@ -149,3 +149,49 @@ def test_hardware_file_with_curves_and_overheads_loads_back(tmp_path: Path) -> N
     assert loaded == spec
     d = Deployment(ep=8, batch=4, kv_len=100, weight_dtype="bf16")
     assert estimate_step(V3, loaded, d, "dispatch") == estimate_step(V3, spec, d, "dispatch")
+
+
+def test_stream_efficiency_scales_only_the_weight_streaming_classes() -> None:
+    hw = replace(CURVED, stream_efficiency=0.8)
+    assert hw.memory_fraction("gemm", 1, 1e6) == pytest.approx(0.8 * 0.8)  # curve: 0.8 at 1 row
+    assert hw.memory_fraction("gemm", 16, 1e6) == pytest.approx(0.8 * 0.4)
+    assert hw.memory_fraction("group_gemm", 4) == pytest.approx(0.8 * 0.5)  # constant fraction
+    assert hw.memory_fraction("attention", 4) == 0.5 and hw.memory_fraction("other") == 0.5
+    # 1 MB at 100 GB/s x 0.4 x 0.8 = 31.25 us, + 2 us floor; compute (1 GFLOP at 0.5 TFLOP/s) unscaled
+    assert kernel_time(hw, Kernel("gemm", Work(0.0, 1e6), rows=16)).time_us == pytest.approx(33.25)
+    assert kernel_time(hw, Kernel("gemm", Work(1e9, 1e6), rows=16)).time_us == pytest.approx(2002.0)
+    for spec in BUILTIN.values():  # the GPU sweeps do not move
+        assert spec.stream_efficiency == 1.0
+
+
+def _stream_point(hw: HardwareSpec, layers: int, experts: int, batch: int) -> MeasuredPoint:
+    from epserve.planner.calibrate_engine import engine_config
+
+    model = ModelConfig.from_dict(engine_config(layers, experts))
+    d = Deployment(ep=1, batch=batch, kv_len=40, overlap="dispatch", weight_dtype="bf16")
+    t = estimate_step(model, hw, d, "dispatch").step_time_us
+    return MeasuredPoint("engine_stream", f"wide{experts} {layers} layers b{batch} kv40", 0.0, 0.0, t)
+
+
+def test_fit_stream_efficiency() -> None:
+    from epserve.planner.calibrate import STREAM_EFFICIENCY_RANGE, fit_stream_efficiency
+    from epserve.planner.calibrate_engine import WIDE, engine_config
+
+    cfg = engine_config(4, 64)
+    assert cfg["n_routed_experts"] == 64 and cfg["num_hidden_layers"] == 4
+    assert all(cfg[k] == v for k, v in WIDE.items())
+    assert engine_config(3)["hidden_size"] == 64  # without experts: the tiny preset
+    # a single point of a memory-bound TOY step: halving every weight-streaming fraction prices the
+    # step that was measured, so the fit returns 0.5; with the host overhead already known
+    hw = replace(TOY, op_overhead_us=20.0, step_overhead_us=100.0)
+    points = [_stream_point(replace(hw, stream_efficiency=0.5), 4, 64, 1)]
+    assert fit_stream_efficiency(hw, points) == pytest.approx(0.5, rel=1e-6)
+    # several points: the factor that makes the mean relative error zero (exact when all agree)
+    points = [_stream_point(replace(hw, stream_efficiency=0.75), 3, 32, b) for b in (1, 16)]
+    assert fit_stream_efficiency(hw, points) == pytest.approx(0.75, rel=1e-6)
+    # no engine_stream points: the spec's own value; out of range: clipped
+    assert fit_stream_efficiency(replace(hw, stream_efficiency=0.9), []) == 0.9
+    slow = [replace(p, time_us=p.time_us * 100) for p in points]
+    assert fit_stream_efficiency(hw, slow) == STREAM_EFFICIENCY_RANGE[0]
+    fast = [replace(p, time_us=1.0) for p in points]
+    assert fit_stream_efficiency(hw, fast) == STREAM_EFFICIENCY_RANGE[1]

@@ -20,7 +20,10 @@ What is timed (bf16, on CUDA or the CPU):
   batches: a model too small to do any work, so what it spends beyond the priced kernels is host
   overhead. On the CPU the cores' private caches are flushed before every attention and FFN block
   (and the flush's time taken off), because in a real model the weights each block streams evict
-  the runtime's own state from the caches the host shares with the kernels.
+  the runtime's own state from the caches the host shares with the kernels;
+- ``engine_stream``: decode steps of the engine on a synthetic wide model (``calibrate_engine.WIDE``:
+  hidden 1024, 3 MiB experts, 32 or 64 of them) whose weights exceed the last-level cache several
+  times, as a real model's do.
 
 The fit: the floor is ``kernel_latency_us``; per class the best attained FLOP/s and bytes/s (the
 floor taken off) become the achievable fractions of a datasheet entry (a recognised GPU) or, on an
@@ -29,7 +32,9 @@ achievable-bandwidth curves ``memory_by_rows`` by rows and weight size (the plan
 every measured point);
 the engine steps, less what the planner prices for them, are split by least squares into
 ``op_overhead_us`` per stage op that runs, ``op_overhead_per_token_us`` per token of such an op, and
-``step_overhead_us`` per step. The engine steps are measured by ``calibrate_engine``, the
+``step_overhead_us`` per step; then ``stream_efficiency``, the one factor on the gemm and grouped-GEMM
+memory fractions that makes the planner's price of the wide model's steps (host overhead included)
+match them. The engine steps are measured by ``calibrate_engine``, the
 all-to-all by ``calibrate_comm``; only these calibration modules import torch.
 """
 
@@ -61,7 +66,10 @@ SIZES = {  # (quick, full)
     "engine_layers": ((2, 6), (2, 5, 8)),  # tiny preset depths (1 dense + MoE layers)
     "engine_batches": ((1, 32), (1, 16, 64)),
     "engine_steps": (12, 30),
+    "stream_model": ((3, 32), (4, 64)),  # wide model: layers (1 dense + MoE), routed experts: 0.2 / 0.6 GiB
+    "stream_batches": ((1,), (1, 16)),
 }
+STREAM_EFFICIENCY_RANGE = (0.25, 2.0)
 BUDGET_S = (0.03, 0.25)  # time spent measuring one shape
 GEMM_KN = ((2048, 4096), (1024, 512))  # K, N of the calibration GEMMs: 16 MiB and 1 MiB bf16 weights
 EXPERT_DIMS = ((2048, 1024), (1024, 256))  # hidden, intermediate: large (12 MiB) and small (1.5 MiB) experts
@@ -316,6 +324,43 @@ def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[f
     return per_op, per_token, max(step, 0.0)
 
 
+def fit_stream_efficiency(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> float:
+    """``stream_efficiency`` from ``engine_stream`` points: the factor on the weight-streaming
+    classes' memory fractions at which the planner's steps (priced with ``spec``'s host overheads)
+    are on average exactly as long as the measured ones, i.e. the mean relative error over the
+    points is zero (found by bisection: the price falls as the factor grows). Clipped to
+    ``STREAM_EFFICIENCY_RANGE``; ``spec``'s own value without points."""
+    from epserve.config import ModelConfig
+    from epserve.planner.deployment import Deployment
+    from epserve.planner.step import estimate_step
+
+    cases = []
+    for p in points:
+        if p.kind != "engine_stream":
+            continue
+        label, layers, _, batch, kv = p.shape.split()
+        model = ModelConfig.from_dict(engine_config(int(layers), int(label.removeprefix("wide"))))
+        d = Deployment(ep=1, batch=int(batch.removeprefix("b")), kv_len=int(kv.removeprefix("kv")),
+                       overlap="dispatch", weight_dtype="bf16")
+        cases.append((model, d, p.time_us))
+    if not cases:
+        return spec.stream_efficiency
+
+    def error(factor: float) -> float:
+        hw = replace(spec, stream_efficiency=factor)
+        return sum(estimate_step(m, hw, d, "dispatch").step_time_us / t - 1 for m, d, t in cases)
+
+    lo, hi = STREAM_EFFICIENCY_RANGE
+    if error(lo) <= 0:
+        return lo
+    if error(hi) >= 0:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if error(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
 def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares ``(slope, intercept)`` of ``y = slope x + intercept``."""
     mx = sum(x for x, _ in points) / len(points)
@@ -328,7 +373,8 @@ def _line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 def calibrate(quick: bool = False, device: str | None = None, world_size: int = 2,
               base: HardwareSpec | None = None, engine: bool = True) -> HardwareSpec:
     """Measure this device and return a ``HardwareSpec`` whose fractions, curves and overheads are
-    the measured ones. ``engine=False`` skips the engine steps (host overheads stay the base's)."""
+    the measured ones. ``engine=False`` skips the engine steps (host overheads and
+    ``stream_efficiency`` stay the base's)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise PlanError("--device cuda but CUDA is not available")
@@ -380,6 +426,10 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
         op_us, token_us, step_us = fit_overhead(replace(base, **changes), points)
         changes.update(op_overhead_us=round(op_us, 2), op_overhead_per_token_us=round(token_us, 4),
                        step_overhead_us=round(step_us, 1))
+        layers, experts = SIZES["stream_model"][q]
+        points += measure_engine(device, (layers,), SIZES["stream_batches"][q], SIZES["engine_steps"][q],
+                                 ENGINE_PROMPT, experts=experts)
+        changes["stream_efficiency"] = round(fit_stream_efficiency(replace(base, **changes), points), 4)
     changes["points"] = tuple(points)
     stamp = time.strftime("%Y-%m-%d %H:%M")
     peaks = "the best measured rates" if base.name.startswith("local-") else base.source

@@ -1,8 +1,16 @@
-"""Calibration of host overhead: decode steps of the engine itself on a model too small to do work.
+"""Calibration from decode steps of the engine itself.
 
-On the CPU the cores' private caches are flushed before every attention and FFN block (and the
-flush's time taken off), because in a real model the weights each block streams evict the runtime's
-own state from the caches the host shares with the kernels.
+- ``engine_step``: the ``tiny`` preset, a model too small to do work, so that what a step spends
+  beyond the priced kernels is host overhead. On the CPU the cores' private caches are flushed before
+  every attention and FFN block (and the flush's time taken off), because in a real model the
+  weights each block streams evict the runtime's own state from the caches the host shares with the
+  kernels.
+- ``engine_stream``: a synthetic *wide* model (the ``tiny`` preset's attention and routing with
+  ``WIDE`` overrides: hidden 1024, 32-64 experts of 3 MiB, 8 active per token) whose weights exceed
+  the last-level cache several times and whose step at batch 1 streams 2-3x that cache. What its steps
+  spend beyond the planner's price (host overhead included) is the weight streaming being slower
+  inside a step than the back-to-back kernel timings: ``stream_efficiency``. No flushing: its own
+  weights evict the caches.
 """
 
 from __future__ import annotations
@@ -16,32 +24,46 @@ import torch
 
 from epserve.planner.hardware import MeasuredPoint
 
+WIDE = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_experts_per_tok": 8}
 
-def engine_config(layers: int) -> dict:
+
+def engine_config(layers: int, experts: int = 0) -> dict:
+    """``config.json`` of the ``tiny`` preset at ``layers`` layers; with ``experts``, of the wide
+    streaming model with that many routed experts."""
     from epserve.presets import build_config
 
-    return build_config("tiny", overrides={"num_hidden_layers": layers}, dtype="bfloat16")
+    return build_config("tiny", overrides=_overrides(layers, experts), dtype="bfloat16")
+
+
+def _overrides(layers: int, experts: int) -> dict:
+    wide = {**WIDE, "n_routed_experts": experts} if experts else {}
+    return {**wide, "num_hidden_layers": layers}
 
 
 def measure_engine(
-    device: str, depths: Sequence[int], batches: Sequence[int], steps: int, prompt_len: int = 32
+    device: str, depths: Sequence[int], batches: Sequence[int], steps: int, prompt_len: int = 32, experts: int = 0
 ) -> list[MeasuredPoint]:
-    """Median decode step of the engine on the ``tiny`` preset at each depth and batch."""
+    """Median decode step of the engine on the ``tiny`` preset (``engine_step`` points) or, with
+    ``experts``, on the wide streaming model (``engine_stream``) at each depth and batch."""
     from epserve import LLM, SamplingParams
     from epserve.presets import make_checkpoint
 
+    kind, label = ("engine_stream", f"wide{experts}") if experts else ("engine_step", "tiny")
     pts = []
     with tempfile.TemporaryDirectory() as tmp:
         for layers in depths:
-            cfg = engine_config(layers)
-            path = make_checkpoint(Path(tmp) / f"tiny-{layers}", preset="tiny", dtype="bfloat16",
-                                   overrides={"num_hidden_layers": layers})
+            cfg = engine_config(layers, experts)
+            path = make_checkpoint(Path(tmp) / f"{label}-{layers}", preset="tiny", dtype="bfloat16",
+                                   overrides=_overrides(layers, experts))
             engine = LLM(path, dtype="bfloat16", device=device, num_blocks=512, enable_prefix_caching=False).engine
-            flushed = flush_before_blocks(engine.runner.model) if device == "cpu" else [0.0]
+            flush = device == "cpu" and not experts
+            flushed = flush_before_blocks(engine.runner.model) if flush else [0.0]
             params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
-            prompt = [10 + i % (cfg["vocab_size"] - 10) for i in range(prompt_len)]
+            vocab = cfg["vocab_size"] - 10
             for batch in batches:
-                for i in range(batch):
+                for i in range(batch):  # the wide model's requests differ, so that they route as a batch does
+                    prompt = [10 + (j + 97 * i * bool(experts)) * (1 + 2 * i * bool(experts)) % vocab
+                              for j in range(prompt_len)]
                     engine.add_request(f"calibrate-{batch}-{i}", prompt, params)
                 for _ in range(3):  # prefill and two warm decode steps
                     engine.step()
@@ -54,7 +76,7 @@ def measure_engine(
                     engine.step()
                 times.sort()
                 kv = prompt_len + 2 + steps // 2
-                pts.append(MeasuredPoint("engine_step", f"tiny {layers} layers b{batch} kv{kv}", 0.0, 0.0,
+                pts.append(MeasuredPoint(kind, f"{label} {layers} layers b{batch} kv{kv}", 0.0, 0.0,
                                          times[len(times) // 2] * 1e6))
             del engine
     return pts

@@ -88,7 +88,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {spec.name}, {spec.flops_for('bf16') / 1e12:.3g} TFLOP/s, "
           f"{spec.memory_bandwidth / 1e9:.0f} GB/s; achievable compute/memory {fr}; "
           f"GB/s by rows: {bw}; kernel floor {spec.kernel_latency_us:.1f} us, op overhead "
-          f"{spec.op_overhead_us:.1f} us + {spec.op_overhead_per_token_us:.2f} us/token, step overhead {spec.step_overhead_us:.0f} us, all-to-all latency "
+          f"{spec.op_overhead_us:.1f} us + {spec.op_overhead_per_token_us:.2f} us/token, step overhead {spec.step_overhead_us:.0f} us, "
+          f"in-step streaming efficiency {spec.stream_efficiency:.2f}, all-to-all latency "
           f"{spec.nvlink_latency_us:.0f} us; use it with --gpu {path}")
     if spec.kernel_latency_us > BUSY_FLOOR_US:
         print(f"warning: a {spec.kernel_latency_us:.0f} us kernel floor means another process was competing for "

@@ -20,6 +20,13 @@ Three more properties describe how a runtime, not just the silicon, spends time:
   graphs and fused kernels.
 - ``kernel_latency_us`` / ``step_overhead_us``: the floor of every kernel, and the host time per step
   outside the model (scheduling, batch building).
+- ``stream_efficiency``: the share of the calibrated weight-streaming rate (the memory fraction of
+  the ``gemm`` and ``group_gemm`` classes, curve or constant) that those kernels reach inside a real
+  decode step, where they run at the engine's own shapes (a few experts picked out of many, matrices
+  of 0.5-6 MiB) with the host's work between them, rather than back to back on the calibration's
+  shapes. 1.0 on the GPU entries (their fractions come from published kernel benchmarks);
+  ``epserve plan calibrate`` fits it from decode steps of a synthetic model whose weights exceed the
+  last-level cache several times.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from epserve.planner.errors import PlanError
 
 GiB = 1 << 30
 KERNEL_CLASSES = ("gemm", "group_gemm", "attention", "other")
+STREAM_CLASSES = ("gemm", "group_gemm")  # the weight-streaming classes ``stream_efficiency`` scales
 DEFAULT_LOCAL_FILE = Path.home() / ".cache" / "epserve" / "hardware-local.json"
 
 
@@ -78,6 +86,7 @@ class HardwareSpec:
     op_overhead_us: float = 0.0  # host time per stage op run (Python + dispatch); 0 with CUDA graphs
     op_overhead_per_token_us: float = 0.0  # ... plus this per token the op processes (eager elementwise chains)
     step_overhead_us: float = 0.0  # per step, outside the model (scheduler, batch building)
+    stream_efficiency: float = 1.0  # in-step share of the calibrated gemm / group_gemm memory fraction
     reserved_memory_fraction: float = 0.10  # context, activations, graphs, communication buffers
     # Achievable-bandwidth curve per kernel class: ((rows, bytes of one weight matrix, memory fraction), ...)
     memory_by_rows: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
@@ -104,7 +113,12 @@ class HardwareSpec:
         ``matrix_bytes``) to ``rows`` rows: the class's curve when it has one, else its constant
         fraction. Between row counts the time per byte is linear in rows; between matrix sizes the
         fraction is interpolated in log size; flat outside the measured range (an unknown size
-        takes the largest measured one)."""
+        takes the largest measured one). The weight-streaming classes (``STREAM_CLASSES``) are
+        scaled by ``stream_efficiency``."""
+        scale = self.stream_efficiency if kernel_class in STREAM_CLASSES else 1.0
+        return scale * self._memory_fraction(kernel_class, rows, matrix_bytes)
+
+    def _memory_fraction(self, kernel_class: str, rows: float, matrix_bytes: float) -> float:
         curve = self.memory_by_rows.get(kernel_class)
         if not curve or rows <= 0:
             return self.eff(kernel_class).memory
