@@ -57,3 +57,19 @@ def test_moe_swiglu_matches_per_expert_torch():
     ref = per_expert_torch(xs, skew, w13, w2)
     assert got is not None and torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
     assert cpu.moe_swiglu(xs, [24], w13[:1], w2[:1]) is None  # mostly large groups: the grouped GEMM
+
+
+def test_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(blocker))  # the kernels' folder cannot be created
+    source = cpu._SOURCE.read_bytes() + b"\n/* rebuild */\n"
+    monkeypatch.setattr(cpu, "_SOURCE", tmp_path / "cpu_bf16.c")
+    (tmp_path / "cpu_bf16.c").write_bytes(source)  # a new hash, so nothing cached is reused
+    cpu._library.cache_clear()
+    try:
+        assert not cpu.available()
+        x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+        assert torch.equal(cpu.linear(x, w), F.linear(x, w))
+    finally:
+        cpu._library.cache_clear()

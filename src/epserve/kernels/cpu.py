@@ -34,6 +34,18 @@ def _cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in flags and "avx512f" in flags
 
 
+def _build(cc: str, lib_path: Path) -> None:
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+        tmp_lib = Path(tmp) / lib_path.name
+        cmd = [cc, "-O3", "-mavx512f", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC",
+               str(_SOURCE), "-o", str(tmp_lib), "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=proc.stderr)
+        os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
+
+
 @cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("EPSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
@@ -46,18 +58,14 @@ def _library() -> ctypes.CDLL | None:
     from epserve.presets import cache_dir
 
     lib_path = cache_dir() / "kernels" / f"cpu_bf16-{tag}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            tmp_lib = Path(tmp) / lib_path.name
-            cmd = [cc, "-O3", "-mavx512f", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC",
-                   str(_SOURCE), "-o", str(tmp_lib), "-lm"]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                logger.warning("CPU kernels not built (%s); using torch", proc.stderr.strip()[:200])
-                return None
-            os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
-    lib = ctypes.CDLL(str(lib_path))
+    try:
+        if not lib_path.exists():
+            _build(cc, lib_path)
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        logger.warning("CPU kernels unavailable (%s); using torch", detail.strip()[:200])
+        return None
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.epserve_linear_bf16.argtypes = [p, i64, p, i64, i64, p, c_int]
     lib.epserve_moe_swiglu_bf16.argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
