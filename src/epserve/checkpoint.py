@@ -233,10 +233,6 @@ class CheckpointReader:
         """Whether ``name`` is stored float8_e4m3fn with a ``weight_scale_inv`` sibling."""
         return name + SCALE_SUFFIX in self._weight_map and self._dtype_of(name) == FP8_DTYPE
 
-    def shard_of(self, name: str) -> str:
-        self._require(name)
-        return self._weight_map[name]
-
     def _require(self, name: str) -> None:
         if name not in self._weight_map:
             raise CheckpointError(f"tensor {name!r} is not in checkpoint {self.path}")
@@ -275,17 +271,6 @@ class CheckpointReader:
         if dtype is not None:
             tensor = tensor.to(as_torch_dtype(dtype))
         return tensor.to(device)
-
-    def get_many(
-        self,
-        names: Iterable[str],
-        dtype: str | torch.dtype | None = None,
-        device: str | torch.device = "cpu",
-        desc: str = "loading weights",
-    ) -> dict[str, torch.Tensor]:
-        """``{name: get(name)}`` for ``names``, with a progress bar."""
-        names = list(names)
-        return {n: self.get(n, dtype, device) for n in iter_with_progress(names, desc)}
 
     def close(self) -> None:
         self._handles.clear()

@@ -94,7 +94,6 @@ class ModelRunner:
             input_ids=t(input_ids),
             positions=t(positions),
             slot_mapping=t(slots),
-            query_start_loc=t(query_start),
             seq_lens=t(seq_lens),
             block_tables=t(tables),
             logits_indices=t(logits_idx),

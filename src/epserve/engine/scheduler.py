@@ -69,10 +69,6 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
-    @property
-    def num_decodes(self) -> int:
-        return sum(1 for c in self.chunks if not c.is_prefill)
-
 
 @dataclass(frozen=True)
 class RequestUpdate:

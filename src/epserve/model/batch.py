@@ -14,17 +14,16 @@ class ForwardBatch:
 
     - ``input_ids``/``positions``/``slot_mapping``: ``[T]``; a token's KV goes to flat cache slot
       ``slot_mapping[t]`` = ``block_id * block_size + position % block_size``.
-    - ``query_start_loc``: ``[B + 1]`` offsets of each sequence's tokens in the flat batch.
     - ``seq_lens``: ``[B]`` context length after this step (cached + new tokens).
     - ``block_tables``: ``[B, max_blocks]`` block ids per sequence (padded with 0).
     - ``logits_indices``: ``[S]`` flat token indices whose logits are wanted (chunks that sample).
-    - ``seq_lens_cpu``/``query_start_loc_cpu``: the same as Python lists, for per-sequence loops.
+    - ``seq_lens_cpu``: the same as a tuple; ``query_start_loc_cpu``: ``B + 1`` offsets of each
+      sequence's tokens in the flat batch (host-side, for per-sequence loops).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
@@ -40,10 +39,6 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
 
     @property
     def num_prefill_seqs(self) -> int:

@@ -227,7 +227,7 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
 
         batch = ForwardBatch(
             input_ids=t([0] * requests), positions=t([length - 1] * requests), slot_mapping=t([0] * requests),
-            query_start_loc=t(list(range(requests + 1))), seq_lens=t(lens),
+            seq_lens=t(lens),
             block_tables=t(list(range(1, requests * blocks + 1))).view(requests, blocks),
             logits_indices=t(list(range(requests))), num_decode_seqs=requests, seq_lens_cpu=lens,
             query_start_loc_cpu=tuple(range(requests + 1)), block_size=block)
