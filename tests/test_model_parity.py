@@ -7,6 +7,7 @@ import torch
 
 from epserve import LLM, SamplingParams
 from epserve.engine.request import Request
+from epserve.engine.runner import BatchPlan
 from epserve.engine.scheduler import ScheduledChunk
 
 transformers = pytest.importorskip("transformers")
@@ -54,7 +55,8 @@ def engine_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     request = Request("probe", prompt, SamplingParams(max_tokens=1))
     num_blocks = -(-len(prompt) // runner.block_size)
     request.block_ids = list(range(num_blocks))
-    batch = runner.build_batch([ScheduledChunk(request=request, start=0, num_tokens=len(prompt))])
+    chunk = ScheduledChunk(request=request, start=0, num_tokens=len(prompt))
+    batch = BatchPlan.from_chunks([chunk], runner.block_size).to_batch(runner.device, runner.block_size)
     with torch.inference_mode():
         hidden = runner.model(batch, runner.kv_caches)
         return runner.model.compute_logits(hidden)

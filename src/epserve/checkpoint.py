@@ -129,9 +129,11 @@ def progress_enabled() -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
-def iter_with_progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
+def iter_with_progress(
+    items: Iterable[T], desc: str, total: int | None = None, disable: bool = False
+) -> Iterator[T]:
     """Yield ``items`` under a tqdm bar (on stderr), or plainly when progress is disabled."""
-    if not progress_enabled():
+    if disable or not progress_enabled():
         yield from items
         return
     from tqdm import tqdm

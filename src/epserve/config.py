@@ -268,16 +268,74 @@ class SchedulerConfig:
     max_model_len: int | None = None
 
 
+DISPATCH_BACKENDS = ("auto", "local", "all_to_all", "padded")
+OVERLAP_CHOICES = ("none", "dispatch", "microbatch", "auto")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Data-parallel attention groups × tensor-parallel ranks = expert-parallel world."""
+    """Data-parallel attention groups × tensor-parallel ranks = expert-parallel world.
+
+    ``dispatch``: the MoE token exchange (``auto`` = ``local`` for EP 1, else ``all_to_all``).
+    ``overlap``: ``none``, ``dispatch`` (shared expert while the dispatch is in flight),
+    ``microbatch`` (two interleaved micro-batches) or ``auto`` (micro-batches once every rank's FFN
+    half has at least ``microbatch_threshold`` tokens). ``nnodes``/``node_rank``/``master_addr``/
+    ``master_port``: a world spread over hosts, each running ``dp*tp/nnodes`` ranks."""
 
     dp: int = 1
     tp: int = 1
+    dispatch: str = "auto"
+    overlap: str = "auto"
+    microbatch_threshold: int = 256
+    num_redundant_experts: int = 0
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "nnodes", "microbatch_threshold"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.dispatch not in DISPATCH_BACKENDS:
+            raise ConfigError(f"unknown dispatch backend {self.dispatch!r}; choose from {DISPATCH_BACKENDS}")
+        if self.overlap not in OVERLAP_CHOICES:
+            raise ConfigError(f"unknown overlap mode {self.overlap!r}; choose from {OVERLAP_CHOICES}")
+        if self.num_redundant_experts < 0:
+            raise ConfigError("num_redundant_experts must be >= 0")
+        if self.world_size % self.nnodes:
+            raise ConfigError(f"dp*tp = {self.world_size} ranks do not divide over {self.nnodes} nodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank {self.node_rank} is outside [0, {self.nnodes})")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("a multi-node launch needs master_port (and master_addr of node 0)")
+        if self.timeout_s <= 0:
+            raise ConfigError("timeout_s must be > 0")
 
     @property
     def ep(self) -> int:
         return self.dp * self.tp
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on each host."""
+        return self.world_size // self.nnodes
+
+    def check_model(self, model: ModelConfig) -> None:
+        """The layout must split the model evenly: heads over TP, experts over EP."""
+        if model.num_attention_heads % self.tp:
+            raise ConfigError(f"tp={self.tp} does not divide the model's {model.num_attention_heads} attention heads")
+        experts = model.n_routed_experts + self.num_redundant_experts
+        if model.n_routed_experts and experts % self.ep:
+            raise ConfigError(
+                f"EP = dp*tp = {self.ep} does not divide the {experts} routed experts "
+                f"({model.n_routed_experts} + {self.num_redundant_experts} redundant)"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,11 @@
-"""The engine's step loop: schedule -> run the model -> sample -> update sequences."""
+"""One rank's engine and the lockstep step loop (ARCHITECTURE.md, "One step").
+
+Every rank of the EP group calls :meth:`LLMEngine.step` together: each DP group's leader schedules
+its batch (possibly empty); one small all-reduce over every rank says whether anybody has work and
+how many tokens the largest batch holds; if anybody has, the leaders broadcast their batch to their
+TP peers and every rank runs the forward (an idle DP group runs the empty batch, so every MoE
+collective has all participants); leaders sample and update their requests.
+"""
 
 from __future__ import annotations
 
@@ -6,48 +13,84 @@ import logging
 
 from epserve.config import EngineConfig
 from epserve.engine.request import Request, SamplingParams
-from epserve.engine.runner import ModelRunner
-from epserve.engine.scheduler import RequestUpdate, Scheduler
+from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
+from epserve.engine.scheduler import RequestUpdate, Scheduler, check_prompt
+from epserve.parallel.comm import all_reduce_max, broadcast_from_leader
+from epserve.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
 
+class RequestError(ValueError):
+    """A request the engine refuses; raised identically on every rank, before any collective, so
+    the ranks stay usable."""
+
+    recoverable = True
+
+
 class LLMEngine:
-    """Token-in/token-out engine of one instance (one DP group)."""
+    """Token-in/token-out engine of one rank; the leader of a DP group owns its scheduler."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len)
+        self.ctx = ctx if ctx is not None else ParallelContext.single(resolve_device(config.device))
+        self.runner = ModelRunner(config, self.ctx)
+        self.scheduler = (
+            Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len)
+            if self.ctx.is_leader
+            else None
+        )
+        self.anybody_unfinished = False  # from the last step's all-reduce
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; raises ValueError for an empty prompt, a token outside the vocabulary, or a
-        prompt that does not fit the context."""
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a prompt this engine cannot serve (the same answer on every rank)."""
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+            raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        try:
+            check_prompt(request_id, len(prompt_token_ids), params.max_tokens, self.config.max_model_len,
+                         self.config.cache.block_size, self.runner.num_blocks)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request on this DP group (leader only); raises RequestError for a bad one."""
+        if self.scheduler is None:
+            raise RuntimeError("requests go to the leader rank of a DP group")
+        self.check_request(request_id, prompt_token_ids, params)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.config.model.eos_token_ids)
         self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort_request(request_id)
+        return self.scheduler is not None and self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestUpdate]:
-        output = self.scheduler.schedule()
-        result = self.runner.execute(output) if output.chunks else None
-        updates = self.scheduler.update(
-            output, result.sampled if result else {}, result.logprobs if result else None
-        )
-        if not output.chunks and not updates and self.scheduler.has_unfinished_requests():
+        """One lockstep step; every rank must call it. Returns the leader's request updates."""
+        scheduler = self.scheduler
+        output = scheduler.schedule() if scheduler is not None else None
+        chunks = sorted(output.chunks, key=lambda c: c.num_tokens != 1) if output else []  # decodes first
+        plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
+        max_tokens, unfinished = all_reduce_max([plan.num_tokens, int(self.has_unfinished_requests())], self.ctx)
+        self.anybody_unfinished = bool(unfinished)
+        result = None
+        if max_tokens:
+            plan = broadcast_from_leader(plan, self.ctx)
+            hidden = self.runner.forward(plan, max_tokens)
+            if chunks:
+                result = self.runner.sample(chunks, plan, hidden)
+        if scheduler is None:
+            return []
+        updates = scheduler.update(output, result.sampled if result else {}, result.logprobs if result else None)
+        if not chunks and not updates and scheduler.has_unfinished_requests():
             # Cannot happen while the scheduler keeps its invariants; never spin silently.
             raise RuntimeError(
-                f"scheduler stalled: {self.scheduler.num_running} running, {self.scheduler.num_waiting} waiting, "
-                f"{self.scheduler.kv_manager.num_free_blocks} free KV blocks"
+                f"scheduler stalled: {scheduler.num_running} running, {scheduler.num_waiting} waiting, "
+                f"{scheduler.kv_manager.num_free_blocks} free KV blocks"
             )
         for update in updates:
             if update.finished:

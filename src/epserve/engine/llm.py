@@ -1,17 +1,29 @@
-"""Offline API: ``LLM(path).generate(prompts, SamplingParams(...))``."""
+"""Offline API: ``LLM(path, dp=2, tp=1).generate(prompts, SamplingParams(...))``.
+
+One process for EP = 1. For more ranks, ``LLM`` spawns ``dp*tp`` rank processes on this host (or
+``dp*tp/nnodes`` of them per host with ``nnodes``, every host running the same program) and drives
+them; under ``torchrun`` this process is itself one rank and every rank runs the same program.
+"""
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from tqdm import tqdm
-
-from epserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from epserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from epserve.engine.engine import LLMEngine
 from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import TokenLogprobs
+from epserve.engine.worker import EngineWorker, OfflineRequest, start_rank
+from epserve.moe.stats import ExpertLoad
+from epserve.parallel.launch import RankInfo, RankProcesses, free_port, torchrun_rank
+from epserve.parallel.overlap import choose_overlap
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -29,7 +41,7 @@ class RequestOutput:
 
 
 class LLM:
-    """A single-process engine with a tokenizer. ``model=None`` uses the built-in tiny checkpoint."""
+    """An engine with a tokenizer. ``model=None`` uses the built-in tiny checkpoint."""
 
     def __init__(
         self,
@@ -45,6 +57,16 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        dp: int = 1,
+        tp: int = 1,
+        dispatch: str = "auto",
+        overlap: str = "auto",
+        microbatch_threshold: int = 256,
+        num_redundant_experts: int = 0,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
     ) -> None:
         if model is None:
             from epserve.presets import default_model_path
@@ -56,7 +78,13 @@ class LLM:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
             )
-        config = EngineConfig(
+        parallel = ParallelConfig(
+            dp=dp, tp=tp, dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
+            num_redundant_experts=num_redundant_experts, nnodes=nnodes, node_rank=node_rank,
+            master_addr=master_addr, master_port=master_port,
+        )
+        parallel.check_model(model_config)
+        self.config = EngineConfig(
             model=model_config,
             model_path=path,
             dtype=dtype,
@@ -73,11 +101,45 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
             ),
+            parallel=parallel,
         )
         self.tokenizer = _load_tokenizer(path)
-        self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._worker: EngineWorker | None = None
+        self._ranks: RankProcesses | None = None
+        self.rank = 0  # this process's rank in the world (0 unless under torchrun)
+        torchrun = torchrun_rank()
+        if parallel.world_size == 1 and (torchrun is None or torchrun[1] == 1):
+            self._worker = EngineWorker(self.config)
+        elif torchrun is not None:
+            info, world = torchrun
+            if world != parallel.world_size:
+                raise ValueError(f"torchrun started {world} ranks but dp*tp = {parallel.world_size}")
+            self.rank = info.rank
+            self._worker = start_rank(info, self.config, logging.getLogger().getEffectiveLevel())
+        else:
+            self.rank = parallel.node_rank * parallel.local_world_size
+            self._ranks = _spawn_ranks(self.config)
+            atexit.register(self.shutdown)
 
+    # ---- properties -------------------------------------------------------------------------
+    @property
+    def engine(self) -> LLMEngine | None:
+        """This process's engine when it is a rank itself (one process, or torchrun); else None."""
+        return self._worker.engine if self._worker is not None else None
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process should print results (rank 0, or the front end of spawned ranks)."""
+        return self.rank == 0
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if self._worker is not None:
+            return getattr(self._worker, method)(*args)
+        assert self._ranks is not None
+        return self._ranks.call(method, *args)
+
+    # ---- API ---------------------------------------------------------------------------------
     def generate(
         self,
         prompts: Prompt | list[Prompt],
@@ -90,40 +152,54 @@ class LLM:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        outputs: dict[str, RequestOutput] = {}
-        requests = {}
-        order: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params_list):
-                rid = str(next(self._ids))
-                token_ids = self._encode(prompt)
-                out = RequestOutput(rid, prompt if isinstance(prompt, str) else None, token_ids)
-                requests[rid] = self.engine.add_request(rid, token_ids, p)
-                outputs[rid] = out
-                order.append(rid)
-            bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
-            while self.engine.has_unfinished_requests():
-                for update in self.engine.step():
-                    out = outputs.get(update.request_id)
-                    if out is None:  # e.g. the abort report of an earlier, failed call
-                        continue
-                    out.token_ids.extend(update.new_token_ids)
-                    if update.finished:
-                        out.finish_reason = update.finish_reason
-                        bar.update(1)
-            bar.close()
-        except BaseException:
-            for rid in order:
-                self.engine.abort_request(rid)
-            raise
-        for rid, out in outputs.items():
-            request = requests[rid]
-            out.num_cached_tokens = request.num_cached_tokens
-            if request.sampling_params.logprobs is not None:
-                out.logprobs = list(request.output_logprobs)  # type: ignore[arg-type]
+        outputs = []
+        requests = []
+        for prompt, p in zip(prompts, params_list):
+            rid = str(next(self._ids))
+            token_ids = self._encode(prompt)
+            outputs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, token_ids))
+            requests.append(OfflineRequest(rid, token_ids, p))
+        results = self._call("generate", requests, use_tqdm)
+        for out in outputs:
+            res = results[out.request_id]
+            out.token_ids = res.token_ids
+            out.finish_reason = res.finish_reason
+            out.num_cached_tokens = res.num_cached_tokens
+            out.logprobs = res.logprobs
             if self.tokenizer is not None:
                 out.text = self.tokenizer.decode(out.token_ids)
-        return [outputs[rid] for rid in order]
+        return outputs
+
+    def expert_load(self) -> ExpertLoad:
+        """Tokens per (MoE layer, logical expert) and per rank since start-up, and the imbalance."""
+        return self._call("expert_load")
+
+    def set_overlap(self, mode: str, microbatch_threshold: int | None = None) -> None:
+        """Switch the overlap mode (``none``, ``dispatch``, ``microbatch``, ``auto``) between calls."""
+        choose_overlap(mode, 0, 1)
+        if microbatch_threshold is not None and microbatch_threshold < 1:
+            raise ValueError("microbatch_threshold must be >= 1")
+        self._call("set_overlap", mode, microbatch_threshold)
+
+    def comm_bytes(self) -> list[dict[str, int]]:
+        """Bytes each rank's dispatcher sent to other ranks (``dispatch``, ``combine``) since the
+        last :meth:`reset_comm_stats`, in rank order."""
+        return self._call("comm_bytes")
+
+    def reset_comm_stats(self) -> None:
+        self._call("reset_comm_stats")
+
+    def shutdown(self) -> None:
+        """Stop the rank processes (nothing to do for an in-process engine). Idempotent."""
+        if self._ranks is not None:
+            self._ranks.close()
+            atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -133,6 +209,18 @@ class LLM:
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("a prompt must be a string or a list of token ids")
         return list(prompt)
+
+
+def _spawn_ranks(config: EngineConfig) -> RankProcesses:
+    pc = config.parallel
+    port = pc.master_port if pc.master_port is not None else free_port()
+    local = pc.local_world_size
+    infos = [
+        RankInfo(pc.node_rank * local + i, i, local, pc.master_addr, port) for i in range(local)
+    ]
+    logger.info("starting %d rank processes (dp=%d, tp=%d, node %d of %d)", local, pc.dp, pc.tp, pc.node_rank,
+                pc.nnodes)
+    return RankProcesses(start_rank, infos, (config, logging.getLogger().getEffectiveLevel()))
 
 
 def _load_tokenizer(path: str):

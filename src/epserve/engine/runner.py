@@ -3,21 +3,28 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from epserve.checkpoint import as_torch_dtype
-from epserve.config import EngineConfig
+from epserve.config import DISPATCH_BACKENDS, EngineConfig
 from epserve.engine.memory import determine_num_blocks
 from epserve.engine.sampler import Sampler, TokenLogprobs
-from epserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from epserve.engine.scheduler import ScheduledChunk
 from epserve.model.batch import ForwardBatch
 from epserve.model.loader import load_model
+from epserve.moe.dispatch.all_to_all import AllToAllDispatcher
+from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.dispatch.local import LocalDispatcher
+from epserve.moe.dispatch.padded import PaddedDispatcher
 from epserve.moe.placement import ExpertPlacement
+from epserve.parallel.comm import all_reduce_max
+from epserve.parallel.context import ParallelContext
+from epserve.parallel.overlap import choose_overlap
 
 logger = logging.getLogger(__name__)
+
 
 def resolve_device(name: str) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N``; a clear error for anything else or a missing GPU."""
@@ -41,32 +48,27 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs]
 
 
-class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = as_torch_dtype(config.dtype)
-        mc = config.model
-        placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ep_size=1)
-        dispatcher = LocalDispatcher(placement.num_local_slots)
-        self.model = load_model(mc, config.model_path, self.dtype, self.device, dispatcher, placement)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.block_size = config.cache.block_size
-        max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
-        self.num_blocks = determine_num_blocks(
-            mc, config.cache, self.dtype, self.device, weight_bytes, max_blocks
-        )
-        self.kv_caches = [
-            torch.zeros(self.num_blocks, self.block_size, mc.kv_cache_dim, dtype=self.dtype, device=self.device)
-            for _ in range(mc.num_hidden_layers)
-        ]
-        self.sampler = Sampler(self.device)
-        self._generators: dict[str, torch.Generator] = {}
+@dataclass(frozen=True)
+class BatchPlan:
+    """One step's batch on the host, as the leader broadcasts it to its TP peers (see ForwardBatch
+    for the fields). An idle DP group runs the empty plan."""
 
-    # ---- tensors from sequences ---------------------------------------------------------------
-    def build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+    input_ids: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
+    slot_mapping: tuple[int, ...] = ()
+    seq_lens: tuple[int, ...] = ()
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    logits_indices: tuple[int, ...] = ()
+    query_start_loc: tuple[int, ...] = (0,)
+    num_decode_seqs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def from_chunks(cls, chunks: list[ScheduledChunk], block_size: int) -> BatchPlan:
         """``chunks`` must list single-token (decode) chunks first."""
-        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -77,42 +79,99 @@ class ModelRunner:
         for chunk in chunks:
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.end))
-            slots.extend(chunk.slot_ids(bs))
+            slots.extend(chunk.slot_ids(block_size))
             query_start.append(query_start[-1] + chunk.num_tokens)
             seq_lens.append(chunk.end)
             if chunk.needs_sample:
                 logits_idx.append(query_start[-1] - 1)
             num_decode += chunk.num_tokens == 1
-        max_blocks = max(-(-n // bs) for n in seq_lens)
-        tables = [c.request.block_ids[:max_blocks] for c in chunks]
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-
-        def t(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        return ForwardBatch(
-            input_ids=t(input_ids),
-            positions=t(positions),
-            slot_mapping=t(slots),
-            seq_lens=t(seq_lens),
-            block_tables=t(tables),
-            logits_indices=t(logits_idx),
-            num_decode_seqs=num_decode,
-            seq_lens_cpu=tuple(seq_lens),
-            query_start_loc_cpu=tuple(query_start),
-            block_size=bs,
+        max_blocks = max((-(-n // block_size) for n in seq_lens), default=0)
+        tables = tuple(
+            tuple(c.request.block_ids[:max_blocks]) + (0,) * (max_blocks - len(c.request.block_ids[:max_blocks]))
+            for c in chunks
         )
+        return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(seq_lens), tables, tuple(logits_idx),
+                   tuple(query_start), num_decode)
+
+    def to_batch(self, device: torch.device, block_size: int) -> ForwardBatch:
+        def t(values: object) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        tables = t(self.block_tables) if self.block_tables else torch.zeros(0, 0, dtype=torch.long, device=device)
+        return ForwardBatch(
+            input_ids=t(self.input_ids),
+            positions=t(self.positions),
+            slot_mapping=t(self.slot_mapping),
+            seq_lens=t(self.seq_lens),
+            block_tables=tables,
+            logits_indices=t(self.logits_indices),
+            num_decode_seqs=self.num_decode_seqs,
+            seq_lens_cpu=self.seq_lens,
+            query_start_loc_cpu=self.query_start_loc,
+            block_size=block_size,
+        )
+
+
+def build_dispatcher(name: str, num_local_slots: int, ctx: ParallelContext) -> Dispatcher:
+    """``local`` for EP = 1 (whatever was asked: there is nobody to send to); ``all_to_all``
+    (``auto``) or ``padded`` across ranks."""
+    if name not in DISPATCH_BACKENDS:
+        raise ValueError(f"unknown dispatch backend {name!r}; choose from {DISPATCH_BACKENDS}")
+    if ctx.ep_size == 1:
+        return LocalDispatcher(num_local_slots)
+    if name == "local":
+        raise ValueError(f"dispatch 'local' needs EP = 1; this layout has EP = {ctx.ep_size}")
+    if name == "padded":
+        return PaddedDispatcher(num_local_slots, ctx.ep_group)
+    return AllToAllDispatcher(num_local_slots, ctx.ep_group)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, ctx: ParallelContext) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.device = ctx.device
+        self.dtype = as_torch_dtype(config.dtype)
+        mc = config.model
+        pc = config.parallel
+        self.placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ctx.ep_size, pc.num_redundant_experts)
+        self.dispatcher = build_dispatcher(pc.dispatch, self.placement.num_local_slots, ctx)
+        self.model = load_model(mc, config.model_path, self.dtype, self.device, self.dispatcher, self.placement, ctx)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.block_size = config.cache.block_size
+        max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
+        cache = config.cache
+        if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
+            cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size)
+        num_blocks = determine_num_blocks(mc, cache, self.dtype, self.device, weight_bytes, max_blocks)
+        self.num_blocks = -all_reduce_max([-num_blocks], ctx)[0]  # every rank agrees: the smallest pool
+        self.kv_caches = [
+            torch.zeros(self.num_blocks, self.block_size, mc.kv_cache_dim, dtype=self.dtype, device=self.device)
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.overlap = pc.overlap
+        self.microbatch_threshold = pc.microbatch_threshold
+        self.sampler = Sampler(self.device)
+        self._generators: dict[str, torch.Generator] = {}
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> StepResult:
-        chunks = sorted(output.chunks, key=lambda c: c.num_tokens != 1)  # decodes first, stable
-        batch = self.build_batch(chunks)
-        hidden = self.model(batch, self.kv_caches)
+    def forward(self, plan: BatchPlan, global_max_tokens: int) -> torch.Tensor:
+        """Every rank, every step (the empty plan on an idle DP group): the final hidden states [T, H].
+        ``global_max_tokens``: the most tokens any DP group runs this step, from the step's all-reduce."""
+        per_rank = -(-global_max_tokens // self.ctx.tp)
+        self.dispatcher.begin_step(per_rank)
+        overlap = choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
+        return self.model(plan.to_batch(self.device, self.block_size), self.kv_caches, overlap)
+
+    @torch.inference_mode()
+    def sample(self, chunks: list[ScheduledChunk], plan: BatchPlan, hidden: torch.Tensor) -> StepResult:
+        """Leader only: logits and sampling for the chunks that reach their last known token."""
         sampling = [c for c in chunks if c.needs_sample]
         if not sampling:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        index = torch.tensor(plan.logits_indices, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[index])
         params = [c.request.sampling_params for c in sampling]
         gens = [self._generator(c.request.request_id, p.seed) for c, p in zip(sampling, params)]
         out = self.sampler.sample(logits, params, gens)
@@ -131,3 +190,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its sampling generator) once it finished."""
         self._generators.pop(request_id, None)
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens received per (MoE layer, local slot) since start-up: [num_moe_layers, num_local_slots]."""
+        loads = [layer.mlp.expert_load for layer in self.model.layers if layer.is_moe]
+        return torch.stack(loads) if loads else torch.zeros(0, self.placement.num_local_slots, dtype=torch.long)

@@ -80,6 +80,29 @@ class RequestUpdate:
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
 
 
+def check_prompt(
+    request_id: str, num_prompt: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int
+) -> None:
+    """Raise ValueError for a prompt that can never run: empty, beyond the context, or needing more
+    KV blocks than the whole cache."""
+    rid = request_id
+    if num_prompt == 0:
+        raise ValueError(f"request {rid!r}: the prompt is empty")
+    if num_prompt >= max_model_len:
+        raise ValueError(
+            f"request {rid!r}: prompt has {num_prompt} tokens; the context is {max_model_len}, "
+            "which must leave room for at least one generated token"
+        )
+    # The last token of a finished request is never fed back, so it needs no KV slot.
+    num_kv_tokens = min(num_prompt + max_tokens, max_model_len) - 1
+    num_blocks_needed = -(-num_kv_tokens // block_size)
+    if num_blocks_needed > num_blocks:
+        raise ValueError(
+            f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
+            f"{num_blocks_needed} KV blocks of {block_size} tokens; the whole cache has {num_blocks}"
+        )
+
+
 class Scheduler:
     def __init__(
         self,
@@ -126,24 +149,8 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {rid!r} is not a new request ({request.status.name})")
-        num_prompt = request.num_prompt_tokens
-        if num_prompt == 0:
-            raise ValueError(f"request {rid!r}: the prompt is empty")
-        if num_prompt >= self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt has {num_prompt} tokens; the context is {self.max_model_len}, "
-                "which must leave room for at least one generated token"
-            )
-        # The last token of a finished request is never fed back, so it needs no KV slot.
-        max_tokens = request.sampling_params.max_tokens
-        num_kv_tokens = min(num_prompt + max_tokens, self.max_model_len) - 1
-        num_blocks_needed = self.kv_manager.num_blocks_for(num_kv_tokens)
-        if num_blocks_needed > self.kv_manager.num_blocks:
-            raise ValueError(
-                f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
-                f"{num_blocks_needed} KV blocks of {self.block_size} tokens; the whole cache has "
-                f"{self.kv_manager.num_blocks}"
-            )
+        check_prompt(rid, request.num_prompt_tokens, request.sampling_params.max_tokens, self.max_model_len,
+                     self.block_size, self.kv_manager.num_blocks)
         self._requests[rid] = request
         self._arrival_index[rid] = self._num_arrivals
         self._num_arrivals += 1

@@ -43,3 +43,28 @@ class ForwardBatch:
     @property
     def num_prefill_seqs(self) -> int:
         return self.num_seqs - self.num_decode_seqs
+
+    def split_point(self) -> int:
+        """The sequence index that splits the batch into two micro-batches of about equal tokens."""
+        half = self.num_tokens / 2
+        starts = self.query_start_loc_cpu
+        return min(range(len(starts)), key=lambda i: (abs(starts[i] - half), i))
+
+    def select(self, first: int, last: int) -> ForwardBatch:
+        """Sequences ``[first, last)`` as a batch of their own (a micro-batch)."""
+        starts = self.query_start_loc_cpu
+        lo, hi = starts[first], starts[last]
+        logits = self.logits_indices
+        logits = logits[(logits >= lo) & (logits < hi)] - lo
+        return ForwardBatch(
+            input_ids=self.input_ids[lo:hi],
+            positions=self.positions[lo:hi],
+            slot_mapping=self.slot_mapping[lo:hi],
+            seq_lens=self.seq_lens[first:last],
+            block_tables=self.block_tables[first:last],
+            logits_indices=logits,
+            num_decode_seqs=max(0, min(self.num_decode_seqs, last) - first),
+            seq_lens_cpu=self.seq_lens_cpu[first:last],
+            query_start_loc_cpu=tuple(s - lo for s in starts[first : last + 1]),
+            block_size=self.block_size,
+        )

@@ -84,7 +84,7 @@ class RopeTable:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., rope_dim] -> same shape, rotated."""
-        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [-1]
+        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [self.cos.shape[-1]]
         cos, sin = self.cos.view(shape), self.sin.view(shape)
         if self.interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]

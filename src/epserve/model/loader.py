@@ -19,6 +19,7 @@ from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.model.mla import MLAttention
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.placement import ExpertPlacement
+from epserve.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,24 @@ def _sources(config: ModelConfig, name: str, local_experts: tuple[int, ...], get
     return get(p + rest + ".weight")  # plain projections: q_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
 
 
+_HEAD_ROWS = ("self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_b_proj")
+
+
+def _shard_heads(config: ModelConfig, name: str, t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """This TP rank's heads of a per-head projection: rows of q_b/q/kv_b_proj, columns of o_proj.
+    Everything else (kv_a_proj, norms, embeddings, lm_head, dense MLPs, shared experts) is replicated."""
+    if ctx.tp == 1:
+        return t
+    heads = config.num_attention_heads
+    per_rank = heads // ctx.tp
+    lo, hi = ctx.tp_rank * per_rank, (ctx.tp_rank + 1) * per_rank
+    if name.endswith(_HEAD_ROWS):
+        return t.view(heads, -1, t.shape[-1])[lo:hi].reshape(-1, t.shape[-1])
+    if name.endswith("self_attn.o_proj"):
+        return t.view(t.shape[0], heads, -1)[:, lo:hi].reshape(t.shape[0], -1)
+    return t
+
+
 def load_model(
     config: ModelConfig,
     path: str,
@@ -67,20 +86,23 @@ def load_model(
     device: torch.device,
     dispatcher: Dispatcher,
     placement: ExpertPlacement,
-    ep_rank: int = 0,
+    ctx: ParallelContext,
 ) -> DeepseekV3ForCausalLM:
+    """Each rank reads its own routed experts (through ``placement``) and, with TP > 1, keeps its
+    heads of the per-head attention projections."""
     reader = CheckpointReader(path)
     with torch.device(device):
-        model = DeepseekV3ForCausalLM(config, dispatcher, placement, ep_rank)
+        model = DeepseekV3ForCausalLM(config, dispatcher, placement, ctx)
     if config.num_nextn_predict_layers and reader.has(f"model.layers.{config.num_hidden_layers}.eh_proj.weight"):
         logger.info("checkpoint has %d MTP layer(s); not used by this engine yet", config.num_nextn_predict_layers)
-    local_experts = placement.local_logical_experts(ep_rank)
+    local_experts = placement.local_logical_experts(ctx.rank)
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
-    for name in iter_with_progress(list(params), desc="Loading weights"):
+    for name in iter_with_progress(list(params), desc="Loading weights", disable=ctx.rank != 0):
         target = params[name]
         keep_fp32 = ".router." in name
         src = _sources(config, name, local_experts, lambda n: reader.get(n, dtype=torch.float32))
+        src = _shard_heads(config, name, src, ctx)
         if tuple(src.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint tensor for {name} has shape {tuple(src.shape)}, expected {tuple(target.shape)}")
         with torch.no_grad():

@@ -1,5 +1,8 @@
-"""DeepSeek MoE layer: router -> dispatcher.dispatch -> grouped experts -> dispatcher.combine, plus the
-shared expert, computed while the dispatch is in flight."""
+"""DeepSeek MoE layer parts: router -> dispatcher -> grouped experts -> combine, plus the shared expert.
+
+The layer calls them op by op (``parallel/stages.py``) so that the shared expert, or the other
+micro-batch, runs while a dispatch or combine is in flight.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ class MoE(nn.Module):
         self.local_logical_experts = placement.local_logical_experts(ep_rank)
         self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size)
         self.register_buffer("logical_to_physical", placement.logical_to_physical_table(), persistent=False)
-        # Tokens routed to each local slot since start-up (CPU, cheap to read for statistics).
+        # Tokens received by each local slot since start-up (CPU, cheap to read for statistics).
         self.expert_load = torch.zeros(placement.num_local_slots, dtype=torch.long, device="cpu")
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
@@ -32,14 +35,10 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H]"""
+    def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
         routing = self.router(x)
-        physical_ids = self.logical_to_physical[routing.topk_ids]
-        in_flight = self.dispatcher.dispatch_send(x, physical_ids, routing.topk_weights)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        expert_input, route = self.dispatcher.dispatch_recv(in_flight)
-        self.expert_load += expert_input.num_tokens_per_expert
-        y = self.experts(expert_input)
-        out = self.dispatcher.combine_recv(self.dispatcher.combine_send(y, route))
-        return out if shared is None else out + shared
+        return self.logical_to_physical[routing.topk_ids], routing.topk_weights
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.shared_experts(x) if self.shared_experts is not None else None

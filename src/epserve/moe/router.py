@@ -49,14 +49,14 @@ class Router(nn.Module):
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.topk_method != "greedy" and self.n_group > 1:
-            grouped = choice.view(x.shape[0], self.n_group, -1)  # [T, G, E/G]
+            grouped = choice.view(x.shape[0], self.n_group, choice.shape[1] // self.n_group)  # [T, G, E/G]
             if self.topk_method == "noaux_tc":
                 group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
             else:
                 group_scores = grouped.max(dim=-1).values
             group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(x.shape[0], -1)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(choice.shape)
         topk_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, topk_ids)
         if self.norm_topk_prob:

@@ -23,7 +23,7 @@ OpKind = Literal["gemm", "group_gemm", "attention", "dispatch", "combine", "coll
 OP_KINDS: tuple[str, ...] = ("gemm", "group_gemm", "attention", "dispatch", "combine", "collective", "other")
 OverlapMode = Literal["none", "dispatch", "microbatch"]
 OVERLAP_MODES: tuple[str, ...] = ("none", "dispatch", "microbatch")
-Phase = Literal["decode", "prefill"]
+Phase = Literal["decode", "prefill", "mixed"]  # mixed: the engine's batches of decodes and prefill chunks
 
 
 @dataclass(frozen=True)
@@ -86,10 +86,12 @@ EH_PROJ = Op("eh_proj", "gemm")  # MTP: enorm/hnorm, concat, project [2H] -> [H]
 _ATTN_PREP: dict[str, tuple[Op, ...]] = {
     "decode": (INPUT_NORM, QKV_A_PROJ, Q_B_PROJ, APPEND_KV, Q_ABSORB),
     "prefill": (INPUT_NORM, QKV_A_PROJ, Q_B_PROJ, APPEND_KV, KV_B_PROJ),
+    "mixed": (INPUT_NORM, QKV_A_PROJ, Q_B_PROJ, APPEND_KV, Q_ABSORB, KV_B_PROJ),
 }
 _ATTN_CORE: dict[str, tuple[Op, ...]] = {
     "decode": (ATTENTION_CORE, V_ABSORB, O_PROJ, ATTN_REDUCE_SCATTER),
     "prefill": (ATTENTION_CORE, O_PROJ, ATTN_REDUCE_SCATTER),
+    "mixed": (ATTENTION_CORE, V_ABSORB, O_PROJ, ATTN_REDUCE_SCATTER),
 }
 
 # Operations run once per step outside the decoder layers, and once per MTP draft token.

@@ -196,7 +196,7 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
 
 
 def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: float) -> list[MeasuredPoint]:
-    """The engine's decode attention (``MLAttention._decode_absorbed``: W_UK, MQA over the latent
+    """The engine's decode attention (``MLAttention.decode_attention``: W_UK, MQA over the latent
     cache, W_UV) on DeepSeek-V3's MLA dimensions."""
     from epserve.config import ModelConfig
     from epserve.model.batch import ForwardBatch
@@ -232,7 +232,7 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
             logits_indices=t(list(range(requests))), num_decode_seqs=requests, seq_lens_cpu=lens,
             query_start_loc_cpu=tuple(range(requests + 1)), block_size=block)
         query = torch.randn(requests, heads, cfg.qk_head_dim, device=device, dtype=dtype)
-        us = _time_calls(device, [partial(attn._decode_absorbed, query, batch, cache)], budget)
+        us = _time_calls(device, [partial(attn.decode_attention, query, batch, cache)], budget)
         flops = 2 * requests * heads * length * (dim + cfg.kv_lora_rank)
         moved = requests * length * dim * 2 + requests * heads * (dim + cfg.kv_lora_rank) * 2
         pts.append(MeasuredPoint("attention", f"{requests}x{heads}x{length}", flops, moved, us))

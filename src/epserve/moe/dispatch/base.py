@@ -34,6 +34,11 @@ class Dispatcher(ABC):
 
     name: str
 
+    def begin_step(self, max_tokens_per_rank: int) -> None:  # noqa: B027 - an optional hook
+        """Called by the runner once per step, before the forward, with the global maximum number of
+        tokens any rank feeds into one MoE layer this step, from the step's all-reduce. Backends with
+        fixed-size buffers size them from it; the default ignores it."""
+
     @abstractmethod
     def dispatch_send(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

@@ -1,0 +1,125 @@
+"""``all_to_all`` dispatcher: exact-size ``all_to_all_single`` exchanges, no padding.
+
+dispatch_send sorts the ``T*K`` token copies by physical slot (rank ``r`` owns slots
+``[r*num_local_slots, (r+1)*num_local_slots)``), swaps the per-(rank, local slot) counts with a small
+synchronous all-to-all, then starts the row exchange with exact split sizes. Rows arrive grouped by
+source rank, then local slot; dispatch_recv regroups them slot-major (slot 0 from source 0, source 1, …).
+combine reverses the regrouping and the exchange, then does the weighted scatter-add in token order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
+from epserve.moe.dispatch.local import group_by_expert
+
+
+@dataclass(frozen=True)
+class SenderRoute:
+    """The sending side's record of where its token copies went."""
+
+    num_tokens: int
+    token_idx: torch.Tensor  # [T*K] source token of each sent row, in send order
+    weights: torch.Tensor  # [T*K] routing weight of each sent row (fp32)
+    send_splits: tuple[int, ...]  # rows sent to each rank
+    recv_splits: tuple[int, ...]  # rows received from each rank
+
+
+@dataclass(frozen=True)
+class AllToAllInFlight(DispatchHandle):
+    work: dist.Work
+    send: torch.Tensor  # [T*K, H], kept alive until the transfer completes
+    recv: torch.Tensor  # [N, H], grouped by source rank, then local slot
+    perm: torch.Tensor  # [N] row of ``recv`` for each ExpertInput row
+    num_tokens_per_expert: torch.Tensor  # [num_local_slots] int64, CPU
+    sender: SenderRoute
+
+
+@dataclass(frozen=True)
+class AllToAllRoute(DispatchHandle):
+    perm: torch.Tensor  # [N] row of the received buffer for each ExpertInput row
+    sender: SenderRoute
+
+
+@dataclass(frozen=True)
+class AllToAllCombineInFlight(DispatchHandle):
+    work: dist.Work
+    send: torch.Tensor  # [N, H] expert outputs in received order, kept alive until the transfer completes
+    recv: torch.Tensor  # [T*K, H] expert outputs in send order
+    sender: SenderRoute
+
+
+class AllToAllDispatcher(Dispatcher):
+    name = "all_to_all"
+
+    def __init__(self, num_local_slots: int, group: dist.ProcessGroup) -> None:
+        self.num_local_slots = num_local_slots
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        self.comm_bytes: dict[str, int] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero ``comm_bytes``: payload bytes this rank sent to other ranks, per phase."""
+        self.comm_bytes = {"dispatch": 0, "combine": 0}
+
+    def dispatch_send(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> AllToAllInFlight:
+        """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]."""
+        ep, slots = self.ep_size, self.num_local_slots
+        order, send_counts = group_by_expert(topk_ids, ep * slots)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        counts = torch.stack([send_counts, recv_counts]).cpu().view(2, ep, slots)
+        send_splits = tuple(counts[0].sum(1).tolist())
+        recv_splits = tuple(counts[1].sum(1).tolist())
+
+        token_idx = order // topk_ids.shape[1]
+        send = x.index_select(0, token_idx)
+        recv = x.new_empty(sum(recv_splits), x.shape[1])
+        work = dist.all_to_all_single(
+            recv, send, list(recv_splits), list(send_splits), group=self.group, async_op=True
+        )
+        self.comm_bytes["dispatch"] += (send.shape[0] - send_splits[self.ep_rank]) * x.shape[1] * x.element_size()
+
+        # Received rows are source-major; a stable sort by local slot makes them slot-major.
+        recv_slots = torch.arange(slots, device=x.device).repeat(ep)
+        recv_slots = torch.repeat_interleave(recv_slots, recv_counts, output_size=recv.shape[0])
+        perm = torch.argsort(recv_slots, stable=True)
+        sender = SenderRoute(x.shape[0], token_idx, topk_weights.reshape(-1).index_select(0, order),
+                             send_splits, recv_splits)
+        return AllToAllInFlight(work, send, recv, perm, counts[1].sum(0), sender)
+
+    def dispatch_recv(self, handle: AllToAllInFlight) -> tuple[ExpertInput, AllToAllRoute]:
+        handle.work.wait()
+        expert_input = ExpertInput(
+            hidden_states=handle.recv.index_select(0, handle.perm),
+            num_tokens_per_expert=handle.num_tokens_per_expert,
+            num_tokens_per_expert_list=tuple(handle.num_tokens_per_expert.tolist()),
+        )
+        return expert_input, AllToAllRoute(handle.perm, handle.sender)
+
+    def combine_send(self, y: torch.Tensor, handle: AllToAllRoute) -> AllToAllCombineInFlight:
+        """y [N, H] in ExpertInput order."""
+        sender = handle.sender
+        send = y.new_empty(y.shape).index_copy_(0, handle.perm, y)
+        recv = y.new_empty(sum(sender.send_splits), y.shape[1])
+        work = dist.all_to_all_single(
+            recv, send, list(sender.send_splits), list(sender.recv_splits), group=self.group, async_op=True
+        )
+        self.comm_bytes["combine"] += (y.shape[0] - sender.recv_splits[self.ep_rank]) * y.shape[1] * y.element_size()
+        return AllToAllCombineInFlight(work, send, recv, sender)
+
+    def combine_recv(self, handle: AllToAllCombineInFlight) -> torch.Tensor:
+        """-> [T, H] in the original token order."""
+        handle.work.wait()
+        sender, y = handle.sender, handle.recv
+        out = y.new_zeros(sender.num_tokens, y.shape[1])
+        out.index_add_(0, sender.token_idx, y * sender.weights[:, None].to(y.dtype))
+        return out

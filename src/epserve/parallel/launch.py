@@ -1,0 +1,200 @@
+"""Rank processes: spawned on this host (``torch.multiprocessing``), or this process as one rank of a
+``torchrun`` world.
+
+Spawned ranks are driven SPMD-style: the parent sends every local rank the same command over its
+pipe, each rank runs it (collectives included) and replies. The parent watches every rank's pipe and
+process sentinel at once, so a rank that dies or fails stops the others and the call raises
+:class:`RankFailure` within moments instead of hanging; closing joins (then kills) every rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch.multiprocessing as mp
+
+logger = logging.getLogger(__name__)
+
+
+class RankFailure(RuntimeError):
+    """A rank process died or failed; the other ranks were stopped."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where one rank sits: its global rank, its index on this host, and the rendezvous."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_rank() -> tuple[RankInfo, int] | None:
+    """This process's place in a torchrun-style world (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` …
+    in the environment) and the world size; None outside one."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    world = int(env["WORLD_SIZE"])
+    info = RankInfo(
+        rank=int(env["RANK"]),
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", "29500")),
+    )
+    return info, world
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """CPU threads each rank may use: the host's cores shared out (oversubscribed OpenMP pools make
+    every parallel region wait on the others)."""
+    return max(1, len(os.sched_getaffinity(0)) // local_world_size)
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _rank_main(factory: Callable[..., Any], info: RankInfo, conn: Connection, args: tuple) -> None:
+    """A spawned rank: build the handler, then serve commands until shutdown or the parent leaves."""
+    _die_with_parent()
+    try:
+        handler = factory(info, *args)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("fatal", traceback.format_exc()))
+        os._exit(1)
+    while True:
+        try:
+            method, call_args = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            os._exit(1)
+        if method == "shutdown":
+            handler.close()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(handler, method)(*call_args)))
+        except BaseException as e:
+            if getattr(e, "recoverable", False):  # refused before any collective, on every rank alike
+                conn.send(("invalid", str(e)))
+                continue
+            conn.send(("fatal", traceback.format_exc()))
+            os._exit(1)
+
+
+class RankProcesses:
+    """This host's ranks of a world, each running ``factory(RankInfo, *args)`` -> a handler whose
+    methods the parent calls on all of them at once with :meth:`call`."""
+
+    def __init__(self, factory: Callable[..., Any], infos: list[RankInfo], args: tuple = ()) -> None:
+        ctx = mp.get_context("spawn")
+        self.ranks = [info.rank for info in infos]
+        self._conns: list[Connection] = []
+        self._procs = []
+        for info in infos:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_rank_main, args=(factory, info, child, args), name=f"epserve-rank{info.rank}", daemon=True
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._closed = False
+        self._collect()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run ``handler.method(*args)`` on every local rank; returns the first local rank's result.
+        Raises ValueError when the ranks refused the call (and stay usable), RankFailure when a rank
+        failed or died (every rank is then stopped)."""
+        if self._closed:
+            raise RankFailure("the rank processes were shut down")
+        for conn in self._conns:
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError):
+                pass  # its death is reported by _collect
+        return self._collect()
+
+    def _collect(self) -> Any:
+        pending = dict(zip(self._conns, range(len(self._conns))))
+        sentinels = {proc.sentinel: i for i, proc in enumerate(self._procs)}
+        results: dict[int, Any] = {}
+        refused: str | None = None
+        while pending:
+            for ready in wait([*pending, *sentinels]):
+                if ready in pending:
+                    i = pending[ready]
+                    try:
+                        kind, payload = ready.recv()
+                    except (EOFError, OSError):
+                        continue  # the sentinel reports how it died
+                    del pending[ready]
+                    if kind == "fatal":
+                        self._fail(f"rank {self.ranks[i]} failed:\n{payload}")
+                    if kind == "invalid":
+                        refused = payload
+                    results[i] = payload
+                elif ready in sentinels:
+                    i = sentinels[ready]
+                    if self._conns[i] in pending and self._conns[i].poll():
+                        continue  # read its last words first
+                    proc = self._procs[i]
+                    proc.join(0)
+                    self._fail(f"rank {self.ranks[i]} (pid {proc.pid}) died with exit code {proc.exitcode}")
+        if refused is not None:
+            raise ValueError(refused)
+        return results[0]
+
+    def _fail(self, message: str) -> None:
+        logger.error("%s; stopping the other ranks", message.splitlines()[0])
+        self.close(timeout=5.0)
+        raise RankFailure(message)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Shut every rank down: politely, then by signal. Leaves no process behind."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn, proc in zip(self._conns, self._procs):
+            if proc.is_alive():
+                try:
+                    conn.send(("shutdown", ()))
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + timeout
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
