@@ -47,3 +47,21 @@ def test_bad_option_values_are_one_line_errors(tmp_path):
     assert out.returncode == 2 and "max_tokens" in out.stderr and "Traceback" not in out.stderr
     out = run_cli("make-checkpoint", str(tmp_path / "x"), "--preset", "huge")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+def test_generate_across_ranks_matches_one_process(make_ckpt):
+    ckpt = str(make_ckpt("tiny", dtype="float32"))
+    args = ["generate", ckpt, "--prompt", "hello there", "--prompt", "abc", "--max-tokens", "6", "--dtype", "float32"]
+    one = run_cli(*args)
+    ep = run_cli(*args, "--dp", "2", "--tp", "2", "--dispatch", "padded", "--overlap", "microbatch")
+    assert one.returncode == 0 and ep.returncode == 0, ep.stderr
+    tokens = [line for line in one.stdout.splitlines() if line.startswith("tokens:")]
+    assert len(tokens) == 2 and tokens == [line for line in ep.stdout.splitlines() if line.startswith("tokens:")]
+
+
+def test_bad_layouts_are_one_line_errors(make_ckpt):
+    ckpt = str(make_ckpt("tiny", dtype="float32"))
+    out = run_cli("generate", ckpt, "--tp", "3")
+    assert out.returncode == 2 and "tp=3 does not divide" in out.stderr and "Traceback" not in out.stderr
+    out = run_cli("generate", ckpt, "--dp", "2", "--nnodes", "2")
+    assert out.returncode == 2 and "master_port" in out.stderr

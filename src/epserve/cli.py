@@ -18,6 +18,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    par = p.add_argument_group("parallelism (world = dp x tp = EP ranks)")
+    par.add_argument("--dp", type=int, default=1, help="data-parallel attention groups (engine instances)")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
+    par.add_argument("--dispatch", default="auto", choices=["auto", "local", "all_to_all", "padded"],
+                     help="MoE token exchange (auto: local for EP 1, else all_to_all)")
+    par.add_argument("--overlap", default="auto", choices=["none", "dispatch", "microbatch", "auto"])
+    par.add_argument("--microbatch-threshold", type=int, default=256,
+                     help="auto overlap: tokens per rank from which two micro-batches are used")
+    par.add_argument("--nnodes", type=int, default=1, help="hosts of the world; run the same command on each")
+    par.add_argument("--node-rank", type=int, default=0)
+    par.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous)")
+    par.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -44,13 +56,26 @@ def _build_llm(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        dp=args.dp,
+        tp=args.tp,
+        dispatch=args.dispatch,
+        overlap=args.overlap,
+        microbatch_threshold=args.microbatch_threshold,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    with _build_llm(args) as llm:
+        return _generate(llm, args)
+
+
+def _generate(llm, args: argparse.Namespace) -> int:
     from epserve import SamplingParams
 
-    llm = _build_llm(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -67,7 +92,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
             for p in prompts
         ]
-    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+    outputs = llm.generate(prompts, params)
+    if not llm.is_main_process:  # one rank of a torchrun world, or a front end on a node other than 0
+        return 0
+    for prompt, out in zip(prompts, outputs):
         print(f"prompt: {prompt!r}\noutput: {out.text!r}\ntokens: {out.token_ids} ({out.finish_reason})\n")
     return 0
 
@@ -118,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
     from epserve.engine.memory import OutOfMemoryError
+    from epserve.parallel.launch import RankFailure
 
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, OutOfMemoryError) as e:  # ConfigError, CheckpointError: ValueError
         print(f"epserve: error: {e}", file=sys.stderr)
         return 2
+    except RankFailure as e:
+        print(f"epserve: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

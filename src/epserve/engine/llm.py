@@ -16,6 +16,7 @@ from typing import Any
 
 from epserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from epserve.engine.engine import LLMEngine
+from epserve.engine.profiler import StepRecord
 from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.worker import EngineWorker, OfflineRequest, start_rank
@@ -188,6 +189,14 @@ class LLM:
 
     def reset_comm_stats(self) -> None:
         self._call("reset_comm_stats")
+
+    def set_profiling(self, enabled: bool) -> None:
+        """Record every op's wall time per step on every rank (benchmarks; costs a little)."""
+        self._call("set_profiling", enabled)
+
+    def profile(self) -> list[list[StepRecord]]:
+        """Each rank's per-step op times since profiling was enabled, in rank order."""
+        return self._call("profile")
 
     def shutdown(self) -> None:
         """Stop the rank processes (nothing to do for an in-process engine). Idempotent."""

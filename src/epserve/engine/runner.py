@@ -10,6 +10,7 @@ import torch
 from epserve.checkpoint import as_torch_dtype
 from epserve.config import DISPATCH_BACKENDS, EngineConfig
 from epserve.engine.memory import determine_num_blocks
+from epserve.engine.profiler import OpProfiler
 from epserve.engine.sampler import Sampler, TokenLogprobs
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.model.batch import ForwardBatch
@@ -153,6 +154,14 @@ class ModelRunner:
         self.microbatch_threshold = pc.microbatch_threshold
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
+        self.profiler: OpProfiler | None = None
+
+    def set_profiling(self, enabled: bool) -> None:
+        """Time every op of every step from now on (a fresh record), or stop."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else None
+        self.profiler = OpProfiler(sync) if enabled else None
+        for layer in self.model.layers:
+            layer.profiler = self.profiler
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -162,11 +171,21 @@ class ModelRunner:
         per_rank = -(-global_max_tokens // self.ctx.tp)
         self.dispatcher.begin_step(per_rank)
         overlap = choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
-        return self.model(plan.to_batch(self.device, self.block_size), self.kv_caches, overlap)
+        batch = plan.to_batch(self.device, self.block_size)
+        if self.profiler is None:
+            return self.model(batch, self.kv_caches, overlap)
+        num_seqs = len(plan.seq_lens)
+        self.profiler.begin_step(plan.num_tokens, num_seqs, plan.num_tokens == num_seqs, overlap)
+        return self.profiler.timed("forward", self.model, batch, self.kv_caches, overlap)
 
-    @torch.inference_mode()
     def sample(self, chunks: list[ScheduledChunk], plan: BatchPlan, hidden: torch.Tensor) -> StepResult:
         """Leader only: logits and sampling for the chunks that reach their last known token."""
+        if self.profiler is None:
+            return self._sample(chunks, plan, hidden)
+        return self.profiler.timed("sample", self._sample, chunks, plan, hidden)  # type: ignore[return-value]
+
+    @torch.inference_mode()
+    def _sample(self, chunks: list[ScheduledChunk], plan: BatchPlan, hidden: torch.Tensor) -> StepResult:
         sampling = [c for c in chunks if c.needs_sample]
         if not sampling:
             return StepResult({}, {})

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from epserve.config import EngineConfig
 from epserve.engine.engine import LLMEngine
+from epserve.engine.profiler import StepRecord
 from epserve.engine.request import SamplingParams
 from epserve.engine.runner import resolve_device
 from epserve.engine.sampler import TokenLogprobs
@@ -132,6 +133,17 @@ class EngineWorker:
         """Bytes each rank's dispatcher sent to other ranks, in rank order."""
         stats = dict(getattr(self.engine.runner.dispatcher, "comm_bytes", {}))
         return gather_objects(stats, self.ctx)  # type: ignore[return-value]
+
+    def set_profiling(self, enabled: bool) -> None:
+        self.engine.runner.set_profiling(enabled)
+
+    def profile(self) -> list[list[StepRecord]]:
+        """Every rank's step records since profiling was enabled, in rank order."""
+        profiler = self.engine.runner.profiler
+        steps = [] if profiler is None else [
+            StepRecord(r.num_tokens, r.num_seqs, r.is_decode, r.overlap, dict(r.seconds)) for r in profiler.steps
+        ]
+        return gather_objects(steps, self.ctx)  # type: ignore[return-value]
 
     def close(self) -> None:
         shutdown_parallel()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
+from epserve.engine.profiler import OpProfiler
 from epserve.kernels import linear
 from epserve.model.batch import ForwardBatch
 from epserve.model.layers import GatedMLP, RMSNorm, RopeTable, RotaryEmbedding
@@ -86,12 +87,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
         self.is_moe = isinstance(mlp, MoE)
+        self.profiler: OpProfiler | None = None  # set to time every op (benchmarks)
 
     def schedule(self, mode: str) -> Schedule:
         return _schedule(self.is_moe, mode)
 
     def run_op(self, name: str, s: LayerState) -> None:
-        getattr(self, "op_" + name)(s)
+        op = getattr(self, "op_" + name)
+        if self.profiler is None:
+            op(s)
+        else:
+            self.profiler.timed(name, op, s)
 
     # ---- attention half: every token of the DP group, this rank's heads -----------------------
     def op_input_norm(self, s: LayerState) -> None:

@@ -105,6 +105,21 @@ def _rank_main(factory: Callable[..., Any], info: RankInfo, conn: Connection, ar
             os._exit(1)
 
 
+def _last_line(trace: str) -> str:
+    lines = [line for line in trace.strip().splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else "unknown error"
+    return "failed: " + last.split(". This is typically caused")[0]  # gloo's advice adds nothing here
+
+
+def _signal_name(exitcode: int | None) -> str:
+    if exitcode is None or exitcode >= 0:
+        return ""
+    try:
+        return f" ({signal.Signals(-exitcode).name})"
+    except ValueError:
+        return ""
+
+
 class RankProcesses:
     """This host's ranks of a world, each running ``factory(RankInfo, *args)`` -> a handler whose
     methods the parent calls on all of them at once with :meth:`call`."""
@@ -144,35 +159,45 @@ class RankProcesses:
         sentinels = {proc.sentinel: i for i, proc in enumerate(self._procs)}
         results: dict[int, Any] = {}
         refused: str | None = None
-        while pending:
-            for ready in wait([*pending, *sentinels]):
+        failures: dict[int, str] = {}
+        deadline = None  # once a rank fails, wait briefly for the root cause (often another rank died)
+        while pending and (deadline is None or time.monotonic() < deadline):
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            for ready in wait([*pending, *sentinels], timeout):
+                i = pending.get(ready, sentinels.get(ready))  # type: ignore[arg-type]
                 if ready in pending:
-                    i = pending[ready]
                     try:
                         kind, payload = ready.recv()
                     except (EOFError, OSError):
-                        continue  # the sentinel reports how it died
+                        del pending[ready]  # it died; its sentinel says how
+                        continue
                     del pending[ready]
                     if kind == "fatal":
-                        self._fail(f"rank {self.ranks[i]} failed:\n{payload}")
-                    if kind == "invalid":
+                        failures[i] = _last_line(payload)
+                        logger.debug("rank %d failed:\n%s", self.ranks[i], payload)
+                    elif kind == "invalid":
                         refused = payload
                     results[i] = payload
-                elif ready in sentinels:
-                    i = sentinels[ready]
-                    if self._conns[i] in pending and self._conns[i].poll():
+                elif i not in failures:
+                    conn = self._conns[i]
+                    if conn in pending and conn.poll():
                         continue  # read its last words first
+                    pending.pop(conn, None)
+                    del sentinels[ready]
                     proc = self._procs[i]
-                    proc.join(0)
-                    self._fail(f"rank {self.ranks[i]} (pid {proc.pid}) died with exit code {proc.exitcode}")
+                    proc.join(1.0)
+                    failures[i] = f"died with exit code {proc.exitcode}" + _signal_name(proc.exitcode)
+                if failures and deadline is None:
+                    deadline = time.monotonic() + 2.0
+        if failures:
+            died = sorted(failures, key=lambda i: not failures[i].startswith("died"))
+            message = "; ".join(f"rank {self.ranks[i]} {failures[i]}" for i in died)
+            logger.error("%s; stopping the other ranks", message)
+            self.close(timeout=5.0)
+            raise RankFailure(message)
         if refused is not None:
             raise ValueError(refused)
         return results[0]
-
-    def _fail(self, message: str) -> None:
-        logger.error("%s; stopping the other ranks", message.splitlines()[0])
-        self.close(timeout=5.0)
-        raise RankFailure(message)
 
     def close(self, timeout: float = 30.0) -> None:
         """Shut every rank down: politely, then by signal. Leaves no process behind."""

@@ -1,0 +1,48 @@
+"""Per-op wall time of engine steps, for the stage breakdown benchmark (off unless enabled).
+
+Each decoder layer times every op it runs (a ``*_send`` op is the time to start a transfer, a
+``*_recv`` op the time spent waiting for it: what the overlap did not hide); the runner adds the
+whole forward and the sampling. One record per step, tagged with the step's shape.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    num_tokens: int  # this rank's DP group
+    num_seqs: int
+    is_decode: bool  # every sequence runs one token
+    overlap: str
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+class OpProfiler:
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.sync = sync  # e.g. torch.cuda.synchronize: make asynchronous kernels count where they run
+        self.steps: list[StepRecord] = []
+        self._current: StepRecord | None = None
+
+    def begin_step(self, num_tokens: int, num_seqs: int, is_decode: bool, overlap: str) -> None:
+        self._current = StepRecord(num_tokens, num_seqs, is_decode, overlap)
+        self.steps.append(self._current)
+
+    def now(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()
+
+    def add(self, name: str, seconds: float) -> None:
+        if self._current is not None:
+            self._current.seconds[name] += seconds
+
+    def timed(self, name: str, fn: Callable[..., object], *args: object) -> object:
+        start = self.now()
+        out = fn(*args)
+        self.add(name, self.now() - start)
+        return out

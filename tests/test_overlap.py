@@ -1,0 +1,130 @@
+"""Overlap schedules as the engine runs them: stage order of two micro-batches, micro-batch splits,
+every scheduled op implemented by the layer, and one-process equivalence of the modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epserve import LLM, SamplingParams
+from epserve.config import ConfigError, ModelConfig, ParallelConfig
+from epserve.engine.runner import BatchPlan
+from epserve.model.deepseek_v3 import DecoderLayer
+from epserve.moe.placement import ExpertPlacement
+from epserve.moe.stats import ExpertLoad
+from epserve.parallel.overlap import choose_overlap, run_in_order, run_interleaved
+from epserve.parallel.stages import OVERLAP_MODES, Schedule, Stage, dense_layer_schedule, moe_layer_schedule
+
+
+class RecordingLayer:
+    """A layer whose ops append ``(micro-batch, layer, op)`` to a shared log."""
+
+    def __init__(self, idx: int, log: list) -> None:
+        self.idx, self.log = idx, log
+
+    def schedule(self, mode: str) -> Schedule:
+        return moe_layer_schedule(mode)  # type: ignore[arg-type]
+
+    def run_op(self, name: str, state: object) -> None:
+        self.log.append((state, self.idx, name))
+
+
+def stage_trace(log: list, schedule: Schedule) -> list[str]:
+    """Collapse an op log into stage labels like ``A1``, ``B3`` (stage numbers count across layers)."""
+    first_ops = {s.ops[0].name: i for i, s in enumerate(schedule.stages)}
+    n = len(schedule.stages)
+    return [f"{mb}{layer * n + first_ops[op] + 1}" for mb, layer, op in log if op in first_ops]
+
+
+def test_two_micro_batches_follow_the_stage_offset():
+    log: list = []
+    layers = [RecordingLayer(i, log) for i in range(2)]
+    run_interleaved(layers, "A", "B")
+    trace = stage_trace(log, moe_layer_schedule("microbatch"))
+    # B starts two stages after A, then they alternate (BRIEF.md, "Two micro-batches").
+    assert trace[:8] == ["A1", "A2", "A3", "B1", "A4", "B2", "A5", "B3"]
+    assert trace.count("A10") == 1 and trace[-1] == "B10"
+    # A's dispatch is in flight while B computes: B's first stage sits between A's send and receive.
+    ops = [(mb, layer, op) for mb, layer, op in log]
+    assert ops.index(("A", 0, "dispatch_send")) < ops.index(("B", 0, "input_norm")) < ops.index(
+        ("A", 0, "dispatch_recv")
+    )
+    # Every op of every layer ran exactly once per micro-batch.
+    assert len(log) == 2 * 2 * len(moe_layer_schedule("microbatch").ops)
+
+
+def test_in_order_runs_the_schedule_ops():
+    log: list = []
+    run_in_order([RecordingLayer(0, log)], "A", "dispatch")
+    assert [op for _, _, op in log] == [op.name for op in moe_layer_schedule("dispatch").ops]
+
+
+def test_choose_overlap():
+    assert choose_overlap("auto", 255, 256) == "dispatch"
+    assert choose_overlap("auto", 256, 256) == "microbatch"
+    assert choose_overlap("none", 10**6, 1) == "none"
+    with pytest.raises(ValueError, match="unknown overlap mode"):
+        choose_overlap("sometimes", 1, 1)
+
+
+def test_every_scheduled_op_is_implemented_by_the_layer():
+    names = {op.name for mode in OVERLAP_MODES for op in moe_layer_schedule(mode, "mixed").ops}
+    names |= {op.name for op in dense_layer_schedule("mixed").ops}
+    missing = sorted(n for n in names if not hasattr(DecoderLayer, "op_" + n))
+    assert not missing
+
+
+def test_micro_batch_split_keeps_whole_sequences():
+    plan = BatchPlan(
+        input_ids=tuple(range(13)), positions=(7, 9, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3), slot_mapping=tuple(range(13)),
+        seq_lens=(8, 10, 7, 4), block_tables=((0,), (1,), (2,), (3,)), logits_indices=(0, 1, 8, 12),
+        query_start_loc=(0, 1, 2, 9, 13), num_decode_seqs=2,
+    )
+    batch = plan.to_batch(torch.device("cpu"), 16)
+    cut = batch.split_point()
+    assert cut == 3  # tokens 0..8 | 9..12 is the most even whole-sequence split
+    a, b = batch.select(0, cut), batch.select(cut, batch.num_seqs)
+    assert (a.num_tokens, b.num_tokens) == (9, 4)
+    assert (a.num_decode_seqs, b.num_decode_seqs) == (2, 0)
+    assert b.query_start_loc_cpu == (0, 4) and b.seq_lens_cpu == (4,)
+    assert b.logits_indices.tolist() == [3] and a.logits_indices.tolist() == [0, 1, 8]
+    assert torch.equal(torch.cat([a.input_ids, b.input_ids]), batch.input_ids)
+    empty = BatchPlan().to_batch(torch.device("cpu"), 16)
+    assert empty.split_point() == 0 and empty.select(0, 0).num_tokens == 0
+
+
+def test_overlap_modes_agree_in_one_process(make_ckpt):
+    path = make_ckpt("tiny", dtype="float32")
+    prompts = [[5, 6, 7], list(range(100, 160)), [9] * 20, [300, 301]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(path, dtype="float32", num_blocks=128, max_num_batched_tokens=32, enable_prefix_caching=False)
+    outputs = {}
+    for mode in ("none", "dispatch", "microbatch"):
+        llm.set_overlap(mode)
+        outputs[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outputs["none"] == outputs["dispatch"] == outputs["microbatch"]
+
+
+def test_layout_must_divide_the_model(make_ckpt):
+    path = make_ckpt("tiny", dtype="float32")  # 4 heads, 16 routed experts
+    with pytest.raises(ConfigError, match="tp=3 does not divide the model's 4 attention heads"):
+        LLM(path, tp=3)
+    with pytest.raises(ConfigError, match="does not divide the 16 routed experts"):
+        LLM(path, dp=3)
+    with pytest.raises(ConfigError, match="unknown dispatch backend"):
+        LLM(path, dp=2, dispatch="carrier-pigeon")
+    with pytest.raises(ConfigError, match="dp must be a positive integer"):
+        ParallelConfig(dp=0)
+    with pytest.raises(ConfigError, match="master_port"):
+        ParallelConfig(dp=2, nnodes=2)
+    ParallelConfig(tp=2).check_model(ModelConfig.from_hf(path))
+
+
+def test_expert_load_folds_replicas_and_ranks():
+    placement = ExpertPlacement.build(4, ep_size=2, num_redundant=2)  # slots: 0 1 2 | 3 0 1
+    loads = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])]
+    load = ExpertLoad.from_ranks((3,), loads, placement)
+    assert load.per_expert.tolist() == [[1 + 5, 2 + 6, 3, 4]]
+    assert load.per_rank.tolist() == [[6, 15]]
+    assert load.imbalance == pytest.approx(15 / 10.5)
+    assert load.summary()["tokens_per_rank"] == [6, 15]

@@ -1,0 +1,172 @@
+"""Expert parallelism end to end: every (dp, tp) layout, dispatch backend and overlap mode gives the
+single process's greedy tokens and logprobs; torchrun across two loopback "nodes"; a killed rank
+fails the call fast and leaves no process behind."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from epserve import LLM, SamplingParams
+from epserve.parallel.launch import RankFailure, free_port
+
+pytestmark = pytest.mark.slow
+
+SHARED = list(range(40, 80))  # a prefix several prompts share (prefix-cache hits)
+PROMPTS = [
+    SHARED + [3, 4, 5],
+    [9, 8, 7],
+    list(range(200, 300)),  # chunked over several steps by the small token budget
+    SHARED + [6, 7],
+    [11],
+    list(range(450, 410, -1)),
+    SHARED + [8],
+]
+PARAMS = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=3) for i in range(7)]
+ENGINE = dict(dtype="float32", num_blocks=256, max_num_batched_tokens=48)
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt) -> Path:
+    return make_ckpt("tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return LLM(ckpt, **ENGINE).generate(PROMPTS, PARAMS)
+
+
+def assert_same(outputs, reference, label: str) -> None:
+    for i, (out, ref) in enumerate(zip(outputs, reference)):
+        assert out.token_ids == ref.token_ids, f"{label}: prompt {i} tokens differ"
+        for step, (a, b) in enumerate(zip(out.logprobs, ref.logprobs)):
+            assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, f"{label}: prompt {i} step {step}"
+            for (ta, la), (tb, lb) in zip(a.top, b.top):
+                assert abs(la - lb) <= LOGPROB_ATOL, f"{label}: prompt {i} step {step} top logprobs"
+
+
+@pytest.mark.parametrize("dispatch", ["all_to_all", "padded"])
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_layouts_match_one_process(ckpt, reference, dp, tp, dispatch):
+    with LLM(ckpt, dp=dp, tp=tp, dispatch=dispatch, **ENGINE) as llm:
+        for mode in ("none", "dispatch", "microbatch"):
+            llm.set_overlap(mode)
+            assert_same(llm.generate(PROMPTS, PARAMS), reference, f"dp={dp} tp={tp} {dispatch} {mode}")
+
+
+def test_expert_load_matches_one_process(ckpt):
+    """Routing sees the same hidden states in every layout: the same token copies per (layer,
+    expert); per rank they sum to the same total. (No prefix cache: spreading requests over DP
+    groups changes which prefixes hit it, hence how many tokens run.)"""
+    engine = {**ENGINE, "enable_prefix_caching": False}
+    single = LLM(ckpt, **engine)
+    single.generate(PROMPTS, PARAMS)
+    ref = single.expert_load()
+    with LLM(ckpt, dp=2, tp=2, **engine) as llm:
+        llm.generate(PROMPTS, PARAMS)
+        load = llm.expert_load()
+    assert torch.equal(load.per_expert, ref.per_expert)
+    assert load.per_rank.shape == (len(load.layers), 4)
+    assert torch.equal(load.per_rank.sum(1), ref.per_expert.sum(1))
+    # 16 experts over 4 ranks: rank r holds logical experts 4r..4r+3.
+    assert torch.equal(load.per_rank, ref.per_expert.view(len(load.layers), 4, 4).sum(2))
+    totals = load.rank_totals.double()
+    assert load.imbalance == pytest.approx(float(totals.max() / totals.mean()))
+
+
+def test_auto_overlap_switches_at_the_threshold(ckpt, reference):
+    """auto with threshold 1 micro-batches every step; with a huge one never: both exact."""
+    ref_outputs = reference
+    with LLM(ckpt, dp=2, overlap="auto", microbatch_threshold=1, **ENGINE) as llm:
+        llm.set_profiling(True)
+        assert_same(llm.generate(PROMPTS, PARAMS), ref_outputs, "auto threshold 1")
+        modes = {s.overlap for rank in llm.profile() for s in rank}
+        assert modes == {"microbatch"}
+        llm.set_overlap("auto", 10**6)
+        llm.set_profiling(True)
+        assert_same(llm.generate(PROMPTS, PARAMS), ref_outputs, "auto threshold 1e6")
+        assert {s.overlap for rank in llm.profile() for s in rank} == {"dispatch"}
+
+
+def test_idle_group_and_refused_request_keep_ranks_usable(ckpt, reference):
+    ref_outputs = reference
+    with LLM(ckpt, dp=2, **ENGINE) as llm:
+        pids = llm._ranks.pids
+        # One request: DP group 1 runs empty batches through every step.
+        [out] = llm.generate([PROMPTS[2]], [PARAMS[2]])
+        assert out.token_ids == ref_outputs[2].token_ids
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[1, 2, 10**6]])
+        assert llm.generate([PROMPTS[1]], [PARAMS[1]])[0].token_ids == ref_outputs[1].token_ids
+    assert not any(_alive(p) for p in pids)  # shutdown leaves no process behind
+
+
+def test_bytes_moved_match_the_rows_sent(ckpt):
+    """all_to_all sends each token copy whose expert lives elsewhere once, both ways."""
+    with LLM(ckpt, dp=2, dispatch="all_to_all", **ENGINE) as llm:
+        llm.reset_comm_stats()
+        llm.generate(PROMPTS[:2], PARAMS[:2])
+        stats = llm.comm_bytes()
+    assert all(s["dispatch"] > 0 for s in stats)
+    assert sum(s["dispatch"] for s in stats) == sum(s["combine"] for s in stats)
+
+
+def test_killed_rank_fails_fast_and_leaves_nothing_behind(ckpt):
+    llm = LLM(ckpt, dp=2, dtype="float32", num_blocks=512)
+    pids = llm._ranks.pids
+    killer = threading.Timer(2.0, os.kill, (pids[1], signal.SIGKILL))
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 died with exit code -9 \(SIGKILL\)"):
+        llm.generate([[5] * 10] * 8, SamplingParams(max_tokens=100_000, ignore_eos=True))
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+    with pytest.raises(RankFailure, match="shut down"):
+        llm.generate([[5]])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _tokens(stdout: str) -> list[list[int]]:
+    return [ast.literal_eval(line.split(": ", 1)[1].rsplit(" (", 1)[0])
+            for line in stdout.splitlines() if line.startswith("tokens: ")]
+
+
+def test_torchrun_two_nodes_on_loopback(ckpt):
+    prompts = ["The quick brown fox", "Expert parallelism"]
+    args = ["generate", str(ckpt), "--dtype", "float32", "--dp", "2", "--max-tokens", "8", "--temperature", "0"]
+    for p in prompts:
+        args += ["--prompt", p]
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen([*torchrun, "--node-rank", str(n), "-m", "epserve.cli", "--log-level", "WARNING", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for n in range(2)
+    ]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    single = LLM(ckpt, dtype="float32").generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert _tokens(outs[0][0]) == [o.token_ids for o in single]
+    assert _tokens(outs[1][0]) == []  # only rank 0 prints
