@@ -16,11 +16,13 @@ dispatch and combine move against theory, and where two micro-batches beat dispa
    through the model, counted from the step records, times the number of MoE layers.
 3. **Overlap crossover** (dp 2, all_to_all): the median ``forward`` of rank 0 at each
    ``--overlap-batches`` per DP group, overlap ``dispatch`` vs ``microbatch`` (switched with
-   ``set_overlap`` in one engine, alternated over ``--rounds`` rounds), plus one prefill step of
-   2 x ``--prefill-len``-token prompts per DP group (split into two micro-batches of one prompt).
+   ``set_overlap`` in one engine, alternated over ``--rounds`` rounds; each round's ratio is shown
+   too), plus one prefill step of 2 x ``--prefill-len``-token prompts per DP group (split into two
+   micro-batches of one prompt).
 
 Prints markdown tables and writes every number as JSON (``--out``, default in the cache dir).
-``--quick``: the `tiny` preset and few steps, a smoke run (< 60 s). Figures go in docs/benchmarks.md.
+``--quick``: the `tiny` preset and few steps, a smoke run (< 60 s); ``--tables-from FILE`` reprints
+an earlier run's tables. Figures go in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -154,43 +156,49 @@ def comm_bytes(llm: LLM, dispatch: str, cfg: ModelConfig, args, vocab: int, item
     return out
 
 
+def compare_modes(llm: LLM, rounds: int, run, bar: tqdm) -> dict:
+    """``run(round)`` -> the steps to compare, once per overlap mode per round; the two modes
+    alternate which goes first. Pools every round's steps, and pairs the rounds: the ratio of the
+    two modes' median rank-0 forward within a round (seconds apart) is immune to slow drift."""
+    steps: dict[str, list[list[Step]]] = {"dispatch": [], "microbatch": []}
+    for rnd in range(rounds):
+        for mode in ("dispatch", "microbatch") if rnd % 2 == 0 else ("microbatch", "dispatch"):
+            llm.set_overlap(mode)
+            ss = run(rnd)
+            assert ss and all(r.overlap == mode for s in ss for r in s)
+            steps[mode].append(ss)
+            bar.update(1)
+    out: dict = {m: summarize([s for ss in per_round for s in ss]) for m, per_round in steps.items()}
+    for m, per_round in steps.items():
+        out[m]["round_forward_ms"] = [statistics.median(1e3 * s[0].seconds["forward"] for s in ss)
+                                      for ss in per_round]
+    out["round_ratios"] = [mb / d for d, mb in zip(out["dispatch"]["round_forward_ms"],
+                                                     out["microbatch"]["round_forward_ms"])]
+    d, mb = (out[k]["rank0_median_ms"]["forward"] for k in ("dispatch", "microbatch"))
+    out["microbatch_over_dispatch"] = mb / d
+    return out
+
+
 def overlap_sweep(llm: LLM, args, vocab: int, bar: tqdm) -> dict:
     dp = 2
     decode = []
     for b in args.overlap_batches:
-        steps: dict[str, list[Step]] = {"dispatch": [], "microbatch": []}
-        for rnd in range(args.rounds):
-            modes = ("dispatch", "microbatch") if rnd % 2 == 0 else ("microbatch", "dispatch")
-            for mode in modes:
-                llm.set_overlap(mode)
-                steps[mode] += pure_decode_steps(llm, dp, b, args.prompt_len, args.max_tokens, args.warmup,
-                                                 vocab, seed=1000 * rnd + b)
-                bar.update(1)
-        assert all(r.overlap == m for m, ss in steps.items() for s in ss for r in s)
-        row = {"batch_per_group": b, **{m: summarize(ss) for m, ss in steps.items()}}
-        d, m = (row[k]["rank0_median_ms"]["forward"] for k in ("dispatch", "microbatch"))
-        row["microbatch_over_dispatch"] = m / d
-        decode.append(row)
+        def run(rnd: int, b: int = b) -> list[Step]:
+            return pure_decode_steps(llm, dp, b, args.prompt_len, args.max_tokens, args.warmup, vocab,
+                                     seed=1000 * rnd + b)
+        decode.append({"batch_per_group": b, **compare_modes(llm, args.rounds, run, bar)})
 
     prefill = None
     if args.prefill_len:
-        steps = {"dispatch": [], "microbatch": []}
-        for rnd in range(args.rounds):
-            for mode in ("dispatch", "microbatch") if rnd % 2 == 0 else ("microbatch", "dispatch"):
-                llm.set_overlap(mode)
-                prompts = random_prompts(2 * dp, args.prefill_len, vocab, seed=5000 + rnd)
-                recs = profiled_generate(llm, prompts, 2)
-                steps[mode] += [s for s in recs if all(not r.is_decode and r.num_tokens == 2 * args.prefill_len
-                                                       for r in s)]
-                bar.update(1)
-        for mode, ss in steps.items():
-            if not ss:
-                raise RuntimeError(f"no step ran both prefills of a DP group at once ({mode}); "
-                                   "raise max_num_batched_tokens")
+        def run_prefill(rnd: int) -> list[Step]:
+            prompts = random_prompts(2 * dp, args.prefill_len, vocab, seed=5000 + rnd)
+            steps = profiled_generate(llm, prompts, 2)
+            steps = [s for s in steps if all(not r.is_decode and r.num_tokens == 2 * args.prefill_len for r in s)]
+            if not steps:
+                raise RuntimeError("no step ran both prefills of a DP group at once; raise max_num_batched_tokens")
+            return steps
         prefill = {"prompts_per_group": 2, "prompt_len": args.prefill_len,
-                   **{m: summarize(ss) for m, ss in steps.items()}}
-        d, m = (prefill[k]["rank0_median_ms"]["forward"] for k in ("dispatch", "microbatch"))
-        prefill["microbatch_over_dispatch"] = m / d
+                   **compare_modes(llm, args.rounds, run_prefill, bar)}
     llm.set_overlap("dispatch")
     return {"decode": decode, "prefill": prefill}
 
@@ -229,7 +237,7 @@ def bytes_table(rows: list[dict]) -> str:
 
 def overlap_table(res: dict) -> str:
     header = ["step", "tokens/group", "dispatch fwd ms", "microbatch fwd ms", "microbatch / dispatch",
-              "rank 1: dispatch", "rank 1: microbatch"]
+              "per-round ratios", "rank 1: dispatch", "rank 1: microbatch"]
     body = []
     rows = [(f"decode, batch {r['batch_per_group']}", r["batch_per_group"], r) for r in res["decode"]]
     if res["prefill"]:
@@ -238,15 +246,40 @@ def overlap_table(res: dict) -> str:
     for name, tokens, r in rows:
         d, m = r["dispatch"], r["microbatch"]
         body.append([name, str(tokens), f(d["rank0_median_ms"]["forward"]), f(m["rank0_median_ms"]["forward"]),
-                     f(r["microbatch_over_dispatch"], 3), f(d["forward_median_ms_per_rank"][1]),
+                     f(r["microbatch_over_dispatch"], 3), " ".join(f(x) for x in r["round_ratios"]),
+                     f(d["forward_median_ms_per_rank"][1]),
                      f(m["forward_median_ms_per_rank"][1])])
     return md_table(header, body)
 
 
-def mode_breakdown_table(name: str, r: dict) -> str:
+def mode_breakdown_table(res: dict) -> str:
+    """Rank 0's grouped median ms under each overlap mode, for every step of the sweep."""
+    rows = [(f"decode, batch {r['batch_per_group']}", r) for r in res["decode"]]
+    if res["prefill"]:
+        rows.append((f"prefill, 2 x {res['prefill']['prompt_len']}", res["prefill"]))
     header = ["step", "overlap", *COLUMNS]
-    body = [[name, mode, *(f(r[mode]["rank0_median_ms"][c]) for c in COLUMNS)] for mode in ("dispatch", "microbatch")]
+    body = [[name, mode, *(f(r[mode]["rank0_median_ms"][c]) for c in COLUMNS)]
+            for name, r in rows for mode in ("dispatch", "microbatch")]
     return md_table(header, body)
+
+
+def print_tables(results: dict) -> None:
+    threads = {int(k): v for k, v in results["threads_per_rank"].items()}
+    overlap = results["overlap"]
+    d = overlap["decode"]
+    wins = [r["batch_per_group"] for r in d if r["microbatch_over_dispatch"] < 1]
+    print(f"\n{results['machine']}; threads per rank: dp 1 -> {threads[1]}, dp 2 -> {threads[2]}\n")
+    print("### Decode step breakdown (rank 0, median ms per step; overlap dispatch, all_to_all)\n")
+    print(breakdown_table(results["breakdown"], threads))
+    print("\n### Bytes sent to other ranks (dp 2, one generate, summed over ranks)\n")
+    print(bytes_table(results["bytes"]))
+    print("\n### Overlap: dispatch vs microbatch (dp 2, all_to_all, median forward ms)\n")
+    print(overlap_table(overlap))
+    print(f"\nmicrobatch faster at batch/group: {wins or 'none'}; "
+          f"ratio at the largest decode batch ({d[-1]['batch_per_group']}): {d[-1]['microbatch_over_dispatch']:.3f}")
+    print("\n### Breakdown by overlap mode (dp 2, rank 0, median ms per step)\n")
+    print(mode_breakdown_table(overlap))
+    print(f"\nwall time {results['wall_s']:.0f} s")
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -254,16 +287,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", default=None, help="default: cache_dir()/bench-small (made if missing)")
     ap.add_argument("--breakdown-batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--overlap-batches", type=int, nargs="+", default=[2, 8, 32, 64, 128])
+    ap.add_argument("--overlap-batches", type=int, nargs="+", default=[2, 8, 32, 64, 128, 256])
     ap.add_argument("--bytes-batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--warmup", type=int, default=3, help="pure decode steps dropped at the start")
-    ap.add_argument("--rounds", type=int, default=2, help="alternations of the two overlap modes")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of the two overlap modes")
     ap.add_argument("--prefill-len", type=int, default=256, help="0: skip the prefill comparison")
     ap.add_argument("--out", default=None, help="JSON results (default: cache_dir()/ep_breakdown.json)")
     ap.add_argument("--quick", action="store_true", help="tiny preset, few steps: a smoke run")
+    ap.add_argument("--tables-from", default=None, help="only print the tables of an earlier run's JSON")
     args = ap.parse_args()
+    if args.tables_from:
+        print_tables(json.loads(Path(args.tables_from).read_text()))
+        return
     if args.quick:
         args.breakdown_batches, args.overlap_batches, args.bytes_batch = [1, 4], [2, 8], 4
         args.prompt_len, args.max_tokens, args.warmup, args.rounds, args.prefill_len = 8, 6, 1, 1, 16
@@ -310,26 +347,10 @@ def main() -> None:
         bar.update(1)
     bar.close()
     results.update(breakdown=rows, bytes=byte_rows, overlap=overlap, wall_s=time.perf_counter() - t_start)
-
-    d = overlap["decode"]
-    wins = [r["batch_per_group"] for r in d if r["microbatch_over_dispatch"] < 1]
-    print(f"\n{results['machine']}; threads per rank: dp 1 -> {threads[1]}, dp 2 -> {threads[2]}\n")
-    print("### Decode step breakdown (rank 0, median ms per step; overlap dispatch, all_to_all)\n")
-    print(breakdown_table(rows, threads))
-    print("\n### Bytes sent to other ranks (dp 2, one generate, summed over ranks)\n")
-    print(bytes_table(byte_rows))
-    print("\n### Overlap: dispatch vs microbatch (dp 2, all_to_all, median forward ms)\n")
-    print(overlap_table(overlap))
-    print(f"\nmicrobatch faster at batch/group: {wins or 'none'}; "
-          f"ratio at the largest decode batch ({d[-1]['batch_per_group']}): {d[-1]['microbatch_over_dispatch']:.3f}")
-    print(f"\n### Breakdown by overlap mode (rank 0, median ms)\n")
-    print(mode_breakdown_table(f"decode, batch {d[-1]['batch_per_group']}", d[-1]))
-    if overlap["prefill"]:
-        print()
-        print(mode_breakdown_table(f"prefill, 2 x {overlap['prefill']['prompt_len']}", overlap["prefill"]))
-    print(f"\nwall time {results['wall_s']:.0f} s; JSON: {out_path}")
+    print_tables(results)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2))
+    print(f"JSON: {out_path}")
 
 
 if __name__ == "__main__":

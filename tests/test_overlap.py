@@ -13,7 +13,7 @@ from epserve.model.deepseek_v3 import DecoderLayer
 from epserve.moe.placement import ExpertPlacement
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.overlap import choose_overlap, run_in_order, run_interleaved
-from epserve.parallel.stages import OVERLAP_MODES, Schedule, Stage, dense_layer_schedule, moe_layer_schedule
+from epserve.parallel.stages import OVERLAP_MODES, Schedule, dense_layer_schedule, moe_layer_schedule
 
 
 class RecordingLayer:
@@ -62,6 +62,7 @@ def test_in_order_runs_the_schedule_ops():
 def test_choose_overlap():
     assert choose_overlap("auto", 255, 256) == "dispatch"
     assert choose_overlap("auto", 256, 256) == "microbatch"
+    assert choose_overlap("auto", 10**6, None) == "dispatch"  # the CPU default: never micro-batch
     assert choose_overlap("none", 10**6, 1) == "none"
     with pytest.raises(ValueError, match="unknown overlap mode"):
         choose_overlap("sometimes", 1, 1)

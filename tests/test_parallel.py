@@ -52,7 +52,7 @@ def assert_same(outputs, reference, label: str) -> None:
         for step, (a, b) in enumerate(zip(out.logprobs, ref.logprobs)):
             assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, f"{label}: prompt {i} step {step}"
             for (ta, la), (tb, lb) in zip(a.top, b.top):
-                assert abs(la - lb) <= LOGPROB_ATOL, f"{label}: prompt {i} step {step} top logprobs"
+                assert ta == tb and abs(la - lb) <= LOGPROB_ATOL, f"{label}: prompt {i} step {step} top logprobs"
 
 
 @pytest.mark.parametrize("dispatch", ["all_to_all", "padded"])
@@ -108,7 +108,17 @@ def test_idle_group_and_refused_request_keep_ranks_usable(ckpt, reference):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([[1, 2, 10**6]])
         assert llm.generate([PROMPTS[1]], [PARAMS[1]])[0].token_ids == ref_outputs[1].token_ids
+        # No work anywhere: the ranks block (on their pipes), they do not spin.
+        before = [_cpu_seconds(p) for p in pids]
+        time.sleep(1.0)
+        assert all(_cpu_seconds(p) - b < 0.05 for p, b in zip(pids, before))
     assert not any(_alive(p) for p in pids)  # shutdown leaves no process behind
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def test_bytes_moved_match_the_rows_sent(ckpt):
@@ -146,6 +156,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry))
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    return kids
+
+
 def _tokens(stdout: str) -> list[list[int]]:
     return [ast.literal_eval(line.split(": ", 1)[1].rsplit(" (", 1)[0])
             for line in stdout.splitlines() if line.startswith("tokens: ")]
@@ -170,3 +192,53 @@ def test_torchrun_two_nodes_on_loopback(ckpt):
     single = LLM(ckpt, dtype="float32").generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert _tokens(outs[0][0]) == [o.token_ids for o in single]
     assert _tokens(outs[1][0]) == []  # only rank 0 prints
+
+
+def test_torchrun_rank_exits_when_its_peer_is_killed(ckpt):
+    port = free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    args = ["-m", "epserve.cli", "--log-level", "WARNING", "generate", str(ckpt), "--dtype", "float32", "--dp", "2",
+            "--max-tokens", "1900", "--ignore-eos", "--prompt", "a", "--prompt", "b", "--num-blocks", "512"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen([*torchrun, "--node-rank", str(n), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env, start_new_session=True)
+        for n in range(2)
+    ]
+    try:
+        time.sleep(8)  # both ranks are generating
+        assert nodes[0].poll() is None, nodes[0].communicate()[1][-2000:]
+        [worker] = _children(nodes[1].pid)  # torchrun runs the rank in a session of its own
+        os.kill(worker, signal.SIGKILL)
+        start = time.monotonic()
+        _, err = nodes[0].communicate(timeout=60)
+        assert time.monotonic() - start < 30
+        assert nodes[0].returncode != 0
+        assert "epserve: error: rank 0 failed" in err
+    finally:
+        for node in nodes:
+            for pid in [node.pid, *_children(node.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            node.wait()
+
+
+def test_two_hosts_without_torchrun(ckpt):
+    """--nnodes/--node-rank/--master-addr/--master-port: each "host" spawns its share of the ranks."""
+    port = free_port()
+    args = ["generate", str(ckpt), "--dtype", "float32", "--dp", "2", "--tp", "2", "--max-tokens", "6",
+            "--temperature", "0", "--prompt", "abc", "--prompt", "hello", "--nnodes", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", *args, "--node-rank", str(n)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in range(2)
+    ]
+    outs = [n.communicate(timeout=240) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    single = LLM(ckpt, dtype="float32").generate(["abc", "hello"], SamplingParams(max_tokens=6, temperature=0.0))
+    assert _tokens(outs[0][0]) == [o.token_ids for o in single]
+    assert _tokens(outs[1][0]) == []

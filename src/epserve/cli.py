@@ -24,8 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--dispatch", default="auto", choices=["auto", "local", "all_to_all", "padded"],
                      help="MoE token exchange (auto: local for EP 1, else all_to_all)")
     par.add_argument("--overlap", default="auto", choices=["none", "dispatch", "microbatch", "auto"])
-    par.add_argument("--microbatch-threshold", type=int, default=256,
-                     help="auto overlap: tokens per rank from which two micro-batches are used")
+    par.add_argument("--microbatch-threshold", type=int, default=None,
+                     help="auto overlap: tokens per rank from which two micro-batches run (default: 256 on "
+                     "CUDA, never on CPU)")
     par.add_argument("--nnodes", type=int, default=1, help="hosts of the world; run the same command on each")
     par.add_argument("--node-rank", type=int, default=0)
     par.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous)")

@@ -279,14 +279,16 @@ class ParallelConfig:
     ``dispatch``: the MoE token exchange (``auto`` = ``local`` for EP 1, else ``all_to_all``).
     ``overlap``: ``none``, ``dispatch`` (shared expert while the dispatch is in flight),
     ``microbatch`` (two interleaved micro-batches) or ``auto`` (micro-batches once every rank's FFN
-    half has at least ``microbatch_threshold`` tokens). ``nnodes``/``node_rank``/``master_addr``/
+    half has at least ``microbatch_threshold`` tokens; default: 256 on CUDA, never on CPU, where the
+    collectives run on the cores the compute needs and micro-batching measured slower at every batch
+    size, docs/benchmarks.md). ``nnodes``/``node_rank``/``master_addr``/
     ``master_port``: a world spread over hosts, each running ``dp*tp/nnodes`` ranks."""
 
     dp: int = 1
     tp: int = 1
     dispatch: str = "auto"
     overlap: str = "auto"
-    microbatch_threshold: int = 256
+    microbatch_threshold: int | None = None
     num_redundant_experts: int = 0
     nnodes: int = 1
     node_rank: int = 0
@@ -296,10 +298,13 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "nnodes", "microbatch_threshold"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if (value is not None or name != "microbatch_threshold") and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.dispatch not in DISPATCH_BACKENDS:
             raise ConfigError(f"unknown dispatch backend {self.dispatch!r}; choose from {DISPATCH_BACKENDS}")
+        if self.dispatch == "local" and self.world_size > 1:
+            raise ConfigError(f"dispatch 'local' needs EP = 1; dp*tp = {self.world_size}")
         if self.overlap not in OVERLAP_CHOICES:
             raise ConfigError(f"unknown overlap mode {self.overlap!r}; choose from {OVERLAP_CHOICES}")
         if self.num_redundant_experts < 0:

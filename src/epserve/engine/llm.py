@@ -21,7 +21,7 @@ from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.worker import EngineWorker, OfflineRequest, start_rank
 from epserve.moe.stats import ExpertLoad
-from epserve.parallel.launch import RankInfo, RankProcesses, free_port, torchrun_rank
+from epserve.parallel.launch import RankFailure, RankInfo, RankProcesses, free_port, torchrun_rank
 from epserve.parallel.overlap import choose_overlap
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class LLM:
         tp: int = 1,
         dispatch: str = "auto",
         overlap: str = "auto",
-        microbatch_threshold: int = 256,
+        microbatch_threshold: int | None = None,
         num_redundant_experts: int = 0,
         nnodes: int = 1,
         node_rank: int = 0,
@@ -85,6 +85,14 @@ class LLM:
             master_addr=master_addr, master_port=master_port,
         )
         parallel.check_model(model_config)
+        if device.startswith("cuda") and parallel.world_size > 1:
+            import torch
+
+            if parallel.local_world_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"{parallel.local_world_size} ranks per host need as many GPUs; "
+                    f"{torch.cuda.device_count()} visible"
+                )
         self.config = EngineConfig(
             model=model_config,
             model_path=path,
@@ -136,7 +144,12 @@ class LLM:
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._worker is not None:
-            return getattr(self._worker, method)(*args)
+            try:
+                return getattr(self._worker, method)(*args)
+            except RuntimeError as e:  # under torchrun a failed collective means a peer is gone
+                if not self._worker.ctx.distributed or isinstance(e, RankFailure):
+                    raise
+                raise RankFailure(f"rank {self.rank} failed: {str(e).splitlines()[0]}") from e
         assert self._ranks is not None
         return self._ranks.call(method, *args)
 

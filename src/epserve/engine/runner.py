@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from epserve.checkpoint import as_torch_dtype
-from epserve.config import DISPATCH_BACKENDS, EngineConfig
+from epserve.config import EngineConfig
 from epserve.engine.memory import determine_num_blocks
 from epserve.engine.profiler import OpProfiler
 from epserve.engine.sampler import Sampler, TokenLogprobs
@@ -114,14 +114,10 @@ class BatchPlan:
 
 
 def build_dispatcher(name: str, num_local_slots: int, ctx: ParallelContext) -> Dispatcher:
-    """``local`` for EP = 1 (whatever was asked: there is nobody to send to); ``all_to_all``
-    (``auto``) or ``padded`` across ranks."""
-    if name not in DISPATCH_BACKENDS:
-        raise ValueError(f"unknown dispatch backend {name!r}; choose from {DISPATCH_BACKENDS}")
+    """``local`` for EP = 1 (whatever was asked: there is nobody to send to); ``padded``, or
+    ``all_to_all`` (also for ``auto``), across ranks."""
     if ctx.ep_size == 1:
         return LocalDispatcher(num_local_slots)
-    if name == "local":
-        raise ValueError(f"dispatch 'local' needs EP = 1; this layout has EP = {ctx.ep_size}")
     if name == "padded":
         return PaddedDispatcher(num_local_slots, ctx.ep_group)
     return AllToAllDispatcher(num_local_slots, ctx.ep_group)
@@ -151,7 +147,7 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
         self.overlap = pc.overlap
-        self.microbatch_threshold = pc.microbatch_threshold
+        self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.profiler: OpProfiler | None = None

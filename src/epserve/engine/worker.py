@@ -24,7 +24,7 @@ from epserve.engine.sampler import TokenLogprobs
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
-from epserve.parallel.launch import RankInfo, threads_per_rank
+from epserve.parallel.launch import RankInfo, die_with_parent, threads_per_rank
 from epserve.parallel.overlap import choose_overlap
 
 logger = logging.getLogger(__name__)
@@ -156,6 +156,7 @@ def _refused(e: Exception) -> Exception:
 
 def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WARNING) -> EngineWorker:
     """Entry of a rank process (spawned, or this process under torchrun): threads, device, groups."""
+    die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{info.rank} %(name)s: %(message)s")
     pc = config.parallel
     device = resolve_device(config.device)

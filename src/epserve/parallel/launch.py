@@ -70,7 +70,8 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // local_world_size)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent (our front end, or torchrun's agent) dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -79,7 +80,6 @@ def _die_with_parent() -> None:
 
 def _rank_main(factory: Callable[..., Any], info: RankInfo, conn: Connection, args: tuple) -> None:
     """A spawned rank: build the handler, then serve commands until shutdown or the parent leaves."""
-    _die_with_parent()
     try:
         handler = factory(info, *args)
         conn.send(("ok", None))

@@ -50,12 +50,12 @@ def run_interleaved(layers: Sequence[StagedLayer], a: object, b: object, mode: s
                 active.remove(gen)
 
 
-def choose_overlap(mode: str, max_tokens_per_rank: int, threshold: int) -> str:
+def choose_overlap(mode: str, max_tokens_per_rank: int, threshold: int | None) -> str:
     """The schedule for this step. ``auto``: two micro-batches once every rank's FFN half holds at
-    least ``threshold`` tokens (the step's global maximum decides, so all ranks agree), else dispatch
-    overlap; splitting small batches only halves GEMM efficiency."""
+    least ``threshold`` tokens (the step's global maximum decides, so all ranks agree; None: never),
+    else dispatch overlap; splitting small batches only halves GEMM efficiency."""
     if mode == "auto":
-        return "microbatch" if max_tokens_per_rank >= threshold else "dispatch"
+        return "microbatch" if threshold is not None and max_tokens_per_rank >= threshold else "dispatch"
     if mode not in OVERLAP_MODES:
         raise ValueError(f"unknown overlap mode {mode!r}; choose from {(*OVERLAP_MODES, 'auto')}")
     return mode
