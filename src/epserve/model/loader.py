@@ -89,7 +89,7 @@ def load_model(
     ctx: ParallelContext,
 ) -> DeepseekV3ForCausalLM:
     """Each rank reads its own routed experts (through ``placement``) and, with TP > 1, keeps its
-    heads of the per-head attention projections."""
+    heads of the per-head attention projections; only leaders read ``lm_head``."""
     reader = CheckpointReader(path)
     with torch.device(device):
         model = DeepseekV3ForCausalLM(config, dispatcher, placement, ctx)
@@ -100,6 +100,9 @@ def load_model(
     params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     for name in iter_with_progress(list(params), desc="Loading weights", disable=ctx.rank != 0):
         target = params[name]
+        if name == "lm_head" and not ctx.is_leader:  # only a DP group's leader computes logits
+            target.data = torch.empty(0, config.hidden_size, device=device, dtype=dtype)
+            continue
         keep_fp32 = ".router." in name
         src = _sources(config, name, local_experts, lambda n: reader.get(n, dtype=torch.float32))
         src = _shard_heads(config, name, src, ctx)
