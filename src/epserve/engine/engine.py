@@ -71,6 +71,16 @@ class LLMEngine:
 
     def step(self) -> list[RequestUpdate]:
         """One lockstep step; every rank must call it. Returns the leader's request updates."""
+        profiler = self.runner.profiler
+        if profiler is None:
+            return self._step()
+        start, num_records = profiler.now(), len(profiler.steps)
+        updates = self._step()
+        if len(profiler.steps) > num_records:  # a forward ran: the whole step's wall time joins its record
+            profiler.steps[-1].seconds["step"] = profiler.now() - start
+        return updates
+
+    def _step(self) -> list[RequestUpdate]:
         scheduler = self.scheduler
         output = scheduler.schedule() if scheduler is not None else None
         chunks = sorted(output.chunks, key=lambda c: c.num_tokens != 1) if output else []  # decodes first

@@ -2,7 +2,8 @@
 
 Each decoder layer times every op it runs (a ``*_send`` op is the time to start a transfer, a
 ``*_recv`` op the time spent waiting for it: what the overlap did not hide); the runner adds the
-whole forward and the sampling. One record per step, tagged with the step's shape.
+whole forward and the sampling, the engine the whole step (scheduling, the step's all-reduce and
+batch broadcast included). One record per step that ran a forward, tagged with the step's shape.
 """
 
 from __future__ import annotations
