@@ -199,7 +199,8 @@ def test_torchrun_rank_exits_when_its_peer_is_killed(ckpt):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
     args = ["-m", "epserve.cli", "--log-level", "WARNING", "generate", str(ckpt), "--dtype", "float32", "--dp", "2",
-            "--max-tokens", "1900", "--ignore-eos", "--prompt", "a", "--prompt", "b", "--num-blocks", "512"]
+            "--max-tokens", "1900", "--ignore-eos", "--num-blocks", "2048"]
+    args += [arg for i in range(32) for arg in ("--prompt", f"prompt {i}")]  # ~2000 steps of 16 sequences per rank
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen([*torchrun, "--node-rank", str(n), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -207,7 +208,10 @@ def test_torchrun_rank_exits_when_its_peer_is_killed(ckpt):
         for n in range(2)
     ]
     try:
-        time.sleep(8)  # both ranks are generating
+        deadline = time.monotonic() + 60
+        while not all(_children(n.pid) for n in nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(6)  # both ranks have loaded the model and are generating
         assert nodes[0].poll() is None, nodes[0].communicate()[1][-2000:]
         [worker] = _children(nodes[1].pid)  # torchrun runs the rank in a session of its own
         os.kill(worker, signal.SIGKILL)

@@ -65,3 +65,108 @@ def measure_all_to_all(world: int, sizes: Sequence[int], iters: int) -> list[Mea
         times = json.loads(Path(out).read_text())
     return [MeasuredPoint("all_to_all", f"{world} ranks x {size} B", 0.0, size * (world - 1), t)
             for size, t in ((int(k), v) for k, v in times.items())]
+
+
+LOADED_GEMVS = 4  # weight-streaming GEMVs (2 MiB each, ~0.6 ms at one thread here) between two collectives
+
+
+def _loaded_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, threads: int, out: str) -> None:
+    """Every rank streams weights between collectives, as the engine's ranks compute between theirs;
+    records, per collective, when it entered and left, so that the time after the *last* rank arrived
+    (the collective's own latency, not the wait for a slower peer) can be taken."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    pool = [torch.full((1024, 1024), 0.01, dtype=torch.bfloat16) for _ in range(24)]  # 48 MiB: beyond the caches
+    x = torch.full((1, 1024), 0.01, dtype=torch.bfloat16)
+    counts = torch.ones(64 * world, dtype=torch.int64)
+    flags = torch.zeros(2, dtype=torch.int64)
+    cases: list[tuple[str, int]] = [("handshake", counts.numel() * 8), ("all_reduce", 16)]
+    cases += [("all_to_all_loaded", size) for size in sizes]
+    stamps: dict[str, list[tuple[float, float]]] = {}
+    j = 0
+    for kind, size in cases:
+        rows = torch.zeros(size // 2 * world, dtype=torch.bfloat16)
+        recv = torch.empty_like(rows)
+        recv_counts = torch.empty_like(counts)
+        own = []
+        for it in range(iters + 5):
+            for _ in range(LOADED_GEMVS):
+                torch.nn.functional.linear(x, pool[j % len(pool)])
+                j += 1
+            start = time.perf_counter()
+            if kind == "handshake":  # the all_to_all dispatcher's synchronous exchange of counts
+                dist.all_to_all_single(recv_counts, counts)
+            elif kind == "all_reduce":  # the step's metadata all-reduce
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            else:  # the rows: an asynchronous exchange, waited for
+                dist.all_to_all_single(recv, rows, async_op=True).wait()
+            if it >= 5:
+                own.append((start, time.perf_counter()))
+        stamps[f"{kind} {size}"] = own
+    # perf_counter is CLOCK_MONOTONIC: comparable between processes of one host
+    mine = torch.tensor([[s for pair in v for s in pair] for v in stamps.values()], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    if rank == 0:
+        result = {}
+        for c, key in enumerate(stamps):
+            lat = []
+            for i in range(iters):
+                last_in = max(float(e[c, 2 * i]) for e in every)
+                lat.append(max(float(e[c, 2 * i + 1]) for e in every) - last_in)
+            result[key] = sum(lat) / len(lat) * 1e6  # the mean: a step pays every collective, tail included
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def measure_loaded_collectives(world: int, sizes: Sequence[int], iters: int, threads: int = 1) -> list[MeasuredPoint]:
+    """The engine's collectives between ``world`` CPU rank processes of ``threads`` torch threads that
+    compute between them: the dispatcher's count exchange (``handshake``), the step's all-reduce
+    (``all_reduce``) and the rows' asynchronous ``all_to_all_single`` (``all_to_all_loaded``, each rank
+    sending ``size`` bytes to every other). Each point is the *mean* time from the last rank's arrival
+    to the last rank's departure. On a host whose cores all run ranks, a collective waits on threads
+    (gloo's, the peer's) that compete with the compute for the cores: its mean is several times the
+    idle back-to-back figure, with a long tail, and a step pays the mean."""
+    import torch.multiprocessing as mp
+
+    sizes = list(sizes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "loaded.json")
+        mp.spawn(_loaded_worker, args=(world, port, sizes, iters, threads, out), nprocs=world)
+        times = json.loads(Path(out).read_text())
+    pts = []
+    for key, t in times.items():
+        kind, size = key.split()
+        moved = int(size) * (world - 1)
+        pts.append(MeasuredPoint(kind, f"{world} ranks x {size} B", 0.0, float(moved), t))
+    return pts
+
+
+def fit_loaded(points: Sequence[MeasuredPoint]) -> dict[str, float]:
+    """Hardware fields from ``measure_loaded_collectives`` points: the count exchange and the step
+    all-reduce as they are; a line ``latency + bytes / bandwidth`` through the rows' points (least
+    squares; the latency floored at 0, the bandwidth at the largest point's average rate if the slope
+    is not positive)."""
+    by = {p.kind: p for p in points if p.kind in ("handshake", "all_reduce")}
+    rows = sorted((p for p in points if p.kind == "all_to_all_loaded"), key=lambda p: p.bytes)
+    out: dict[str, float] = {}
+    if "handshake" in by:
+        out["dispatch_handshake_us"] = round(by["handshake"].time_us, 2)
+    if "all_reduce" in by:
+        out["step_sync_us"] = round(by["all_reduce"].time_us, 2)
+    if len(rows) >= 2:
+        n = len(rows)
+        mx = sum(p.bytes for p in rows) / n
+        my = sum(p.time_us for p in rows) / n
+        sxx = sum((p.bytes - mx) ** 2 for p in rows)
+        slope = sum((p.bytes - mx) * (p.time_us - my) for p in rows) / sxx if sxx else 0.0
+        latency = max(my - slope * mx, 0.0)
+        bandwidth = 1e6 / slope if slope > 0 else rows[-1].bytes / rows[-1].time_us * 1e6
+        out.update(nvlink_latency_us=round(latency, 2), collective_latency_us=round(latency, 2),
+                   ib_latency_us=round(latency, 2), link_bandwidth=bandwidth)
+    return out

@@ -58,6 +58,9 @@ def add_parser(subparsers: Any) -> None:
     c.add_argument("--out", default=str(DEFAULT_LOCAL_FILE), help=f"output file (default {DEFAULT_LOCAL_FILE})")
     c.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if available")
     c.add_argument("--world-size", type=int, default=2, help="processes for the all-to-all (0: skip)")
+    c.add_argument("--ranks", type=int, default=1,
+                   help="CPU: describe one of this many engine rank processes on this host (calibrated "
+                        "concurrently, cores/ranks threads each, collectives timed between computing ranks)")
     c.add_argument("--base", help="datasheet entry to express fractions against (default: by device name)")
     c.add_argument("--no-engine", action="store_true",
                    help="skip timing the engine's own steps (host overheads stay the base entry's)")
@@ -75,11 +78,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from epserve.planner.calibrate import calibrate  # imports torch
+    from epserve.planner.calibrate import calibrate, calibrate_ranks  # imports torch
 
     base = load_hardware(args.base) if args.base else None
-    spec = calibrate(quick=args.quick, device=args.device, world_size=args.world_size, base=base,
-                     engine=not args.no_engine)
+    if args.ranks > 1:
+        if args.device == "cuda":
+            raise PlanError("--ranks describes CPU rank processes sharing one host; on CUDA each rank has its GPU")
+        spec = calibrate_ranks(args.ranks, quick=args.quick, base=base, engine=not args.no_engine)
+    else:
+        spec = calibrate(quick=args.quick, device=args.device, world_size=args.world_size, base=base,
+                         engine=not args.no_engine)
     path = save_hardware(spec, args.out)
     fr = ", ".join(f"{k} {e.compute:.0%}/{e.memory:.0%}" for k, e in spec.efficiency.items())
     bw = "; ".join(f"{k} {size / 2**20:.3g} MiB " + " ".join(f"{r:.3g}:{f * spec.memory_bandwidth / 1e9:.0f}"
@@ -90,7 +98,8 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"GB/s by rows: {bw}; kernel floor {spec.kernel_latency_us:.1f} us, op overhead "
           f"{spec.op_overhead_us:.1f} us + {spec.op_overhead_per_token_us:.2f} us/token, step overhead {spec.step_overhead_us:.0f} us, "
           f"in-step streaming efficiency {spec.stream_efficiency:.2f}, all-to-all latency "
-          f"{spec.nvlink_latency_us:.0f} us; use it with --gpu {path}")
+          f"{spec.nvlink_latency_us:.0f} us, count exchange {spec.dispatch_handshake_us:.0f} us, step all-reduce "
+          f"{spec.step_sync_us:.0f} us; use it with --gpu {path}")
     if spec.kernel_latency_us > BUSY_FLOOR_US:
         print(f"warning: a {spec.kernel_latency_us:.0f} us kernel floor means another process was competing for "
               "the cores (threads waiting a scheduler tick); calibrate again on a quiet machine", file=sys.stderr)

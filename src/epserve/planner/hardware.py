@@ -20,6 +20,14 @@ Three more properties describe how a runtime, not just the silicon, spends time:
   graphs and fused kernels.
 - ``kernel_latency_us`` / ``step_overhead_us``: the floor of every kernel, and the host time per step
   outside the model (scheduling, batch building).
+- ``dispatch_handshake_us`` / ``step_sync_us``: blocking host-side collectives of a multi-rank
+  engine. Our ``all_to_all`` dispatcher exchanges the per-(rank, slot) counts with a synchronous
+  all-to-all before it starts the rows' transfer, once per dispatch (EP > 1); every step starts with
+  an all-reduce of the batch metadata over all ranks (DP > 1). Zero on the GPU entries: the
+  low-latency dispatch kernels whose published latency they use (``nvlink_latency_us``) exchange
+  counts on the device inside that latency, and a GPU server overlaps the step's metadata exchange
+  with the previous step's kernels. ``epserve plan calibrate`` sets both to the collective latency it
+  measures between rank processes.
 - ``stream_efficiency``: the share of the calibrated weight-streaming rate (the memory fraction of
   the ``gemm`` and ``group_gemm`` classes, curve or constant) that those kernels reach inside a real
   decode step, where they run at the engine's own shapes (a few experts picked out of many, matrices
@@ -82,6 +90,8 @@ class HardwareSpec:
     nvlink_latency_us: float = 40.0  # fixed cost of one dispatch or combine inside a node
     ib_latency_us: float = 90.0  # ... and across nodes
     collective_latency_us: float = 10.0  # fixed cost of a TP reduce-scatter / all-gather (NVLink)
+    dispatch_handshake_us: float = 0.0  # blocking count exchange before each dispatch's rows (EP > 1)
+    step_sync_us: float = 0.0  # per step, the metadata all-reduce that keeps DP groups in lockstep (DP > 1)
     kernel_latency_us: float = 3.0  # floor of any kernel (launch + ramp) under CUDA graphs
     op_overhead_us: float = 0.0  # host time per stage op run (Python + dispatch); 0 with CUDA graphs
     op_overhead_per_token_us: float = 0.0  # ... plus this per token the op processes (eager elementwise chains)

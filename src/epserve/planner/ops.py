@@ -177,9 +177,12 @@ def _all_to_all(c: _Ctx, bytes_per_copy: float) -> Transfer:
     return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, c.t_moe, k, bytes_per_copy, c.shape.phase == "prefill")
 
 
-def _dispatch_send(c: _Ctx) -> _Price:  # quantize (FP8 when the experts run in FP8) and send each copy
+def _dispatch_send(c: _Ctx) -> _Price:
+    """Quantize (FP8 when the experts run in FP8) and send each copy; with EP > 1 the rows' transfer
+    is preceded by the blocking exchange of per-slot counts (``dispatch_handshake_us``)."""
     xfer = _all_to_all(c, c.h * c.a)
-    return _Price((c.elementwise(c.t_moe * c.h * 2 + c.pairs * c.h * c.a),), transfer=xfer)
+    handshake = c.hw.dispatch_handshake_us if c.d.ep > 1 else 0.0
+    return _Price((c.elementwise(c.t_moe * c.h * 2 + c.pairs * c.h * c.a),), sync_us=handshake, transfer=xfer)
 
 
 def _recv_hook(c: _Ctx) -> _Price:  # wait for the transfer's completion flags

@@ -1,7 +1,7 @@
 """A decode step: dense layers, MoE layers under their overlap schedule, the head and the MTP drafts.
 
 ``step = dense layers + MoE layers (schedule) + embed/norm/LM head/sample + drafts x (MTP layer
-+ head) + step overhead``; every op that runs adds the hardware's per-op host overhead. Output speed per request is the expected accepted tokens per step
++ head) + step overhead (+ the DP groups' metadata all-reduce)``; every op that runs adds the hardware's per-op host overhead. Output speed per request is the expected accepted tokens per step
 (``1 + a + a^2 + ... + a^drafts``) over the step time.
 """
 
@@ -146,12 +146,13 @@ def estimate_step(
         layer, _ = _run_layers(model, hw, d, moe_layer_schedule("dispatch"), draft, 1)
         mtp = (layer + _run_ops(model, hw, d, draft, MTP_DRAFT_OPS)).scaled(d.mtp_draft)
     total = dense + moe + head + mtp
+    sync = hw.step_sync_us if d.dp > 1 else 0.0  # the step's metadata all-reduce over the DP groups
     breakdown = {k: total.by_kind_us[k] for k in BREAKDOWN_KEYS}
-    breakdown["other"] += total.by_kind_us["collective"]
+    breakdown["other"] += total.by_kind_us["collective"] + sync
     breakdown["overhead"] += hw.step_overhead_us
     return StepEstimate(
         overlap=mode,
-        step_time_us=total.time_us + hw.step_overhead_us,
+        step_time_us=total.time_us + hw.step_overhead_us + sync,
         moe_layer_time_us=moe.time_us / max(num_moe, 1),
         dense_layer_time_us=dense.time_us / max(model.num_hidden_layers - num_moe, 1),
         head_time_us=head.time_us,
