@@ -54,7 +54,10 @@ def test_one_node_activates_more_experts_as_batch_grows() -> None:
         step = estimate_step(V3, H200, replace(MTP, ep=8, batch=batch), "dispatch")
         return step.moe_ops["experts"].bytes
 
-    assert experts_bytes(1) < 0.5 * experts_bytes(16)
+    # the busiest of the 8 GPUs reads ~17 of its 32 experts at batch 1 (the mean GPU ~13), all from ~8
+    sizes = [experts_bytes(b) for b in (1, 2, 4, 8, 16)]
+    assert all(a < b for a, b in zip(sizes, sizes[1:]))
+    assert sizes[0] < 0.6 * sizes[-1]
 
 
 def test_wide_ep_dominates_at_middle_speeds(h200_rows: list[SweepRow], h200_rows_no_mtp: list[SweepRow]) -> None:

@@ -3,6 +3,7 @@ time, all-to-all volumes, KV bytes per token and the memory model."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -22,6 +23,7 @@ from epserve.planner.cost import (
     Work,
     activated_experts,
     all_to_all,
+    busiest_rank_load,
     gemm_work,
     group_gemm_work,
     kernel_time,
@@ -82,8 +84,9 @@ def test_experts_op_prices_grouped_gemm_over_the_active_experts() -> None:
     d = Deployment(ep=128, tp=1, batch=4)
     ops = price_ops(V3, TOY, d, BatchShape(4, 1, 1000), moe_layer_schedule("dispatch").ops)
     h, inter = 7168, 2048
-    pairs = 4 * 8  # tokens per GPU x top-k
-    groups = activated_experts(2, 256, 8, 4 * 128)
+    copies_x, active_x = busiest_rank_load(128, 256, 8, 4 * 128)  # priced for the busiest GPU
+    pairs = 4 * 8 * copies_x  # tokens per GPU x top-k
+    groups = min(2, activated_experts(2, 256, 8, 4 * 128) * active_x)
     act = 2.0  # TOY has no FP8 tensor cores: activations stay BF16
     w = WEIGHT_BYTES["fp8"]
     expected_bytes = (groups * 3 * h * inter * w  # the active experts' weights, read once
@@ -92,6 +95,53 @@ def test_experts_op_prices_grouped_gemm_over_the_active_experts() -> None:
                       + pairs * inter * act + pairs * h * 2)  # down: in, out
     assert ops["experts"].flops == pytest.approx(2 * pairs * h * 3 * inter)
     assert ops["experts"].bytes == pytest.approx(expected_bytes)
+
+
+def test_one_rank_has_no_imbalance() -> None:
+    assert busiest_rank_load(1, 256, 8, 1000) == (1.0, 1.0)
+    # EP 1 (one engine instance, the dp 1 validation) prices the mean: every copy, E[active] experts
+    d = Deployment(ep=1, tp=1, batch=4, weight_dtype="bf16")
+    ops = price_ops(V3, TOY, d, BatchShape(4, 1, 1000), moe_layer_schedule("dispatch").ops)
+    pairs, groups = 4 * 8, activated_experts(256, 256, 8, 4)
+    assert ops["experts"].flops == pytest.approx(2 * pairs * 7168 * 3 * 2048)
+    assert ops["experts"].bytes == pytest.approx(groups * 3 * 7168 * 2048 * 2 + pairs * (7168 * 2 + 2048 * 2 * 2
+                                                 + 2048 * 6 + 2048 * 2 + 7168 * 2))
+
+
+def _enumerate_busiest(ep: int, slots: int, k: int, tokens: int) -> tuple[float, float]:
+    """Every routing of ``tokens`` tokens (each ``k`` distinct of ``slots``), equally likely."""
+    per = slots // ep
+    picks = list(itertools.combinations(range(slots), k))
+    max_copies = max_active = mean_active = 0.0
+    routings = list(itertools.product(picks, repeat=tokens))
+    for routing in routings:
+        chosen = [s for p in routing for s in p]
+        copies = [sum(1 for s in chosen if s // per == r) for r in range(ep)]
+        active = [len({s for s in chosen if s // per == r}) for r in range(ep)]
+        max_copies += max(copies)
+        max_active += max(active)
+        mean_active += sum(active) / ep
+    n = len(routings)
+    return max_copies / n / (tokens * k / ep), max_active / mean_active
+
+
+def test_busiest_rank_by_hand_and_by_enumeration() -> None:
+    # 1 token picks 2 of 4 experts, 2 per rank: both on one rank in 2 of the 6 pairs (max 2), else 1 each
+    assert _enumerate_busiest(2, 4, 2, 1) == pytest.approx((4 / 3, 4 / 3))
+    assert busiest_rank_load(2, 4, 2, 1) == pytest.approx((4 / 3, 4 / 3), rel=0.03)
+    for ep, slots, k, tokens in ((2, 4, 2, 2), (2, 6, 2, 3), (3, 6, 2, 2), (2, 8, 3, 2)):
+        exact = _enumerate_busiest(ep, slots, k, tokens)
+        assert busiest_rank_load(ep, slots, k, tokens) == pytest.approx(exact, rel=0.03)
+
+
+def test_imbalance_falls_as_tokens_per_rank_grow() -> None:
+    copies, active = zip(*(busiest_rank_load(8, 256, 8, t) for t in (8, 64, 512, 4096, 65536)))
+    assert all(a > b for a, b in zip(copies, copies[1:]))
+    assert copies[0] > 1.3 and copies[-1] < 1.02
+    assert all(a >= b for a, b in zip(active, active[1:]))
+    assert active[0] > 1.1 and active[-1] == pytest.approx(1.0)  # every expert active on every rank
+    # more ranks, same tokens per rank: a busier busiest rank
+    assert busiest_rank_load(64, 256, 8, 64 * 32)[0] > busiest_rank_load(8, 256, 8, 8 * 32)[0]
 
 
 def test_kernel_time_is_floor_plus_roofline() -> None:

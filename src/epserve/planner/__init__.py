@@ -2,7 +2,8 @@
 
 A roofline model per operation of the engine's own stage lists (``epserve.parallel.stages``), a
 memory model, communication over NVLink/InfiniBand, the overlap schedule run stage by stage, and
-MTP. Pure Python: ``plots`` imports matplotlib and ``calibrate`` imports torch, only when used.
+MTP. Pure Python (numpy for the busiest-rank draws): ``plots`` imports matplotlib and ``calibrate``
+imports torch, only when used.
 
     from epserve.planner import Deployment, load_hardware, load_model, plan_decode
     name, model = load_model("deepseek-v3")

@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cache
 
 from epserve.planner.hardware import HardwareSpec
 
@@ -132,3 +134,60 @@ def tp_collective_time_us(hw: HardwareSpec, tp: int, bytes_moved: float) -> floa
     if tp <= 1:
         return 0.0
     return hw.collective_latency_us + bytes_moved / (hw.nvlink_bandwidth * hw.nvlink_efficiency) * 1e6
+
+
+IMBALANCE_SAMPLES = 1000  # routings drawn per shape; fixed seed, so a plan is deterministic
+IMBALANCE_EXACT_TOKENS = 16  # up to here every token count is drawn; beyond, 4 points per doubling
+
+
+def busiest_rank_load(ep: int, num_slots: int, top_k: int, global_tokens: float) -> tuple[float, float]:
+    """How much more expert work the busiest of ``ep`` ranks gets than the mean rank in one MoE layer,
+    under uniform random routing: ``global_tokens`` tokens each pick ``top_k`` distinct slots of
+    ``num_slots`` uniformly; rank ``r`` holds ``num_slots / ep`` slots. A layer's collectives make
+    every rank wait for the slowest, so the layer costs what the busiest rank costs.
+
+    Returns ``(E[max_r copies_r] / E[copies_r], E[max_r active_r] / E[active_r])``: the expected token
+    copies of the rank that receives most, and the expected active experts of the rank that activates
+    most, each over the mean rank's; (1, 1) at EP 1. Drawn exactly (``_drawn_load``) at every token
+    count up to ``IMBALANCE_EXACT_TOKENS`` and at 4 points per doubling beyond, the excess over 1
+    interpolated linearly in log tokens between them (it falls smoothly, roughly as 1/sqrt(tokens))."""
+    if ep <= 1 or global_tokens <= 0:
+        return 1.0, 1.0
+    t = max(float(global_tokens), 1.0)
+    if t <= IMBALANCE_EXACT_TOKENS:
+        lo = hi = float(math.floor(t))
+        if lo < t:
+            hi = lo + 1
+    else:
+        q = 4 * math.log2(t / IMBALANCE_EXACT_TOKENS)
+        lo = IMBALANCE_EXACT_TOKENS * 2 ** (math.floor(q) / 4)
+        hi = IMBALANCE_EXACT_TOKENS * 2 ** (math.ceil(q) / 4)
+    a, b = _drawn_load(ep, num_slots, top_k, round(lo)), _drawn_load(ep, num_slots, top_k, round(hi))
+    if hi == lo:
+        return a
+    w = math.log(t / lo) / math.log(hi / lo)
+    return a[0] + w * (b[0] - a[0]), a[1] + w * (b[1] - a[1])
+
+
+@cache
+def _drawn_load(ep: int, num_slots: int, top_k: int, global_tokens: int) -> tuple[float, float]:
+    """``busiest_rank_load`` from ``IMBALANCE_SAMPLES`` exact draws of the per-slot counts, seed 0:
+    slot by slot, a token still needing ``j`` of its picks among the ``s`` remaining slots takes this
+    one with probability ``j / s``, so each slot's count is a sum of binomials over the tokens
+    grouped by ``j`` (the cost does not grow with the token count)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n = np.zeros((IMBALANCE_SAMPLES, top_k + 1), dtype=np.int64)  # tokens still needing j picks
+    n[:, top_k] = global_tokens
+    picks = np.arange(1, top_k + 1)
+    counts = np.empty((IMBALANCE_SAMPLES, num_slots), dtype=np.int64)
+    for slot in range(num_slots):
+        took = rng.binomial(n[:, 1:], np.minimum(picks / (num_slots - slot), 1.0))
+        counts[:, slot] = took.sum(1)
+        n[:, 1:] -= took
+        n[:, :-1] += took
+    per_rank = counts.reshape(IMBALANCE_SAMPLES, ep, num_slots // ep)
+    copies = per_rank.sum(2)
+    active = (per_rank > 0).sum(2)
+    return float(copies.max(1).mean() / copies.mean()), float(active.max(1).mean() / active.mean())

@@ -3,7 +3,9 @@
 Token counts per GPU (BRIEF.md, "Parallelism"): attention runs all ``T_attn = requests * tp * q``
 tokens of the DP group with ``heads / tp`` heads; after the reduce-scatter each TP rank owns
 ``T_moe = requests * q`` tokens, which it routes, dispatches and runs through the FFNs.
-Routing is assumed uniform: each GPU sends and receives ``T_moe * top_k`` (token, expert) pairs.
+Routing is assumed uniform: each GPU sends and receives ``T_moe * top_k`` (token, expert) pairs on
+average; the experts op is priced for the busiest rank (``cost.busiest_rank_load``), which every
+rank waits for at the layer's collectives.
 
 An op that runs (has a kernel or a collective) also holds the stream for the host's cost of issuing
 it, ``op_overhead_us + op_overhead_per_token_us x tokens`` (``T_attn`` for the attention half and
@@ -24,6 +26,7 @@ from epserve.planner.cost import (
     Work,
     activated_experts,
     all_to_all,
+    busiest_rank_load,
     gemm_work,
     group_gemm_work,
     kernel_time,
@@ -196,10 +199,14 @@ def _shared_expert(c: _Ctx) -> _Price:
 
 
 def _experts(c: _Ctx) -> _Price:
+    """The busiest rank's GroupGEMM: the mean rank's copies and active experts scaled by the expected
+    excess of the busiest rank under uniform routing (the layer's collectives wait for it)."""
     m, d = c.model, c.d
     global_tokens = c.t_moe * d.ep
     groups = activated_experts(c.slots // d.ep, c.slots, m.num_experts_per_tok, global_tokens)
-    return _Price(c.swiglu(c.pairs, c.h, m.moe_intermediate_size, groups=groups, cls="group_gemm"))
+    copies_x, active_x = busiest_rank_load(d.ep, c.slots, m.num_experts_per_tok, global_tokens)
+    groups = min(groups * active_x, c.slots // d.ep)
+    return _Price(c.swiglu(c.pairs * copies_x, c.h, m.moe_intermediate_size, groups=groups, cls="group_gemm"))
 
 
 def _combine_send(c: _Ctx) -> _Price:  # BF16 expert outputs back to their tokens' ranks
