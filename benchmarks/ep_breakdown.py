@@ -297,7 +297,10 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON results (default: cache_dir()/ep_breakdown.json)")
     ap.add_argument("--quick", action="store_true", help="tiny preset, few steps: a smoke run")
     ap.add_argument("--tables-from", default=None, help="only print the tables of an earlier run's JSON")
+    ap.add_argument("--no-pin", action="store_true", help="leave rank processes unpinned (EPSERVE_PIN=0)")
     args = ap.parse_args()
+    if args.no_pin:
+        os.environ["EPSERVE_PIN"] = "0"  # inherited by the spawned ranks
     if args.tables_from:
         print_tables(json.loads(Path(args.tables_from).read_text()))
         return
@@ -321,6 +324,7 @@ def main() -> None:
     threads = {1: torch.get_num_threads(),
                2: int(os.environ.get("EPSERVE_THREADS_PER_RANK", threads_per_rank(2)))}
     results: dict = {
+        "pinned_ranks": not args.no_pin,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                    f"gloo on CPU",
         "threads_per_rank": threads,

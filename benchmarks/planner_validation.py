@@ -170,7 +170,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="calibration + measurement rounds; medians are kept")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--no-pin", action="store_true", help="dp 2: leave the rank processes unpinned (EPSERVE_PIN=0)")
     args = ap.parse_args()
+    if args.no_pin:
+        os.environ["EPSERVE_PIN"] = "0"  # inherited by the spawned ranks
 
     path = Path(args.checkpoint)
     if not (path / "config.json").exists():

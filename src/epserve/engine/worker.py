@@ -24,7 +24,7 @@ from epserve.engine.sampler import TokenLogprobs
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
-from epserve.parallel.launch import RankInfo, die_with_parent, threads_per_rank
+from epserve.parallel.launch import RankInfo, die_with_parent, pin_to_cores, threads_per_rank
 from epserve.parallel.overlap import choose_overlap
 
 logger = logging.getLogger(__name__)
@@ -164,6 +164,8 @@ def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WA
         device = torch.device("cuda", info.local_rank)
     else:
         torch.set_num_threads(int(os.environ.get("EPSERVE_THREADS_PER_RANK", threads_per_rank(info.local_world_size))))
+        if os.environ.get("EPSERVE_PIN", "1") != "0":
+            pin_to_cores(info.local_rank, info.local_world_size)
     store = make_store(info.master_addr, info.master_port, pc.world_size, info.rank, pc.timeout_s)
     ctx = init_parallel(pc.dp, pc.tp, info.rank, device, store, pc.timeout_s)
     return EngineWorker(config, ctx)
