@@ -27,7 +27,9 @@ all-reduce, forward, sampling) over the pure decode steps of ``2 B`` requests of
 (every rank decoding ``B``), the first 3 dropped. The prediction is the planner's for EP 2, TP 1,
 DP 2, batch ``B`` per rank, 2 "GPUs" per node (both ranks on this host), from a calibration of one
 rank under the same conditions (``calibrate_ranks(2)``: two concurrent calibrating processes of one
-thread each, the collectives timed between two computing ranks).
+thread each, the collectives timed between two computing ranks). The rank processes are pinned to their
+own cores, as the engine pins its CPU ranks by default, and so are the calibration's processes;
+``--no-pin`` (``EPSERVE_PIN=0``) leaves both unpinned.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="calibration + measurement rounds; medians are kept")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    ap.add_argument("--no-pin", action="store_true", help="dp 2: leave the rank processes unpinned (EPSERVE_PIN=0)")
+    ap.add_argument("--no-pin", action="store_true", help="dp 2: leave the rank processes, and the calibration's, unpinned (EPSERVE_PIN=0)")
     args = ap.parse_args()
     if args.no_pin:
         os.environ["EPSERVE_PIN"] = "0"  # inherited by the spawned ranks

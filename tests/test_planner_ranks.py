@@ -90,3 +90,24 @@ def test_loaded_collectives_are_measured_between_two_ranks() -> None:
     assert all(p.time_us > 0 for p in pts)
     fit = fit_loaded(pts)
     assert fit["dispatch_handshake_us"] > 0 and fit["step_sync_us"] > 0 and fit["nvlink_latency_us"] >= 0
+
+
+def test_rank_calibration_pins_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from epserve.planner.calibrate_comm import pin_rank, resolve_pin
+
+    monkeypatch.delenv("EPSERVE_PIN", raising=False)
+    assert resolve_pin(None) is True  # the engine's default
+    monkeypatch.setenv("EPSERVE_PIN", "0")
+    assert resolve_pin(None) is False and resolve_pin(True) is True
+    before = os.sched_getaffinity(0)
+    try:
+        pin_rank(1, 2, False)
+        assert os.sched_getaffinity(0) == before
+        pin_rank(1, 2, True)  # rank 1 of 2: the second half of the cores, as pin_to_cores gives it
+        cores = sorted(before)
+        half = len(cores) // 2
+        assert os.sched_getaffinity(0) == (set(cores[half:2 * half]) if half else before)
+    finally:
+        os.sched_setaffinity(0, before)

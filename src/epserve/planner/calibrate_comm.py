@@ -70,13 +70,34 @@ def measure_all_to_all(world: int, sizes: Sequence[int], iters: int) -> list[Mea
 LOADED_GEMVS = 4  # weight-streaming GEMVs (2 MiB each, ~0.6 ms at one thread here) between two collectives
 
 
-def _loaded_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, threads: int, out: str) -> None:
+def engine_pins() -> bool:
+    """Whether the engine pins its CPU rank processes to their own cores: yes unless ``EPSERVE_PIN=0``
+    (``epserve.engine.worker.start_rank``)."""
+    return os.environ.get("EPSERVE_PIN", "1") != "0"
+
+
+def resolve_pin(pin: bool | None) -> bool:
+    """``pin`` as given, or (None) the engine's default."""
+    return engine_pins() if pin is None else bool(pin)
+
+
+def pin_rank(rank: int, world: int, pin: bool) -> None:
+    """Pin this calibration process as the engine pins rank ``rank`` of ``world`` on this host."""
+    if pin:
+        from epserve.parallel.launch import pin_to_cores
+
+        pin_to_cores(rank, world)
+
+
+def _loaded_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, threads: int, out: str,
+                   pin: bool = False) -> None:
     """Every rank streams weights between collectives, as the engine's ranks compute between theirs;
     records, per collective, when it entered and left, so that the time after the *last* rank arrived
     (the collective's own latency, not the wait for a slower peer) can be taken."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    pin_rank(rank, world, pin)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     pool = [torch.full((1024, 1024), 0.01, dtype=torch.bfloat16) for _ in range(24)]  # 48 MiB: beyond the caches
     x = torch.full((1, 1024), 0.01, dtype=torch.bfloat16)
@@ -121,23 +142,27 @@ def _loaded_worker(rank: int, world: int, port: int, sizes: list[int], iters: in
     dist.destroy_process_group()
 
 
-def measure_loaded_collectives(world: int, sizes: Sequence[int], iters: int, threads: int = 1) -> list[MeasuredPoint]:
+def measure_loaded_collectives(world: int, sizes: Sequence[int], iters: int, threads: int = 1,
+                               pin: bool | None = None) -> list[MeasuredPoint]:
     """The engine's collectives between ``world`` CPU rank processes of ``threads`` torch threads that
     compute between them: the dispatcher's count exchange (``handshake``), the step's all-reduce
     (``all_reduce``) and the rows' asynchronous ``all_to_all_single`` (``all_to_all_loaded``, each rank
     sending ``size`` bytes to every other). Each point is the *mean* time from the last rank's arrival
     to the last rank's departure. On a host whose cores all run ranks, a collective waits on threads
     (gloo's, the peer's) that compete with the compute for the cores: its mean is several times the
-    idle back-to-back figure, with a long tail, and a step pays the mean."""
+    idle back-to-back figure, with a long tail, and a step pays the mean. ``pin``: each rank process
+    pinned to its own block of cores, as the engine pins its ranks (default: as the engine does,
+    ``EPSERVE_PIN``)."""
     import torch.multiprocessing as mp
 
+    pin = resolve_pin(pin)
     sizes = list(sizes)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "loaded.json")
-        mp.spawn(_loaded_worker, args=(world, port, sizes, iters, threads, out), nprocs=world)
+        mp.spawn(_loaded_worker, args=(world, port, sizes, iters, threads, out, pin), nprocs=world)
         times = json.loads(Path(out).read_text())
     pts = []
     for key, t in times.items():

@@ -61,6 +61,9 @@ def add_parser(subparsers: Any) -> None:
     c.add_argument("--ranks", type=int, default=1,
                    help="CPU: describe one of this many engine rank processes on this host (calibrated "
                         "concurrently, cores/ranks threads each, collectives timed between computing ranks)")
+    c.add_argument("--no-pin", action="store_true",
+                   help="--ranks: leave the processes unpinned (as the engine with EPSERVE_PIN=0); by default "
+                        "each is pinned to its rank's cores, as the engine pins its CPU ranks")
     c.add_argument("--base", help="datasheet entry to express fractions against (default: by device name)")
     c.add_argument("--no-engine", action="store_true",
                    help="skip timing the engine's own steps (host overheads stay the base entry's)")
@@ -84,7 +87,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.ranks > 1:
         if args.device == "cuda":
             raise PlanError("--ranks describes CPU rank processes sharing one host; on CUDA each rank has its GPU")
-        spec = calibrate_ranks(args.ranks, quick=args.quick, base=base, engine=not args.no_engine)
+        spec = calibrate_ranks(args.ranks, quick=args.quick, base=base, engine=not args.no_engine,
+                               pin=False if args.no_pin else None)
     else:
         spec = calibrate(quick=args.quick, device=args.device, world_size=args.world_size, base=base,
                          engine=not args.no_engine)
