@@ -119,7 +119,22 @@ def _rank_main(factory: Callable[..., Any], info: RankInfo, conn: Connection, ar
 def _last_line(trace: str) -> str:
     lines = [line for line in trace.strip().splitlines() if line.strip()]
     last = lines[-1].strip() if lines else "unknown error"
+    kind, sep, text = last.partition(": ")
+    if sep and "." in kind:  # epserve.engine.memory.OutOfMemoryError -> OutOfMemoryError
+        last = kind.rsplit(".", 1)[1] + sep + text
     return "failed: " + last.split(". This is typically caused")[0]  # gloo's advice adds nothing here
+
+
+def _failure_message(failures: dict[int, str]) -> str:
+    """``{rank: what happened}`` -> one line: deaths first (the likely root cause), ranks with the
+    same failure grouped."""
+    by_text: dict[str, list[int]] = {}
+    for rank in sorted(failures):
+        by_text.setdefault(failures[rank], []).append(rank)
+    parts = sorted(by_text.items(), key=lambda item: not item[0].startswith("died"))
+    return "; ".join(
+        f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))} {text}" for text, ranks in parts
+    )
 
 
 def _signal_name(exitcode: int | None) -> str:
@@ -201,8 +216,7 @@ class RankProcesses:
                 if failures and deadline is None:
                     deadline = time.monotonic() + 2.0
         if failures:
-            died = sorted(failures, key=lambda i: not failures[i].startswith("died"))
-            message = "; ".join(f"rank {self.ranks[i]} {failures[i]}" for i in died)
+            message = _failure_message({self.ranks[i]: text for i, text in failures.items()})
             logger.error("%s; stopping the other ranks", message)
             self.close(timeout=5.0)
             raise RankFailure(message)
