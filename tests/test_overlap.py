@@ -94,11 +94,12 @@ def test_micro_batch_split_keeps_whole_sequences():
     assert empty.split_point() == 0 and empty.select(0, 0).num_tokens == 0
 
 
-def test_overlap_modes_agree_in_one_process(make_ckpt):
+def test_overlap_modes_agree_in_one_process(make_ckpt, device):
     path = make_ckpt("tiny", dtype="float32")
     prompts = [[5, 6, 7], list(range(100, 160)), [9] * 20, [300, 301]]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm = LLM(path, dtype="float32", num_blocks=128, max_num_batched_tokens=32, enable_prefix_caching=False)
+    llm = LLM(path, dtype="float32", num_blocks=128, max_num_batched_tokens=32, enable_prefix_caching=False,
+              device=device)
     outputs = {}
     for mode in ("none", "dispatch", "microbatch"):
         llm.set_overlap(mode)
