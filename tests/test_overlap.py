@@ -130,3 +130,13 @@ def test_expert_load_folds_replicas_and_ranks():
     assert load.per_rank.tolist() == [[6, 15]]
     assert load.imbalance == pytest.approx(15 / 10.5)
     assert load.summary()["tokens_per_rank"] == [6, 15]
+
+
+def test_set_overlap_refuses_bad_values(make_ckpt):
+    llm = LLM(make_ckpt("tiny", dtype="float32"), dtype="float32", num_blocks=16)
+    with pytest.raises(ConfigError, match="unknown overlap mode"):
+        llm.set_overlap("sometimes")
+    with pytest.raises(ConfigError, match="microbatch_threshold must be a positive integer"):
+        llm.set_overlap("auto", 0)
+    llm.set_overlap("auto", 8)
+    assert llm.engine.runner.microbatch_threshold == 8 and llm.engine.runner.overlap == "auto"

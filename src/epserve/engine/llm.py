@@ -10,7 +10,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.worker import EngineWorker, OfflineRequest, start_rank
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.launch import RankFailure, RankInfo, RankProcesses, free_port, torchrun_rank
-from epserve.parallel.overlap import choose_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -190,9 +189,9 @@ class LLM:
 
     def set_overlap(self, mode: str, microbatch_threshold: int | None = None) -> None:
         """Switch the overlap mode (``none``, ``dispatch``, ``microbatch``, ``auto``) between calls."""
-        choose_overlap(mode, 0, 1)
-        if microbatch_threshold is not None and microbatch_threshold < 1:
-            raise ValueError("microbatch_threshold must be >= 1")
+        threshold = self.config.parallel.microbatch_threshold if microbatch_threshold is None else microbatch_threshold
+        parallel = replace(self.config.parallel, overlap=mode, microbatch_threshold=threshold)
+        self.config = replace(self.config, parallel=parallel)  # ConfigError for a bad mode or threshold
         self._call("set_overlap", mode, microbatch_threshold)
 
     def comm_bytes(self) -> list[dict[str, int]]:

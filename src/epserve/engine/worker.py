@@ -25,7 +25,6 @@ from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
 from epserve.parallel.launch import RankInfo, die_with_parent, pin_to_cores, threads_per_rank
-from epserve.parallel.overlap import choose_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +115,10 @@ class EngineWorker:
         return ExpertLoad.from_ranks(self.engine.config.model.moe_layer_ids, loads, runner.placement)  # type: ignore[arg-type]
 
     def set_overlap(self, mode: str, threshold: int | None = None) -> None:
-        choose_overlap(mode, 0, 1)  # validates
+        """``mode`` and ``threshold`` as validated by the front end (ParallelConfig)."""
         runner = self.engine.runner
         runner.overlap = mode
         if threshold is not None:
-            if threshold < 1:
-                raise _refused(ValueError("microbatch_threshold must be >= 1"))
             runner.microbatch_threshold = threshold
 
     def reset_comm_stats(self) -> None:
