@@ -30,6 +30,7 @@ from epserve.planner.cost import (
     tokens_per_expert,
 )
 from epserve.planner.deployment import WEIGHT_BYTES
+from epserve.planner.errors import PlanError
 from epserve.planner.hardware import Efficiency, HardwareSpec
 from epserve.planner.memory import expert_params, weight_counts
 from epserve.planner.ops import BatchShape, price_ops
@@ -216,3 +217,18 @@ def test_weights_that_do_not_fit_are_refused() -> None:
     assert "weights need" in (plan.refusal or "")
     assert plan.memory.max_batch_per_gpu == 0
     assert math.isclose(plan.memory.weights_bytes / 2**30, 95.5, rel_tol=0.02)
+
+
+def test_padded_dispatch_sends_fixed_buffers() -> None:
+    """padded: every remote rank gets tokens x min(top_k, slots per rank) rows, whatever the routing.
+    The `small` preset at EP 2 (top-6 of 64 experts): exactly 2x the all_to_all rows, as measured
+    (docs/benchmarks.md: 2.000x); V3 at EP 8 (top-8 of 256): 8x; at EP 128 (2 slots per rank): 32x."""
+    for ep, ratio in ((8, 8.0), (128, 32.0)):
+        d = Deployment(ep=ep, batch=4, gpus_per_node=8, weight_dtype="bf16")
+        shape = BatchShape(4, 1, 1000)
+        sched = moe_layer_schedule("dispatch").ops
+        exact = price_ops(V3, TOY, d, shape, sched)["combine_send"].transfer.wire_us
+        padded = price_ops(V3, TOY, replace(d, dispatch="padded"), shape, sched)["combine_send"].transfer.wire_us
+        assert padded == pytest.approx(ratio * exact)
+    with pytest.raises(PlanError, match="unknown dispatch"):
+        plan_decode(V3, TOY, Deployment(ep=8, dispatch="carrier-pigeon"))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from epserve.config import ConfigError
-from epserve.planner.deployment import KV_DTYPES, OVERLAP_CHOICES, WEIGHT_DTYPES, Deployment
+from epserve.planner.deployment import DISPATCH_CHOICES, KV_DTYPES, OVERLAP_CHOICES, WEIGHT_DTYPES, Deployment
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import DEFAULT_LOCAL_FILE, GPU_CHOICES, load_hardware, save_hardware
 from epserve.planner.models import load_model
@@ -44,6 +44,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--mtp-accept", type=float, default=0.6, help="acceptance rate per draft token (0.6)")
     p.add_argument("--overlap", choices=OVERLAP_CHOICES, default="auto",
                    help="communication overlap; auto = the faster of dispatch and microbatch")
+    p.add_argument("--dispatch", choices=DISPATCH_CHOICES, default="all_to_all",
+                   help="dispatcher backend: all_to_all (exact rows) or padded (fixed buffers)")
     p.add_argument("--num-redundant-experts", type=int, default=0)
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="fp8")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
@@ -113,7 +115,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _deployment(args: argparse.Namespace, model: Any, hw: Any) -> Deployment:
     mtp = args.mtp_draft if args.mtp_draft is not None else (1 if model.num_nextn_predict_layers else 0)
     base = Deployment(ep=1, kv_len=args.kv_len, mtp_draft=mtp, mtp_accept=args.mtp_accept, overlap=args.overlap,
-                      num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype,
+                      num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype, dispatch=args.dispatch,
                       kv_dtype=args.kv_dtype, gpus_per_node=args.gpus_per_node or hw.gpus_per_node)
     return replace(base, ep=default_eps(model, base)[0] if args.ep is None else args.ep,
                    tp=1 if args.tp is None else args.tp, batch=32 if args.batch is None else args.batch)

@@ -13,6 +13,7 @@ from epserve.planner.hardware import HardwareSpec
 OVERLAP_CHOICES = (*OVERLAP_MODES, "auto")  # auto: the faster of dispatch and microbatch, as the engine picks
 WEIGHT_DTYPES = ("fp8", "bf16", "fp4")
 KV_DTYPES = ("bf16", "fp8")
+DISPATCH_CHOICES = ("all_to_all", "padded")  # the engine's multi-rank dispatcher backends
 
 # Bytes per element, block scales included: FP8 weights carry one fp32 scale per 128×128 tile and FP8
 # activations one per 1×128 vector (BRIEF.md, "Precision"); NVFP4 carries one fp8 scale per 16 values.
@@ -37,6 +38,7 @@ class Deployment:
     weight_dtype: str = "fp8"
     kv_dtype: str = "bf16"
     gpus_per_node: int = 8
+    dispatch: str = "all_to_all"
 
     @property
     def dp(self) -> int:
@@ -90,6 +92,8 @@ def check_deployment(model: ModelConfig, hw: HardwareSpec, d: Deployment) -> Non
         raise PlanError("mtp-draft > 0 but the model has no MTP layer (num_nextn_predict_layers = 0)")
     if not 0.0 <= d.mtp_accept <= 1.0:
         raise PlanError(f"mtp-accept must be in [0, 1], got {d.mtp_accept}")
+    if d.dispatch not in DISPATCH_CHOICES:
+        raise PlanError(f"unknown dispatch {d.dispatch!r}; expected one of {', '.join(DISPATCH_CHOICES)}")
     if d.overlap not in OVERLAP_CHOICES:
         raise PlanError(f"unknown overlap {d.overlap!r}; expected one of {', '.join(OVERLAP_CHOICES)}")
     if d.weight_dtype not in WEIGHT_DTYPES:

@@ -176,13 +176,20 @@ def _gate(c: _Ctx) -> _Price:  # BF16 router GEMM, then sigmoid/softmax, group-l
 
 
 def _all_to_all(c: _Ctx, bytes_per_copy: float) -> Transfer:
+    """``all_to_all`` sends each (token, expert) copy; ``padded`` sends every other rank a fixed buffer
+    of ``tokens x min(top_k, slots per rank)`` rows whatever the routing (capacity from the step's
+    maximum, here the balanced mean): as if each token had ``EP x min(top_k, slots per rank)`` copies."""
     k = c.model.num_experts_per_tok
+    if c.d.dispatch == "padded":
+        copies_per_token = c.d.ep * min(k, c.slots // c.d.ep)
+        return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, c.t_moe, copies_per_token, bytes_per_copy)
     return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, c.t_moe, k, bytes_per_copy, c.shape.phase == "prefill")
 
 
 def _dispatch_send(c: _Ctx) -> _Price:
     """Quantize (FP8 when the experts run in FP8) and send each copy; with EP > 1 the rows' transfer
-    is preceded by the blocking exchange of per-slot counts (``dispatch_handshake_us``)."""
+    is preceded by a blocking exchange (``dispatch_handshake_us``): per-slot counts for
+    ``all_to_all``, each row's destination slot for ``padded``."""
     xfer = _all_to_all(c, c.h * c.a)
     handshake = c.hw.dispatch_handshake_us if c.d.ep > 1 else 0.0
     return _Price((c.elementwise(c.t_moe * c.h * 2 + c.pairs * c.h * c.a),), sync_us=handshake, transfer=xfer)

@@ -84,6 +84,7 @@ class DecodePlan:
             "mtp_draft": d.mtp_draft,
             "mtp_accept": d.mtp_accept,
             "overlap": step.overlap if step else d.overlap,
+            "dispatch": d.dispatch,
             "num_redundant_experts": d.num_redundant_experts,
             "weight_dtype": d.weight_dtype,
             "kv_dtype": d.kv_dtype,
