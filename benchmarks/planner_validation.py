@@ -50,7 +50,8 @@ from epserve import LLM, SamplingParams
 from epserve.kernels.cpu import TILE_M
 from epserve.model.moe import MoE
 from epserve.planner import Deployment, load_hardware, load_model, plan_decode, save_hardware
-from epserve.planner.calibrate import calibrate, calibrate_ranks
+from epserve.planner.calibrate import calibrate
+from epserve.planner.calibrate_ranks import calibrate_ranks
 from epserve.planner.cli import BUSY_FLOOR_US
 from epserve.presets import make_checkpoint
 
@@ -135,11 +136,15 @@ def markdown(rows: list[dict]) -> str:
         b = r["breakdown_ms"]
         parts = (f"{b['gemm'] + b['group_gemm']:.1f} / {b['attention']:.1f} / "
                  f"{b['other'] + b['dispatch'] + b['combine']:.1f} / {b['overhead']:.1f}")
-        lo, hi = min(r["error_pct_rounds"]), max(r["error_pct_rounds"])
-        lines.append(f"| {r['batch']} | {r['kv_len']:.0f} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | "
-                     f"{r['error_pct']:+.1f}% ({lo:+.0f} .. {hi:+.0f}) | {parts} | "
-                     f"{r['over_tile_layers']:.1f} / {r['moe_layers']} |")
+        lines.append(f"{_row_head(r)} {parts} | {r['over_tile_layers']:.1f} / {r['moe_layers']} |")
     return "\n".join(lines)
+
+
+def _row_head(r: dict) -> str:
+    """The cells every table shares: batch, KV, measured, predicted, error (range over rounds)."""
+    lo, hi = min(r["error_pct_rounds"]), max(r["error_pct_rounds"])
+    return (f"| {r['batch']} | {r['kv_len']:.0f} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | "
+            f"{r['error_pct']:+.1f}% ({lo:+.0f} .. {hi:+.0f}) |")
 
 
 def markdown_dp(rows: list[dict]) -> str:
@@ -151,10 +156,7 @@ def markdown_dp(rows: list[dict]) -> str:
         b, m = r["breakdown_ms"], r["measured_ranks_ms"]["rank0"]
         parts = (f"{b['gemm'] + b['group_gemm']:.1f} / {b['attention']:.1f} / {b['dispatch']:.1f} / "
                  f"{b['combine']:.1f} / {b['other']:.1f} / {b['overhead']:.1f}")
-        lo, hi = min(r["error_pct_rounds"]), max(r["error_pct_rounds"])
-        lines.append(f"| {r['batch']} | {r['kv_len']:.0f} | {r['measured_ms']:.2f} | {r['predicted_ms']:.2f} | "
-                     f"{r['error_pct']:+.1f}% ({lo:+.0f} .. {hi:+.0f}) | {parts} | "
-                     f"{m['dispatch']:.1f} / {m['combine']:.1f} / {m['experts']:.1f} |")
+        lines.append(f"{_row_head(r)} {parts} | {m['dispatch']:.1f} / {m['combine']:.1f} / {m['experts']:.1f} |")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from planner_toys import TOY, V3
 
 from epserve.parallel.stages import moe_layer_schedule
 from epserve.planner import (
@@ -15,7 +16,6 @@ from epserve.planner import (
     estimate_memory,
     kv_bytes_per_token,
     load_hardware,
-    load_model,
     plan_decode,
 )
 from epserve.planner.cost import (
@@ -31,18 +31,8 @@ from epserve.planner.cost import (
 )
 from epserve.planner.deployment import WEIGHT_BYTES
 from epserve.planner.errors import PlanError
-from epserve.planner.hardware import Efficiency, HardwareSpec
 from epserve.planner.memory import expert_params, weight_counts
 from epserve.planner.ops import BatchShape, price_ops
-
-V3 = load_model("deepseek-v3")[1]
-TOY = HardwareSpec(
-    name="toy", peak_flops={"bf16": 1e12}, memory_bytes=10 * 2**30, memory_bandwidth=1e11,
-    nvlink_bandwidth=1e10, ib_bandwidth=1e9, gpus_per_node=4,
-    efficiency={c: Efficiency(0.5, 0.5) for c in ("gemm", "group_gemm", "attention", "other")},
-    nvlink_efficiency=0.5, ib_efficiency=0.5, nvlink_latency_us=10.0, ib_latency_us=30.0,
-    collective_latency_us=5.0, kernel_latency_us=2.0, reserved_memory_fraction=0.0,
-)
 
 
 def test_gemm_flops_and_bytes_by_hand() -> None:

@@ -7,22 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from planner_toys import TOY, V3
 
 from epserve.parallel.stages import moe_layer_schedule
-from epserve.planner import Deployment, load_model
+from epserve.planner import Deployment
 from epserve.planner.calibrate_comm import fit_loaded, measure_loaded_collectives
-from epserve.planner.hardware import BUILTIN, Efficiency, HardwareSpec, MeasuredPoint
+from epserve.planner.hardware import BUILTIN, HardwareSpec, MeasuredPoint
 from epserve.planner.ops import BatchShape, price_ops
 from epserve.planner.step import estimate_step
-
-V3 = load_model("deepseek-v3")[1]
-TOY = HardwareSpec(
-    name="toy", peak_flops={"bf16": 1e12}, memory_bytes=10 * 2**30, memory_bandwidth=1e11,
-    nvlink_bandwidth=1e10, ib_bandwidth=1e9, gpus_per_node=4,
-    efficiency={c: Efficiency(0.5, 0.5) for c in ("gemm", "group_gemm", "attention", "other")},
-    nvlink_efficiency=0.5, ib_efficiency=0.5, nvlink_latency_us=10.0, ib_latency_us=30.0,
-    collective_latency_us=5.0, kernel_latency_us=2.0, reserved_memory_fraction=0.0,
-)
 
 
 def test_gpu_entries_have_no_host_collectives() -> None:

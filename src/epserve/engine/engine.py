@@ -92,7 +92,7 @@ class LLMEngine:
             plan = broadcast_from_leader(plan, self.ctx)
             hidden = self.runner.forward(plan, max_tokens)
             if chunks:
-                result = self.runner.sample(chunks, plan, hidden)
+                result = self.runner.sample(chunks, hidden)
         if scheduler is None:
             return []
         updates = scheduler.update(output, result.sampled if result else {}, result.logprobs if result else None)

@@ -88,8 +88,7 @@ class BatchPlan:
             num_decode += chunk.num_tokens == 1
         max_blocks = max((-(-n // block_size) for n in seq_lens), default=0)
         tables = tuple(
-            tuple(c.request.block_ids[:max_blocks]) + (0,) * (max_blocks - len(c.request.block_ids[:max_blocks]))
-            for c in chunks
+            (*ids, *(0,) * (max_blocks - len(ids))) for ids in (c.request.block_ids[:max_blocks] for c in chunks)
         )
         return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(seq_lens), tables, tuple(logits_idx),
                    tuple(query_start), num_decode)
@@ -162,31 +161,35 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, global_max_tokens: int) -> torch.Tensor:
-        """Every rank, every step (the empty plan on an idle DP group): the final hidden states [T, H].
-        ``global_max_tokens``: the most tokens any DP group runs this step, from the step's all-reduce."""
+        """Every rank, every step (the empty plan on an idle DP group): the final hidden states of the
+        tokens to sample from, ``[len(plan.logits_indices), H]``. ``global_max_tokens``: the most tokens
+        any DP group runs this step, from the step's all-reduce."""
         per_rank = -(-global_max_tokens // self.ctx.tp)
         self.dispatcher.begin_step(per_rank)
         overlap = choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
         batch = plan.to_batch(self.device, self.block_size)
         if self.profiler is None:
-            return self.model(batch, self.kv_caches, overlap)
+            return self._forward(batch, overlap)
         num_seqs = len(plan.seq_lens)
         self.profiler.begin_step(plan.num_tokens, num_seqs, plan.num_tokens == num_seqs, overlap)
-        return self.profiler.timed("forward", self.model, batch, self.kv_caches, overlap)
+        return self.profiler.timed("forward", self._forward, batch, overlap)  # type: ignore[return-value]
 
-    def sample(self, chunks: list[ScheduledChunk], plan: BatchPlan, hidden: torch.Tensor) -> StepResult:
-        """Leader only: logits and sampling for the chunks that reach their last known token."""
+    def _forward(self, batch: ForwardBatch, overlap: str) -> torch.Tensor:
+        return self.model(batch, self.kv_caches, overlap)[batch.logits_indices]
+
+    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> StepResult:
+        """Leader only: logits and sampling for the chunks that reach their last known token, whose
+        final hidden states ``forward`` returned (in chunk order)."""
         if self.profiler is None:
-            return self._sample(chunks, plan, hidden)
-        return self.profiler.timed("sample", self._sample, chunks, plan, hidden)  # type: ignore[return-value]
+            return self._sample(chunks, hidden)
+        return self.profiler.timed("sample", self._sample, chunks, hidden)  # type: ignore[return-value]
 
     @torch.inference_mode()
-    def _sample(self, chunks: list[ScheduledChunk], plan: BatchPlan, hidden: torch.Tensor) -> StepResult:
+    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> StepResult:
         sampling = [c for c in chunks if c.needs_sample]
         if not sampling:
             return StepResult({}, {})
-        index = torch.tensor(plan.logits_indices, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[index])
+        logits = self.model.compute_logits(hidden)
         params = [c.request.sampling_params for c in sampling]
         gens = [self._generator(c.request.request_id, p.seed) for c, p in zip(sampling, params)]
         out = self.sampler.sample(logits, params, gens)

@@ -24,7 +24,7 @@ from epserve.engine.sampler import TokenLogprobs
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
-from epserve.parallel.launch import RankInfo, die_with_parent, pin_to_cores, threads_per_rank
+from epserve.parallel.launch import RankInfo, die_with_parent, pin_to_cores, pinning_enabled, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -122,14 +122,11 @@ class EngineWorker:
             runner.microbatch_threshold = threshold
 
     def reset_comm_stats(self) -> None:
-        reset = getattr(self.engine.runner.dispatcher, "reset_stats", None)
-        if reset is not None:
-            reset()
+        self.engine.runner.dispatcher.reset_stats()
 
     def comm_bytes(self) -> list[dict[str, int]]:
         """Bytes each rank's dispatcher sent to other ranks, in rank order."""
-        stats = dict(getattr(self.engine.runner.dispatcher, "comm_bytes", {}))
-        return gather_objects(stats, self.ctx)  # type: ignore[return-value]
+        return gather_objects(dict(self.engine.runner.dispatcher.comm_bytes), self.ctx)  # type: ignore[return-value]
 
     def set_profiling(self, enabled: bool) -> None:
         self.engine.runner.set_profiling(enabled)
@@ -161,7 +158,7 @@ def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WA
         device = torch.device("cuda", info.local_rank)
     else:
         torch.set_num_threads(int(os.environ.get("EPSERVE_THREADS_PER_RANK", threads_per_rank(info.local_world_size))))
-        if os.environ.get("EPSERVE_PIN", "1") != "0":
+        if pinning_enabled():
             pin_to_cores(info.local_rank, info.local_world_size)
     store = make_store(info.master_addr, info.master_port, pc.world_size, info.rank, pc.timeout_s)
     ctx = init_parallel(pc.dp, pc.tp, info.rank, device, store, pc.timeout_s)

@@ -70,6 +70,11 @@ def threads_per_rank(local_world_size: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // local_world_size)
 
 
+def pinning_enabled() -> bool:
+    """CPU ranks pin themselves to their own cores unless ``EPSERVE_PIN=0``."""
+    return os.environ.get("EPSERVE_PIN", "1") != "0"
+
+
 def pin_to_cores(local_rank: int, local_world_size: int) -> None:
     """Give this CPU rank its own share of the host's cores (rank i: the i-th block of
     ``cores / ranks``), so ranks stop migrating onto each other's cores; on 2 cores with 2 ranks that

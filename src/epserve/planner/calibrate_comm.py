@@ -5,18 +5,29 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from epserve.parallel.launch import free_port, pin_to_cores, pinning_enabled
 from epserve.planner.hardware import MeasuredPoint
 
 
-def _a2a_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, out: str) -> None:
+def _spawn(worker: Callable[..., None], world: int, *args: object) -> dict:
+    """Run ``worker(rank, world, port, out, *args)`` on ``world`` spawned processes; rank 0 writes its
+    JSON result to ``out``, which is returned."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(worker, args=(world, free_port(), out, *args), nprocs=world)
+        return json.loads(Path(out).read_text())
+
+
+def _a2a_worker(rank: int, world: int, port: int, out: str, sizes: list[int], iters: int) -> None:
     import torch.distributed as dist
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,16 +64,7 @@ def _a2a_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, 
 
 def measure_all_to_all(world: int, sizes: Sequence[int], iters: int) -> list[MeasuredPoint]:
     """Each rank sends ``size`` bytes to every other rank; one point per size."""
-    import torch.multiprocessing as mp
-
-    sizes = list(sizes)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "a2a.json")
-        mp.spawn(_a2a_worker, args=(world, port, sizes, iters, out), nprocs=world)
-        times = json.loads(Path(out).read_text())
+    times = _spawn(_a2a_worker, world, list(sizes), iters)
     return [MeasuredPoint("all_to_all", f"{world} ranks x {size} B", 0.0, size * (world - 1), t)
             for size, t in ((int(k), v) for k, v in times.items())]
 
@@ -70,26 +72,18 @@ def measure_all_to_all(world: int, sizes: Sequence[int], iters: int) -> list[Mea
 LOADED_GEMVS = 4  # weight-streaming GEMVs (2 MiB each, ~0.6 ms at one thread here) between two collectives
 
 
-def engine_pins() -> bool:
-    """Whether the engine pins its CPU rank processes to their own cores: yes unless ``EPSERVE_PIN=0``
-    (``epserve.engine.worker.start_rank``)."""
-    return os.environ.get("EPSERVE_PIN", "1") != "0"
-
-
 def resolve_pin(pin: bool | None) -> bool:
-    """``pin`` as given, or (None) the engine's default."""
-    return engine_pins() if pin is None else bool(pin)
+    """``pin`` as given, or (None) the engine's default (``pinning_enabled``)."""
+    return pinning_enabled() if pin is None else bool(pin)
 
 
 def pin_rank(rank: int, world: int, pin: bool) -> None:
     """Pin this calibration process as the engine pins rank ``rank`` of ``world`` on this host."""
     if pin:
-        from epserve.parallel.launch import pin_to_cores
-
         pin_to_cores(rank, world)
 
 
-def _loaded_worker(rank: int, world: int, port: int, sizes: list[int], iters: int, threads: int, out: str,
+def _loaded_worker(rank: int, world: int, port: int, out: str, sizes: list[int], iters: int, threads: int,
                    pin: bool = False) -> None:
     """Every rank streams weights between collectives, as the engine's ranks compute between theirs;
     records, per collective, when it entered and left, so that the time after the *last* rank arrived
@@ -153,17 +147,7 @@ def measure_loaded_collectives(world: int, sizes: Sequence[int], iters: int, thr
     idle back-to-back figure, with a long tail, and a step pays the mean. ``pin``: each rank process
     pinned to its own block of cores, as the engine pins its ranks (default: as the engine does,
     ``EPSERVE_PIN``)."""
-    import torch.multiprocessing as mp
-
-    pin = resolve_pin(pin)
-    sizes = list(sizes)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "loaded.json")
-        mp.spawn(_loaded_worker, args=(world, port, sizes, iters, threads, out, pin), nprocs=world)
-        times = json.loads(Path(out).read_text())
+    times = _spawn(_loaded_worker, world, list(sizes), iters, threads, resolve_pin(pin))
     pts = []
     for key, t in times.items():
         kind, size = key.split()

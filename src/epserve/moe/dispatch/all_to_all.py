@@ -61,12 +61,7 @@ class AllToAllDispatcher(Dispatcher):
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
-        self.comm_bytes: dict[str, int] = {}
         self.reset_stats()
-
-    def reset_stats(self) -> None:
-        """Zero ``comm_bytes``: payload bytes this rank sent to other ranks, per phase."""
-        self.comm_bytes = {"dispatch": 0, "combine": 0}
 
     def dispatch_send(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

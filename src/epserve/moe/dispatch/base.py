@@ -33,6 +33,11 @@ class Dispatcher(ABC):
     """One backend per file; chosen once at start-up; model code never branches on it."""
 
     name: str
+    comm_bytes: dict[str, int]  # bytes this rank sent to other ranks since reset_stats, per phase
+
+    def reset_stats(self) -> None:
+        """Zero ``comm_bytes`` (``dispatch``, ``combine``); backends call it from ``__init__``."""
+        self.comm_bytes = {"dispatch": 0, "combine": 0}
 
     def begin_step(self, max_tokens_per_rank: int) -> None:  # noqa: B027 - an optional hook
         """Called by the runner once per step, before the forward, with the global maximum number of

@@ -46,6 +46,7 @@ class LocalDispatcher(Dispatcher):
 
     def __init__(self, num_local_experts: int) -> None:
         self.num_local_experts = num_local_experts
+        self.reset_stats()  # stays zero: nothing leaves this rank
 
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LocalInFlight:
         order, counts = group_by_expert(topk_ids, self.num_local_experts)

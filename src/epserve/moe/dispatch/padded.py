@@ -63,12 +63,7 @@ class PaddedDispatcher(Dispatcher):
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
         self.max_tokens_per_rank: int | None = None
-        self.comm_bytes: dict[str, int] = {}
         self.reset_stats()
-
-    def reset_stats(self) -> None:
-        """Zero ``comm_bytes``: padded buffer bytes this rank sent to other ranks, per phase."""
-        self.comm_bytes = {"dispatch": 0, "combine": 0}
 
     def begin_step(self, max_tokens_per_rank: int) -> None:
         self.max_tokens_per_rank = max_tokens_per_rank
