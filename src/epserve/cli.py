@@ -1,4 +1,4 @@
-"""``epserve`` command line: generate, make-checkpoint, plan."""
+"""``epserve`` command line: serve, engine, router, generate, bench, make-checkpoint, plan."""
 
 from __future__ import annotations
 
@@ -40,6 +40,101 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+
+
+def _add_engine_serving_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine instances (gRPC)")
+    g.add_argument("--engine-host", default="127.0.0.1", help="where DP-group leaders listen for gRPC")
+    g.add_argument("--engine-port", type=int, default=None,
+                   help="the leader of DP group i listens on ENGINE_PORT + i (serve: any free port; engine: 50051)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after Ctrl-C/SIGTERM before they are aborted")
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    from epserve.serve.policy import POLICIES
+
+    g = p.add_argument_group("router (OpenAI API)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the MODEL argument)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (or set EPSERVE_API_KEY)")
+    g.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    g.add_argument("--cache-threshold", type=float, default=0.3,
+                   help="cache_aware: route to the longest prefix match above this fraction of the prompt")
+    g.add_argument("--balance-abs-threshold", type=int, default=32,
+                   help="cache_aware: load is imbalanced when max - min exceeds this ...")
+    g.add_argument("--balance-rel-threshold", type=float, default=1.5, help="... and max > this x min")
+    g.add_argument("--max-tree-tokens", type=int, default=1 << 22,
+                   help="cache_aware: prefix tokens remembered per instance (LRU beyond)")
+
+
+def _router_options(args: argparse.Namespace, engines: tuple[str, ...] = ()):
+    from epserve.serve.launcher import RouterOptions
+
+    return RouterOptions(
+        model=args.model, engines=engines, host=args.host, port=args.port, policy=args.policy,
+        served_model_name=args.served_model_name, cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_tokens=args.max_tree_tokens, log_level=args.log_level.upper(),
+    )
+
+
+def _engine_config(args: argparse.Namespace):
+    from epserve.engine.llm import build_engine_config
+
+    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
+    return build_engine_config(
+        args.model, dtype=args.dtype, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
+        memory_budget_bytes=budget, enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
+        microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port,
+    )
+
+
+def _serve_options(args: argparse.Namespace, default_port: int):
+    from epserve.serve.engine_server import ServeOptions
+
+    port = default_port if args.engine_port is None else args.engine_port
+    if not 0 <= port < 65536:
+        raise ValueError(f"--engine-port must be in [0, 65535], got {port}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    return ServeOptions(host=args.engine_host, port=port, drain_timeout_s=args.drain_timeout)
+
+
+def _set_api_key(args: argparse.Namespace) -> None:
+    import os
+
+    if args.api_key:  # handed to the router process through its environment, not its command line
+        os.environ["EPSERVE_API_KEY"] = args.api_key
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from epserve.serve.launcher import serve
+
+    if args.nnodes != 1:
+        raise ValueError("serve runs on one host; across hosts run `epserve engine` per host and `epserve router`")
+    _set_api_key(args)
+    return serve(_engine_config(args), _serve_options(args, 0), _router_options(args), args.log_level.upper())
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from epserve.serve.launcher import run_engine
+
+    return run_engine(_engine_config(args), _serve_options(args, 50051))
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import os
+
+    from epserve.serve.launcher import run_router
+
+    run_router(_router_options(args, tuple(args.engine)), args.api_key or os.environ.get("EPSERVE_API_KEY"))
+    return 0
 
 
 def _build_llm(args: argparse.Namespace):
@@ -123,6 +218,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.set_defaults(func=_cmd_generate)
 
+    srv = sub.add_parser("serve", help="serve the OpenAI API: engine ranks and the router on this host")
+    _add_engine_args(srv)
+    _add_engine_serving_args(srv)
+    _add_router_args(srv)
+    srv.set_defaults(func=_cmd_serve)
+
+    eng = sub.add_parser("engine", help="this host's engine ranks (gRPC) of a multi-host deployment")
+    _add_engine_args(eng)
+    _add_engine_serving_args(eng)
+    eng.set_defaults(func=_cmd_engine)
+
+    rt = sub.add_parser("router", help="the OpenAI API router in front of running engine instances")
+    rt.add_argument("model", nargs="?", default=None, help="checkpoint directory for the tokenizer (default: built-in)")
+    rt.add_argument("--engine", action="append", required=True, metavar="HOST:PORT",
+                    help="an engine instance's gRPC address (repeat for each)")
+    _add_router_args(rt)
+    rt.set_defaults(func=_cmd_router)
+
     mk = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the HF DeepSeek-V3 format")
     mk.add_argument("dir")
     mk.add_argument("--preset", default="tiny", choices=["tiny", "small"])
@@ -131,12 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     mk.set_defaults(func=_cmd_make_checkpoint)
 
-    try:
-        from epserve.planner.cli import add_parser as add_plan_parser
-    except ImportError:
-        pass
-    else:
-        add_plan_parser(sub)
+    from epserve.bench.cli import add_parser as add_bench_parser
+    from epserve.planner.cli import add_parser as add_plan_parser
+
+    add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -41,6 +41,8 @@ class LLMEngine:
             else None
         )
         self.anybody_unfinished = False  # from the last step's all-reduce
+        self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
+        self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
 
     def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a prompt this engine cannot serve (the same answer on every rank)."""
@@ -69,26 +71,31 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[RequestUpdate]:
-        """One lockstep step; every rank must call it. Returns the leader's request updates."""
+    def step(self, stopping: bool = False) -> list[RequestUpdate]:
+        """One lockstep step; every rank must call it. Returns the leader's request updates.
+        ``stopping`` is this rank's vote to drain and stop; the step's all-reduce tells every rank
+        (``anybody_stopping``)."""
         profiler = self.runner.profiler
         if profiler is None:
-            return self._step()
+            return self._step(stopping)
         start, num_records = profiler.now(), len(profiler.steps)
-        updates = self._step()
+        updates = self._step(stopping)
         if len(profiler.steps) > num_records:  # a forward ran: the whole step's wall time joins its record
             profiler.steps[-1].seconds["step"] = profiler.now() - start
         return updates
 
-    def _step(self) -> list[RequestUpdate]:
+    def _step(self, stopping: bool) -> list[RequestUpdate]:
         scheduler = self.scheduler
         output = scheduler.schedule() if scheduler is not None else None
         chunks = sorted(output.chunks, key=lambda c: c.num_tokens != 1) if output else []  # decodes first
         plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
-        max_tokens, unfinished = all_reduce_max([plan.num_tokens, int(self.has_unfinished_requests())], self.ctx)
-        self.anybody_unfinished = bool(unfinished)
+        max_tokens, unfinished, stop = all_reduce_max(
+            [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping)], self.ctx
+        )
+        self.anybody_unfinished, self.anybody_stopping = bool(unfinished), bool(stop)
         result = None
         if max_tokens:
+            self.num_forwards += 1
             plan = broadcast_from_leader(plan, self.ctx)
             hidden = self.runner.forward(plan, max_tokens)
             if chunks:

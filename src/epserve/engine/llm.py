@@ -68,49 +68,17 @@ class LLM:
         master_addr: str = "127.0.0.1",
         master_port: int | None = None,
     ) -> None:
-        if model is None:
-            from epserve.presets import default_model_path
-
-            model = default_model_path()
-        path = str(model)
-        model_config = ModelConfig.from_hf(path)
-        if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
-            )
-        parallel = ParallelConfig(
-            dp=dp, tp=tp, dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
+        self.config = build_engine_config(
+            model, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
+            memory_budget_bytes=memory_budget_bytes, memory_utilization=memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dp=dp, tp=tp,
+            dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
             num_redundant_experts=num_redundant_experts, nnodes=nnodes, node_rank=node_rank,
             master_addr=master_addr, master_port=master_port,
         )
-        parallel.check_model(model_config)
-        if device.startswith("cuda") and parallel.world_size > 1:
-            import torch
-
-            if parallel.local_world_size > torch.cuda.device_count():
-                raise ValueError(
-                    f"{parallel.local_world_size} ranks per host need as many GPUs; "
-                    f"{torch.cuda.device_count()} visible"
-                )
-        self.config = EngineConfig(
-            model=model_config,
-            model_path=path,
-            dtype=dtype,
-            device=device,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                memory_budget_bytes=memory_budget_bytes,
-                memory_utilization=memory_utilization,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=max_model_len,
-            ),
-            parallel=parallel,
-        )
+        path = self.config.model_path
+        parallel = self.config.parallel
         self.tokenizer = _load_tokenizer(path)
         self._ids = itertools.count()
         self._worker: EngineWorker | None = None
@@ -230,6 +198,77 @@ class LLM:
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("a prompt must be a string or a list of token ids")
         return list(prompt)
+
+
+def build_engine_config(
+    model: str | Path | None = None,
+    dtype: str = "bfloat16",
+    device: str = "cpu",
+    *,
+    block_size: int = 16,
+    num_blocks: int | None = None,
+    memory_budget_bytes: int | None = None,
+    memory_utilization: float = 0.5,
+    enable_prefix_caching: bool = True,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    max_model_len: int | None = None,
+    dp: int = 1,
+    tp: int = 1,
+    dispatch: str = "auto",
+    overlap: str = "auto",
+    microbatch_threshold: int | None = None,
+    num_redundant_experts: int = 0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> EngineConfig:
+    """The engine configuration ``LLM`` and ``epserve serve`` start from (``model=None``: the built-in
+    tiny checkpoint); ValueError for an inconsistent one."""
+    if model is None:
+        from epserve.presets import default_model_path
+
+        model = default_model_path()
+    path = str(model)
+    model_config = ModelConfig.from_hf(path)
+    if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
+        )
+    parallel = ParallelConfig(
+        dp=dp, tp=tp, dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
+        num_redundant_experts=num_redundant_experts, nnodes=nnodes, node_rank=node_rank,
+        master_addr=master_addr, master_port=master_port,
+    )
+    parallel.check_model(model_config)
+    if device.startswith("cuda") and parallel.world_size > 1:
+        import torch
+
+        if parallel.local_world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"{parallel.local_world_size} ranks per host need as many GPUs; "
+                f"{torch.cuda.device_count()} visible"
+            )
+    return EngineConfig(
+        model=model_config,
+        model_path=path,
+        dtype=dtype,
+        device=device,
+        cache=CacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks,
+            memory_budget_bytes=memory_budget_bytes,
+            memory_utilization=memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+        parallel=parallel,
+    )
 
 
 def _spawn_ranks(config: EngineConfig) -> RankProcesses:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -25,6 +26,9 @@ from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
 from epserve.parallel.launch import RankInfo, die_with_parent, pin_to_cores, pinning_enabled, threads_per_rank
+
+if TYPE_CHECKING:
+    from epserve.serve.engine_server import ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +63,12 @@ def assign_dp_groups(requests: list[OfflineRequest], dp: int) -> list[int]:
 class EngineWorker:
     """One rank: its engine and the offline commands the LLM front end sends to every rank."""
 
-    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, ctx: ParallelContext | None = None, rendezvous: tuple[str, int] | None = None
+    ) -> None:
         self.engine = LLMEngine(config, ctx)
         self.ctx = self.engine.ctx
+        self.rendezvous = rendezvous  # (host, port) of the store the ranks met through; None in one process
 
     @property
     def num_blocks(self) -> int:
@@ -139,6 +146,13 @@ class EngineWorker:
         ]
         return gather_objects(steps, self.ctx)  # type: ignore[return-value]
 
+    def serve(self, options: ServeOptions) -> None:
+        """Serve online until every rank is told to stop (SIGTERM/SIGINT on any rank) and has
+        drained: leaders run the gRPC engine service, all ranks step in lockstep."""
+        from epserve.serve.engine_server import EngineServer
+
+        EngineServer(self, options).serve()
+
     def close(self) -> None:
         shutdown_parallel()
 
@@ -162,4 +176,4 @@ def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WA
             pin_to_cores(info.local_rank, info.local_world_size)
     store = make_store(info.master_addr, info.master_port, pc.world_size, info.rank, pc.timeout_s)
     ctx = init_parallel(pc.dp, pc.tp, info.rank, device, store, pc.timeout_s)
-    return EngineWorker(config, ctx)
+    return EngineWorker(config, ctx, (info.master_addr, info.master_port))

@@ -113,8 +113,18 @@ def make_store(host: str, port: int, world_size: int, rank: int, timeout_s: floa
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"epserve/{attempt}", store)
+    return dist.PrefixStore(_store_prefix(), store)
+
+
+def store_client(host: str, port: int, timeout_s: float = 600.0) -> dist.Store:
+    """Another connection to the rendezvous store (its own socket, so a blocking wait on one client
+    never holds up another's calls); keys as :func:`make_store` sees them."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(_store_prefix(), store)
+
+
+def _store_prefix() -> str:
+    return f"epserve/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def shutdown_parallel() -> None:

@@ -1,0 +1,1 @@
+"""Online serving: gRPC engine service, router (policies, OpenAI API, metrics), launcher."""

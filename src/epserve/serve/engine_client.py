@@ -1,0 +1,88 @@
+"""The router's side of the gRPC engine service: one async client per engine instance."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epserve.engine.request import SamplingParams
+from epserve.serve.proto import engine_pb2 as pb
+from epserve.serve.proto import engine_pb2_grpc as pb_grpc
+from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME, sampling_to_proto
+
+# Codes that say "this instance cannot take the request now" rather than "the request is bad".
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+class EngineUnavailable(RuntimeError):
+    """The instance is down, unreachable or shutting down."""
+
+
+class EngineRequestError(ValueError):
+    """The instance refused the request (bad token ids, too long for its KV cache, …)."""
+
+
+def _translate(e: grpc.aio.AioRpcError, address: str) -> Exception:
+    if e.code() in _UNAVAILABLE:
+        return EngineUnavailable(f"engine {address}: {e.details() or e.code().name}")
+    return EngineRequestError(e.details() or e.code().name)
+
+
+class EngineClient:
+    def __init__(self, index: int, address: str) -> None:
+        self.index = index
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.EngineStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's stream; closing the iterator early cancels the call (the engine aborts the
+        request and frees its blocks). Raises EngineUnavailable or EngineRequestError."""
+        call = self.stub.Generate(
+            pb.GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_to_proto(params)
+            ),
+            wait_for_ready=False,
+        )
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e, self.address) from None
+        finally:
+            call.cancel()  # no-op once the call has finished
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        try:
+            return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e, self.address) from None
+
+    async def get_load(self, timeout: float = 2.0) -> pb.GetLoadResponse:
+        try:
+            return await self.stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e, self.address) from None
+
+    async def get_info(self, timeout: float = 2.0) -> pb.GetInfoResponse:
+        try:
+            return await self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e, self.address) from None
+
+    async def is_serving(self, timeout: float = 2.0) -> bool:
+        """The standard grpc.health.v1 check of the engine service."""
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self.channel.close()

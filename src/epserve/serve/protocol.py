@@ -1,0 +1,536 @@
+"""OpenAI-compatible request models, validation, errors and logprobs formatting for the HTTP layer.
+
+The request models parse ``/v1/completions`` and ``/v1/chat/completions`` bodies in pydantic's
+strict mode, so a value of the wrong JSON type (``"temperature": "hot"``, ``"n": true``) is an
+error rather than being coerced; a JSON integer is still a valid float. ``null`` for a parameter
+that has a default means the default, as in OpenAI's API. Unknown fields are ignored.
+
+``check_request`` then checks value ranges and unsupported options, ``resolve_max_tokens`` fits the
+completion into the model's context, and ``to_sampling_params`` maps a request onto the engine's
+``SamplingParams``. Every problem is raised as an ``APIError`` whose ``body()`` is the OpenAI error
+JSON (``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Sequence
+from types import NoneType, UnionType
+from typing import Any, Protocol
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from epserve.engine.request import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_TEMPERATURE = 2.0
+# Logprobs are JSON numbers, and JSON has no -inf: clamp to this (vLLM and OpenAI do the same).
+MIN_LOGPROB = -9999.0
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered to the client as ``status`` with the OpenAI error body."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",  # the OpenAI field name
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.code = code
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status}, {self.message!r}, type={self.type!r}, code={self.code!r}, param={self.param!r})"
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+    return APIError(message, 400, "invalid_request_error", code, param)
+
+
+def not_found_model(name: str) -> APIError:
+    return APIError(
+        f"The model `{name}` does not exist.", 404, "invalid_request_error", "model_not_found", "model"
+    )
+
+
+def context_length_exceeded(
+    max_model_len: int, num_prompt_tokens: int, max_tokens: int | None = None, param: str | None = None
+) -> APIError:
+    """400 ``context_length_exceeded``; ``max_tokens=None`` when the prompt alone does not fit."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if max_tokens is None:
+        message = (
+            f"{head}your prompt is {num_prompt_tokens} tokens long, which leaves no room for the completion. "
+            "Please reduce the length of the prompt."
+        )
+    else:
+        message = (
+            f"{head}you requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the length of the prompt or the completion."
+        )
+    return APIError(message, 400, "invalid_request_error", "context_length_exceeded", param)
+
+
+def unauthorized(message: str = "Incorrect API key provided.") -> APIError:
+    return APIError(message, 401, "authentication_error", "invalid_api_key")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, 503, "service_unavailable_error", "engine_unavailable")
+
+
+def _loc_part_is_type_tag(part: str) -> bool:
+    """pydantic puts union members' names (``str``, ``list[int]``, ``ContentPart``) into error locations."""
+    return (
+        not part.isidentifier()
+        or part in {"str", "int", "float", "bool", "list", "dict", "none"}
+        or (part[:1].isupper())
+    )
+
+
+def _format_loc(loc: Sequence[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _clean_loc(loc: Sequence[int | str]) -> list[int | str]:
+    parts = list(loc)
+    if parts and parts[0] == "body":  # FastAPI prefixes the body's errors with "body"
+        parts = parts[1:]
+    return [p for p in parts if not (isinstance(p, str) and _loc_part_is_type_tag(p))]
+
+
+def validation_error(exc: ValidationError | Sequence[dict[str, Any]]) -> APIError:
+    """A 400 naming each bad field and what is wrong with it, e.g. ``temperature: Input should be a
+    valid number (got 'hot')``. ``param`` is the first bad field's location (``messages[0].content``).
+
+    Accepts a pydantic ``ValidationError`` or FastAPI's ``RequestValidationError.errors()`` list.
+    """
+    errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else list(exc)
+    entries: list[tuple[list[int | str], bool, dict[str, Any]]] = []  # (clean loc, had a union tag, error)
+    for err in errors:
+        raw = list(err.get("loc", ()))
+        loc = _clean_loc(raw)
+        tagged = len(loc) < len(raw) - (1 if raw[:1] == ["body"] else 0)
+        entries.append((loc, tagged, err))
+    parts: list[str] = []
+    param: str | None = None
+    for loc, tagged, err in entries:
+        if err.get("type") == "json_invalid":
+            parts.append(f"Invalid JSON in the request body: {err.get('msg', '')}")
+            continue
+        # A union member that did not match at all, while another member matched the container and
+        # failed deeper inside (a list with one bad item): only the deeper error is useful.
+        if tagged and any(len(other) > len(loc) and other[: len(loc)] == loc for other, _, _ in entries):
+            continue
+        where = _format_loc(loc)
+        if param is None and where:
+            param = where
+        msg = str(err.get("msg", "invalid value"))
+        if err.get("type") != "missing" and "input" in err:
+            shown = repr(err["input"])
+            if len(shown) <= 40 and not isinstance(err["input"], dict):
+                msg += f" (got {shown})"
+        line = f"{where}: {msg}" if where else f"Request body: {msg}"
+        if line not in parts:
+            parts.append(line)
+    if not parts:
+        parts.append("Invalid request")
+    shown_parts = parts[:5] + ([f"... and {len(parts) - 5} more"] if len(parts) > 5 else [])
+    return APIError("; ".join(shown_parts), 400, "invalid_request_error", "invalid_value", param)
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+def _admits_none(annotation: Any) -> bool:
+    if annotation is None or annotation is NoneType:
+        return True
+    origin = typing.get_origin(annotation)
+    return (origin is typing.Union or origin is UnionType) and NoneType in typing.get_args(annotation)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``"temperature": null`` means the default, as in OpenAI's API (fields that admit None keep it)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            drop = [
+                k
+                for k, v in data.items()
+                if v is None
+                and k in fields
+                and not fields[k].is_required()
+                and not _admits_none(fields[k].annotation)
+            ]
+            if drop:
+                data = {k: v for k, v in data.items() if k not in drop}
+        return data
+
+
+def _union_error(value: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
+    """Run the union validator; on failure report one readable error instead of one per member."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "type_error", "Input should be {expected}", {"expected": expected}
+        ) from None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class ContentPart(_Model):
+    """One part of a chat message's content; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _content_type(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(value, list):
+            return handler(value)  # errors inside the list keep their locations
+        return _union_error(value, handler, "a string or a list of content parts")
+
+    def text(self) -> str:
+        """The content as one string (text parts joined with newlines)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text or "" for p in self.content)
+
+
+class _SamplingFields(_Model):
+    """Fields that completions and chat completions share."""
+
+    model: str | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0  # only 0 is supported
+    frequency_penalty: float = 0.0  # only 0 is supported
+    ignore_eos: bool = False  # extension
+    include_stop_str_in_output: bool = False  # extension
+    skip_special_tokens: bool = True  # extension
+    user: str | None = None
+
+    @field_validator("stop", mode="wrap")
+    @classmethod
+    def _stop_type(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(value, list):
+            return handler(value)
+        return _union_error(value, handler, "a string, a list of strings or null")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # 0..20
+    echo: bool = False  # only False is supported
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_type(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return _union_error(
+            value, handler, "a string, a list of strings, a list of token ids or a list of token id lists"
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # wins over max_tokens when both are given
+    logprobs: bool = False
+    top_logprobs: int | None = None  # 0..20, needs logprobs=true
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        """``[{"role", "content"}]`` for the tokenizer's chat template, text parts joined."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
+    ok = (lo < value if lo_open else lo <= value) and value <= hi  # NaN fails both
+    if not ok:
+        lo_bracket = "(" if lo_open else "["
+        raise bad_request(f"{param} must be in {lo_bracket}{lo:g}, {hi:g}], got {value!r}", param)
+
+
+def check_request(req: AnyRequest) -> None:
+    """Raise ``APIError(400)`` for values out of range and options this server does not support."""
+    _check_range(req.n, 1, MAX_N, "n")
+    _check_range(req.temperature, 0, MAX_TEMPERATURE, "temperature")
+    _check_range(req.top_p, 0, 1, "top_p", lo_open=True)
+    if req.top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (disabled) or a positive integer, got {req.top_k}", "top_k")
+    _check_range(req.min_p, 0, 1, "min_p")
+    if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
+        raise bad_request(f"seed must be a 64-bit signed integer, in [{_INT64_MIN}, {_INT64_MAX}]", "seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value != 0:  # also catches NaN
+            raise bad_request(
+                f"{name} is not supported: only 0 is allowed, got {value!r}", name, "unsupported_value"
+            )
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
+        raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(req, CompletionRequest):
+        _check_completion(req)
+    else:
+        _check_chat(req)
+
+
+def _check_max_tokens(value: int | None, param: str) -> None:
+    if value is not None and value < 1:
+        raise bad_request(f"{param} must be at least 1, got {value}", param)
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    if req.logprobs is not None:
+        _check_range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
+    if req.echo:
+        raise bad_request("echo is not supported: only false is allowed", "echo", "unsupported_value")
+    prompt = req.prompt
+    if isinstance(prompt, str) or not prompt:
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]  # one prompt given as token ids
+    else:
+        prompts = list(prompt)
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if len(p) == 0:
+            raise bad_request(f"{where} must not be empty", "prompt")
+        if not isinstance(p, str) and any(t < 0 for t in p):
+            raise bad_request(f"{where} holds a negative token id", "prompt")
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        _check_range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
+    if not req.messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            continue
+        for j, part in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise bad_request(
+                    f"{where}.type is {part.type!r}: only text content is supported",
+                    f"{where}.type",
+                    "unsupported_value",
+                )
+            if part.text is None:
+                raise bad_request(f"{where} has type 'text' but no text", f"{where}.text")
+
+
+def resolve_max_tokens(req: AnyRequest, num_prompt_tokens: int, max_model_len: int) -> int:
+    """How many tokens to generate: as requested (completions default 16; chat ``max_completion_tokens``
+    over ``max_tokens``), else whatever room the context leaves. Raises ``context_length_exceeded``."""
+    if isinstance(req, ChatCompletionRequest):
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        prompt_param = "messages"
+    else:
+        requested, param, prompt_param = req.max_tokens, "max_tokens", "prompt"
+    if requested is not None and requested < 1:
+        raise bad_request(f"{param} must be at least 1, got {requested}", param)
+    if num_prompt_tokens >= max_model_len:
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested, prompt_param)
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested, param)
+    return requested
+
+
+def _wrap_int64(x: int) -> int:
+    return (x - _INT64_MIN) % 2**64 + _INT64_MIN
+
+
+def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0) -> SamplingParams:
+    """The engine's ``SamplingParams`` for choice ``index`` of ``req`` (its seed is ``seed + index``)."""
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=float(req.temperature),
+            top_k=req.top_k,
+            top_p=float(req.top_p),
+            min_p=float(req.min_p),
+            seed=None if req.seed is None else _wrap_int64(req.seed + index),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def stop_strings(req: AnyRequest) -> list[str]:
+    """``stop`` as a list: ``[]``, ``[s]`` or the given list."""
+    if req.stop is None:
+        return []
+    if isinstance(req.stop, str):
+        return [req.stop]
+    return list(req.stop)
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+
+
+class _Tokenizer(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+LogprobEntry = Any  # (logprob, [(token_id, logprob), ...]) or an object with .logprob and .top
+
+
+def _unpack(entry: LogprobEntry) -> tuple[float | None, Sequence[tuple[int, float]]]:
+    if entry is None:
+        return None, ()
+    if hasattr(entry, "logprob"):
+        return entry.logprob, getattr(entry, "top", ())
+    lp, top = entry
+    return lp, top or ()
+
+
+def _clamp(lp: float | None) -> float | None:
+    if lp is None:
+        return None
+    lp = float(lp)
+    return MIN_LOGPROB if math.isnan(lp) or lp < MIN_LOGPROB else lp
+
+
+def completion_logprobs(
+    tokenizer: _Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[LogprobEntry],
+    text_offset: int,
+    skip_special_tokens: bool = True,
+) -> dict[str, list[Any]]:
+    """The ``choices[i].logprobs`` object of ``/v1/completions``.
+
+    ``text_offset[i]`` is where token ``i``'s text starts in the completion text (decoded with
+    ``skip_special_tokens``), counting from ``text_offset``; a token that ends inside a multi-byte
+    character shares the offset of the character it belongs to. Token strings are decoded one by
+    one with special tokens kept; ``top_logprobs[i]`` maps the ``k`` top token strings to their
+    logprobs (of two ids with the same string, the higher logprob is kept).
+    """
+    from epserve.serve.detokenize import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for tid, entry in zip(token_ids, logprobs):
+        offsets.append(text_offset + len(detok.text))
+        detok.add([tid])
+        tokens.append(tokenizer.decode([tid], skip_special_tokens=False))
+        lp, top = _unpack(entry)
+        token_logprobs.append(_clamp(lp))
+        if entry is None:
+            top_logprobs.append(None)
+            continue
+        tops: dict[str, float] = {}
+        for top_id, top_lp in top:
+            s = tokenizer.decode([top_id], skip_special_tokens=False)
+            value = _clamp(top_lp)
+            if s not in tops or value > tops[s]:
+                tops[s] = value
+        top_logprobs.append(tops)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def _chat_token(tokenizer: _Tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
+    s = tokenizer.decode([token_id], skip_special_tokens=False)
+    return {"token": s, "logprob": _clamp(logprob), "bytes": list(s.encode("utf-8"))}
+
+
+def chat_logprobs(
+    tokenizer: _Tokenizer, token_ids: Sequence[int], logprobs: Sequence[LogprobEntry]
+) -> list[dict[str, Any]]:
+    """The ``choices[i].logprobs.content`` list of ``/v1/chat/completions``:
+    ``[{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]``."""
+    out = []
+    for tid, entry in zip(token_ids, logprobs):
+        lp, top = _unpack(entry)
+        item = _chat_token(tokenizer, tid, lp)
+        item["top_logprobs"] = [_chat_token(tokenizer, t, t_lp) for t, t_lp in top]
+        out.append(item)
+    return out

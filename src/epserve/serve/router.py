@@ -1,0 +1,153 @@
+"""The router's view of its engine instances: health, load, and where each request goes.
+
+Every ``refresh_interval_s`` (and on demand, before ``/metrics`` is rendered) the router asks each
+instance for ``GetLoad``; an instance that does not answer, or is draining, is unhealthy: it gets no
+new requests and the policy forgets what it knew of its cache. A request's load signal is the larger
+of the router's own in-flight count for the instance (exact and immediate) and the instance's
+running + waiting count (which also sees requests from other routers). A request that an instance
+refuses as unavailable before streaming anything is retried on another healthy instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from epserve.engine.request import SamplingParams
+from epserve.serve.engine_client import EngineClient, EngineUnavailable
+from epserve.serve.policy import NoInstanceError, Policy
+from epserve.serve.proto import engine_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    client: EngineClient
+    healthy: bool = False
+    in_flight: int = 0
+    requests_total: int = 0
+    load: pb.GetLoadResponse | None = None
+    info: pb.GetInfoResponse | None = None
+    last_error: str = field(default="not contacted yet")
+
+    @property
+    def index(self) -> int:
+        return self.client.index
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    @property
+    def load_signal(self) -> int:
+        engine = self.load.num_running + self.load.num_waiting if self.load is not None else 0
+        return max(self.in_flight, engine)
+
+
+class Router:
+    def __init__(self, addresses: list[str], policy: Policy, refresh_interval_s: float = 1.0) -> None:
+        if not addresses:
+            raise ValueError("the router needs at least one engine address (--engine HOST:PORT)")
+        for a in addresses:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"engine address {a!r} is not HOST:PORT")
+        self.addresses = addresses
+        self.policy = policy
+        self.refresh_interval_s = refresh_interval_s
+        self.instances: list[Instance] = []
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.instances = [Instance(EngineClient(i, a)) for i, a in enumerate(self.addresses)]
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for inst in self.instances:
+            await inst.client.close()
+
+    # ---- health and load ---------------------------------------------------------------------
+    async def refresh(self) -> None:
+        await asyncio.gather(*(self._refresh_one(inst) for inst in self.instances))
+
+    async def _refresh_one(self, inst: Instance) -> None:
+        try:
+            if inst.info is None:
+                inst.info = await inst.client.get_info(timeout=2.0)
+            inst.load = await inst.client.get_load(timeout=2.0)
+        except Exception as e:  # unreachable, or an answer we cannot use: either way not routable
+            self._mark_down(inst, str(e))
+            return
+        if inst.load.draining:
+            self._mark_down(inst, "draining")
+            return
+        if not inst.healthy:
+            logger.info("engine %d at %s is healthy", inst.index, inst.address)
+        inst.healthy, inst.last_error = True, ""
+
+    def _mark_down(self, inst: Instance, why: str) -> None:
+        if inst.healthy:
+            logger.warning("engine %d at %s is unavailable: %s", inst.index, inst.address, why)
+            self.policy.forget(inst.index)
+        inst.healthy, inst.last_error = False, why
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep refreshing whatever happened
+                logger.exception("refreshing engine loads failed")
+
+    @property
+    def healthy(self) -> list[Instance]:
+        return [inst for inst in self.instances if inst.healthy]
+
+    @property
+    def info(self) -> pb.GetInfoResponse | None:
+        """Model facts from any instance that answered (they all serve the same model)."""
+        return next((inst.info for inst in self.instances if inst.info is not None), None)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def choose(self, token_ids: list[int], exclude: set[int] = frozenset()) -> Instance:  # type: ignore[assignment]
+        loads = {inst.index: inst.load_signal for inst in self.healthy if inst.index not in exclude}
+        try:
+            return self.instances[self.policy.choose(token_ids, loads)]
+        except NoInstanceError:
+            down = "; ".join(f"{inst.address}: {inst.last_error}" for inst in self.instances if not inst.healthy)
+            raise EngineUnavailable(f"no engine instance is available ({down})") from None
+
+    async def generate(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Route and stream one request. Closing the iterator cancels it on the engine. Raises
+        EngineUnavailable (no instance could take it, or the serving one died mid-stream) or
+        EngineRequestError (the instance refused the request)."""
+        tried: set[int] = set()
+        while True:
+            inst = self.choose(token_ids, tried)
+            inst.in_flight += 1
+            inst.requests_total += 1
+            started = False
+            try:
+                async with contextlib.aclosing(inst.client.generate(request_id, token_ids, params)) as stream:
+                    async for msg in stream:
+                        started = True
+                        yield msg
+                return
+            except EngineUnavailable as e:
+                self._mark_down(inst, str(e))
+                if started:
+                    raise
+                tried.add(inst.index)
+            finally:
+                inst.in_flight -= 1

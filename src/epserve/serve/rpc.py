@@ -1,0 +1,45 @@
+"""What both ends of the gRPC engine service share: names, channel options, message conversion."""
+
+from __future__ import annotations
+
+from epserve.engine.request import SamplingParams
+from epserve.serve.proto import engine_pb2 as pb
+
+SERVICE_NAME = "epserve.engine.v1.Engine"
+GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a port already taken is an error, not a silently shared port
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """ValueError for values SamplingParams refuses."""
+    return SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )

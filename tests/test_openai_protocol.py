@@ -1,0 +1,512 @@
+"""OpenAI request models, validation, errors, sampling-parameter mapping and logprobs formatting."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from epserve.engine.request import SamplingParams
+from epserve.engine.sampler import TokenLogprobs
+from epserve.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    chat_logprobs,
+    check_request,
+    completion_logprobs,
+    context_length_exceeded,
+    not_found_model,
+    resolve_max_tokens,
+    stop_strings,
+    to_sampling_params,
+    unauthorized,
+    unavailable,
+    validation_error,
+)
+from epserve.tokenizer import Tokenizer, write_tokenizer_files
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer_files(path, vocab_size=512, model_max_length=2048)
+    return Tokenizer.from_dir(path)
+
+
+def completion(**kw: Any) -> CompletionRequest:
+    kw.setdefault("prompt", "Hello")
+    return CompletionRequest.model_validate_json(json.dumps(kw))
+
+
+def chat(**kw: Any) -> ChatCompletionRequest:
+    kw.setdefault("messages", MSGS)
+    return ChatCompletionRequest.model_validate_json(json.dumps(kw))
+
+
+def api_error(fn: Any, *args: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        fn(*args)
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+def test_api_error_body_and_helpers() -> None:
+    e = APIError("nope", 418, "teapot_error", "short", "spout")
+    assert e.body() == {
+        "error": {"message": "nope", "type": "teapot_error", "param": "spout", "code": "short"}
+    }
+    assert str(e) == "nope"
+    e = bad_request("bad n", "n")
+    assert (e.status, e.type, e.code, e.param) == (400, "invalid_request_error", "invalid_value", "n")
+    e = not_found_model("gpt-9")
+    assert (
+        e.status == 404 and e.code == "model_not_found" and e.message == "The model `gpt-9` does not exist."
+    )
+    e = unauthorized()
+    assert (e.status, e.type, e.code) == (401, "authentication_error", "invalid_api_key")
+    e = unavailable("engine is restarting")
+    assert (e.status, e.type, e.code, e.message) == (
+        503,
+        "service_unavailable_error",
+        "engine_unavailable",
+        "engine is restarting",
+    )
+    e = context_length_exceeded(100, 90, 20)
+    assert e.status == 400 and e.code == "context_length_exceeded"
+    assert (
+        "maximum context length is 100 tokens" in e.message
+        and "110 tokens (90 in the prompt, 20" in e.message
+    )
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize(
+    "model, body, param",
+    [
+        (CompletionRequest, {"prompt": "x", "temperature": "0.5"}, "temperature"),
+        (CompletionRequest, {"prompt": "x", "temperature": True}, "temperature"),
+        (CompletionRequest, {"prompt": "x", "n": True}, "n"),
+        (CompletionRequest, {"prompt": "x", "n": "2"}, "n"),
+        (CompletionRequest, {"prompt": "x", "n": 2.0}, "n"),
+        (CompletionRequest, {"prompt": "x", "max_tokens": "16"}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "stream": "true"}, "stream"),
+        (CompletionRequest, {"prompt": "x", "logprobs": True}, "logprobs"),
+        (CompletionRequest, {"prompt": "x", "seed": 1.5}, "seed"),
+        (CompletionRequest, {"prompt": 5}, "prompt"),
+        (CompletionRequest, {"prompt": {"text": "x"}}, "prompt"),
+        (CompletionRequest, {"prompt": [1, "a"]}, "prompt"),
+        (CompletionRequest, {"prompt": [1.5]}, "prompt"),
+        (CompletionRequest, {"prompt": [True, 2]}, "prompt"),
+        (CompletionRequest, {}, "prompt"),
+        (CompletionRequest, {"prompt": "x", "stop": 3}, "stop"),
+        (CompletionRequest, {"prompt": "x", "stop": ["a", 3]}, "stop[1]"),
+        (CompletionRequest, {"prompt": "x", "stop_token_ids": [1, "2"]}, "stop_token_ids[1]"),
+        (
+            CompletionRequest,
+            {"prompt": "x", "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+        (ChatCompletionRequest, {"messages": "hi"}, "messages"),
+        (ChatCompletionRequest, {"messages": {"role": "user", "content": "hi"}}, "messages"),
+        (ChatCompletionRequest, {}, "messages"),
+        (ChatCompletionRequest, {"messages": [{"role": "user"}]}, "messages[0].content"),
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": 7}]}, "messages[0].content"),
+        (ChatCompletionRequest, {"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"text": "x"}]}]},
+            "messages[0].content[0].type",
+        ),
+        (ChatCompletionRequest, {"messages": MSGS, "logprobs": 1}, "logprobs"),
+        (ChatCompletionRequest, {"messages": MSGS, "top_logprobs": "5"}, "top_logprobs"),
+        (ChatCompletionRequest, {"messages": MSGS, "max_completion_tokens": 1.0}, "max_completion_tokens"),
+    ],
+)
+def test_wrong_json_types_fail_with_a_named_param(model: Any, body: dict[str, Any], param: str) -> None:
+    for parse in (lambda: model.model_validate_json(json.dumps(body)), lambda: model.model_validate(body)):
+        with pytest.raises(ValidationError) as info:
+            parse()
+        err = validation_error(info.value)
+        assert err.status == 400 and err.type == "invalid_request_error"
+        assert err.param == param
+        assert err.message.startswith(f"{param}: ")
+        assert err.body()["error"]["param"] == param
+
+
+def test_validation_error_messages_are_readable() -> None:
+    with pytest.raises(ValidationError) as info:
+        completion(temperature="hot")
+    assert validation_error(info.value).message == "temperature: Input should be a valid number (got 'hot')"
+    with pytest.raises(ValidationError) as info:
+        completion(prompt=[1, "a"])
+    msg = validation_error(info.value).message
+    assert msg.startswith("prompt: Input should be a string, a list of strings, a list of token ids")
+    assert "list[int]" not in msg  # no pydantic union member names
+    with pytest.raises(ValidationError) as info:
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}])
+    assert (
+        validation_error(info.value).message
+        == "messages[0].content[0].text: Input should be a valid string (got 3)"
+    )
+
+
+def test_validation_error_from_fastapi_error_list() -> None:
+    errors = [
+        {
+            "type": "float_type",
+            "loc": ("body", "temperature"),
+            "msg": "Input should be a valid number",
+            "input": "x",
+        },
+        {"type": "missing", "loc": ("body", "messages"), "msg": "Field required", "input": {}},
+    ]
+    err = validation_error(errors)
+    assert err.status == 400 and err.param == "temperature"
+    assert err.message == "temperature: Input should be a valid number (got 'x'); messages: Field required"
+    err = validation_error(
+        [{"type": "json_invalid", "loc": ("body", 17), "msg": "JSON decode error", "input": {}}]
+    )
+    assert err.status == 400 and err.param is None and "Invalid JSON" in err.message
+
+
+def test_json_integers_are_valid_floats() -> None:
+    r = completion(temperature=1, top_p=1, min_p=0, presence_penalty=0, frequency_penalty=0)
+    assert r.temperature == 1.0 and isinstance(r.temperature, float)
+    assert isinstance(r.top_p, float) and isinstance(r.min_p, float)
+    assert chat(temperature=0).temperature == 0.0
+
+
+def test_defaults_nulls_and_unknown_fields() -> None:
+    r = completion()
+    assert (r.max_tokens, r.temperature, r.top_p, r.top_k, r.n, r.stream, r.logprobs, r.echo) == (
+        16,
+        1.0,
+        1.0,
+        -1,
+        1,
+        False,
+        None,
+        False,
+    )
+    # null means the default for parameters that do not take null; unknown fields are ignored
+    r = completion(temperature=None, n=None, stream=None, logit_bias={"1": 2}, suffix="x")
+    assert (r.temperature, r.n, r.stream) == (1.0, 1, False)
+    c = chat(stop=None, logprobs=None, stream_options=None, tools=[])
+    assert c.stop is None and c.logprobs is False and c.max_tokens is None and c.max_completion_tokens is None
+
+
+def test_prompt_forms() -> None:
+    assert completion(prompt="a").prompt == "a"
+    assert completion(prompt=["a", "b"]).prompt == ["a", "b"]
+    assert completion(prompt=[1, 2, 3]).prompt == [1, 2, 3]
+    assert completion(prompt=[[1, 2], [3]]).prompt == [[1, 2], [3]]
+
+
+def test_chat_content_parts() -> None:
+    r = chat(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}],
+            },
+        ]
+    )
+    check_request(r)
+    assert r.message_dicts() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello\nworld"},
+    ]
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    r = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "see"}, image]}])
+    e = api_error(check_request, r)
+    assert e.status == 400 and "only text content is supported" in e.message
+    assert e.param == "messages[0].content[1].type"
+    e = api_error(check_request, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]))
+    assert e.status == 400 and e.param == "messages[0].content[0].text"
+
+
+# ---------------------------------------------------------------------------------------------- ranges
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"seed": 2**63}, "seed"),
+        ({"stop": ["s"] * 17}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"frequency_penalty": -1}, "frequency_penalty"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_range_checks(kind: str, kw: dict[str, Any], param: str) -> None:
+    req = completion(**kw) if kind == "completion" else chat(**kw)
+    e = api_error(check_request, req)
+    assert e.status == 400 and e.param == param and e.type == "invalid_request_error"
+    assert param in e.message
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"echo": True}, "echo"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),
+        ({"prompt": [3, -1]}, "prompt"),
+    ],
+)
+def test_completion_checks(kw: dict[str, Any], param: str) -> None:
+    e = api_error(check_request, completion(**kw))
+    assert e.status == 400 and e.param == param
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+    ],
+)
+def test_chat_checks(kw: dict[str, Any], param: str) -> None:
+    e = api_error(check_request, chat(**kw))
+    assert e.status == 400 and e.param == param
+
+
+def test_range_messages_name_the_allowed_range() -> None:
+    assert "[0, 2]" in api_error(check_request, completion(temperature=3)).message
+    assert "(0, 1]" in api_error(check_request, completion(top_p=0)).message
+    assert "[1, 16]" in api_error(check_request, completion(n=100)).message
+    assert "[0, 20]" in api_error(check_request, completion(logprobs=50)).message
+
+
+def test_nan_is_out_of_range() -> None:
+    # Python's json module (which FastAPI uses) accepts NaN
+    r = CompletionRequest.model_validate(json.loads('{"prompt": "x", "temperature": NaN}'))
+    assert math.isnan(r.temperature)
+    assert api_error(check_request, r).param == "temperature"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"n": 16, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 1},
+        {"temperature": 2, "top_p": 0.01, "top_k": -1, "min_p": 0, "seed": -(2**63)},
+        {"stop": ["s"] * 16, "stop_token_ids": [0, 1]},
+        {"stream": True, "stream_options": {"include_usage": True}},
+        {"logprobs": 0},
+        {"logprobs": 20, "max_tokens": 1},
+        {"prompt": [[1], [2, 3]]},
+        {"prompt": ["a", "b"]},
+        {"max_tokens": None},
+    ],
+)
+def test_valid_completion_requests_pass(kw: dict[str, Any]) -> None:
+    check_request(completion(**kw))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"logprobs": True},
+        {"logprobs": True, "top_logprobs": 0},
+        {"logprobs": True, "top_logprobs": 20},
+        {"max_tokens": 1, "max_completion_tokens": 5},
+        {"stop": "\n"},
+    ],
+)
+def test_valid_chat_requests_pass(kw: dict[str, Any]) -> None:
+    check_request(chat(**kw))
+
+
+# ---------------------------------------------------------------------------------------------- context
+
+
+def test_context_length_math() -> None:
+    assert resolve_max_tokens(completion(), 10, 100) == 16
+    assert resolve_max_tokens(completion(max_tokens=90), 10, 100) == 90  # exactly at the limit
+    e = api_error(resolve_max_tokens, completion(max_tokens=91), 10, 100)
+    assert e.status == 400 and e.code == "context_length_exceeded"
+    assert e.message == (
+        "This model's maximum context length is 100 tokens. However, you requested 101 tokens "
+        "(10 in the prompt, 91 for the completion). Please reduce the length of the prompt or the completion."
+    )
+    # the prompt alone fills the context
+    e = api_error(resolve_max_tokens, completion(max_tokens=1), 100, 100)
+    assert e.code == "context_length_exceeded" and "101 tokens (100 in the prompt, 1 for" in e.message
+    assert resolve_max_tokens(completion(max_tokens=1), 99, 100) == 1
+    # completions with max_tokens null fill the context
+    assert resolve_max_tokens(completion(max_tokens=None), 30, 100) == 70
+
+
+def test_chat_max_tokens_resolution() -> None:
+    assert resolve_max_tokens(chat(), 30, 100) == 70  # default: fill the context
+    assert resolve_max_tokens(chat(), 99, 100) == 1
+    e = api_error(resolve_max_tokens, chat(), 100, 100)
+    assert e.code == "context_length_exceeded" and "100 tokens" in e.message
+    assert resolve_max_tokens(chat(max_tokens=5), 30, 100) == 5
+    assert resolve_max_tokens(chat(max_tokens=5, max_completion_tokens=7), 30, 100) == 7
+    assert resolve_max_tokens(chat(max_completion_tokens=70), 30, 100) == 70
+    e = api_error(resolve_max_tokens, chat(max_completion_tokens=71, max_tokens=1), 30, 100)
+    assert e.code == "context_length_exceeded" and "(30 in the prompt, 71 for the completion)" in e.message
+
+
+# ---------------------------------------------------------------------------------------------- mapping
+
+
+def test_to_sampling_params_maps_fields() -> None:
+    r = completion(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=11,
+        stop_token_ids=[5, 6],
+        ignore_eos=True,
+        logprobs=3,
+    )
+    sp = to_sampling_params(r, max_tokens=32)
+    assert sp == SamplingParams(
+        max_tokens=32,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        min_p=0.05,
+        seed=11,
+        stop_token_ids=(5, 6),
+        ignore_eos=True,
+        logprobs=3,
+    )
+    assert (
+        to_sampling_params(completion(), 16).top_k == -1 and to_sampling_params(completion(), 16).seed is None
+    )
+    assert to_sampling_params(completion(temperature=0), 4).is_greedy
+
+
+def test_seed_plus_index() -> None:
+    r = completion(seed=100, n=3)
+    assert [to_sampling_params(r, 8, index=i).seed for i in range(3)] == [100, 101, 102]
+    assert to_sampling_params(completion(n=3), 8, index=2).seed is None
+    # stays a valid 64-bit seed at the top of the range
+    assert to_sampling_params(completion(seed=2**63 - 1), 8, index=1).seed == -(2**63)
+
+
+def test_chat_logprobs_mapping() -> None:
+    assert to_sampling_params(chat(), 8).logprobs is None
+    assert to_sampling_params(chat(logprobs=True), 8).logprobs == 0
+    assert to_sampling_params(chat(logprobs=True, top_logprobs=5), 8).logprobs == 5
+    assert to_sampling_params(completion(logprobs=0), 8).logprobs == 0
+
+
+def test_sampling_params_errors_become_api_errors() -> None:
+    e = api_error(to_sampling_params, completion(), 0)
+    assert e.status == 400 and "max_tokens" in e.message
+
+
+def test_stop_strings() -> None:
+    assert stop_strings(completion()) == []
+    assert stop_strings(completion(stop="\n")) == ["\n"]
+    assert stop_strings(chat(stop=["a", "b"])) == ["a", "b"]
+    assert stop_strings(chat(stop=[])) == []
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+
+
+def test_completion_logprobs_ascii(tok: Tokenizer) -> None:
+    text = "The capital of France is Paris."
+    ids = tok.encode(text, add_special_tokens=False)
+    entries = [(-0.1 * (i + 1), [(t, -0.05), ((t + 1) % 500 + 4, -2.0)]) for i, t in enumerate(ids)]
+    out = completion_logprobs(tok, ids, entries, text_offset=7)
+    assert set(out) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert "".join(out["tokens"]) == text
+    assert out["token_logprobs"] == pytest.approx([-0.1 * (i + 1) for i in range(len(ids))])
+    offsets = out["text_offset"]
+    assert offsets[0] == 7
+    for tok_str, start, end in zip(out["tokens"], offsets, [*offsets[1:], 7 + len(text)]):
+        assert text[start - 7 : end - 7] == tok_str
+    first = out["top_logprobs"][0]
+    assert first == {tok.decode([ids[0]]): -0.05, tok.decode([(ids[0] + 1) % 500 + 4]): -2.0}
+
+
+def test_completion_logprobs_multibyte_offsets(tok: Tokenizer) -> None:
+    text = "café 😀 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    out = completion_logprobs(tok, ids, [(-1.0, [])] * len(ids), text_offset=0)
+    offsets = out["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+    assert text[offsets[-1] :] == out["tokens"][-1]  # last token "ok" sits at the end of the text
+    assert out["top_logprobs"] == [{}] * len(ids)  # k = 0: no top tokens
+
+
+def test_completion_top_logprobs_duplicates_keep_higher(tok: Tokenizer) -> None:
+    a = tok.encode("a", add_special_tokens=False)[0]
+    entries = [(-0.1, [(a, -0.1), (a, -0.5), (tok.eos_token_id, -3.0)])]
+    out = completion_logprobs(tok, [a], entries, 0)
+    assert out["top_logprobs"] == [{"a": -0.1, "<｜end▁of▁sentence｜>": -3.0}]
+
+
+def test_logprobs_clamped_and_token_logprobs_objects(tok: Tokenizer) -> None:
+    a = tok.encode("a", add_special_tokens=False)[0]
+    entry = TokenLogprobs(token_id=a, logprob=float("-inf"), top=((a, float("-inf")),))
+    out = completion_logprobs(tok, [a], [entry], 0)
+    assert out["token_logprobs"] == [-9999.0] and out["top_logprobs"] == [{"a": -9999.0}]
+    json.dumps(out, allow_nan=False)
+    chat_out = chat_logprobs(tok, [a], [entry])
+    assert chat_out[0]["logprob"] == -9999.0
+    json.dumps(chat_out, allow_nan=False)
+
+
+def test_chat_logprobs_format(tok: Tokenizer) -> None:
+    ids = tok.encode("Hi 世", add_special_tokens=False)
+    entries = [(-0.2, [(t, -0.2), (tok.eos_token_id, -4.0)]) for t in ids]
+    out = chat_logprobs(tok, ids, entries)
+    assert len(out) == len(ids)
+    for t, item in zip(ids, out):
+        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert item["token"] == tok.decode([t], skip_special_tokens=False)
+        assert item["bytes"] == list(item["token"].encode("utf-8"))
+        assert item["logprob"] == pytest.approx(-0.2)
+        assert [x["token"] for x in item["top_logprobs"]] == [item["token"], "<｜end▁of▁sentence｜>"]
+        assert item["top_logprobs"][1] == {
+            "token": "<｜end▁of▁sentence｜>",
+            "logprob": -4.0,
+            "bytes": list("<｜end▁of▁sentence｜>".encode()),
+        }
+    assert "Hi 世".startswith("".join(x["token"] for x in out if "\ufffd" not in x["token"]))
+    assert chat_logprobs(tok, [ids[0]], [(-1.0, [])])[0]["top_logprobs"] == []
