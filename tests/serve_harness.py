@@ -45,14 +45,16 @@ def alive(pid: int) -> bool:
 
 
 class Proc:
-    """An ``epserve`` command in the background, its output in a log file."""
+    """An ``epserve`` command (or, with ``module=False``, any ``python`` command line) in the background,
+    its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None, module: bool = True) -> None:
         self.args = args
         self.log = log
         full_env = {**os.environ, "EPSERVE_THREADS_PER_RANK": "1", "EPSERVE_NO_PROGRESS": "1", **(env or {})}
         self._log_file = open(log, "w")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen([sys.executable, "-m", "epserve.cli", *args], stdout=self._log_file,
+        command = [sys.executable, "-m", "epserve.cli", *args] if module else [sys.executable, *args]
+        self.proc = subprocess.Popen(command, stdout=self._log_file,
                                      stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
         self.pids_seen: set[int] = set()
 

@@ -5,6 +5,7 @@ dropped stream freeing its KV blocks, prefix-aware routing, metrics, and a clean
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -15,14 +16,14 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
-from tests.serve_harness import Proc, alive, parse_metrics, wait_http_ok
+from tests.serve_harness import Proc, alive, metric, parse_metrics, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "sk-test"
 MODEL = "tiny"
-MAX_MODEL_LEN = 256
-ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN)]
+MAX_MODEL_LEN = 1024
+ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "128", "--max-model-len", str(MAX_MODEL_LEN)]
 
 
 class Server:
@@ -62,7 +63,7 @@ def server(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(ckpt):
-    return LLM(ckpt, dtype="float32", num_blocks=64, max_model_len=MAX_MODEL_LEN)
+    return LLM(ckpt, dtype="float32", num_blocks=128, max_model_len=MAX_MODEL_LEN)
 
 
 def test_completion_matches_offline_engine(server, offline):
@@ -226,6 +227,25 @@ def test_dropped_stream_frees_its_blocks(server):
     assert m["epserve:request_success_total"] >= 1
 
 
+def test_disconnected_client_aborts_a_whole_response(server):
+    """Not streamed: the client gives up (its timeout closes the connection); the router notices and
+    aborts the engine request instead of generating 900 tokens nobody reads."""
+    aborted = server.metrics().get("epserve:request_success_total", 0.0)
+    body = {"model": MODEL, "prompt": list(range(40, 140)), "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.http.post("/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["epserve:num_requests_running"] == 0 and m["epserve:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["epserve:num_requests_running"] == 0 and m["epserve:kv_cache_usage_perc"] == 0
+    text = server.http.get("/metrics").text
+    assert metric(text, "epserve:request_success_total", finished_reason="abort") >= 1
+    assert m["epserve:request_success_total"] == aborted + 1
+
+
 def test_cache_aware_routing_reuses_prefixes(server):
     """Each group's second prompt goes where its first one went, so its shared prefix is cached."""
     for g in range(4):
@@ -236,6 +256,8 @@ def test_cache_aware_routing_reuses_prefixes(server):
                                                    temperature=0, extra_body={"ignore_eos": True})
             cached.append(out.usage.prompt_tokens_details.cached_tokens)
         assert cached[0] == 0 and cached[1] >= 96, (g, cached)
+    text = server.http.get("/metrics").text
+    assert metric(text, "epserve:router_decisions_total", decision="cache_hit") >= 4
 
 
 def test_metrics_are_exported(server):
@@ -266,6 +288,22 @@ def test_bench_client_against_the_server(server, tmp_path):
     result = json.loads(out.read_text())
     assert result["completed"] == 6 and result["failed"] == 0
     assert result["cache_hit_rate"] > 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_server_does_not_spin(server):
+    """With no requests, the ranks sleep on the doorbell and the router only polls loads once a second."""
+    time.sleep(1.0)
+    pids = sorted(server.proc.pids_seen)
+    before = {p: _cpu_seconds(p) for p in pids}
+    time.sleep(2.0)
+    used = {p: _cpu_seconds(p) - before[p] for p in pids}
+    assert max(used.values()) < 0.15, used
 
 
 def test_shutdown_drains_and_leaves_no_process(server):

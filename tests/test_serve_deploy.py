@@ -125,3 +125,33 @@ def test_router_routes_around_a_dead_engine_and_503_when_none(ckpt, tmp_path):
         for proc in procs:
             if proc.proc.poll() is None:
                 proc.kill_all()
+
+
+def test_engine_under_torchrun(ckpt, tmp_path):
+    """`torchrun -m epserve.cli engine --dp 2`: each torchrun worker is a rank; leaders serve gRPC."""
+    engine_port, http_port = free_port(), free_port()
+    node = Proc(["-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr",
+                 "127.0.0.1", "--master-port", str(free_port()), "-m", "epserve.cli", "engine", str(ckpt),
+                 *ENGINE_ARGS, "--dp", "2", "--engine-port", str(engine_port)], tmp_path / "torchrun.log",
+                module=False)
+    procs = [node]
+    try:
+        for i in range(2):
+            _wait_output(node, f"engine instance {i} serving gRPC on 127.0.0.1:{engine_port + i}")
+        router = Proc(["router", str(ckpt), "--port", str(http_port), "--engine", f"127.0.0.1:{engine_port}",
+                       "--engine", f"127.0.0.1:{engine_port + 1}"], tmp_path / "router.log")
+        procs.append(router)
+        url = f"http://127.0.0.1:{http_port}"
+        wait_http_ok(f"{url}/health", router)
+        assert httpx.get(f"{url}/health").json()["healthy_engines"] == [
+            f"127.0.0.1:{engine_port}", f"127.0.0.1:{engine_port + 1}"]
+        r = _complete(url, "torchrun")
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        _stop([router])
+        node.signal(signal.SIGTERM)  # torchrun passes it to the ranks, which drain and stop
+        node.wait(60)
+        assert "rank 0 stopped serving" in node.output() and "rank 1 stopped serving" in node.output()
+    finally:
+        for proc in procs:
+            if proc.proc.poll() is None:
+                proc.kill_all()

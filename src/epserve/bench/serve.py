@@ -740,6 +740,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
     request.
     """
     validate_args(args)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     info, requests, records, duration = asyncio.run(_bench(args))
     result = summarize(records, duration, max_concurrency=args.max_concurrency,
                        request_rate=args.request_rate)

@@ -72,6 +72,12 @@ class _EngineCollector:
             fams["preempt"].add_metric(values, load.num_preemptions_total)
             fams["imbalance"].add_metric(values, load.expert_imbalance)
         yield from fams.values()
+        decisions = CounterMetricFamily(
+            "epserve:router_decisions", "Routing decisions by kind (cache_aware: cache_hit, least_load, "
+            "imbalanced; other policies: their name)", labels=["model_name", "decision"])
+        for decision, count in sorted(self.router.decisions.items()):
+            decisions.add_metric([self.model_name, decision], count)
+        yield decisions
 
 
 class RouterMetrics:

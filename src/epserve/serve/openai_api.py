@@ -240,39 +240,44 @@ class _Run:
         metrics = server.metrics
         last = None
         rid = f"{self.id}-{choice.index}"
-        async with contextlib.aclosing(server.router.generate(rid, choice.prompt_ids, choice.params)) as stream:
-            async for msg in stream:
-                now = time.monotonic()
-                n = len(msg.token_ids)
-                if n:
-                    if last is None:
-                        metrics.ttft.observe(now - self.arrival)
-                    else:
-                        for _ in range(n):
-                            metrics.itl.observe((now - last) / n)
-                    last = now
-                choice.num_cached = msg.num_cached_tokens
-                choice.num_output = msg.num_output_tokens
-                finish = msg.finish_reason or None
-                text = detok.add(msg.token_ids) if detok is not None else ""
-                if finish and detok is not None:
-                    text += detok.flush()
-                emit, stopped = stopper.feed(text)
-                if stopped:
-                    finish = "stop"
-                elif finish:
-                    emit += stopper.flush()
-                lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs]
-                delta = Delta(emit, list(msg.token_ids), lps, finish)
-                choice.text.append(emit)
-                choice.token_ids.extend(delta.token_ids)
-                choice.logprobs.extend(lps)
-                if finish:
-                    choice.finish_reason = finish
-                    self._finished(choice)
-                yield delta
-                if finish:
-                    return  # leaving the stream early (a stop string) cancels the engine request
+        try:
+            async with contextlib.aclosing(server.router.generate(rid, choice.prompt_ids, choice.params)) as stream:
+                async for msg in stream:
+                    now = time.monotonic()
+                    n = len(msg.token_ids)
+                    if n:
+                        if last is None:
+                            metrics.ttft.observe(now - self.arrival)
+                        else:
+                            for _ in range(n):
+                                metrics.itl.observe((now - last) / n)
+                        last = now
+                    choice.num_cached = msg.num_cached_tokens
+                    choice.num_output = msg.num_output_tokens
+                    finish = msg.finish_reason or None
+                    text = detok.add(msg.token_ids) if detok is not None else ""
+                    if finish and detok is not None:
+                        text += detok.flush()
+                    emit, stopped = stopper.feed(text)
+                    if stopped:
+                        finish = "stop"
+                    elif finish:
+                        emit += stopper.flush()
+                    lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs]
+                    delta = Delta(emit, list(msg.token_ids), lps, finish)
+                    choice.text.append(emit)
+                    choice.token_ids.extend(delta.token_ids)
+                    choice.logprobs.extend(lps)
+                    if finish:
+                        choice.finish_reason = finish
+                        self._finished(choice)
+                    yield delta
+                    if finish:
+                        return  # leaving the stream early (a stop string) cancels the engine request
+        finally:
+            if choice.finish_reason is None and last is not None:  # cancelled (the client left) or cut off
+                choice.finish_reason = "abort"
+                self._finished(choice)
 
     def _finished(self, choice: Choice) -> None:
         first_of_prompt = choice.index == 0 or self.choices[choice.index - 1].prompt_index != choice.prompt_index

@@ -11,6 +11,7 @@ refuses as unavailable before streaming anything is retried on another healthy i
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -60,6 +61,7 @@ class Router:
         self.policy = policy
         self.refresh_interval_s = refresh_interval_s
         self.instances: list[Instance] = []
+        self.decisions: collections.Counter[str] = collections.Counter()  # why requests went where they went
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -121,10 +123,12 @@ class Router:
     def choose(self, token_ids: list[int], exclude: set[int] = frozenset()) -> Instance:  # type: ignore[assignment]
         loads = {inst.index: inst.load_signal for inst in self.healthy if inst.index not in exclude}
         try:
-            return self.instances[self.policy.choose(token_ids, loads)]
+            index = self.policy.choose(token_ids, loads)
         except NoInstanceError:
             down = "; ".join(f"{inst.address}: {inst.last_error}" for inst in self.instances if not inst.healthy)
             raise EngineUnavailable(f"no engine instance is available ({down})") from None
+        self.decisions[getattr(self.policy, "last_decision", "") or self.policy.name] += 1
+        return self.instances[index]
 
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams

@@ -34,9 +34,9 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
     """ValueError for values SamplingParams refuses."""
     return SamplingParams(
         max_tokens=p.max_tokens,
-        temperature=p.temperature,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
         top_k=p.top_k,
-        top_p=p.top_p,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
         min_p=p.min_p,
         seed=p.seed if p.HasField("seed") else None,
         stop_token_ids=tuple(p.stop_token_ids),

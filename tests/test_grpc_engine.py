@@ -1,0 +1,239 @@
+"""The gRPC engine service of one instance (one rank, in this process): streaming, status codes,
+abort and cancellation freeing KV blocks, load figures, health, and draining on stop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epserve import LLM, SamplingParams
+from epserve.engine.llm import build_engine_config
+from epserve.engine.worker import EngineWorker
+from epserve.serve.engine_client import EngineClient, EngineRequestError, EngineUnavailable
+from epserve.serve.engine_server import EngineServer, ServeOptions
+from epserve.serve.proto import engine_pb2 as pb
+from epserve.serve.rpc import SERVICE_NAME
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt) -> Path:
+    return make_ckpt("tiny", dtype="float32")
+
+
+def start(ckpt: Path, **options) -> tuple[EngineServer, threading.Thread]:
+    worker = EngineWorker(build_engine_config(ckpt, dtype="float32", num_blocks=64))
+    server = EngineServer(worker, ServeOptions(**options))
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while server.address is None:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    return server, thread
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    server, thread = start(ckpt)
+    yield server
+    server.request_stop()
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams) -> list:
+    return [msg async for msg in client.generate(rid, prompt, params)]
+
+
+def test_generated_code_matches_the_proto(tmp_path):
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        from gen_proto import generate
+    finally:
+        sys.path.pop(0)
+    generate(tmp_path)
+    fresh = (tmp_path / "epserve/serve/proto/engine_pb2.py").read_text()
+    spec_bytes = fresh.split("AddSerializedFile(", 1)[1].split(")\n", 1)[0]
+    committed = Path(pb.__file__).read_text().split("AddSerializedFile(", 1)[1].split(")\n", 1)[0]
+    assert spec_bytes == committed, "engine.proto changed: run `python scripts/gen_proto.py`"
+    assert importlib.util.find_spec("epserve.serve.proto.engine_pb2_grpc") is not None
+
+
+def test_stream_matches_offline_engine(engine, ckpt):
+    prompt = [5, 17, 99, 230, 7]
+    want = LLM(ckpt, dtype="float32", num_blocks=64).generate([prompt], GREEDY)[0].token_ids
+
+    async def go():
+        client = EngineClient(0, engine.address)
+        msgs = await collect(client, "same", prompt, SamplingParams(**{**GREEDY.__dict__, "logprobs": 2}))
+        await client.close()
+        return msgs
+
+    msgs = run(go())
+    assert [t for m in msgs for t in m.token_ids] == want
+    assert [m.num_output_tokens for m in msgs] == list(range(1, 11))  # one message per step, counted
+    assert [m.finish_reason for m in msgs] == [""] * 9 + ["length"]
+    assert all(m.num_prompt_tokens == 5 for m in msgs)
+    assert all(len(m.logprobs) == len(m.token_ids) and len(m.logprobs[0].top) == 2 for m in msgs)
+
+
+@pytest.mark.parametrize("prompt,params,code", [
+    ([1, 2, 100000], GREEDY, "outside the vocabulary"),
+    ([], GREEDY, "empty"),
+    ([1] * 5000, GREEDY, "context"),
+    ([1, 2], SamplingParams(max_tokens=2000, temperature=0.0), "KV blocks"),
+])
+def test_bad_requests_are_invalid_argument(engine, prompt, params, code):
+    async def go():
+        client = EngineClient(0, engine.address)
+        try:
+            with pytest.raises(EngineRequestError, match=code):
+                await collect(client, "bad", prompt, params)
+        finally:
+            await client.close()
+
+    run(go())
+
+
+def test_status_codes_for_bad_rpcs(engine):
+    async def go():
+        async with grpc.aio.insecure_channel(engine.address) as channel:
+            from epserve.serve.proto import engine_pb2_grpc as pb_grpc
+
+            stub = pb_grpc.EngineStub(channel)
+            bad_params = pb.SamplingParams(max_tokens=0)
+            codes = []
+            for req in (pb.GenerateRequest(request_id="", prompt_token_ids=[1]),
+                        pb.GenerateRequest(request_id="z", prompt_token_ids=[1], sampling_params=bad_params)):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Generate(req):
+                        pass
+                codes.append(info.value.code())
+            # a second call with a running request's id
+            first = stub.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[1, 2],
+                                                     sampling_params=pb.SamplingParams(max_tokens=100, ignore_eos=True)))
+            await first.read()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[1],
+                                                                sampling_params=pb.SamplingParams(max_tokens=1))):
+                    pass
+            codes.append(info.value.code())
+            first.cancel()
+            return codes
+
+    assert run(go()) == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT,
+                         grpc.StatusCode.ALREADY_EXISTS]
+
+
+def test_abort_and_cancel_free_the_blocks(engine):
+    async def go():
+        client = EngineClient(0, engine.address)
+        # Abort RPC: the stream ends with finish_reason "abort"
+        stream = client.generate("to-abort", list(range(50, 90)), LONG)
+        first = await stream.__anext__()
+        assert first.token_ids
+        assert await client.abort("to-abort") is True
+        rest = [m async for m in stream]
+        assert rest[-1].finish_reason == "abort"
+        assert await client.abort("to-abort") is False  # finished: unknown now
+        # cancelling the call (the client went away) aborts it too
+        stream = client.generate("to-cancel", list(range(100, 140)), LONG)
+        await stream.__anext__()
+        busy = await client.get_load()
+        await stream.aclose()
+        for _ in range(100):
+            load = await client.get_load()
+            if load.num_running == 0 and load.kv_blocks_used == 0:
+                break
+            await asyncio.sleep(0.05)
+        await client.close()
+        return busy, load
+
+    busy, load = run(go())
+    assert busy.num_running == 1 and busy.kv_blocks_used >= 3
+    assert load.num_running == 0 and load.kv_blocks_used == 0 and load.kv_blocks_total == 64
+
+
+def test_load_counts_prefix_hits_and_tokens(engine):
+    async def go():
+        client = EngineClient(0, engine.address)
+        before = await client.get_load()
+        prompt = list(range(300, 340))
+        await collect(client, "p1", prompt, GREEDY)
+        second = await collect(client, "p2", prompt, GREEDY)
+        after = await client.get_load()
+        info = await client.get_info()
+        await client.close()
+        return before, second, after, info
+
+    before, second, after, info = run(go())
+    assert second[-1].num_cached_tokens == 32  # two full blocks of 16
+    assert after.prefix_query_tokens - before.prefix_query_tokens == 80
+    assert after.prefix_hit_tokens - before.prefix_hit_tokens == 32
+    assert after.prompt_tokens_total - before.prompt_tokens_total == 80
+    assert after.generation_tokens_total - before.generation_tokens_total == 20
+    assert after.expert_imbalance >= 1.0
+    assert (info.max_model_len, info.vocab_size, info.dp, info.tp, info.num_blocks) == (2048, 512, 1, 1, 64)
+
+
+def test_health_and_drain_on_stop(ckpt):
+    server, thread = start(ckpt, drain_timeout_s=30.0)
+
+    async def go():
+        client = EngineClient(0, server.address)
+        health = health_pb2_grpc.HealthStub(client.channel)
+        serving = (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))).status
+        stream = client.generate("running", [1, 2, 3], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        await stream.__anext__()
+        server.request_stop()
+        for _ in range(100):
+            if server.draining:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            await collect(client, "late", [4, 5], GREEDY)
+        draining = (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))).status
+        rest = [m async for m in stream]  # the running request is finished, not cut
+        await client.close()
+        return serving, draining, rest
+
+    serving, draining, rest = run(go())
+    assert serving == health_pb2.HealthCheckResponse.SERVING
+    assert draining == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert rest[-1].finish_reason == "length" and rest[-1].num_output_tokens == 30
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_drain_timeout_aborts_what_is_left(ckpt):
+    server, thread = start(ckpt, drain_timeout_s=0.2)
+
+    async def go():
+        client = EngineClient(0, server.address)
+        stream = client.generate("slow", [1, 2, 3], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+        await stream.__anext__()
+        server.request_stop()
+        rest = [m async for m in stream]
+        await client.close()
+        return rest
+
+    rest = run(go())
+    assert rest[-1].finish_reason == "abort" and rest[-1].num_output_tokens < 1000
+    thread.join(30)
+    assert not thread.is_alive()
