@@ -42,6 +42,7 @@ from epserve.bench.serve import (
     run_bench,
     summarize,
 )
+from epserve.cli import main as cli_main
 
 # --------------------------------------------------------------------------------------------- helpers
 
@@ -471,7 +472,7 @@ def test_bad_model_is_reported(server_url: str, capsys: pytest.CaptureFixture[st
     with pytest.raises(ValueError, match=r"HTTP 404: The model `nope` does not exist.*tiny, flaky"):
         run_bench(parse(["--base-url", server_url, "--model", "nope", "--disable-tqdm"]))
     argv = ["bench", "serve", "--base-url", server_url, "--model", "nope", "--disable-tqdm"]
-    assert bench_cli.main(argv) == 2
+    assert cli_main(argv) == 2
     assert "epserve: error: the test request" in capsys.readouterr().err
 
 
@@ -491,6 +492,6 @@ def test_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
     sock.close()
     with pytest.raises(ValueError, match=f"cannot reach the server at {url}"):
         run_bench(parse(["--base-url", url, "--disable-tqdm"]))
-    assert bench_cli.main(["bench", "serve", "--base-url", url]) == 2
+    assert cli_main(["bench", "serve", "--base-url", url]) == 2
     err = capsys.readouterr().err
     assert err.startswith("epserve: error: cannot reach the server") and "Traceback" not in err

@@ -65,3 +65,23 @@ def test_bad_layouts_are_one_line_errors(make_ckpt):
     assert out.returncode == 2 and "tp=3 does not divide" in out.stderr and "Traceback" not in out.stderr
     out = run_cli("generate", ckpt, "--dp", "2", "--nnodes", "2")
     assert out.returncode == 2 and "master_port" in out.stderr
+
+
+def test_serving_commands_refuse_bad_options_before_starting(tmp_path):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for args in (["serve", "--port", str(port)], ["router", "--engine", "127.0.0.1:1", "--port", str(port)]):
+            r = run_cli(*args)
+            assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
+    for args, message in [
+        (["router", "--engine", "nonsense"], "engine address 'nonsense' is not HOST:PORT"),
+        (["router", "--engine", "h:1", "--cache-threshold", "2"], "cache_threshold"),
+        (["router", str(tmp_path / "missing"), "--engine", "h:1"], "does not exist"),
+        (["serve", "--engine-port", "70000"], "--engine-port"),
+        (["serve", "--nnodes", "2"], "serve runs on one host"),
+    ]:
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

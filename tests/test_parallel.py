@@ -18,6 +18,7 @@ import torch
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import RankFailure, free_port
+from tests.serve_harness import children
 
 pytestmark = pytest.mark.slow
 
@@ -156,18 +157,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry))
-        except (FileNotFoundError, ProcessLookupError, ValueError):
-            continue
-    return kids
-
-
 def _tokens(stdout: str) -> list[list[int]]:
     return [ast.literal_eval(line.split(": ", 1)[1].rsplit(" (", 1)[0])
             for line in stdout.splitlines() if line.startswith("tokens: ")]
@@ -209,11 +198,11 @@ def test_torchrun_rank_exits_when_its_peer_is_killed(ckpt):
     ]
     try:
         deadline = time.monotonic() + 60
-        while not all(_children(n.pid) for n in nodes) and time.monotonic() < deadline:
+        while not all(children(n.pid) for n in nodes) and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(6)  # both ranks have loaded the model and are generating
         assert nodes[0].poll() is None, nodes[0].communicate()[1][-2000:]
-        [worker] = _children(nodes[1].pid)  # torchrun runs the rank in a session of its own
+        [worker] = children(nodes[1].pid)  # torchrun runs the rank in a session of its own
         os.kill(worker, signal.SIGKILL)
         start = time.monotonic()
         _, err = nodes[0].communicate(timeout=60)
@@ -222,7 +211,7 @@ def test_torchrun_rank_exits_when_its_peer_is_killed(ckpt):
         assert "epserve: error: rank 0 failed" in err
     finally:
         for node in nodes:
-            for pid in [node.pid, *_children(node.pid)]:
+            for pid in [node.pid, *children(node.pid)]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

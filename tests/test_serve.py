@@ -32,6 +32,17 @@ class Server:
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
 
+    def wait_until_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Metrics once no request runs and no KV block is in use (asserted after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["epserve:num_requests_running"] == 0 and m["epserve:kv_cache_usage_perc"] == 0
+            if idle or time.monotonic() > deadline:
+                assert idle, m
+                return m
+            time.sleep(0.1)
+
     def metrics(self) -> dict[str, float]:
         """Each sample name summed over its labels."""
         out: dict[str, float] = {}
@@ -216,14 +227,7 @@ def test_dropped_stream_frees_its_blocks(server):
         assert m["epserve:num_requests_running"] == 1
         assert m["epserve:kv_cache_usage_perc"] > 0
     # the connection is closed mid-stream: the engine must abort the request and free its KV blocks
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["epserve:num_requests_running"] == 0 and m["epserve:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.2)
-    assert m["epserve:num_requests_running"] == 0
-    assert m["epserve:kv_cache_usage_perc"] == 0
+    m = server.wait_until_idle()
     assert m["epserve:request_success_total"] >= 1
 
 
@@ -234,13 +238,7 @@ def test_disconnected_client_aborts_a_whole_response(server):
     body = {"model": MODEL, "prompt": list(range(40, 140)), "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         server.http.post("/v1/completions", json=body, timeout=1.0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["epserve:num_requests_running"] == 0 and m["epserve:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.1)
-    assert m["epserve:num_requests_running"] == 0 and m["epserve:kv_cache_usage_perc"] == 0
+    m = server.wait_until_idle()
     text = server.http.get("/metrics").text
     assert metric(text, "epserve:request_success_total", finished_reason="abort") >= 1
     assert m["epserve:request_success_total"] == aborted + 1

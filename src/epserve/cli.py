@@ -81,18 +81,23 @@ def _router_options(args: argparse.Namespace, engines: tuple[str, ...] = ()):
     )
 
 
-def _engine_config(args: argparse.Namespace):
-    from epserve.engine.llm import build_engine_config
-
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The engine options of ``_add_engine_args`` as keywords of ``build_engine_config`` / ``LLM``."""
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
-    return build_engine_config(
-        args.model, dtype=args.dtype, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
+    return dict(
+        dtype=args.dtype, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
         memory_budget_bytes=budget, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
         microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
     )
+
+
+def _engine_config(args: argparse.Namespace):
+    from epserve.engine.llm import build_engine_config
+
+    return build_engine_config(args.model, **_engine_options(args))
 
 
 def _serve_options(args: argparse.Namespace, default_port: int):
@@ -140,28 +145,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 def _build_llm(args: argparse.Namespace):
     from epserve import LLM
 
-    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        memory_budget_bytes=budget,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        dp=args.dp,
-        tp=args.tp,
-        dispatch=args.dispatch,
-        overlap=args.overlap,
-        microbatch_threshold=args.microbatch_threshold,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-    )
+    return LLM(args.model, **_engine_options(args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

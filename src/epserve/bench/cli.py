@@ -1,16 +1,13 @@
 """``epserve bench serve``: the serving benchmark's command line.
 
-The lead's ``epserve.cli`` calls ``add_parser(subparsers)`` and dispatches to ``args.func(args)``, which
-returns the exit code (0, or 1 when every request failed) and raises ValueError for bad options or an
-unreachable server (``epserve: error: ...``, exit code 2). ``python -m epserve.bench.cli bench serve ...``
-does the same on its own.
+``epserve.cli`` calls ``add_parser(subparsers)`` and dispatches to ``args.func(args)``, which returns the
+exit code (0, or 1 when every request failed) and raises ValueError for bad options or an unreachable
+server (``epserve: error: ...``, exit code 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
 from typing import Any
 
 from epserve.bench import serve as S
@@ -75,21 +72,3 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0, or 1 when every request failed. ValueError for bad options or no server."""
     result = S.run_bench(args)
     return 1 if result.completed == 0 else 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="epserve")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    add_parser(subparsers)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"epserve: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,22 +109,23 @@ def _random_tokens(rng: np.random.Generator, n: int, vocab_size: int, first: int
     return ids.tolist()
 
 
-def make_dataset(
-    dataset: str,
-    *,
-    vocab_size: int,
-    max_model_len: int,
-    num_prompts: int | None = None,
-    seed: int = 0,
-    random_input_len: int = DEFAULT_RANDOM_INPUT_LEN,
-    random_output_len: int = DEFAULT_RANDOM_OUTPUT_LEN,
-    random_range_ratio: float = 0.0,
-    num_groups: int = DEFAULT_NUM_GROUPS,
-    prompts_per_group: int = DEFAULT_PROMPTS_PER_GROUP,
-    system_prompt_len: int = DEFAULT_SYSTEM_PROMPT_LEN,
-    question_len: int = DEFAULT_QUESTION_LEN,
-    output_len: int = DEFAULT_OUTPUT_LEN,
-) -> list[BenchRequest]:
+@dataclass(frozen=True)
+class DatasetOptions:
+    """The synthetic datasets' knobs (the CLI options of the same names)."""
+
+    num_prompts: int | None = None
+    random_input_len: int = DEFAULT_RANDOM_INPUT_LEN
+    random_output_len: int = DEFAULT_RANDOM_OUTPUT_LEN
+    random_range_ratio: float = 0.0
+    num_groups: int = DEFAULT_NUM_GROUPS
+    prompts_per_group: int = DEFAULT_PROMPTS_PER_GROUP
+    system_prompt_len: int = DEFAULT_SYSTEM_PROMPT_LEN
+    question_len: int = DEFAULT_QUESTION_LEN
+    output_len: int = DEFAULT_OUTPUT_LEN
+
+
+def make_dataset(dataset: str, *, vocab_size: int, max_model_len: int, seed: int = 0,
+                 **options: Any) -> list[BenchRequest]:
     """Build the requests of a synthetic dataset, deterministically from ``seed``.
 
     ``random``: ``num_prompts`` (default 128) independent prompts of uniform random token ids; prompt and
@@ -138,51 +139,37 @@ def make_dataset(
 
     Lengths are clamped so that prompt + output <= ``max_model_len`` (one warning if any is).
     """
-    check_dataset_options(dataset, vocab_size=vocab_size, num_prompts=num_prompts,
-                          random_input_len=random_input_len, random_output_len=random_output_len,
-                          random_range_ratio=random_range_ratio, num_groups=num_groups,
-                          prompts_per_group=prompts_per_group, system_prompt_len=system_prompt_len,
-                          question_len=question_len, output_len=output_len)
+    check_dataset_options(dataset, vocab_size=vocab_size, **options)
+    o = DatasetOptions(**options)
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2 (a prompt and an output token), not {max_model_len}")
     rng = np.random.default_rng(seed)
     if dataset == "random":
-        return _random_dataset(rng, num_prompts or DEFAULT_NUM_PROMPTS, vocab_size, max_model_len,
-                               random_input_len, random_output_len, random_range_ratio)
-    return _shared_prefix_dataset(rng, num_prompts, vocab_size, max_model_len, num_groups, prompts_per_group,
-                                  system_prompt_len, question_len, output_len)
+        return _random_dataset(rng, o.num_prompts or DEFAULT_NUM_PROMPTS, vocab_size, max_model_len,
+                               o.random_input_len, o.random_output_len, o.random_range_ratio)
+    return _shared_prefix_dataset(rng, o.num_prompts, vocab_size, max_model_len, o.num_groups, o.prompts_per_group,
+                                  o.system_prompt_len, o.question_len, o.output_len)
 
 
-def check_dataset_options(
-    dataset: str,
-    *,
-    vocab_size: int = 1,
-    num_prompts: int | None = None,
-    random_input_len: int = DEFAULT_RANDOM_INPUT_LEN,
-    random_output_len: int = DEFAULT_RANDOM_OUTPUT_LEN,
-    random_range_ratio: float = 0.0,
-    num_groups: int = DEFAULT_NUM_GROUPS,
-    prompts_per_group: int = DEFAULT_PROMPTS_PER_GROUP,
-    system_prompt_len: int = DEFAULT_SYSTEM_PROMPT_LEN,
-    question_len: int = DEFAULT_QUESTION_LEN,
-    output_len: int = DEFAULT_OUTPUT_LEN,
-) -> None:
+def check_dataset_options(dataset: str, *, vocab_size: int = 1, **options: Any) -> None:
     """ValueError naming the option for a bad dataset option (only the chosen dataset's are checked)."""
     if dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}, not {dataset!r}")
+    o = DatasetOptions(**options)
+    num_prompts = o.num_prompts
     if vocab_size < 1:
         raise ValueError(f"--vocab-size must be >= 1, not {vocab_size}")
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, not {num_prompts}")
     if dataset == "random":
-        checks = [("--random-input-len", random_input_len, 1), ("--random-output-len", random_output_len, 1)]
-        if not 0.0 <= random_range_ratio <= 1.0:
-            raise ValueError(f"--random-range-ratio must be in [0, 1], not {random_range_ratio}")
+        checks = [("--random-input-len", o.random_input_len, 1), ("--random-output-len", o.random_output_len, 1)]
+        if not 0.0 <= o.random_range_ratio <= 1.0:
+            raise ValueError(f"--random-range-ratio must be in [0, 1], not {o.random_range_ratio}")
     else:
-        checks = [("--num-groups", num_groups, 1), ("--prompts-per-group", prompts_per_group, 1),
-                  ("--system-prompt-len", system_prompt_len, 0), ("--question-len", question_len, 0),
-                  ("--output-len", output_len, 1)]
-        if system_prompt_len + question_len < 1:
+        checks = [("--num-groups", o.num_groups, 1), ("--prompts-per-group", o.prompts_per_group, 1),
+                  ("--system-prompt-len", o.system_prompt_len, 0), ("--question-len", o.question_len, 0),
+                  ("--output-len", o.output_len, 1)]
+        if o.system_prompt_len + o.question_len < 1:
             raise ValueError("--system-prompt-len + --question-len must be >= 1")
     for name, value, low in checks:
         if value < low:
@@ -653,9 +640,7 @@ def validate_args(args: argparse.Namespace) -> None:
 
 
 def _dataset_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("num_prompts", "seed", "random_input_len", "random_output_len",
-                                          "random_range_ratio", "num_groups", "prompts_per_group",
-                                          "system_prompt_len", "question_len", "output_len")}
+    return {"seed": args.seed, **{f.name: getattr(args, f.name) for f in fields(DatasetOptions)}}
 
 
 def _make_dataset_from_args(args: argparse.Namespace, info: ServerInfo) -> list[BenchRequest]:

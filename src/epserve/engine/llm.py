@@ -44,39 +44,11 @@ class LLM:
     """An engine with a tokenizer. ``model=None`` uses the built-in tiny checkpoint."""
 
     def __init__(
-        self,
-        model: str | Path | None = None,
-        dtype: str = "bfloat16",
-        device: str = "cpu",
-        *,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        memory_budget_bytes: int | None = None,
-        memory_utilization: float = 0.5,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        dp: int = 1,
-        tp: int = 1,
-        dispatch: str = "auto",
-        overlap: str = "auto",
-        microbatch_threshold: int | None = None,
-        num_redundant_experts: int = 0,
-        nnodes: int = 1,
-        node_rank: int = 0,
-        master_addr: str = "127.0.0.1",
-        master_port: int | None = None,
+        self, model: str | Path | None = None, dtype: str = "bfloat16", device: str = "cpu", **options: Any
     ) -> None:
-        self.config = build_engine_config(
-            model, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
-            memory_budget_bytes=memory_budget_bytes, memory_utilization=memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dp=dp, tp=tp,
-            dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
-            num_redundant_experts=num_redundant_experts, nnodes=nnodes, node_rank=node_rank,
-            master_addr=master_addr, master_port=master_port,
-        )
+        """``options``: the keywords of :func:`build_engine_config` (``block_size``, ``num_blocks``,
+        ``max_num_seqs``, ``max_model_len``, ``dp``, ``tp``, ``dispatch``, ``overlap``, ...)."""
+        self.config = build_engine_config(model, dtype, device, **options)
         path = self.config.model_path
         parallel = self.config.parallel
         self.tokenizer = _load_tokenizer(path)

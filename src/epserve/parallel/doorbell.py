@@ -30,6 +30,7 @@ class Doorbell:
         self._ringer = store_client(host, port, timeout_s)
         self._lock = threading.Lock()
         self.epoch = 0
+        self._collected = 0  # keys of epochs below this are deleted
 
     @staticmethod
     def _key(epoch: int) -> str:
@@ -51,11 +52,12 @@ class Doorbell:
     def collect(self) -> None:
         """Delete the previous epoch's key; call it (on one rank) only after a collective that
         every rank reached after waking, so nobody still waits on it."""
-        if self.epoch > 0:
+        while self._collected < self.epoch:  # nothing to do (no store round trip) unless ranks woke
             try:
-                self._ringer.delete_key(self._key(self.epoch - 1))
+                self._ringer.delete_key(self._key(self._collected))
             except (RuntimeError, dist.DistError):  # already gone
                 pass
+            self._collected += 1
 
 
 class LocalDoorbell:

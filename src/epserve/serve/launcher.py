@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -61,18 +62,15 @@ class RouterOptions:
         return self.served_model_name or (self.model if self.model is not None else BUILTIN_MODEL_NAME)
 
 
-def build_router(options: RouterOptions, api_key: str | None = None):
-    """The router's ASGI server object (an OpenAIServer); ValueError for bad options."""
-    from epserve.serve.openai_api import OpenAIServer
+def router_parts(options: RouterOptions):
+    """The policy and the tokenizer (None if the model directory has none); ValueError for bad options."""
     from epserve.serve.policy import make_policy
-    from epserve.serve.router import Router
     from epserve.tokenizer import Tokenizer
 
     policy = make_policy(
         options.policy, cache_threshold=options.cache_threshold, balance_abs_threshold=options.balance_abs_threshold,
         balance_rel_threshold=options.balance_rel_threshold, max_tree_tokens=options.max_tree_tokens,
     )
-    router = Router(list(options.engines), policy, options.refresh_interval_s)
     if options.model is None:
         from epserve.presets import default_model_path
 
@@ -82,13 +80,33 @@ def build_router(options: RouterOptions, api_key: str | None = None):
         if not path.is_dir():
             raise ValueError(f"model directory {options.model} does not exist (the router reads its tokenizer)")
     tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    return policy, tokenizer
+
+
+def build_router(options: RouterOptions, api_key: str | None = None):
+    """The router's ASGI server object (an OpenAIServer); ValueError for bad options."""
+    from epserve.serve.openai_api import OpenAIServer
+    from epserve.serve.router import Router
+
+    policy, tokenizer = router_parts(options)
+    router = Router(list(options.engines), policy, options.refresh_interval_s)
     return OpenAIServer(router, tokenizer, options.model_name, api_key)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming the address when the HTTP port cannot be bound (before anything starts)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
 
 
 def run_router(options: RouterOptions, api_key: str | None = None) -> None:
     """Serve the OpenAI API until SIGINT/SIGTERM (uvicorn finishes open responses first)."""
     import uvicorn
 
+    check_port_free(options.host, options.port)
     server = build_router(options, api_key)
     logger.info("router on http://%s:%d/v1 (model %r, policy %s) over engines %s", options.host, options.port,
                 options.model_name, options.policy, ", ".join(options.engines))
@@ -196,6 +214,8 @@ def _wait_http_ok(url: str, proc: mp.Process, timeout_s: float) -> None:
 def serve(config: EngineConfig, engine_options: ServeOptions, router_options: RouterOptions,
           log_level: str = "INFO") -> int:
     """``epserve serve``: engine ranks and the router on this host until Ctrl-C/SIGTERM."""
+    check_port_free(router_options.host, router_options.port)
+    router_parts(router_options)  # the router process's checks, before the ranks load
     signals = _Signals()
     ranks = EngineRanks(config, engine_options, logging.getLogger().getEffectiveLevel())
     router = None
