@@ -305,10 +305,21 @@ def test_idle_server_does_not_spin(server):
 
 
 def test_shutdown_drains_and_leaves_no_process(server):
-    """Last in this module: SIGTERM stops the router and every rank, exit code 0."""
+    """Last in this module: SIGTERM while a response streams; the response still completes (the router
+    finishes open responses, the engines drain), then every process exits, code 0."""
     pids = set(server.proc.pids_seen)
     assert len(pids) >= 3  # two ranks and the router, at least
-    server.proc.signal(signal.SIGTERM)
+    body = {"model": MODEL, "prompt": [3, 4, 5], "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    chunks = []
+    with server.http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if len(chunks) == 2:
+                    server.proc.signal(signal.SIGTERM)
+    assert chunks[-1]["usage"]["completion_tokens"] == 300
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert server.proc.wait(60) == 0, server.proc.output()[-3000:]
     deadline = time.monotonic() + 10
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
