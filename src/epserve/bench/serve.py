@@ -631,6 +631,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--vocab-size must be >= 1, not {args.vocab_size}")
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, not {args.temperature}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, not {args.seed}")
     json_path = getattr(args, "json", None)
     if json_path and json_path != "-":
         parent = Path(json_path).expanduser().resolve().parent
@@ -651,7 +653,7 @@ def _make_dataset_from_args(args: argparse.Namespace, info: ServerInfo) -> list[
 
 async def _bench(
     args: argparse.Namespace,
-) -> tuple[ServerInfo, list[BenchRequest], list[RequestRecord], float]:
+) -> tuple[ServerInfo, list[BenchRequest], list[RequestRecord], float, float]:
     import httpx
 
     base_url = normalize_base_url(args.base_url)
@@ -690,7 +692,7 @@ async def _bench(
         offsets = arrival_offsets(poisson_delays(args.request_rate, n, args.seed))
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=n, disable=_progress_disabled(args), desc="requests", unit="req", file=sys.stderr)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
 
         async def one(i: int, req: BenchRequest) -> RequestRecord:
             wait = t0 + offsets[i] - time.perf_counter()
@@ -709,7 +711,7 @@ async def _bench(
             records = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         finally:
             bar.close()
-        return info, requests, list(records), time.perf_counter() - t0
+        return info, requests, list(records), time.perf_counter() - t0, time.process_time() - cpu0
 
 
 def _args_json(args: argparse.Namespace) -> dict[str, Any]:
@@ -726,7 +728,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
     """
     validate_args(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    info, requests, records, duration = asyncio.run(_bench(args))
+    info, requests, records, duration, client_cpu = asyncio.run(_bench(args))
     result = summarize(records, duration, max_concurrency=args.max_concurrency,
                        request_rate=args.request_rate)
     json_path = getattr(args, "json", None)
@@ -741,6 +743,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
             "max_model_len": info.max_model_len,
             "vocab_size": args.vocab_size or info.vocab_size,
             "num_requests": len(requests),
+            "client_cpu_s": client_cpu,  # this client's own CPU time during the run
             **result.to_dict(),
             "args": _args_json(args),
         }

@@ -24,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -56,6 +57,42 @@ def advertised_host(host: str) -> str:
     return socket.getfqdn() if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
+class _SignalWatcher:
+    """SIGTERM/SIGINT call ``on_signal`` at once, even while the main thread blocks in C++ (the step
+    loop sleeping in a store wait, where a Python handler would only run after it returns): the
+    signal's byte arrives on a wakeup fd that a small thread reads."""
+
+    def __init__(self, on_signal: Callable[[], None]) -> None:
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._old_handlers = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._on_signal = on_signal
+        self._thread = threading.Thread(target=self._watch, name="signals", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        wanted = {int(signal.SIGTERM), int(signal.SIGINT)}
+        while True:
+            try:
+                data = self._read.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if wanted.intersection(data):
+                self._on_signal()
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._write.close()
+        self._read.shutdown(socket.SHUT_RDWR)
+        self._thread.join(5.0)
+        self._read.close()
+
+
 class _Failure:
     __slots__ = ("code", "message")
 
@@ -64,21 +101,53 @@ class _Failure:
 
 
 class _Stream:
-    """One Generate call: the queue its handler reads (on the gRPC loop) and the request."""
+    """One Generate call: what the step loop produced for it and not yet sent (read on the gRPC loop;
+    a reader that fell behind takes everything at once and sends it as one message)."""
 
-    __slots__ = ("queue", "loop", "request", "want_logprobs")
+    __slots__ = ("items", "ready", "loop", "request", "want_logprobs")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, want_logprobs: bool) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: collections.deque = collections.deque()
+        self.ready = asyncio.Event()
         self.loop = loop
         self.request: Request | None = None
         self.want_logprobs = want_logprobs
 
+    def push(self, item: object) -> None:
+        """On the gRPC loop."""
+        self.items.append(item)
+        self.ready.set()
+
     def put(self, item: object) -> None:
+        """From any thread."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
         except RuntimeError:  # the gRPC loop is gone (shutting down)
             pass
+
+    async def take(self) -> list:
+        await self.ready.wait()
+        self.ready.clear()
+        items = list(self.items)
+        self.items.clear()
+        return items
+
+
+def _deliver(items: list[tuple[_Stream, pb.GenerateResponse]]) -> None:
+    for stream, msg in items:
+        stream.push(msg)
+
+
+def _merge(msgs: list[pb.GenerateResponse]) -> pb.GenerateResponse:
+    """Messages a slow reader let pile up, as one (tokens and logprobs in order, the latest counts)."""
+    merged = pb.GenerateResponse()
+    merged.CopyFrom(msgs[-1])
+    del merged.token_ids[:]
+    del merged.logprobs[:]
+    for m in msgs:
+        merged.token_ids.extend(m.token_ids)
+        merged.logprobs.extend(m.logprobs)
+    return merged
 
 
 class EngineServer:
@@ -110,16 +179,19 @@ class EngineServer:
 
     # ---- main thread ------------------------------------------------------------------------
     def serve(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, frame: self.request_stop())
-        if self.ctx.is_leader:
-            self._start_grpc()
-            logger.info("engine instance %d serving gRPC on %s", self.ctx.dp_rank, self.address)
-        loop = threading.Thread(target=self._run_loop, name="step-loop", daemon=True)
-        loop.start()
-        loop.join()  # interruptible: signal handlers run while the main thread waits here
-        self._stop_grpc()
+        """Run the step loop in this thread (the main thread of a rank process: a forward in another
+        thread ran 1.5x slower on CPU, its OpenMP team performing worse than one thread) until every
+        rank has stopped."""
+        signals = _SignalWatcher(self.request_stop) if threading.current_thread() is threading.main_thread() else None
+        try:
+            if self.ctx.is_leader:
+                self._start_grpc()
+                logger.info("engine instance %d serving gRPC on %s", self.ctx.dp_rank, self.address)
+            self._run_loop()
+        finally:
+            self._stop_grpc()
+            if signals is not None:
+                signals.close()
         if self._error is not None:
             raise self._error
         logger.info("rank %d stopped serving", self.ctx.rank)
@@ -191,6 +263,9 @@ class EngineServer:
             self.prompt_tokens_total += len(token_ids)
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
+        """Each request's new tokens to its Generate call: one hand-over to the gRPC loop per step
+        (not one per request), which saves the loop a wake-up per message."""
+        out: list[tuple[_Stream, pb.GenerateResponse]] = []
         for update in updates:
             stream = self.streams.get(update.request_id)
             if stream is None or stream.request is None:
@@ -213,7 +288,12 @@ class EngineServer:
             self.generation_tokens_total += len(new)
             if update.finished:
                 self.streams.pop(update.request_id, None)
-            stream.put(msg)
+            out.append((stream, msg))
+        if out and self._grpc_loop is not None:
+            try:
+                self._grpc_loop.call_soon_threadsafe(_deliver, out)
+            except RuntimeError:  # the gRPC loop is gone (shutting down)
+                pass
 
     def _abort_all(self, why: str) -> None:
         scheduler = self.engine.scheduler
@@ -364,14 +444,18 @@ class EngineService(pb_grpc.EngineServicer):
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, _Failure):
+                items = await stream.take()
+                msgs = [i for i in items if not isinstance(i, _Failure)]
+                if msgs:
+                    msg = msgs[0] if len(msgs) == 1 else _merge(msgs)
+                    yield msg
+                    if msg.finish_reason:
+                        finished = True
+                        return
+                failure = next((i for i in items if isinstance(i, _Failure)), None)
+                if failure is not None:
                     finished = True
-                    await context.abort(item.code, item.message)
-                yield item
-                if item.finish_reason:
-                    finished = True
-                    return
+                    await context.abort(failure.code, failure.message)
         finally:
             if not finished:  # cancelled: the client went away or gave up
                 server.streams.pop(rid, None)
