@@ -4,7 +4,9 @@
     .venv/bin/python benchmarks/serve_overhead.py [--model DIR] [--dp 1] [--rounds 2] [--quick]
 
 Both sides get the bench client's ``random`` dataset (round r: seed + r, so the same token-id prompts
-on both sides and nothing cached from an earlier round), greedy, ``ignore_eos``, all requests at once. The offline side runs ``LLM(model, dp=...)`` in this
+on both sides and nothing cached from an earlier round), greedy, ``ignore_eos``, all requests at once,
+each engine warmed up first by an unmeasured run of the same size (the first run on a fresh engine
+also pays for touching its KV-cache pages). The offline side runs ``LLM(model, dp=...)`` in this
 process (dp 1) or its spawned ranks; with dp 1, one ``epserve engine`` is also driven straight over
 gRPC from this process (no router, no HTTP); the served side starts a fresh server per round. Reported:
 request throughput of each and their ratio, and the CPU seconds each process of the served side used
@@ -32,6 +34,8 @@ from epserve.bench.serve import make_dataset
 from epserve.config import ModelConfig
 from epserve.parallel.launch import free_port
 from epserve.presets import cache_dir, default_model_path
+
+WARMUP_SEED = 1000  # seed offset of each side's first, unmeasured, run of the same size
 
 
 def cpu_seconds(pid: int) -> float:
@@ -79,13 +83,14 @@ def served(model: str, dp: int, args: argparse.Namespace, seed: int, tmp: Path) 
                 time.sleep(0.2)
         # the supervisor's children: the ranks and the router (spawned), and the resource tracker
         kids = spawned_children(server.pid)
-        before = {p: cpu_seconds(p) for p in kids}
         out = tmp / "bench.json"
-        subprocess.run([sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", "bench", "serve",
-                        "--base-url", f"http://127.0.0.1:{port}", "--dataset", "random", "--num-prompts",
-                        str(args.num_prompts), "--random-input-len", str(args.input_len), "--random-output-len",
-                        str(args.output_len), "--seed", str(seed), "--disable-tqdm", "--json", str(out)],
-                       check=True, stdout=subprocess.DEVNULL)
+        for run_seed in (seed + WARMUP_SEED, seed):  # the first run warms the server up (KV pages touched)
+            before = {p: cpu_seconds(p) for p in kids}
+            subprocess.run([sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", "bench", "serve",
+                            "--base-url", f"http://127.0.0.1:{port}", "--dataset", "random", "--num-prompts",
+                            str(args.num_prompts), "--random-input-len", str(args.input_len),
+                            "--random-output-len", str(args.output_len), "--seed", str(run_seed), "--disable-tqdm",
+                            "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
         cpu = sorted((cpu_seconds(p) - before[p] for p in kids), reverse=True)
         result = json.loads(out.read_text())
         result["cpu_s"] = {"processes (most first)": cpu, "bench client": result["client_cpu_s"]}
@@ -127,7 +132,7 @@ def over_grpc(model: str, datasets: list[list], tmp: Path) -> list[float]:
             await asyncio.gather(*(one(f"{k}-{i}", r) for i, r in enumerate(requests)))
             wall = time.perf_counter() - start
             out.append(len(requests) / wall)
-            print(f"gRPC round {k}: {wall:.2f} s wall; this client's CPU {time.process_time() - cpu:.2f} s")
+            print(f"gRPC run {k} (0: warm-up): {wall:.2f} s wall; this client's CPU {time.process_time() - cpu:.2f} s")
         await client.close()
         return out
 
@@ -162,11 +167,11 @@ def main() -> None:
                             random_output_len=args.output_len)
 
     seeds = [args.seed + r for r in range(args.rounds)]  # the bench client draws the same prompts per seed
-    offline_rps = offline(str(model), args.dp, dataset(args.seed + 1000, 8),
-                          [dataset(s, args.num_prompts) for s in seeds])
+    warmup = dataset(args.seed + WARMUP_SEED, args.num_prompts)
+    offline_rps = offline(str(model), args.dp, warmup, [dataset(s, args.num_prompts) for s in seeds])
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        grpc_rps = over_grpc(str(model), [dataset(s, args.num_prompts) for s in seeds], Path(tmp)) \
+        grpc_rps = over_grpc(str(model), [warmup, *(dataset(s, args.num_prompts) for s in seeds)], Path(tmp))[1:] \
             if args.dp == 1 else []
         for seed in seeds:
             runs.append(served(str(model), args.dp, args, seed, Path(tmp)))
