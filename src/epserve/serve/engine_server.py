@@ -2,17 +2,17 @@
 
 Threads of a rank process:
 
-- the **step loop** (its own thread): the leader moves new requests and aborts from the inbox into
-  its scheduler, then every rank runs :meth:`LLMEngine.step` together; the leader streams each
-  request's new tokens to its Generate call. When the step's all-reduce says nobody has work, every
-  rank sleeps on the :class:`~epserve.parallel.doorbell.Doorbell` (no spinning) until a leader
-  rings it;
+- the **step loop** (the main thread): the leader moves new requests and aborts from the inbox into
+  its scheduler, then every rank runs :meth:`LLMEngine.step` together; the leader hands each step's
+  new tokens to the gRPC loop. When the step's all-reduce says nobody has work, every rank sleeps
+  on the :class:`~epserve.parallel.doorbell.Doorbell` (no spinning) until a leader rings it;
 - on leaders, the **gRPC server** (an asyncio loop in a thread): ``Generate`` checks a request,
-  queues it, rings, and streams from a per-request queue the step loop fills; a cancelled call
-  (the client went away) queues an abort, which frees the request's KV blocks;
-- the **main thread** waits for the loop and takes SIGTERM/SIGINT: the rank votes to stop in the
-  next all-reduce, so every leader stops taking requests (UNAVAILABLE, health NOT_SERVING), the
-  running ones finish (or are aborted after ``drain_timeout_s``), and all ranks leave together.
+  queues it, rings, and streams what the step loop produced for it; a cancelled call (the client
+  went away) queues an abort, which frees the request's KV blocks;
+- a **signal watcher**: SIGTERM/SIGINT make the rank vote to stop in the next all-reduce (ringing
+  the doorbell if everyone sleeps), so every leader stops taking requests (UNAVAILABLE, health
+  NOT_SERVING), the running ones finish (or are aborted after ``drain_timeout_s``), and all ranks
+  leave together.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class EngineServer:
         self._grpc_thread: threading.Thread | None = None
         self._health: health.aio.HealthServicer | None = None
 
-    # ---- main thread ------------------------------------------------------------------------
+    # ---- lifecycle ----------------------------------------------------------------------------
     def serve(self) -> None:
         """Run the step loop in this thread (the main thread of a rank process: a forward in another
         thread ran 1.5x slower on CPU, its OpenMP team performing worse than one thread) until every

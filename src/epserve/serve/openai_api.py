@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -414,7 +415,7 @@ class _APIKeyMiddleware:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if given != self.expected:
+            if not hmac.compare_digest(given, self.expected):
                 response = self.reject(unauthorized("Invalid or missing API key (Authorization: Bearer ...)"))
                 await response(scope, receive, send)
                 return

@@ -101,7 +101,7 @@ class CacheAwarePolicy(Policy):
     2. Otherwise the healthy instance with the longest matched prefix (ties: most recently used, then
        smallest index) wins if ``matched / len(token_ids) > cache_threshold``; else the least loaded one.
     3. The prompt is recorded in the tree for the chosen instance, and that instance's part of the tree is
-       evicted (LRU) back to ``max_tree_tokens`` if it grew past it.
+       evicted (LRU) to 90% of ``max_tree_tokens`` when it grows past it.
 
     ``last_decision`` is ``"cache_hit"``, ``"least_load"`` or ``"imbalanced"`` after each ``choose``.
     """
@@ -146,7 +146,9 @@ class CacheAwarePolicy(Policy):
             chosen, self.last_decision = self._decide(tokens, loads)
             self.tree.insert(tokens, chosen)
             if self.tree.size(chosen) > self.max_tree_tokens:
-                self.tree.evict(chosen, self.max_tree_tokens)
+                # Evict a tenth below the bound: an eviction walks all of the instance's nodes, so
+                # it should happen once in many requests, not on every one at the bound.
+                self.tree.evict(chosen, self.max_tree_tokens * 9 // 10)
             return chosen
 
     def forget(self, instance: int) -> None:
