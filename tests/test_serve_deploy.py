@@ -155,3 +155,20 @@ def test_engine_under_torchrun(ckpt, tmp_path):
         for proc in procs:
             if proc.proc.poll() is None:
                 proc.kill_all()
+
+
+def test_tensor_parallel_instance_serves_the_same_tokens(ckpt, tmp_path):
+    """`epserve serve --tp 2`: one instance whose leader broadcasts each step to its TP peer."""
+    http_port = free_port()
+    server = Proc(["serve", str(ckpt), *ENGINE_ARGS, "--tp", "2", "--port", str(http_port)], tmp_path / "tp.log")
+    try:
+        url = f"http://127.0.0.1:{http_port}"
+        wait_http_ok(f"{url}/health", server)
+        want = LLM(ckpt, dtype="float32", num_blocks=64).generate(
+            ["Tensor parallel heads"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].text
+        r = _complete(url, "Tensor parallel heads")
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        assert _stop([server]) == [0]
+    finally:
+        if server.proc.poll() is None:
+            server.kill_all()

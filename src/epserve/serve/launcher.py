@@ -111,7 +111,7 @@ def run_router(options: RouterOptions, api_key: str | None = None) -> None:
     logger.info("router on http://%s:%d/v1 (model %r, policy %s) over engines %s", options.host, options.port,
                 options.model_name, options.policy, ", ".join(options.engines))
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=60)
+                            access_log=False, timeout_graceful_shutdown=60, log_config=None)  # our log format
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found;
     # make that handler a no-op so a clean stop exits with code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
