@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from epserve.serve.router import Router
@@ -82,6 +82,7 @@ class _EngineCollector:
 
 class RouterMetrics:
     def __init__(self, router: Router, model_name: str) -> None:
+        disable_created_metrics()  # no `*_created` series next to every counter and histogram
         self.registry = CollectorRegistry()
         self.model_name = model_name
         reg = self.registry
