@@ -4,8 +4,10 @@ dropped stream freeing its KV blocks, prefix-aware routing, metrics, and a clean
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import random
 import signal
 import time
 from pathlib import Path
@@ -242,6 +244,45 @@ def test_disconnected_client_aborts_a_whole_response(server):
     text = server.http.get("/metrics").text
     assert metric(text, "epserve:request_success_total", finished_reason="abort") >= 1
     assert m["epserve:request_success_total"] == aborted + 1
+
+
+def test_mixed_load_with_dropped_clients_leaks_nothing(server):
+    """Many concurrent requests of every kind (n, stop strings, logprobs, streamed or not), a part of
+    them abandoned mid-stream or by a short client timeout: afterwards no request runs and no KV block
+    is in use on either instance, and the server still answers."""
+    rng = random.Random(7)
+
+    async def one(client: httpx.AsyncClient) -> str:
+        body = {"model": MODEL, "prompt": [rng.randrange(512) for _ in range(rng.randrange(1, 300))],
+                "max_tokens": rng.randrange(1, 200), "n": rng.choice([1, 1, 2, 3]), "temperature": rng.random(),
+                "stop": rng.choice([None, ["a"], ["the", "e "]]), "logprobs": rng.choice([None, 0, 3]),
+                "ignore_eos": True, "stream": rng.random() < 0.7}
+        drop_after = rng.choice([None, None, 1, 3, 10])
+        try:
+            if body["stream"]:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    lines = 0
+                    async for _ in r.aiter_lines():
+                        lines += 1
+                        if drop_after is not None and lines >= drop_after:
+                            return "dropped"
+                    return str(r.status_code)
+            r = await client.post("/v1/completions", json=body, timeout=0.3 if drop_after else 60)
+            return str(r.status_code)
+        except httpx.TimeoutException:
+            return "timed out"
+
+    async def run() -> list[str]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as client:
+            return await asyncio.gather(*(one(client) for _ in range(80)))
+
+    outcomes = asyncio.run(run())
+    assert set(outcomes) <= {"200", "dropped", "timed out"}, outcomes
+    assert outcomes.count("dropped") >= 10 and outcomes.count("200") >= 10
+    server.wait_until_idle()
+    out = server.client.completions.create(model=MODEL, prompt="still here", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
 
 
 def test_cache_aware_routing_reuses_prefixes(server):
