@@ -1,6 +1,18 @@
-"""Shared by the benchmark scripts: bring an engine to a steady decode batch."""
+"""Shared by the benchmark scripts: bring an engine to a steady decode batch; run a server and the
+serving benchmark client against it."""
 
 from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -22,3 +34,45 @@ def start_decode_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: in
     ):
         engine.step()
     engine.step()
+
+
+def _epserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", *args]
+
+
+@contextlib.contextmanager
+def serving(serve_args: list[str], log: Path, timeout_s: float = 300.0) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``epserve serve *serve_args --port <free>`` until it answers ``/health``; yields the process and
+    its base URL; stops it (SIGTERM, drained) afterwards."""
+    from epserve.parallel.launch import free_port
+
+    port = free_port()
+    with log.open("w") as out:
+        proc = subprocess.Popen(_epserve("serve", *serve_args, "--port", str(port)), stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "EPSERVE_NO_PROGRESS": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the server did not come up:\n{log.read_text()[-3000:]}") from None
+                time.sleep(0.2)
+        yield proc, url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def bench_serve(url: str, bench_args: list[str], out: Path) -> dict:
+    """``epserve bench serve`` against ``url``; its JSON result."""
+    subprocess.run(_epserve("bench", "serve", "--base-url", url, *bench_args, "--disable-tqdm", "--json", str(out)),
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())

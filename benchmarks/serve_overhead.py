@@ -26,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from common import bench_serve, serving
 
 from epserve import LLM, SamplingParams
 from epserve.bench.serve import make_dataset
@@ -65,40 +66,17 @@ def offline(model: str, dp: int, warmup: list, datasets: list[list]) -> list[flo
 
 
 def served(model: str, dp: int, args: argparse.Namespace, seed: int, tmp: Path) -> dict:
-    port = free_port()
-    log = (tmp / "serve.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", "serve", model,
-                               "--dp", str(dp), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "EPSERVE_NO_PROGRESS": "1"})
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"server did not start:\n{(tmp / 'serve.log').read_text()[-3000:]}") from None
-                time.sleep(0.2)
+    with serving([model, "--dp", str(dp)], tmp / "serve.log") as (server, url):
         # the supervisor's children: the ranks and the router (spawned), and the resource tracker
         kids = spawned_children(server.pid)
-        out = tmp / "bench.json"
         for run_seed in (seed + WARMUP_SEED, seed):  # the first run warms the server up (KV pages touched)
             before = {p: cpu_seconds(p) for p in kids}
-            subprocess.run([sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", "bench", "serve",
-                            "--base-url", f"http://127.0.0.1:{port}", "--dataset", "random", "--num-prompts",
-                            str(args.num_prompts), "--random-input-len", str(args.input_len),
-                            "--random-output-len", str(args.output_len), "--seed", str(run_seed), "--disable-tqdm",
-                            "--json", str(out)], check=True, stdout=subprocess.DEVNULL)
+            result = bench_serve(url, ["--dataset", "random", "--num-prompts", str(args.num_prompts),
+                                       "--random-input-len", str(args.input_len), "--random-output-len",
+                                       str(args.output_len), "--seed", str(run_seed)], tmp / "bench.json")
         cpu = sorted((cpu_seconds(p) - before[p] for p in kids), reverse=True)
-        result = json.loads(out.read_text())
         result["cpu_s"] = {"processes (most first)": cpu, "bench client": result["client_cpu_s"]}
         return result
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(120)
-        log.close()
 
 
 def over_grpc(model: str, datasets: list[list], tmp: Path) -> list[float]:

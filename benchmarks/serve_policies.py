@@ -19,18 +19,13 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
+from common import bench_serve, serving
 from tqdm import tqdm
 
-from epserve.parallel.launch import free_port
 from epserve.presets import cache_dir
 
 POLICIES = ("cache_aware", "round_robin", "least_load")
@@ -38,35 +33,11 @@ METRICS = ("cache_hit_rate", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", 
            "output_token_throughput")
 
 
-def start_server(policy: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", "serve", *([args.model] if args.model else []),
-           "--dp", "2", "--port", str(port), "--policy", policy, "--dtype", args.dtype]
-    env = {**os.environ, "EPSERVE_NO_PROGRESS": "1"}
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server did not come up:\n{log.read_text()[-3000:]}")
-
-
-def run_bench(port: int, args: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "epserve.cli", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-           "--dataset", "shared-prefix", "--num-groups", str(args.num_groups), "--prompts-per-group",
-           str(args.prompts_per_group), "--system-prompt-len", str(args.system_prompt_len), "--question-len",
-           str(args.question_len), "--output-len", str(args.output_len), "--request-rate", "inf",
-           "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed), "--disable-tqdm",
-           "--json", str(out)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out.read_text())
+def bench_args(args: argparse.Namespace) -> list[str]:
+    return ["--dataset", "shared-prefix", "--num-groups", str(args.num_groups), "--prompts-per-group",
+            str(args.prompts_per_group), "--system-prompt-len", str(args.system_prompt_len), "--question-len",
+            str(args.question_len), "--output-len", str(args.output_len), "--request-rate", "inf",
+            "--max-concurrency", str(args.max_concurrency), "--seed", str(args.seed)]
 
 
 def main() -> None:
@@ -94,13 +65,10 @@ def main() -> None:
         for r in range(args.rounds):
             order = POLICIES[r % len(POLICIES):] + POLICIES[: r % len(POLICIES)]
             for policy in order:
-                port = free_port()
-                server = start_server(policy, port, args, Path(tmp) / f"{policy}-{r}.log")
-                try:
-                    runs[policy].append(run_bench(port, args, Path(tmp) / f"{policy}-{r}.json"))
-                finally:
-                    server.send_signal(signal.SIGTERM)
-                    server.wait(120)
+                serve_args = [*([args.model] if args.model else []), "--dp", "2", "--policy", policy,
+                              "--dtype", args.dtype]
+                with serving(serve_args, Path(tmp) / f"{policy}-{r}.log") as (_, url):
+                    runs[policy].append(bench_serve(url, bench_args(args), Path(tmp) / f"{policy}-{r}.json"))
                 bar.update(1)
         bar.close()
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": vars(args) | {"out": str(out)},

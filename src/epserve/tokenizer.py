@@ -284,6 +284,13 @@ class Tokenizer:
         )
 
 
+def load_tokenizer(path: str | Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory, or None if it has no ``tokenizer.json``."""
+    if not (Path(path) / TOKENIZER_FILE).is_file():
+        return None
+    return Tokenizer.from_dir(path)
+
+
 def _token_str(token: Any) -> str | None:
     """Special tokens appear as strings or as ``{"content": ...}`` dicts in tokenizer configs."""
     if isinstance(token, Mapping):

@@ -19,9 +19,10 @@ from epserve.engine.engine import LLMEngine
 from epserve.engine.profiler import StepRecord
 from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import TokenLogprobs
-from epserve.engine.worker import EngineWorker, OfflineRequest, start_rank
+from epserve.engine.worker import EngineWorker, OfflineRequest, join_torchrun, spawn_ranks
 from epserve.moe.stats import ExpertLoad
-from epserve.parallel.launch import RankFailure, RankInfo, RankProcesses, free_port, torchrun_rank
+from epserve.parallel.launch import RankFailure, RankProcesses, torchrun_rank
+from epserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class LLM:
         self.config = build_engine_config(model, dtype, device, **options)
         path = self.config.model_path
         parallel = self.config.parallel
-        self.tokenizer = _load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path)
         self._ids = itertools.count()
         self._worker: EngineWorker | None = None
         self._ranks: RankProcesses | None = None
@@ -61,13 +62,11 @@ class LLM:
             self._worker = EngineWorker(self.config)
         elif torchrun is not None:
             info, world = torchrun
-            if world != parallel.world_size:
-                raise ValueError(f"torchrun started {world} ranks but dp*tp = {parallel.world_size}")
             self.rank = info.rank
-            self._worker = start_rank(info, self.config, logging.getLogger().getEffectiveLevel())
+            self._worker = join_torchrun(self.config, info, world)
         else:
             self.rank = parallel.node_rank * parallel.local_world_size
-            self._ranks = _spawn_ranks(self.config)
+            self._ranks = spawn_ranks(self.config)
             atexit.register(self.shutdown)
 
     # ---- properties -------------------------------------------------------------------------
@@ -241,23 +240,3 @@ def build_engine_config(
         ),
         parallel=parallel,
     )
-
-
-def _spawn_ranks(config: EngineConfig) -> RankProcesses:
-    pc = config.parallel
-    port = pc.master_port if pc.master_port is not None else free_port()
-    local = pc.local_world_size
-    infos = [
-        RankInfo(pc.node_rank * local + i, i, local, pc.master_addr, port) for i in range(local)
-    ]
-    logger.info("starting %d rank processes (dp=%d, tp=%d, node %d of %d)", local, pc.dp, pc.tp, pc.node_rank,
-                pc.nnodes)
-    return RankProcesses(start_rank, infos, (config, logging.getLogger().getEffectiveLevel()))
-
-
-def _load_tokenizer(path: str):
-    from epserve.tokenizer import Tokenizer
-
-    if not (Path(path) / "tokenizer.json").is_file():
-        return None
-    return Tokenizer.from_dir(path)

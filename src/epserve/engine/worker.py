@@ -25,7 +25,15 @@ from epserve.engine.sampler import TokenLogprobs
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
-from epserve.parallel.launch import RankInfo, die_with_parent, pin_to_cores, pinning_enabled, threads_per_rank
+from epserve.parallel.launch import (
+    RankInfo,
+    RankProcesses,
+    die_with_parent,
+    free_port,
+    pin_to_cores,
+    pinning_enabled,
+    threads_per_rank,
+)
 
 if TYPE_CHECKING:
     from epserve.serve.engine_server import ServeOptions
@@ -177,3 +185,22 @@ def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WA
     store = make_store(info.master_addr, info.master_port, pc.world_size, info.rank, pc.timeout_s)
     ctx = init_parallel(pc.dp, pc.tp, info.rank, device, store, pc.timeout_s)
     return EngineWorker(config, ctx, (info.master_addr, info.master_port))
+
+
+def join_torchrun(config: EngineConfig, info: RankInfo, world: int) -> EngineWorker:
+    """This process as rank ``info.rank`` of a torchrun world of ``world`` processes."""
+    if world != config.parallel.world_size:
+        raise ValueError(f"torchrun started {world} ranks but dp*tp = {config.parallel.world_size}")
+    return start_rank(info, config, logging.getLogger().getEffectiveLevel())
+
+
+def spawn_ranks(config: EngineConfig) -> RankProcesses:
+    """This host's share of the world's ranks as spawned processes (``RankProcesses.infos`` says
+    where each sits and where they meet)."""
+    pc = config.parallel
+    port = pc.master_port if pc.master_port is not None else free_port()
+    local = pc.local_world_size
+    infos = [RankInfo(pc.node_rank * local + i, i, local, pc.master_addr, port) for i in range(local)]
+    logger.info("starting %d rank processes (dp=%d, tp=%d, node %d of %d)", local, pc.dp, pc.tp, pc.node_rank,
+                pc.nnodes)
+    return RankProcesses(start_rank, infos, (config, logging.getLogger().getEffectiveLevel()))

@@ -157,6 +157,7 @@ class RankProcesses:
 
     def __init__(self, factory: Callable[..., Any], infos: list[RankInfo], args: tuple = ()) -> None:
         ctx = mp.get_context("spawn")
+        self.infos = list(infos)
         self.ranks = [info.rank for info in infos]
         self._conns: list[Connection] = []
         self._procs = []

@@ -58,23 +58,20 @@ class EngineClient:
         finally:
             call.cancel()  # no-op once the call has finished
 
-    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+    async def _unary(self, method: str, request: object, timeout: float):
         try:
-            return (await self.stub.Abort(pb.AbortRequest(request_id=request_id), timeout=timeout)).found
+            return await getattr(self.stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, self.address) from None
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        return (await self._unary("Abort", pb.AbortRequest(request_id=request_id), timeout)).found
 
     async def get_load(self, timeout: float = 2.0) -> pb.GetLoadResponse:
-        try:
-            return await self.stub.GetLoad(pb.GetLoadRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e, self.address) from None
+        return await self._unary("GetLoad", pb.GetLoadRequest(), timeout)
 
     async def get_info(self, timeout: float = 2.0) -> pb.GetInfoResponse:
-        try:
-            return await self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e, self.address) from None
+        return await self._unary("GetInfo", pb.GetInfoRequest(), timeout)
 
     async def is_serving(self, timeout: float = 2.0) -> bool:
         """The standard grpc.health.v1 check of the engine service."""

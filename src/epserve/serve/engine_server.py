@@ -31,7 +31,6 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epserve.engine.engine import RequestError
 from epserve.engine.request import Request, SamplingParams
 from epserve.engine.scheduler import RequestUpdate
 from epserve.engine.worker import EngineWorker
@@ -248,15 +247,14 @@ class EngineServer:
             if kind == "abort":
                 self.engine.abort_request(rid)
                 continue
-            stream: _Stream = payload[1]
+            token_ids, params, stream = payload
             if self.draining:
                 self.streams.pop(rid, None)
                 stream.put(_Failure(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down"))
                 continue
-            token_ids, _, params = payload
             try:
                 stream.request = self.engine.add_request(rid, token_ids, params)
-            except (RequestError, ValueError) as e:
+            except ValueError as e:  # RequestError, or an id the scheduler already has
                 self.streams.pop(rid, None)
                 stream.put(_Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
                 continue
@@ -277,7 +275,7 @@ class EngineServer:
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_cached_tokens=request.num_cached_tokens,
                 num_output_tokens=request.num_output_tokens,
-                finish_reason=update.finish_reason or "" if update.finished else "",
+                finish_reason=update.finish_reason or "",  # set only on the last update
             )
             if stream.want_logprobs and new:
                 for lp in request.output_logprobs[-len(new):]:
@@ -307,11 +305,9 @@ class EngineServer:
     def _start_draining(self) -> None:
         self.draining = True
         self._drain_deadline = time.monotonic() + self.options.drain_timeout_s
-        if self._health is not None and self._grpc_loop is not None:
-            for name in ("", SERVICE_NAME):
-                asyncio.run_coroutine_threadsafe(
-                    self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING), self._grpc_loop
-                )
+        if self._grpc_loop is not None:
+            asyncio.run_coroutine_threadsafe(self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
+                                             self._grpc_loop)
 
     def _gather_stats(self) -> None:
         """Expert load over the whole EP group (a collective: every rank calls it at the same step)."""
@@ -324,7 +320,7 @@ class EngineServer:
     # ---- gRPC side (leaders) ------------------------------------------------------------------
     def submit(self, rid: str, token_ids: list[int], params: SamplingParams, stream: _Stream) -> None:
         self.streams[rid] = stream
-        self.inbox.append(("add", rid, (token_ids, stream, params)))
+        self.inbox.append(("add", rid, (token_ids, params, stream)))
         self.doorbell.ring()
 
     def abort(self, rid: str) -> None:
@@ -400,12 +396,17 @@ class EngineServer:
         except RuntimeError as e:
             raise RuntimeError(f"cannot listen on {self.options.host}:{port}: {e}") from None
         await server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self.address = f"{advertised_host(self.options.host)}:{bound}"
         ready.set()
         await self._grpc_stop.wait()
         await server.stop(grace=2.0)
+
+    async def _set_health(self, status: int) -> None:
+        """The standard health status of the server as a whole and of the engine service."""
+        if self._health is not None:
+            for name in ("", SERVICE_NAME):
+                await self._health.set(name, status)
 
     def _stop_grpc(self) -> None:
         if self._grpc_loop is None or self._grpc_stop is None or self._grpc_thread is None:

@@ -25,14 +25,11 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from epserve.config import EngineConfig
-from epserve.engine.worker import start_rank
+from epserve.engine.worker import join_torchrun, spawn_ranks
 from epserve.parallel.context import store_client
 from epserve.parallel.launch import (
     RankFailure,
-    RankInfo,
-    RankProcesses,
     die_with_parent,
-    free_port,
     torchrun_rank,
 )
 from epserve.serve.engine_server import ServeOptions
@@ -65,7 +62,7 @@ class RouterOptions:
 def router_parts(options: RouterOptions):
     """The policy and the tokenizer (None if the model directory has none); ValueError for bad options."""
     from epserve.serve.policy import make_policy
-    from epserve.tokenizer import Tokenizer
+    from epserve.tokenizer import load_tokenizer
 
     policy = make_policy(
         options.policy, cache_threshold=options.cache_threshold, balance_abs_threshold=options.balance_abs_threshold,
@@ -79,8 +76,7 @@ def router_parts(options: RouterOptions):
         path = Path(options.model)
         if not path.is_dir():
             raise ValueError(f"model directory {options.model} does not exist (the router reads its tokenizer)")
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    return policy, tokenizer
+    return policy, load_tokenizer(path)
 
 
 def build_router(options: RouterOptions, api_key: str | None = None):
@@ -144,16 +140,11 @@ class _Signals:
 class EngineRanks:
     """This host's engine ranks, serving in the background."""
 
-    def __init__(self, config: EngineConfig, options: ServeOptions, log_level: int) -> None:
-        pc = config.parallel
-        self.master_addr = pc.master_addr
-        self.master_port = pc.master_port if pc.master_port is not None else free_port()
-        local = pc.local_world_size
-        infos = [RankInfo(pc.node_rank * local + i, i, local, self.master_addr, self.master_port) for i in range(local)]
-        self.local_dp_ranks = sorted({info.rank // pc.tp for info in infos if info.rank % pc.tp == 0})
-        logger.info("starting %d engine rank processes (dp=%d, tp=%d, node %d of %d)", local, pc.dp, pc.tp,
-                    pc.node_rank, pc.nnodes)
-        self.ranks = RankProcesses(start_rank, infos, (config, log_level))
+    def __init__(self, config: EngineConfig, options: ServeOptions) -> None:
+        self.ranks = spawn_ranks(config)
+        tp = config.parallel.tp
+        self.master_addr, self.master_port = self.ranks.infos[0].master_addr, self.ranks.infos[0].master_port
+        self.local_dp_ranks = sorted({info.rank // tp for info in self.ranks.infos if info.rank % tp == 0})
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, args=(options,), name="ranks", daemon=True)
         self._thread.start()
@@ -217,7 +208,7 @@ def serve(config: EngineConfig, engine_options: ServeOptions, router_options: Ro
     check_port_free(router_options.host, router_options.port)
     router_parts(router_options)  # the router process's checks, before the ranks load
     signals = _Signals()
-    ranks = EngineRanks(config, engine_options, logging.getLogger().getEffectiveLevel())
+    ranks = EngineRanks(config, engine_options)
     router = None
     try:
         addresses = ranks.addresses(list(range(config.parallel.dp)))
@@ -246,17 +237,14 @@ def run_engine(config: EngineConfig, options: ServeOptions) -> int:
     under torchrun), serving gRPC until SIGINT/SIGTERM."""
     torchrun = torchrun_rank()
     if torchrun is not None:
-        info, world = torchrun
-        if world != config.parallel.world_size:
-            raise ValueError(f"torchrun started {world} ranks but dp*tp = {config.parallel.world_size}")
-        worker = start_rank(info, config, logging.getLogger().getEffectiveLevel())
+        worker = join_torchrun(config, *torchrun)
         try:
             worker.serve(options)
         finally:
             worker.close()
         return 0
     signals = _Signals()
-    ranks = EngineRanks(config, options, logging.getLogger().getEffectiveLevel())
+    ranks = EngineRanks(config, options)
     try:
         for i, address in zip(ranks.local_dp_ranks, ranks.addresses(ranks.local_dp_ranks)):
             print(f"engine instance {i} listening on {address}", flush=True)

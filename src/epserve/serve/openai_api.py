@@ -65,9 +65,9 @@ class Delta:
 @dataclass
 class Choice:
     index: int
-    prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    first_of_prompt: bool  # the prompt's tokens count once in usage and metrics, with this choice
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
@@ -197,14 +197,14 @@ class OpenAIServer:
     ) -> Response:
         max_model_len, vocab = self._limits()
         choices: list[Choice] = []
-        for pi, ids in enumerate(prompts):
+        for ids in prompts:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             max_tokens = resolve_max_tokens(req, len(ids), max_model_len)
             for j in range(req.n):
                 params = to_sampling_params(req, max_tokens, index=j)
-                choices.append(Choice(len(choices), pi, ids, params))
+                choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0))
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -276,11 +276,11 @@ class _Run:
                 self._finished(choice)
 
     def _finished(self, choice: Choice) -> None:
-        first_of_prompt = choice.index == 0 or self.choices[choice.index - 1].prompt_index != choice.prompt_index
+        first = choice.first_of_prompt
         self.server.metrics.finished(
             choice.finish_reason or "abort",
-            len(choice.prompt_ids) if first_of_prompt else 0,
-            choice.num_cached if first_of_prompt else 0,
+            len(choice.prompt_ids) if first else 0,
+            choice.num_cached if first else 0,
             choice.num_output,
             time.monotonic() - self.arrival,
         )
@@ -294,13 +294,8 @@ class _Run:
         await _gather_or_raise([drain(c) for c in self.choices])
 
     def usage(self) -> dict[str, Any]:
-        prompt = cached = 0
-        seen: set[int] = set()
-        for c in self.choices:
-            if c.prompt_index not in seen:
-                seen.add(c.prompt_index)
-                prompt += len(c.prompt_ids)
-                cached += c.num_cached
+        prompt = sum(len(c.prompt_ids) for c in self.choices if c.first_of_prompt)
+        cached = sum(c.num_cached for c in self.choices if c.first_of_prompt)
         completion = sum(c.num_output for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}

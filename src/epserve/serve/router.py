@@ -14,7 +14,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 from epserve.engine.request import SamplingParams
@@ -120,7 +120,7 @@ class Router:
         return next((inst.info for inst in self.instances if inst.info is not None), None)
 
     # ---- requests ----------------------------------------------------------------------------
-    def choose(self, token_ids: list[int], exclude: set[int] = frozenset()) -> Instance:  # type: ignore[assignment]
+    def choose(self, token_ids: list[int], exclude: Collection[int] = ()) -> Instance:
         loads = {inst.index: inst.load_signal for inst in self.healthy if inst.index not in exclude}
         try:
             index = self.policy.choose(token_ids, loads)
