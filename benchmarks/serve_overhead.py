@@ -31,7 +31,7 @@ from pathlib import Path
 from common import bench_serve, serving
 
 from epserve import LLM, SamplingParams
-from epserve.bench.serve import make_dataset
+from epserve.bench.datasets import make_dataset
 from epserve.config import ModelConfig
 from epserve.parallel.launch import free_port
 from epserve.presets import cache_dir, default_model_path

@@ -26,21 +26,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from epserve.bench import cli as bench_cli
+from epserve.bench.datasets import arrival_offsets, make_dataset, poisson_delays
+from epserve.bench.metrics import BenchResult, RequestRecord, StreamAccumulator, format_result, summarize
 from epserve.bench.serve import (
-    BenchResult,
-    RequestRecord,
     SSEDecoder,
-    StreamAccumulator,
     StreamError,
-    arrival_offsets,
     error_message,
-    format_result,
-    make_dataset,
     normalize_base_url,
     parse_sse_lines,
-    poisson_delays,
     run_bench,
-    summarize,
 )
 from epserve.cli import main as cli_main
 

@@ -11,22 +11,23 @@ from pydantic import ValidationError
 
 from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import TokenLogprobs
-from epserve.serve.protocol import (
+from epserve.serve.errors import (
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
     bad_request,
-    chat_logprobs,
-    check_request,
-    completion_logprobs,
     context_length_exceeded,
     not_found_model,
-    resolve_max_tokens,
-    stop_strings,
-    to_sampling_params,
     unauthorized,
     unavailable,
     validation_error,
+)
+from epserve.serve.logprobs import chat_logprobs, completion_logprobs
+from epserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_request,
+    resolve_max_tokens,
+    stop_strings,
+    to_sampling_params,
 )
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from epserve.bench import datasets as D
 from epserve.bench import serve as S
 
 
@@ -36,30 +37,30 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar (also EPSERVE_NO_PROGRESS=1)")
 
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset", choices=S.DATASETS, default="random",
+    d.add_argument("--dataset", choices=D.DATASETS, default="random",
                    help="random: independent prompts; shared-prefix: groups sharing a system prompt")
     d.add_argument("--num-prompts", type=int,
-                   help=f"requests to send (random: default {S.DEFAULT_NUM_PROMPTS}; shared-prefix: default "
+                   help=f"requests to send (random: default {D.DEFAULT_NUM_PROMPTS}; shared-prefix: default "
                    "groups x prompts per group, fewer truncate, more cycle)")
     d.add_argument("--vocab-size", type=int,
                    help="token ids are drawn from [0, N) (default: from /v1/models, "
                    f"else {S.DEFAULT_VOCAB_SIZE})")
-    d.add_argument("--random-input-len", type=int, default=S.DEFAULT_RANDOM_INPUT_LEN,
-                   help=f"random: prompt tokens ({S.DEFAULT_RANDOM_INPUT_LEN})")
-    d.add_argument("--random-output-len", type=int, default=S.DEFAULT_RANDOM_OUTPUT_LEN,
-                   help=f"random: output tokens ({S.DEFAULT_RANDOM_OUTPUT_LEN})")
+    d.add_argument("--random-input-len", type=int, default=D.DEFAULT_RANDOM_INPUT_LEN,
+                   help=f"random: prompt tokens ({D.DEFAULT_RANDOM_INPUT_LEN})")
+    d.add_argument("--random-output-len", type=int, default=D.DEFAULT_RANDOM_OUTPUT_LEN,
+                   help=f"random: output tokens ({D.DEFAULT_RANDOM_OUTPUT_LEN})")
     d.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in [len*(1-r), len*(1+r)] (0.0)")
-    d.add_argument("--num-groups", type=int, default=S.DEFAULT_NUM_GROUPS,
-                   help=f"shared-prefix: system prompts ({S.DEFAULT_NUM_GROUPS})")
-    d.add_argument("--prompts-per-group", type=int, default=S.DEFAULT_PROMPTS_PER_GROUP,
-                   help=f"shared-prefix: questions per system prompt ({S.DEFAULT_PROMPTS_PER_GROUP})")
-    d.add_argument("--system-prompt-len", type=int, default=S.DEFAULT_SYSTEM_PROMPT_LEN,
-                   help=f"shared-prefix: tokens of each system prompt ({S.DEFAULT_SYSTEM_PROMPT_LEN})")
-    d.add_argument("--question-len", type=int, default=S.DEFAULT_QUESTION_LEN,
-                   help=f"shared-prefix: tokens of each question ({S.DEFAULT_QUESTION_LEN})")
-    d.add_argument("--output-len", type=int, default=S.DEFAULT_OUTPUT_LEN,
-                   help=f"shared-prefix: output tokens ({S.DEFAULT_OUTPUT_LEN})")
+    d.add_argument("--num-groups", type=int, default=D.DEFAULT_NUM_GROUPS,
+                   help=f"shared-prefix: system prompts ({D.DEFAULT_NUM_GROUPS})")
+    d.add_argument("--prompts-per-group", type=int, default=D.DEFAULT_PROMPTS_PER_GROUP,
+                   help=f"shared-prefix: questions per system prompt ({D.DEFAULT_PROMPTS_PER_GROUP})")
+    d.add_argument("--system-prompt-len", type=int, default=D.DEFAULT_SYSTEM_PROMPT_LEN,
+                   help=f"shared-prefix: tokens of each system prompt ({D.DEFAULT_SYSTEM_PROMPT_LEN})")
+    d.add_argument("--question-len", type=int, default=D.DEFAULT_QUESTION_LEN,
+                   help=f"shared-prefix: tokens of each question ({D.DEFAULT_QUESTION_LEN})")
+    d.add_argument("--output-len", type=int, default=D.DEFAULT_OUTPUT_LEN,
+                   help=f"shared-prefix: output tokens ({D.DEFAULT_OUTPUT_LEN})")
 
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"),

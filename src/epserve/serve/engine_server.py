@@ -20,27 +20,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epserve.engine.request import Request, SamplingParams
+from epserve.engine.request import SamplingParams
 from epserve.engine.scheduler import RequestUpdate
 from epserve.engine.worker import EngineWorker
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import store_client
 from epserve.parallel.doorbell import Doorbell, LocalDoorbell
+from epserve.serve.engine_service import EngineService, Failure, ResponseStream, deliver
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.proto import engine_pb2_grpc as pb_grpc
-from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME, sampling_from_proto
+from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME
+from epserve.serve.signals import SignalWatcher
 
 logger = logging.getLogger(__name__)
 
@@ -56,99 +56,6 @@ def advertised_host(host: str) -> str:
     return socket.getfqdn() if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
-class _SignalWatcher:
-    """SIGTERM/SIGINT call ``on_signal`` at once, even while the main thread blocks in C++ (the step
-    loop sleeping in a store wait, where a Python handler would only run after it returns): the
-    signal's byte arrives on a wakeup fd that a small thread reads."""
-
-    def __init__(self, on_signal: Callable[[], None]) -> None:
-        self._read, self._write = socket.socketpair()
-        self._write.setblocking(False)
-        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
-        self._old_handlers = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-        self._on_signal = on_signal
-        self._thread = threading.Thread(target=self._watch, name="signals", daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        wanted = {int(signal.SIGTERM), int(signal.SIGINT)}
-        while True:
-            try:
-                data = self._read.recv(64)
-            except OSError:
-                return
-            if not data:
-                return
-            if wanted.intersection(data):
-                self._on_signal()
-
-    def close(self) -> None:
-        signal.set_wakeup_fd(self._old_fd)
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
-        self._write.close()
-        self._read.shutdown(socket.SHUT_RDWR)
-        self._thread.join(5.0)
-        self._read.close()
-
-
-class _Failure:
-    __slots__ = ("code", "message")
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        self.code, self.message = code, message
-
-
-class _Stream:
-    """One Generate call: what the step loop produced for it and not yet sent (read on the gRPC loop;
-    a reader that fell behind takes everything at once and sends it as one message)."""
-
-    __slots__ = ("items", "ready", "loop", "request", "want_logprobs")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, want_logprobs: bool) -> None:
-        self.items: collections.deque = collections.deque()
-        self.ready = asyncio.Event()
-        self.loop = loop
-        self.request: Request | None = None
-        self.want_logprobs = want_logprobs
-
-    def push(self, item: object) -> None:
-        """On the gRPC loop."""
-        self.items.append(item)
-        self.ready.set()
-
-    def put(self, item: object) -> None:
-        """From any thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.push, item)
-        except RuntimeError:  # the gRPC loop is gone (shutting down)
-            pass
-
-    async def take(self) -> list:
-        await self.ready.wait()
-        self.ready.clear()
-        items = list(self.items)
-        self.items.clear()
-        return items
-
-
-def _deliver(items: list[tuple[_Stream, pb.GenerateResponse]]) -> None:
-    for stream, msg in items:
-        stream.push(msg)
-
-
-def _merge(msgs: list[pb.GenerateResponse]) -> pb.GenerateResponse:
-    """Messages a slow reader let pile up, as one (tokens and logprobs in order, the latest counts)."""
-    merged = pb.GenerateResponse()
-    merged.CopyFrom(msgs[-1])
-    del merged.token_ids[:]
-    del merged.logprobs[:]
-    for m in msgs:
-        merged.token_ids.extend(m.token_ids)
-        merged.logprobs.extend(m.logprobs)
-    return merged
-
-
 class EngineServer:
     def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
         self.worker = worker
@@ -161,7 +68,7 @@ class EngineServer:
         else:
             self.doorbell, self._store = LocalDoorbell(), None
         self.inbox: collections.deque = collections.deque()
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, ResponseStream] = {}
         self.stop_requested = False  # this rank's vote
         self.draining = False  # some rank voted: take no new requests
         self.address: str | None = None  # host:port of the gRPC service (leaders)
@@ -181,7 +88,7 @@ class EngineServer:
         """Run the step loop in this thread (the main thread of a rank process: a forward in another
         thread ran 1.5x slower on CPU, its OpenMP team performing worse than one thread) until every
         rank has stopped."""
-        signals = _SignalWatcher(self.request_stop) if threading.current_thread() is threading.main_thread() else None
+        signals = SignalWatcher(self.request_stop) if threading.current_thread() is threading.main_thread() else None
         try:
             if self.ctx.is_leader:
                 self._start_grpc()
@@ -212,7 +119,7 @@ class EngineServer:
             self._error = e
             logger.error("rank %d: step loop failed: %s", self.ctx.rank, e)
             for stream in list(self.streams.values()):
-                stream.put(_Failure(grpc.StatusCode.UNAVAILABLE, f"engine failed: {e}"))
+                stream.put(Failure(grpc.StatusCode.UNAVAILABLE, f"engine failed: {e}"))
             self.streams.clear()
 
     def _loop(self) -> None:
@@ -250,20 +157,20 @@ class EngineServer:
             token_ids, params, stream = payload
             if self.draining:
                 self.streams.pop(rid, None)
-                stream.put(_Failure(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down"))
+                stream.put(Failure(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down"))
                 continue
             try:
                 stream.request = self.engine.add_request(rid, token_ids, params)
             except ValueError as e:  # RequestError, or an id the scheduler already has
                 self.streams.pop(rid, None)
-                stream.put(_Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+                stream.put(Failure(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
                 continue
             self.prompt_tokens_total += len(token_ids)
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
         """Each request's new tokens to its Generate call: one hand-over to the gRPC loop per step
         (not one per request), which saves the loop a wake-up per message."""
-        out: list[tuple[_Stream, pb.GenerateResponse]] = []
+        out: list[tuple[ResponseStream, pb.GenerateResponse]] = []
         for update in updates:
             stream = self.streams.get(update.request_id)
             if stream is None or stream.request is None:
@@ -289,7 +196,7 @@ class EngineServer:
             out.append((stream, msg))
         if out and self._grpc_loop is not None:
             try:
-                self._grpc_loop.call_soon_threadsafe(_deliver, out)
+                self._grpc_loop.call_soon_threadsafe(deliver, out)
             except RuntimeError:  # the gRPC loop is gone (shutting down)
                 pass
 
@@ -318,7 +225,7 @@ class EngineServer:
         self._stats_at = self.engine.num_forwards
 
     # ---- gRPC side (leaders) ------------------------------------------------------------------
-    def submit(self, rid: str, token_ids: list[int], params: SamplingParams, stream: _Stream) -> None:
+    def submit(self, rid: str, token_ids: list[int], params: SamplingParams, stream: ResponseStream) -> None:
         self.streams[rid] = stream
         self.inbox.append(("add", rid, (token_ids, params, stream)))
         self.doorbell.ring()
@@ -416,60 +323,3 @@ class EngineServer:
         except RuntimeError:
             pass
         self._grpc_thread.join(10.0)
-
-
-class EngineService(pb_grpc.EngineServicer):
-    """The gRPC methods; they run on the leader's asyncio loop and only queue work for the step
-    loop (requests are checked here, so a bad one fails its call without touching the loop)."""
-
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
-
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        server = self.server
-        if server.draining or server.stop_requested:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
-        rid = request.request_id
-        if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
-        if rid in server.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
-        token_ids = list(request.prompt_token_ids)
-        try:
-            params = sampling_from_proto(request.sampling_params)
-            server.engine.check_request(rid, token_ids, params)
-        except ValueError as e:  # RequestError included
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = _Stream(asyncio.get_running_loop(), params.logprobs is not None)
-        server.submit(rid, token_ids, params, stream)
-        finished = False
-        try:
-            while True:
-                items = await stream.take()
-                msgs = [i for i in items if not isinstance(i, _Failure)]
-                if msgs:
-                    msg = msgs[0] if len(msgs) == 1 else _merge(msgs)
-                    yield msg
-                    if msg.finish_reason:
-                        finished = True
-                        return
-                failure = next((i for i in items if isinstance(i, _Failure)), None)
-                if failure is not None:
-                    finished = True
-                    await context.abort(failure.code, failure.message)
-        finally:
-            if not finished:  # cancelled: the client went away or gave up
-                server.streams.pop(rid, None)
-                server.abort(rid)
-
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
-        found = request.request_id in self.server.streams
-        if found:
-            self.server.abort(request.request_id)
-        return pb.AbortResponse(found=found)
-
-    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:  # noqa: N802
-        return self.server.load()
-
-    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:  # noqa: N802
-        return self.server.info()

@@ -33,6 +33,7 @@ from epserve.parallel.launch import (
     torchrun_rank,
 )
 from epserve.serve.engine_server import ServeOptions
+from epserve.serve.signals import StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -121,22 +122,6 @@ def _router_process(options: RouterOptions, log_level: str) -> None:
     run_router(options, os.environ.get("EPSERVE_API_KEY") or None)
 
 
-class _Signals:
-    """First SIGINT/SIGTERM: stop gracefully; second: stop now."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.event = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self.count += 1
-        self.event.set()
-        if self.count == 1:
-            logger.info("%s: draining and stopping (again to stop at once)", signal.Signals(signum).name)
-
-
 class EngineRanks:
     """This host's engine ranks, serving in the background."""
 
@@ -207,7 +192,7 @@ def serve(config: EngineConfig, engine_options: ServeOptions, router_options: Ro
     """``epserve serve``: engine ranks and the router on this host until Ctrl-C/SIGTERM."""
     check_port_free(router_options.host, router_options.port)
     router_parts(router_options)  # the router process's checks, before the ranks load
-    signals = _Signals()
+    signals = StopSignals()
     ranks = EngineRanks(config, engine_options)
     router = None
     try:
@@ -243,7 +228,7 @@ def run_engine(config: EngineConfig, options: ServeOptions) -> int:
         finally:
             worker.close()
         return 0
-    signals = _Signals()
+    signals = StopSignals()
     ranks = EngineRanks(config, options)
     try:
         for i, address in zip(ranks.local_dp_ranks, ranks.addresses(ranks.local_dp_ranks)):
@@ -257,7 +242,7 @@ def run_engine(config: EngineConfig, options: ServeOptions) -> int:
     return 0
 
 
-def _shutdown(ranks: EngineRanks, router: mp.Process | None, signals: _Signals, drain_timeout_s: float) -> None:
+def _shutdown(ranks: EngineRanks, router: mp.Process | None, signals: StopSignals, drain_timeout_s: float) -> None:
     """Stop the router (it finishes open responses) and the ranks (they drain), then reap everything."""
     if router is not None and router.is_alive():
         router.terminate()
