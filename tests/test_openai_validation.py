@@ -1,4 +1,5 @@
-"""OpenAI request models, validation, errors, sampling-parameter mapping and logprobs formatting."""
+"""OpenAI request models and validation: error bodies, JSON type errors with a named param, and the
+range and consistency checks of ``check_request``."""
 
 from __future__ import annotations
 
@@ -7,10 +8,9 @@ import math
 from typing import Any
 
 import pytest
+from openai_toys import MSGS, api_error, chat, completion
 from pydantic import ValidationError
 
-from epserve.engine.request import SamplingParams
-from epserve.engine.sampler import TokenLogprobs
 from epserve.serve.errors import (
     APIError,
     bad_request,
@@ -20,42 +20,11 @@ from epserve.serve.errors import (
     unavailable,
     validation_error,
 )
-from epserve.serve.logprobs import chat_logprobs, completion_logprobs
 from epserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     check_request,
-    resolve_max_tokens,
-    stop_strings,
-    to_sampling_params,
 )
-from epserve.tokenizer import Tokenizer, write_tokenizer_files
-
-MSGS = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    path = tmp_path_factory.mktemp("tok")
-    write_tokenizer_files(path, vocab_size=512, model_max_length=2048)
-    return Tokenizer.from_dir(path)
-
-
-def completion(**kw: Any) -> CompletionRequest:
-    kw.setdefault("prompt", "Hello")
-    return CompletionRequest.model_validate_json(json.dumps(kw))
-
-
-def chat(**kw: Any) -> ChatCompletionRequest:
-    kw.setdefault("messages", MSGS)
-    return ChatCompletionRequest.model_validate_json(json.dumps(kw))
-
-
-def api_error(fn: Any, *args: Any) -> APIError:
-    with pytest.raises(APIError) as info:
-        fn(*args)
-    return info.value
-
 
 # ---------------------------------------------------------------------------------------------- errors
 
@@ -353,161 +322,3 @@ def test_valid_completion_requests_pass(kw: dict[str, Any]) -> None:
 )
 def test_valid_chat_requests_pass(kw: dict[str, Any]) -> None:
     check_request(chat(**kw))
-
-
-# ---------------------------------------------------------------------------------------------- context
-
-
-def test_context_length_math() -> None:
-    assert resolve_max_tokens(completion(), 10, 100) == 16
-    assert resolve_max_tokens(completion(max_tokens=90), 10, 100) == 90  # exactly at the limit
-    e = api_error(resolve_max_tokens, completion(max_tokens=91), 10, 100)
-    assert e.status == 400 and e.code == "context_length_exceeded"
-    assert e.message == (
-        "This model's maximum context length is 100 tokens. However, you requested 101 tokens "
-        "(10 in the prompt, 91 for the completion). Please reduce the length of the prompt or the completion."
-    )
-    # the prompt alone fills the context
-    e = api_error(resolve_max_tokens, completion(max_tokens=1), 100, 100)
-    assert e.code == "context_length_exceeded" and "101 tokens (100 in the prompt, 1 for" in e.message
-    assert resolve_max_tokens(completion(max_tokens=1), 99, 100) == 1
-    # completions with max_tokens null fill the context
-    assert resolve_max_tokens(completion(max_tokens=None), 30, 100) == 70
-
-
-def test_chat_max_tokens_resolution() -> None:
-    assert resolve_max_tokens(chat(), 30, 100) == 70  # default: fill the context
-    assert resolve_max_tokens(chat(), 99, 100) == 1
-    e = api_error(resolve_max_tokens, chat(), 100, 100)
-    assert e.code == "context_length_exceeded" and "100 tokens" in e.message
-    assert resolve_max_tokens(chat(max_tokens=5), 30, 100) == 5
-    assert resolve_max_tokens(chat(max_tokens=5, max_completion_tokens=7), 30, 100) == 7
-    assert resolve_max_tokens(chat(max_completion_tokens=70), 30, 100) == 70
-    e = api_error(resolve_max_tokens, chat(max_completion_tokens=71, max_tokens=1), 30, 100)
-    assert e.code == "context_length_exceeded" and "(30 in the prompt, 71 for the completion)" in e.message
-
-
-# ---------------------------------------------------------------------------------------------- mapping
-
-
-def test_to_sampling_params_maps_fields() -> None:
-    r = completion(
-        temperature=0.7,
-        top_p=0.9,
-        top_k=40,
-        min_p=0.05,
-        seed=11,
-        stop_token_ids=[5, 6],
-        ignore_eos=True,
-        logprobs=3,
-    )
-    sp = to_sampling_params(r, max_tokens=32)
-    assert sp == SamplingParams(
-        max_tokens=32,
-        temperature=0.7,
-        top_k=40,
-        top_p=0.9,
-        min_p=0.05,
-        seed=11,
-        stop_token_ids=(5, 6),
-        ignore_eos=True,
-        logprobs=3,
-    )
-    assert (
-        to_sampling_params(completion(), 16).top_k == -1 and to_sampling_params(completion(), 16).seed is None
-    )
-    assert to_sampling_params(completion(temperature=0), 4).is_greedy
-
-
-def test_seed_plus_index() -> None:
-    r = completion(seed=100, n=3)
-    assert [to_sampling_params(r, 8, index=i).seed for i in range(3)] == [100, 101, 102]
-    assert to_sampling_params(completion(n=3), 8, index=2).seed is None
-    # stays a valid 64-bit seed at the top of the range
-    assert to_sampling_params(completion(seed=2**63 - 1), 8, index=1).seed == -(2**63)
-
-
-def test_chat_logprobs_mapping() -> None:
-    assert to_sampling_params(chat(), 8).logprobs is None
-    assert to_sampling_params(chat(logprobs=True), 8).logprobs == 0
-    assert to_sampling_params(chat(logprobs=True, top_logprobs=5), 8).logprobs == 5
-    assert to_sampling_params(completion(logprobs=0), 8).logprobs == 0
-
-
-def test_sampling_params_errors_become_api_errors() -> None:
-    e = api_error(to_sampling_params, completion(), 0)
-    assert e.status == 400 and "max_tokens" in e.message
-
-
-def test_stop_strings() -> None:
-    assert stop_strings(completion()) == []
-    assert stop_strings(completion(stop="\n")) == ["\n"]
-    assert stop_strings(chat(stop=["a", "b"])) == ["a", "b"]
-    assert stop_strings(chat(stop=[])) == []
-
-
-# ---------------------------------------------------------------------------------------------- logprobs
-
-
-def test_completion_logprobs_ascii(tok: Tokenizer) -> None:
-    text = "The capital of France is Paris."
-    ids = tok.encode(text, add_special_tokens=False)
-    entries = [(-0.1 * (i + 1), [(t, -0.05), ((t + 1) % 500 + 4, -2.0)]) for i, t in enumerate(ids)]
-    out = completion_logprobs(tok, ids, entries, text_offset=7)
-    assert set(out) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    assert "".join(out["tokens"]) == text
-    assert out["token_logprobs"] == pytest.approx([-0.1 * (i + 1) for i in range(len(ids))])
-    offsets = out["text_offset"]
-    assert offsets[0] == 7
-    for tok_str, start, end in zip(out["tokens"], offsets, [*offsets[1:], 7 + len(text)]):
-        assert text[start - 7 : end - 7] == tok_str
-    first = out["top_logprobs"][0]
-    assert first == {tok.decode([ids[0]]): -0.05, tok.decode([(ids[0] + 1) % 500 + 4]): -2.0}
-
-
-def test_completion_logprobs_multibyte_offsets(tok: Tokenizer) -> None:
-    text = "café 😀 ok"
-    ids = tok.encode(text, add_special_tokens=False)
-    out = completion_logprobs(tok, ids, [(-1.0, [])] * len(ids), text_offset=0)
-    offsets = out["text_offset"]
-    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
-    assert text[offsets[-1] :] == out["tokens"][-1]  # last token "ok" sits at the end of the text
-    assert out["top_logprobs"] == [{}] * len(ids)  # k = 0: no top tokens
-
-
-def test_completion_top_logprobs_duplicates_keep_higher(tok: Tokenizer) -> None:
-    a = tok.encode("a", add_special_tokens=False)[0]
-    entries = [(-0.1, [(a, -0.1), (a, -0.5), (tok.eos_token_id, -3.0)])]
-    out = completion_logprobs(tok, [a], entries, 0)
-    assert out["top_logprobs"] == [{"a": -0.1, "<｜end▁of▁sentence｜>": -3.0}]
-
-
-def test_logprobs_clamped_and_token_logprobs_objects(tok: Tokenizer) -> None:
-    a = tok.encode("a", add_special_tokens=False)[0]
-    entry = TokenLogprobs(token_id=a, logprob=float("-inf"), top=((a, float("-inf")),))
-    out = completion_logprobs(tok, [a], [entry], 0)
-    assert out["token_logprobs"] == [-9999.0] and out["top_logprobs"] == [{"a": -9999.0}]
-    json.dumps(out, allow_nan=False)
-    chat_out = chat_logprobs(tok, [a], [entry])
-    assert chat_out[0]["logprob"] == -9999.0
-    json.dumps(chat_out, allow_nan=False)
-
-
-def test_chat_logprobs_format(tok: Tokenizer) -> None:
-    ids = tok.encode("Hi 世", add_special_tokens=False)
-    entries = [(-0.2, [(t, -0.2), (tok.eos_token_id, -4.0)]) for t in ids]
-    out = chat_logprobs(tok, ids, entries)
-    assert len(out) == len(ids)
-    for t, item in zip(ids, out):
-        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"}
-        assert item["token"] == tok.decode([t], skip_special_tokens=False)
-        assert item["bytes"] == list(item["token"].encode("utf-8"))
-        assert item["logprob"] == pytest.approx(-0.2)
-        assert [x["token"] for x in item["top_logprobs"]] == [item["token"], "<｜end▁of▁sentence｜>"]
-        assert item["top_logprobs"][1] == {
-            "token": "<｜end▁of▁sentence｜>",
-            "logprob": -4.0,
-            "bytes": list("<｜end▁of▁sentence｜>".encode()),
-        }
-    assert "Hi 世".startswith("".join(x["token"] for x in out if "\ufffd" not in x["token"]))
-    assert chat_logprobs(tok, [ids[0]], [(-1.0, [])])[0]["top_logprobs"] == []
