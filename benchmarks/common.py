@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from epserve import env
 from epserve.engine.engine import LLMEngine
 from epserve.engine.request import SamplingParams
 
@@ -49,7 +50,7 @@ def serving(serve_args: list[str], log: Path, timeout_s: float = 300.0) -> Itera
     port = free_port()
     with log.open("w") as out:
         proc = subprocess.Popen(_epserve("serve", *serve_args, "--port", str(port)), stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "EPSERVE_NO_PROGRESS": "1"})
+                                stderr=subprocess.STDOUT, env={**os.environ, env.NO_PROGRESS: "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

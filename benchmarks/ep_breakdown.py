@@ -38,11 +38,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from epserve import LLM, SamplingParams
+from epserve import LLM, SamplingParams, env
 from epserve.config import ModelConfig
 from epserve.engine.profiler import StepRecord
+from epserve.env import cache_dir
 from epserve.parallel.launch import threads_per_rank
-from epserve.presets import cache_dir, default_model_path, make_checkpoint
+from epserve.presets import default_model_path, make_checkpoint
 
 # Op names of src/epserve/parallel/stages.py, grouped for the breakdown ("other" = forward - the rest).
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -300,7 +301,7 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="leave rank processes unpinned (EPSERVE_PIN=0)")
     args = ap.parse_args()
     if args.no_pin:
-        os.environ["EPSERVE_PIN"] = "0"  # inherited by the spawned ranks
+        os.environ[env.PIN] = "0"  # inherited by the spawned ranks
     if args.tables_from:
         print_tables(json.loads(Path(args.tables_from).read_text()))
         return
@@ -322,7 +323,7 @@ def main() -> None:
     seq_blocks = -(-max(args.prompt_len + args.max_tokens, args.prefill_len + 2) // 16)
     num_blocks = max_seqs * seq_blocks + 16
     threads = {1: torch.get_num_threads(),
-               2: int(os.environ.get("EPSERVE_THREADS_PER_RANK", threads_per_rank(2)))}
+               2: threads_per_rank(2)}
     results: dict = {
         "pinned_ranks": not args.no_pin,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

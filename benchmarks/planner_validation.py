@@ -46,7 +46,7 @@ import torch
 from common import start_decode_batch
 from tqdm import tqdm
 
-from epserve import LLM, SamplingParams
+from epserve import LLM, SamplingParams, env
 from epserve.kernels.cpu import TILE_M
 from epserve.model.moe import MoE
 from epserve.planner import Deployment, load_hardware, load_model, plan_decode, save_hardware
@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="dp 2: leave the rank processes, and the calibration's, unpinned (EPSERVE_PIN=0)")
     args = ap.parse_args()
     if args.no_pin:
-        os.environ["EPSERVE_PIN"] = "0"  # inherited by the spawned ranks
+        os.environ[env.PIN] = "0"  # inherited by the spawned ranks
 
     path = Path(args.checkpoint)
     if not (path / "config.json").exists():

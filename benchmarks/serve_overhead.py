@@ -30,11 +30,12 @@ from pathlib import Path
 
 from common import bench_serve, serving
 
-from epserve import LLM, SamplingParams
+from epserve import LLM, SamplingParams, env
 from epserve.bench.datasets import make_dataset
 from epserve.config import ModelConfig
+from epserve.env import cache_dir
 from epserve.parallel.launch import free_port
-from epserve.presets import cache_dir, default_model_path
+from epserve.presets import default_model_path
 
 WARMUP_SEED = 1000  # seed offset of each side's first, unmeasured, run of the same size
 
@@ -89,7 +90,7 @@ def over_grpc(model: str, datasets: list[list], tmp: Path) -> list[float]:
     port = free_port()
     log = (tmp / "engine.log").open("w")
     engine = subprocess.Popen([sys.executable, "-m", "epserve.cli", "engine", model, "--engine-port", str(port)],
-                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "EPSERVE_NO_PROGRESS": "1"})
+                              stdout=log, stderr=subprocess.STDOUT, env={**os.environ, env.NO_PROGRESS: "1"})
 
     async def run() -> list[float]:
         client = EngineClient(0, f"127.0.0.1:{port}")

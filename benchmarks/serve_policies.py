@@ -26,7 +26,8 @@ from pathlib import Path
 from common import bench_serve, serving
 from tqdm import tqdm
 
-from epserve.presets import cache_dir
+from epserve import env
+from epserve.env import cache_dir
 
 POLICIES = ("cache_aware", "round_robin", "least_load")
 METRICS = ("cache_hit_rate", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_e2e_ms", "request_throughput",
@@ -61,7 +62,7 @@ def main() -> None:
     out = args.out or cache_dir() / ("serve_policies_quick.json" if args.quick else "serve_policies.json")
     runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
     with tempfile.TemporaryDirectory() as tmp:
-        bar = tqdm(total=args.rounds * len(POLICIES), desc="policy runs", disable=bool(os.environ.get("EPSERVE_NO_PROGRESS")))
+        bar = tqdm(total=args.rounds * len(POLICIES), desc="policy runs", disable=env.progress_disabled())
         for r in range(args.rounds):
             order = POLICIES[r % len(POLICIES):] + POLICIES[: r % len(POLICIES)]
             for policy in order:

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from epserve import env
 from epserve.checkpoint import (
-    ENV_NO_PROGRESS,
     FP8_DTYPE,
     FP8_MAX,
     INDEX_FILE,
@@ -27,7 +27,7 @@ from epserve.checkpoint import (
     save_checkpoint,
 )
 from epserve.config import ModelConfig
-from epserve.presets import ENV_CACHE_DIR, build_config, count_parameters, default_model_path, tensor_specs
+from epserve.presets import build_config, count_parameters, default_model_path, tensor_specs
 
 # DeepSeek-V3 stores exactly these linears in FP8.
 FP8_NAME = re.compile(
@@ -167,10 +167,10 @@ def test_reader_errors_name_the_problem(tmp_path, tiny_ckpt):
 
 
 def test_progress_disabled_by_env_and_without_tty(monkeypatch):
-    monkeypatch.setenv(ENV_NO_PROGRESS, "1")
+    monkeypatch.setenv(env.NO_PROGRESS, "1")
     assert not progress_enabled()
     assert list(iter_with_progress(range(5), "x")) == [0, 1, 2, 3, 4]
-    monkeypatch.delenv(ENV_NO_PROGRESS)
+    monkeypatch.delenv(env.NO_PROGRESS)
     monkeypatch.setattr("sys.stderr.isatty", lambda: False, raising=False)
     assert not progress_enabled()
 
@@ -233,7 +233,7 @@ def test_small_preset_size():
 
 
 def test_default_model_path_is_built_once_and_race_free(tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(env.CACHE_DIR, str(tmp_path))
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(default_model_path())) for _ in range(3)]
     for t in threads:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -24,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from epserve import env
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -32,7 +33,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 DEFAULT_BLOCK = (128, 128)
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-ENV_NO_PROGRESS = "EPSERVE_NO_PROGRESS"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -124,7 +124,7 @@ def fp8_block_dequantize(
 
 def progress_enabled() -> bool:
     """Progress bars show only on a terminal and unless ``EPSERVE_NO_PROGRESS=1``."""
-    if os.environ.get(ENV_NO_PROGRESS, "0") not in ("", "0"):
+    if env.progress_disabled():
         return False
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from epserve import env
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
@@ -112,10 +114,9 @@ def _serve_options(args: argparse.Namespace, default_port: int):
 
 
 def _set_api_key(args: argparse.Namespace) -> None:
-    import os
 
     if args.api_key:  # handed to the router process through its environment, not its command line
-        os.environ["EPSERVE_API_KEY"] = args.api_key
+        env.set_api_key(args.api_key)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -134,11 +135,10 @@ def _cmd_engine(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    import os
 
     from epserve.serve.launcher import run_router
 
-    run_router(_router_options(args, tuple(args.engine)), args.api_key or os.environ.get("EPSERVE_API_KEY"))
+    run_router(_router_options(args, tuple(args.engine)), args.api_key or env.api_key())
     return 0
 
 

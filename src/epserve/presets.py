@@ -31,9 +31,9 @@ from epserve.checkpoint import (
     save_checkpoint,
 )
 from epserve.config import ModelConfig
+from epserve.env import cache_dir
 from epserve.tokenizer import write_tokenizer_files
 
-ENV_CACHE_DIR = "EPSERVE_CACHE_DIR"
 DEFAULT_MODEL_NAME = "tiny-v1"  # bump the suffix whenever the generated weights change
 FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
@@ -312,12 +312,6 @@ def make_checkpoint(
         path, vocab_size=config["vocab_size"], model_max_length=config["max_position_embeddings"]
     )
     return path
-
-
-def cache_dir() -> Path:
-    """``$EPSERVE_CACHE_DIR``, else ``~/.cache/epserve``."""
-    env = os.environ.get(ENV_CACHE_DIR)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "epserve"
 
 
 def default_model_path() -> Path:

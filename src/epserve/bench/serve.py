@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from epserve import env
 from epserve.bench.datasets import (
     BenchRequest,
     DatasetOptions,
@@ -256,7 +257,7 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict[str, Any], he
 def _progress_disabled(args: argparse.Namespace) -> bool:
     if getattr(args, "disable_tqdm", False):
         return True
-    return os.environ.get("EPSERVE_NO_PROGRESS", "") not in ("", "0")
+    return env.progress_disabled()
 
 
 def validate_args(args: argparse.Namespace) -> None:

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from epserve import env
+
 logger = logging.getLogger(__name__)
 
 TILE_M = 16  # rows per weight pass; must match the C source
@@ -48,16 +50,15 @@ def _build(cc: str, lib_path: Path) -> None:
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get("EPSERVE_CPU_KERNELS", "1") == "0" or not _cpu_has_avx512_bf16():
+    if not env.cpu_kernels_enabled() or not _cpu_has_avx512_bf16():
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
     source = _SOURCE.read_bytes()
     tag = hashlib.sha256(source).hexdigest()[:16]
-    from epserve.presets import cache_dir
 
-    lib_path = cache_dir() / "kernels" / f"cpu_bf16-{tag}.so"
+    lib_path = env.cache_dir() / "kernels" / f"cpu_bf16-{tag}.so"
     try:
         if not lib_path.exists():
             _build(cc, lib_path)

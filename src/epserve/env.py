@@ -1,0 +1,63 @@
+"""Every ``EPSERVE_*`` environment variable, declared and read here only (read when asked, so a
+variable set by a test or inherited by a spawned rank counts). Imports nothing of epserve: any layer
+may use it.
+
+| variable | meaning | default |
+|---|---|---|
+| ``EPSERVE_CACHE_DIR`` | built-in model and compiled CPU kernels | ``~/.cache/epserve`` |
+| ``EPSERVE_NO_PROGRESS`` | ``1``: no progress bars | progress bars on a terminal |
+| ``EPSERVE_CPU_KERNELS`` | ``0``: torch only, no AVX512-BF16 decode kernels | on where supported |
+| ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
+| ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |
+| ``EPSERVE_API_KEY`` | the router's API key (how ``epserve serve`` hands it to the router process) | none |
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_DIR = "EPSERVE_CACHE_DIR"
+NO_PROGRESS = "EPSERVE_NO_PROGRESS"
+CPU_KERNELS = "EPSERVE_CPU_KERNELS"
+THREADS_PER_RANK = "EPSERVE_THREADS_PER_RANK"
+PIN = "EPSERVE_PIN"
+API_KEY = "EPSERVE_API_KEY"
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "")
+    return default if value == "" else value != "0"
+
+
+def cache_dir() -> Path:
+    """``$EPSERVE_CACHE_DIR``, else ``~/.cache/epserve``."""
+    value = os.environ.get(CACHE_DIR)
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "epserve"
+
+
+def progress_disabled() -> bool:
+    return _flag(NO_PROGRESS, False)
+
+
+def cpu_kernels_enabled() -> bool:
+    return _flag(CPU_KERNELS, True)
+
+
+def pinning_enabled() -> bool:
+    """CPU ranks pin themselves to their own cores unless ``EPSERVE_PIN=0``."""
+    return _flag(PIN, True)
+
+
+def threads_per_rank_override() -> int | None:
+    value = os.environ.get(THREADS_PER_RANK)
+    return int(value) if value else None
+
+
+def api_key() -> str | None:
+    return os.environ.get(API_KEY) or None
+
+
+def set_api_key(key: str) -> None:
+    """Hand the API key to processes started from here (not on their command line)."""
+    os.environ[API_KEY] = key
