@@ -131,7 +131,7 @@ def _engine_points(op_us: float, token_us: float, step_us: float) -> list[Measur
 
 
 def test_fit_overhead_recovers_the_host_overhead() -> None:
-    from epserve.planner.calibrate_fit import fit_overhead
+    from epserve.planner.calibrate_engine import fit_overhead
 
     op_us, token_us, step_us = fit_overhead(TOY, _engine_points(20.0, 0.4, 150.0))
     assert (op_us, token_us, step_us) == pytest.approx((20.0, 0.4, 150.0), rel=1e-6)
@@ -174,8 +174,12 @@ def _stream_point(hw: HardwareSpec, layers: int, experts: int, batch: int) -> Me
 
 
 def test_fit_stream_efficiency() -> None:
-    from epserve.planner.calibrate_engine import WIDE, engine_config
-    from epserve.planner.calibrate_fit import STREAM_EFFICIENCY_RANGE, fit_stream_efficiency
+    from epserve.planner.calibrate_engine import (
+        STREAM_EFFICIENCY_RANGE,
+        WIDE,
+        engine_config,
+        fit_stream_efficiency,
+    )
 
     cfg = engine_config(4, 64)
     assert cfg["n_routed_experts"] == 64 and cfg["num_hidden_layers"] == 4

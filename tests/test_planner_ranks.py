@@ -11,7 +11,7 @@ from planner_toys import TOY, V3
 
 from epserve.parallel.stages import moe_layer_schedule
 from epserve.planner import Deployment
-from epserve.planner.calibrate_comm import fit_loaded, measure_loaded_collectives
+from epserve.planner.calibrate_ranks import fit_loaded, measure_loaded_collectives
 from epserve.planner.hardware import BUILTIN, HardwareSpec, MeasuredPoint
 from epserve.planner.ops import BatchShape, price_ops
 from epserve.planner.step import estimate_step
@@ -87,7 +87,7 @@ def test_loaded_collectives_are_measured_between_two_ranks() -> None:
 def test_rank_calibration_pins_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    from epserve.planner.calibrate_comm import pin_rank, resolve_pin
+    from epserve.planner.calibrate_ranks import pin_rank, resolve_pin
 
     monkeypatch.delenv("EPSERVE_PIN", raising=False)
     assert resolve_pin(None) is True  # the engine's default

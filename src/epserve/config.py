@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 SUPPORTED_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -268,8 +268,14 @@ class SchedulerConfig:
     max_model_len: int | None = None
 
 
-DISPATCH_BACKENDS = ("auto", "local", "all_to_all", "padded")
-OVERLAP_CHOICES = ("none", "dispatch", "microbatch", "auto")
+# The modes of the parallel layout, declared once (the engine, the planner and the CLI take them from here).
+OverlapMode = Literal["none", "dispatch", "microbatch"]  # a step's schedule (parallel/stages.py)
+OverlapSetting = Literal["none", "dispatch", "microbatch", "auto"]  # auto: micro-batches above a threshold
+DispatchBackend = Literal["auto", "local", "all_to_all", "padded"]  # auto: local for EP 1, else all_to_all
+OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
+OVERLAP_CHOICES: tuple[str, ...] = get_args(OverlapSetting)
+DISPATCH_BACKENDS: tuple[str, ...] = get_args(DispatchBackend)
+MULTI_RANK_DISPATCH: tuple[str, ...] = ("all_to_all", "padded")  # the backends that exchange tokens between ranks
 
 
 @dataclass(frozen=True)
@@ -286,8 +292,8 @@ class ParallelConfig:
 
     dp: int = 1
     tp: int = 1
-    dispatch: str = "auto"
-    overlap: str = "auto"
+    dispatch: DispatchBackend = "auto"
+    overlap: OverlapSetting = "auto"
     microbatch_threshold: int | None = None
     num_redundant_experts: int = 0
     nnodes: int = 1

@@ -1,41 +1,23 @@
-"""``epserve plan calibrate``: time the engine's own kernels on this device and write a hardware file.
-
-What is timed (bf16, on CUDA or the CPU):
+"""``epserve plan calibrate``: time the engine's own kernels and steps on this device (bf16, on CUDA or
+the CPU) and write a hardware file. The points:
 
 - ``floor``: ``epserve.kernels.linear`` on one row of a 32 x 32 weight: the per-kernel floor;
 - ``stream``: a reduction over a buffer far larger than the caches: the bandwidth a weight stream
   can reach (a CPU's "datasheet" figure);
 - ``gemm``: ``epserve.kernels.linear`` (the CPU's AVX512-BF16 kernel up to its tile of rows, torch
-  beyond it and on CUDA) at 1 ... 1024 rows on 16 MiB and 1 MiB weights, cycling through weights
-  that together exceed the caches;
-- ``group_gemm``: the engine's ``GroupedExperts`` (``epserve.kernels.moe_swiglu`` for decode-sized
-  groups on the CPU, ``torch._grouped_mm`` or a loop over experts otherwise) at 1 ... 64 tokens per
-  expert on large (2048 x 1024) and small (1024 x 256) experts. The rows per expert spread as uniform
-  random routing spreads them (``routed_counts``);
-- ``attention``: the engine's absorbed-MLA decode attention over a paged latent cache, with
-  DeepSeek-V3's latent dimensions and 8 or 64 heads;
-- ``other``: the engine's RMSNorm;
-- ``all_to_all``: ``all_to_all_single`` between ``world_size`` processes (gloo on CPU, NCCL on CUDA);
-- ``engine_step``: decode steps of the engine itself on the ``tiny`` preset at several depths and
-  batches: a model too small to do any work, so what it spends beyond the priced kernels is host
-  overhead. On the CPU the cores' private caches are flushed before every attention and FFN block
-  (and the flush's time taken off), because in a real model the weights each block streams evict
-  the runtime's own state from the caches the host shares with the kernels;
-- ``engine_stream``: decode steps of the engine on a synthetic wide model (``calibrate_engine.WIDE``:
-  hidden 1024, 3 MiB experts, 32 or 64 of them) whose weights exceed the last-level cache several
-  times, as a real model's do.
+  beyond it and on CUDA) at 1 ... 1024 rows on 16 MiB and 1 MiB weights; ``group_gemm``: the engine's
+  ``GroupedExperts`` at 1 ... 64 tokens per expert (spread as routing spreads them) on 12 MiB and
+  1.5 MiB experts; both cycling through weights that together exceed the caches;
+- ``attention``: the engine's MLA decode attention; ``other``: its RMSNorm;
+- ``all_to_all``: between ``world_size`` rank processes (``calibrate_ranks``);
+- ``engine_step`` and ``engine_stream``: decode steps of the engine itself (``calibrate_engine``).
 
 The fit: the floor is ``kernel_latency_us``; per class the best attained FLOP/s and bytes/s (the
 floor taken off) become the achievable fractions of a datasheet entry (a recognised GPU) or, on an
 unknown device, of the best measured rates themselves; the GEMM and grouped-GEMM points become the
 achievable-bandwidth curves ``memory_by_rows`` by rows and weight size (the planner then reproduces
-every measured point);
-the engine steps, less what the planner prices for them, are split by least squares into
-``op_overhead_us`` per stage op that runs, ``op_overhead_per_token_us`` per token of such an op, and
-``step_overhead_us`` per step; then ``stream_efficiency``, the one factor on the gemm and grouped-GEMM
-memory fractions that makes the planner's price of the wide model's steps (host overhead included)
-match them. The engine steps are measured by ``calibrate_engine``, the
-all-to-all by ``calibrate_comm``; only these calibration modules import torch.
+every measured point); the engine steps give the host overheads and ``stream_efficiency``
+(``calibrate_engine``). Only these calibration modules import torch.
 """
 
 from __future__ import annotations
@@ -49,9 +31,7 @@ from functools import partial
 
 import torch
 
-from epserve.planner.calibrate_comm import measure_all_to_all
-from epserve.planner.calibrate_engine import measure_engine
-from epserve.planner.calibrate_fit import fit_overhead, fit_stream_efficiency
+from epserve.planner.calibrate_engine import fit_overhead, fit_stream_efficiency, measure_engine
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import BUILTIN, Efficiency, HardwareSpec, MeasuredPoint
 
@@ -75,7 +55,6 @@ BUDGET_S = (0.03, 0.25)  # time spent measuring one shape
 GEMM_KN = ((2048, 4096), (1024, 512))  # K, N of the calibration GEMMs: 16 MiB and 1 MiB bf16 weights
 EXPERT_DIMS = ((2048, 1024), (1024, 256))  # hidden, intermediate: large (12 MiB) and small (1.5 MiB) experts
 EXPERTS_PER_CALL = (8, 16)  # quick, full
-ENGINE_PROMPT = 32
 
 
 def _time_calls(device: str, calls: Sequence[Callable[[], object]], budget_s: float) -> float:
@@ -124,17 +103,9 @@ def routed_counts(mean_rows: float, groups: int, seed: int = 0) -> tuple[int, ..
     return tuple(counts[:groups])
 
 
-def _tile_rows(device: str) -> tuple[int, ...]:
-    """The row counts on either side of the CPU kernels' tile, where the kernel hands over to torch."""
-    if device != "cpu":
-        return ()
-    from epserve.kernels.cpu import TILE_M
-
-    return (TILE_M, TILE_M + 1)
-
-
 def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[MeasuredPoint]:
     from epserve.kernels import linear
+    from epserve.kernels.cpu import TILE_M
     from epserve.model.layers import RMSNorm
     from epserve.moe.dispatch.base import ExpertInput
     from epserve.moe.experts import GroupedExperts
@@ -143,6 +114,7 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
     budget = BUDGET_S[q]
     esize = torch.finfo(dtype).bits // 8
     pool_bytes = SIZES["pool_bytes"][q]
+    tile = (TILE_M, TILE_M + 1) if device == "cpu" else ()  # either side of the CPU kernels' handover to torch
     pts: list[MeasuredPoint] = []
 
     def full(*shape: int) -> torch.Tensor:  # values do not change the speed; filling is cheap
@@ -162,7 +134,7 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
 
     for k, n in GEMM_KN:  # two weight sizes: small matrices stream slower than large ones
         pool = [full(n, k) for _ in range(max(2, pool_bytes // (n * k * esize)))]
-        for m in sorted({*SIZES["rows"][q], *_tile_rows(device)}):
+        for m in sorted({*SIZES["rows"][q], *tile}):
             x = rand(m, k)
             t = _time_calls(device, [partial(linear, x, w) for w in pool], budget)
             pts.append(MeasuredPoint("gemm", f"{m}x{k}x{n}", 2 * m * k * n, (m * k + n * k + m * n) * esize, t))
@@ -176,7 +148,7 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
             experts.w13.data = full(per_call, 2 * inter, h)
             experts.w2.data = full(per_call, h, inter)
             modules.append(experts)
-        for m in sorted({*SIZES["expert_rows"][q], *_tile_rows(device)}):
+        for m in sorted({*SIZES["expert_rows"][q], *tile}):
             counts = routed_counts(m, per_call, seed=m)
             tokens = sum(counts)
             inp = ExpertInput(rand(tokens, h), torch.tensor(counts, dtype=torch.int64), counts)
@@ -240,11 +212,6 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
     return pts
 
 
-def _rows(point: MeasuredPoint) -> float:
-    """Rows per weight of a gemm (``m x k x n``) or group_gemm (``experts x mean m x h x inter``) point."""
-    return float(point.shape.split("x")[0 if point.kind == "gemm" else 1])
-
-
 def _fit(points: list[MeasuredPoint], floor_us: float, kind: str) -> tuple[float, float]:
     """Best attained FLOP/s and bytes/s of one kernel class, its per-kernel floor taken off."""
     own = [p for p in points if p.kind == kind and p.time_us > 2 * floor_us]  # floor-dominated points say nothing
@@ -253,21 +220,16 @@ def _fit(points: list[MeasuredPoint], floor_us: float, kind: str) -> tuple[float
     return flops, moved
 
 
-def _kernel_us(point: MeasuredPoint, floor_us: float, other_bw: float) -> float:
-    """Measured time of the GEMM kernels in a point, as the planner splits it: a grouped SwiGLU is
-    priced as two grouped GEMMs plus an elementwise SwiGLU kernel, each with its floor."""
-    if point.kind == "gemm":
-        return max(point.time_us - floor_us, 1e-3)
-    num_experts, m, _, inter = (float(v) for v in point.shape.split("x"))
-    act_us = floor_us + num_experts * m * inter * 6 / other_bw * 1e6  # read gate and up, write the product
-    return max(point.time_us - 2 * floor_us - act_us, 1e-3)
-
-
-def _matrix_bytes(point: MeasuredPoint, esize: int = 2) -> float:
-    """Bytes of one weight matrix of a gemm point (``k x n``) or group_gemm point (an expert's
-    ``3 h inter`` over its two GEMMs)."""
-    dims = [float(v) for v in point.shape.split("x")]
-    return dims[1] * dims[2] * esize if point.kind == "gemm" else 3 * dims[2] * dims[3] * esize / 2
+def _curve_point(p: MeasuredPoint, floor_us: float, other_bw: float, esize: int = 2) -> tuple[float, float, float]:
+    """Rows per weight, bytes of one weight matrix and attained bytes/s of a gemm (``m x k x n``) or
+    group_gemm (``experts x mean m x h x inter``: an expert's ``3 h inter`` over its two GEMMs) point,
+    its time split as the planner splits it: a grouped SwiGLU is priced as two grouped GEMMs plus an
+    elementwise SwiGLU kernel, each with its floor."""
+    d = [float(v) for v in p.shape.split("x")]
+    if p.kind == "gemm":
+        return d[0], d[1] * d[2] * esize, p.bytes / max(p.time_us - floor_us, 1e-3) * 1e6
+    act_us = floor_us + d[0] * d[1] * d[3] * 6 / other_bw * 1e6  # read gate and up, write the product
+    return d[1], 3 * d[2] * d[3] * esize / 2, p.bytes / max(p.time_us - 2 * floor_us - act_us, 1e-3) * 1e6
 
 
 def _fraction(x: float) -> float:
@@ -275,16 +237,9 @@ def _fraction(x: float) -> float:
     return min(1.0, max(float(f"{x:.4g}"), 1e-6))
 
 
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
-
-
-def match_builtin(device_name: str) -> HardwareSpec | None:
-    low = device_name.lower()
-    for key in ("gb200", "b200", "h800", "h200", "h100"):
-        if key in low:
-            return BUILTIN[key]
-    return None
+def one_host_link(link: float) -> dict[str, float]:
+    """No second host measured: the inter-node link taken as the intra-node one, both at 100%."""
+    return {"nvlink_bandwidth": link, "nvlink_efficiency": 1.0, "ib_bandwidth": link, "ib_efficiency": 1.0}
 
 
 def calibrate(quick: bool = False, device: str | None = None, world_size: int = 2,
@@ -301,15 +256,16 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     with torch.inference_mode():
         points = _measure_kernels(device, dtype, quick)
     if world_size > 1:
-        points += measure_all_to_all(world_size, SIZES["a2a"][0 if quick else 1], 5 if quick else 20)
+        from epserve.planner.calibrate_ranks import measure_all_to_all  # imports this module
+
+        points += measure_all_to_all(world_size, SIZES["a2a"][0 if quick else 1], 5 if quick else 20, device)
     floor = next(p.time_us for p in points if p.kind == "floor")
     stream = next(p for p in points if p.kind == "stream")
     rates = {c: _fit(points, floor, c) for c in ("gemm", "group_gemm", "attention", "other")}
     other_bw = rates["other"][1] or stream.bytes / stream.time_us * 1e6
-    rows_fit = {c: [(_rows(p), _matrix_bytes(p), p.bytes / _kernel_us(p, floor, other_bw) * 1e6)
-                    for p in points if p.kind == c] for c in ("gemm", "group_gemm")}
-    name = _device_name(device)
-    base = base or match_builtin(name)
+    rows_fit = {c: [_curve_point(p, floor, other_bw) for p in points if p.kind == c] for c in ("gemm", "group_gemm")}
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
+    base = base or next((BUILTIN[k] for k in ("gb200", "b200", "h800", "h200", "h100") if k in name.lower()), None)
     if base is None:
         memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -331,22 +287,18 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
         link = max((p.bytes / max(p.time_us - latency, 1e-3) * 1e6 for p in a2a[1:]), default=0.0)
         changes.update(nvlink_latency_us=round(latency, 2), collective_latency_us=round(latency, 2),
                        dispatch_handshake_us=round(latency, 2), step_sync_us=round(latency, 2))
-        if base.name.startswith("local-"):  # no second host measured: inter-node taken as intra-node
-            link = link or base.nvlink_bandwidth
-            changes.update(nvlink_bandwidth=link, nvlink_efficiency=1.0, ib_bandwidth=link, ib_efficiency=1.0,
-                           ib_latency_us=round(latency, 2))
+        if base.name.startswith("local-"):
+            changes.update(one_host_link(link or base.nvlink_bandwidth), ib_latency_us=round(latency, 2))
         elif link:
             changes["nvlink_efficiency"] = round(min(1.0, link / base.nvlink_bandwidth), 4)
     if engine:
         q = 0 if quick else 1
-        points += measure_engine(device, SIZES["engine_layers"][q], SIZES["engine_batches"][q],
-                                 SIZES["engine_steps"][q], ENGINE_PROMPT)
+        points += measure_engine(device, SIZES["engine_layers"][q], SIZES["engine_batches"][q], SIZES["engine_steps"][q])
         op_us, token_us, step_us = fit_overhead(replace(base, **changes), points)
         changes.update(op_overhead_us=round(op_us, 2), op_overhead_per_token_us=round(token_us, 4),
                        step_overhead_us=round(step_us, 1))
         layers, experts = SIZES["stream_model"][q]
-        points += measure_engine(device, (layers,), SIZES["stream_batches"][q], SIZES["engine_steps"][q],
-                                 ENGINE_PROMPT, experts=experts)
+        points += measure_engine(device, (layers,), SIZES["stream_batches"][q], SIZES["engine_steps"][q], experts=experts)
         changes["stream_efficiency"] = round(fit_stream_efficiency(replace(base, **changes), points), 4)
     changes["points"] = tuple(points)
     stamp = time.strftime("%Y-%m-%d %H:%M")

@@ -1,10 +1,8 @@
-"""Calibration from decode steps of the engine itself.
+"""Calibration from decode steps of the engine itself, and the fits of its points.
 
 - ``engine_step``: the ``tiny`` preset, a model too small to do work, so that what a step spends
-  beyond the priced kernels is host overhead. On the CPU the cores' private caches are flushed before
-  every attention and FFN block (and the flush's time taken off), because in a real model the
-  weights each block streams evict the runtime's own state from the caches the host shares with the
-  kernels.
+  beyond the priced kernels is host overhead. On the CPU with the caches flushed before every block
+  (``flush_before_blocks``), as a real model's weights flush them.
 - ``engine_stream``: a synthetic *wide* model (the ``tiny`` preset's attention and routing with
   ``WIDE`` overrides: hidden 1024, 32-64 experts of 3 MiB, 8 active per token) whose weights exceed
   the last-level cache several times and whose step at batch 1 streams 2-3x that cache. What its steps
@@ -18,13 +16,19 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
+from statistics import linear_regression
 
 import torch
 
-from epserve.planner.hardware import MeasuredPoint
+from epserve.config import ModelConfig
+from epserve.planner.deployment import Deployment
+from epserve.planner.hardware import HardwareSpec, MeasuredPoint
+from epserve.planner.step import estimate_step
 
 WIDE = {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_experts_per_tok": 8}
+STREAM_EFFICIENCY_RANGE = (0.25, 2.0)
 
 
 def engine_config(layers: int, experts: int = 0) -> dict:
@@ -56,8 +60,7 @@ def measure_engine(
             path = make_checkpoint(Path(tmp) / f"{label}-{layers}", preset="tiny", dtype="bfloat16",
                                    overrides=_overrides(layers, experts))
             engine = LLM(path, dtype="bfloat16", device=device, num_blocks=512, enable_prefix_caching=False).engine
-            flush = device == "cpu" and not experts
-            flushed = flush_before_blocks(engine.runner.model) if flush else [0.0]
+            flushed = flush_before_blocks(engine.runner.model) if device == "cpu" and not experts else [0.0]
             params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
             vocab = cfg["vocab_size"] - 10
             for batch in batches:
@@ -85,18 +88,15 @@ def measure_engine(
 def private_cache_bytes() -> int:
     """This CPU's per-core caches (the largest level not shared between cores, from sysfs) summed
     over the cores torch uses; 1 MiB per core if unknown."""
-    best = 0
+    sizes = []
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
-            size = (index / "size").read_text().strip()
-            shared = (index / "shared_cpu_list").read_text().strip()
+            if (index / "shared_cpu_list").read_text().strip() == "0":  # not the shared last level
+                size = (index / "size").read_text().strip()
+                sizes.append(int(size.rstrip("KM")) << {"K": 10, "M": 20}.get(size[-1:], 0))
         except OSError:
             continue
-        if shared != "0":  # shared with other cores: the last level
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
-        best = max(best, int(size.rstrip("KM")) * scale)
-    return (best or 1 << 20) * torch.get_num_threads()
+    return max(sizes, default=1 << 20) * torch.get_num_threads()
 
 
 def flush_before_blocks(model: torch.nn.Module) -> list[float]:
@@ -115,3 +115,71 @@ def flush_before_blocks(model: torch.nn.Module) -> list[float]:
         layer.self_attn.register_forward_pre_hook(flush)
         layer.mlp.register_forward_pre_hook(flush)
     return spent
+
+
+def _steps(points: Sequence[MeasuredPoint], kind: str) -> list[tuple[ModelConfig, Deployment, float]]:
+    """The model, deployment and measured µs of each ``kind`` point (``tiny|wide<experts> <layers>
+    layers b<batch> kv<kv>``)."""
+    cases = []
+    for p in points:
+        if p.kind == kind:
+            label, layers, _, batch, kv = p.shape.split()
+            experts = int(label.removeprefix("wide")) if label.startswith("wide") else 0
+            model = ModelConfig.from_dict(engine_config(int(layers), experts))
+            d = Deployment(ep=1, batch=int(batch.removeprefix("b")), kv_len=int(kv.removeprefix("kv")),
+                           overlap="dispatch", weight_dtype="bf16")
+            cases.append((model, d, p.time_us))
+    return cases
+
+
+def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[float, float, float]:
+    """``(op_overhead_us, op_overhead_per_token_us, step_overhead_us)`` from ``engine_step`` points.
+    The measured step less the step the planner prices without host overhead is
+    ``ops x (op_overhead + tokens x per_token) + step_overhead``, the op count read off the planner
+    itself (the same stage list). At each batch the slope over the depths is the overhead per op
+    (the intercept, the step's, cannot leak into it); a line through those slopes against the
+    tokens gives the per-op and per-token parts; the intercept at the smallest batch the step's."""
+    bare = replace(spec, op_overhead_us=0.0, op_overhead_per_token_us=0.0, step_overhead_us=0.0)
+    by_batch: dict[int, list[tuple[float, float]]] = {}
+    for model, d, time_us in _steps(points, "engine_step"):
+        base = estimate_step(model, bare, d, "dispatch").step_time_us
+        ops = estimate_step(model, replace(bare, op_overhead_us=1.0), d, "dispatch").step_time_us - base
+        by_batch.setdefault(d.batch, []).append((ops, time_us - base))
+    lines = {b: linear_regression(*zip(*pts)) for b, pts in sorted(by_batch.items()) if len({x for x, _ in pts}) > 1}
+    if not lines:
+        return spec.op_overhead_us, spec.op_overhead_per_token_us, spec.step_overhead_us
+    first = min(lines)
+    if len(lines) == 1:
+        per_op, per_token = max(lines[first][0], 0.0), 0.0
+    else:
+        per_token, per_op = linear_regression(list(lines), [slope for slope, _ in lines.values()])
+        per_token = max(per_token, 0.0)
+        per_op = max(per_op, 0.0) if per_token else max(sum(s for s, _ in lines.values()) / len(lines), 0.0)
+    slope_first = per_op + per_token * first
+    step = sum(y - slope_first * x for x, y in by_batch[first]) / len(by_batch[first])
+    return per_op, per_token, max(step, 0.0)
+
+
+def fit_stream_efficiency(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> float:
+    """``stream_efficiency`` from ``engine_stream`` points: the factor on the weight-streaming
+    classes' memory fractions at which the planner's steps (priced with ``spec``'s host overheads)
+    are on average exactly as long as the measured ones, i.e. the mean relative error over the
+    points is zero (found by bisection: the price falls as the factor grows). Clipped to
+    ``STREAM_EFFICIENCY_RANGE``; ``spec``'s own value without points."""
+    cases = _steps(points, "engine_stream")
+    if not cases:
+        return spec.stream_efficiency
+
+    def error(factor: float) -> float:
+        hw = replace(spec, stream_efficiency=factor)
+        return sum(estimate_step(m, hw, d, "dispatch").step_time_us / t - 1 for m, d, t in cases)
+
+    lo, hi = STREAM_EFFICIENCY_RANGE
+    if error(lo) <= 0:
+        return lo
+    if error(hi) >= 0:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if error(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2

@@ -1,76 +1,230 @@
-"""``epserve plan calibrate --ranks N``: calibrate one rank of a CPU engine that runs ``N`` rank
-processes on this host, under the conditions its ranks run in (shared cores and memory bandwidth,
-collectives between busy processes)."""
+"""Calibration in rank processes, spawned as the engine spawns its ranks (``RankProcesses``) and
+joined as they join (``make_store`` + ``init_parallel``): the all-to-all between idle ranks, the
+engine's collectives between computing ranks, and ``epserve plan calibrate --ranks N``."""
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
-from dataclasses import replace
-from pathlib import Path
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from statistics import linear_regression
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from epserve.planner.calibrate import SIZES, calibrate
-from epserve.planner.calibrate_comm import fit_loaded, measure_loaded_collectives, pin_rank, resolve_pin
+from epserve.env import pinning_enabled
+from epserve.parallel import launch
+from epserve.parallel.context import init_parallel, make_store, shutdown_parallel
+from epserve.planner.calibrate import SIZES, calibrate, one_host_link
 from epserve.planner.errors import PlanError
-from epserve.planner.hardware import HardwareSpec
+from epserve.planner.hardware import HardwareSpec, MeasuredPoint
+
+LOADED_GEMVS = 4  # weight-streaming GEMVs (2 MiB each, ~0.6 ms at one thread here) between two collectives
 
 
-def _rank_calibration(rank: int, ranks: int, quick: bool, base: dict | None, engine: bool, threads: int,
-                      pin: bool, out: str) -> None:
-    """One rank process of ``calibrate_ranks``: rank 0 calibrates and writes the result; the others
-    stream memory (a sum over 256 MiB, over and over) on their threads until they are stopped, as an
-    engine rank's peers stream their weights. ``pin``: on rank ``rank``'s cores, as the engine pins."""
-    torch.set_num_threads(threads)
-    pin_rank(rank, ranks, pin)
-    if rank > 0:
-        data = torch.ones(SIZES["stream_bytes"][0] // 4)
-        while True:
-            data.sum()
-    spec = HardwareSpec.from_dict(base) if base else None
-    result = calibrate(quick=quick, device="cpu", world_size=1, base=spec, engine=engine)
-    Path(out).write_text(json.dumps(result.to_dict()))
+class CalibrationRank:
+    """One rank process (the ``RankProcesses`` entry): ``threads`` torch threads (None: torch's
+    default), pinned as the engine pins its rank when ``pin``, in a world of this host's ranks;
+    ``done``: an event rank 0 sets when its calibration is over. Runs each command's ``run``."""
+
+    def __init__(self, info: launch.RankInfo, device: str, threads: int | None, pin: bool, done: Any) -> None:
+        if threads:
+            torch.set_num_threads(threads)
+        pin_rank(info.local_rank, info.local_world_size, pin)
+        world, self.done = info.local_world_size, done
+        dev = torch.device(device, info.local_rank % torch.cuda.device_count() if device == "cuda" else None)
+        store = make_store(info.master_addr, info.master_port, world, info.rank)
+        self.ctx = init_parallel(world, 1, info.rank, dev, store)
+
+    def handle(self, command: Any) -> object:
+        return command.run(self)
+
+    def close(self) -> None:
+        shutdown_parallel()
+
+
+@dataclass(frozen=True)
+class MeasureAllToAll:
+    """Every rank sends ``size`` bytes to every other, ``iters`` times: a point per size."""
+
+    sizes: tuple[int, ...]
+    iters: int
+
+    def run(self, rank: CalibrationRank) -> list[MeasuredPoint]:
+        ctx, pts = rank.ctx, []
+        for size in self.sizes:  # every rank runs the same number of collectives
+            x = torch.zeros(size // 4 * ctx.world_size, dtype=torch.float32, device=ctx.device)
+            y = torch.empty_like(x)
+            for _ in range(3):
+                dist.all_to_all_single(y, x, group=ctx.ep_group)
+            if ctx.device.type == "cuda":
+                dist.barrier(group=ctx.ep_group)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(self.iters):
+                    dist.all_to_all_single(y, x, group=ctx.ep_group)
+                torch.cuda.synchronize()
+                us = (time.perf_counter() - start) / self.iters * 1e6
+            else:  # same count on every rank: a collective each
+                samples = []
+                for _ in range(self.iters):
+                    start = time.perf_counter()
+                    dist.all_to_all_single(y, x, group=ctx.ep_group)
+                    samples.append(time.perf_counter() - start)
+                us = sorted(samples)[len(samples) // 5] * 1e6
+            pts.append(MeasuredPoint("all_to_all", f"{ctx.world_size} ranks x {size} B", 0.0,
+                                     size * (ctx.world_size - 1), us))
+        return pts
+
+
+@dataclass(frozen=True)
+class MeasureLoaded:
+    """``measure_loaded_collectives``: every rank records when each collective entered and left."""
+
+    sizes: tuple[int, ...]
+    iters: int
+
+    def run(self, rank: CalibrationRank) -> list[MeasuredPoint]:
+        world, group, meta = rank.ctx.world_size, rank.ctx.ep_group, rank.ctx.meta_group
+        pool = [torch.full((1024, 1024), 0.01, dtype=torch.bfloat16) for _ in range(24)]  # 48 MiB: beyond the caches
+        x = torch.full((1, 1024), 0.01, dtype=torch.bfloat16)
+        counts = torch.ones(64 * world, dtype=torch.int64)
+        flags = torch.zeros(2, dtype=torch.int64)
+        cases = [("handshake", counts.numel() * 8), ("all_reduce", 16), *(("all_to_all_loaded", s) for s in self.sizes)]
+        stamps = []
+        j = 0
+        for kind, size in cases:
+            rows = torch.zeros(size // 2 * world, dtype=torch.bfloat16)
+            recv, recv_counts = torch.empty_like(rows), torch.empty_like(counts)
+            own: list[float] = []
+            for it in range(self.iters + 5):
+                for _ in range(LOADED_GEMVS):
+                    torch.nn.functional.linear(x, pool[j % len(pool)])
+                    j += 1
+                start = time.perf_counter()
+                if kind == "handshake":  # the all_to_all dispatcher's synchronous exchange of counts
+                    dist.all_to_all_single(recv_counts, counts, group=group)
+                elif kind == "all_reduce":  # the step's metadata all-reduce
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=meta)
+                else:  # the rows: an asynchronous exchange, waited for
+                    dist.all_to_all_single(recv, rows, group=group, async_op=True).wait()
+                if it >= 5:
+                    own += (start, time.perf_counter())
+            stamps.append(own)
+        # perf_counter is CLOCK_MONOTONIC: comparable between processes of one host
+        mine = torch.tensor(stamps, dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
+        pts = []
+        for k, (kind, size) in enumerate(cases):
+            lat = [max(float(e[k, 2 * i + 1]) for e in every) - max(float(e[k, 2 * i]) for e in every)
+                   for i in range(self.iters)]  # the mean: a step pays every collective, tail included
+            pts.append(MeasuredPoint(kind, f"{world} ranks x {size} B", 0.0, float(size * (world - 1)),
+                                     sum(lat) / len(lat) * 1e6))
+        return pts
+
+
+@dataclass(frozen=True)
+class CalibrateRank:
+    """Rank 0 calibrates (its ``HardwareSpec``); the others stream memory (a sum over 256 MiB, over
+    and over) until it is done, as an engine rank's peers stream their weights."""
+
+    quick: bool
+    base: HardwareSpec | None
+    engine: bool
+
+    def run(self, rank: CalibrationRank) -> HardwareSpec | None:
+        if rank.ctx.rank > 0:
+            data = torch.ones(SIZES["stream_bytes"][0] // 4)
+            while not rank.done.is_set():
+                data.sum()
+            return None
+        try:
+            return calibrate(quick=self.quick, device="cpu", world_size=1, base=self.base, engine=self.engine)
+        finally:
+            rank.done.set()
+
+
+def resolve_pin(pin: bool | None) -> bool:
+    """``pin`` as given, or (None) the engine's default (``pinning_enabled``)."""
+    return pinning_enabled() if pin is None else bool(pin)
+
+
+def pin_rank(rank: int, world: int, pin: bool) -> None:
+    """Pin this calibration process as the engine pins rank ``rank`` of ``world`` on this host."""
+    if pin:
+        launch.pin_to_cores(rank, world)
+
+
+def _run_ranks(world: int, device: str, threads: int | None, pin: bool, *commands: Any) -> list[Any]:
+    """Rank 0's results of ``commands``, run one after the other on ``world`` calibration ranks."""
+    port = launch.free_port()
+    infos = [launch.RankInfo(r, r, world, "127.0.0.1", port) for r in range(world)]
+    try:
+        ranks = launch.RankProcesses(CalibrationRank, infos, (device, threads, pin, mp.get_context("spawn").Event()))
+        try:
+            return [ranks.call(command) for command in commands]
+        finally:
+            ranks.close()
+    except launch.RankFailure as e:
+        raise PlanError(f"calibration in {world} rank processes failed: {e}") from e
+
+
+def measure_all_to_all(world: int, sizes: Sequence[int], iters: int, device: str = "cpu") -> list[MeasuredPoint]:
+    """Each rank sends ``size`` bytes to every other rank; one point per size."""
+    return _run_ranks(world, device, None, False, MeasureAllToAll(tuple(sizes), iters))[0]
+
+
+def measure_loaded_collectives(world: int, sizes: Sequence[int], iters: int, threads: int = 1,
+                               pin: bool | None = None) -> list[MeasuredPoint]:
+    """The engine's collectives between ``world`` CPU rank processes of ``threads`` torch threads that
+    stream weights between them (``LOADED_GEMVS``): the dispatcher's count exchange (``handshake``),
+    the step's all-reduce (``all_reduce``) and the rows' asynchronous ``all_to_all_single``
+    (``all_to_all_loaded``, each rank sending ``size`` bytes to every other). Each point is the *mean*
+    time from the last rank's arrival to the last rank's departure (the collective's own latency, not
+    the wait for a slower peer). On a host whose cores all run ranks, a collective waits on threads
+    (gloo's, the peer's) that compete with the compute for the cores: its mean is several times the
+    idle back-to-back figure, with a long tail, and a step pays the mean. ``pin``: each rank process
+    pinned to its own block of cores, as the engine pins its ranks (default: ``EPSERVE_PIN``)."""
+    return _run_ranks(world, "cpu", threads, resolve_pin(pin), MeasureLoaded(tuple(sizes), iters))[0]
+
+
+def fit_loaded(points: Sequence[MeasuredPoint]) -> dict[str, float]:
+    """Hardware fields from ``measure_loaded_collectives`` points: the count exchange and the step
+    all-reduce as they are; a line ``latency + bytes / bandwidth`` through the rows' points (least
+    squares; the latency floored at 0, the bandwidth at the largest point's average rate if the slope
+    is not positive)."""
+    fields = {"handshake": "dispatch_handshake_us", "all_reduce": "step_sync_us"}
+    out = {fields[p.kind]: round(p.time_us, 2) for p in points if p.kind in fields}
+    rows = sorted((p for p in points if p.kind == "all_to_all_loaded"), key=lambda p: p.bytes)
+    if len({p.bytes for p in rows}) >= 2:
+        slope, intercept = linear_regression([p.bytes for p in rows], [p.time_us for p in rows])
+        latency = round(max(intercept, 0.0), 2)
+        bandwidth = 1e6 / slope if slope > 0 else rows[-1].bytes / rows[-1].time_us * 1e6
+        out.update(nvlink_latency_us=latency, collective_latency_us=latency, ib_latency_us=latency,
+                   link_bandwidth=bandwidth)
+    return out
 
 
 def calibrate_ranks(ranks: int, quick: bool = False, base: HardwareSpec | None = None,
                     engine: bool = True, pin: bool | None = None) -> HardwareSpec:
     """A calibration of one rank of a CPU engine that runs ``ranks`` rank processes on this host:
-    rank 0 calibrates with ``cores / ranks`` torch threads while ``ranks - 1`` processes of as many
-    threads stream memory without pause (an engine rank's peers stream their weights during most of a
-    step; a competitor repeating the calibration itself spent much of its time building models and
-    understated the contention: predictions 20-30% low at dp 2), then the collectives
-    are timed between ``ranks`` processes that compute between them (``measure_loaded_collectives``):
-    the rows' latency and bandwidth, the dispatcher's count exchange and the step's all-reduce.
-    ``pin``: every process pinned to its rank's block of cores (``pin_to_cores``), as the engine pins
-    its CPU ranks; default: as the engine does (yes, unless ``EPSERVE_PIN=0``)."""
-    import torch.multiprocessing as mp
-
+    rank 0 calibrates with the engine's threads per rank while the ``ranks - 1`` others stream memory
+    without pause (an engine rank's peers stream their weights during most of a step; a competitor
+    repeating the calibration itself spent much of its time building models and understated the
+    contention: predictions 20-30% low at dp 2), then the same processes time the collectives while
+    computing between them (``MeasureLoaded``): the rows' latency and bandwidth, the dispatcher's
+    count exchange and the step's all-reduce. ``pin``: every process pinned to its rank's block of
+    cores, as the engine pins its CPU ranks; default: as the engine does (unless ``EPSERVE_PIN=0``)."""
     pin = resolve_pin(pin)
-    threads = max(1, (os.cpu_count() or 1) // ranks)
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rank0.json")
-        procs = [ctx.Process(target=_rank_calibration, daemon=True,
-                             args=(r, ranks, quick, base.to_dict() if base else None, engine, threads, pin, out))
-                 for r in range(ranks)]
-        for p in procs:
-            p.start()
-        procs[0].join()
-        for p in procs[1:]:  # the competitors: stopped once rank 0 is done
-            p.terminate()
-            p.join()
-        if procs[0].exitcode != 0:
-            raise PlanError(f"the calibration of rank 0 failed (exit code {procs[0].exitcode})")
-        spec = HardwareSpec.from_dict(json.loads(Path(out).read_text()))
-    loaded = measure_loaded_collectives(ranks, SIZES["a2a_loaded"][0 if quick else 1], 60 if quick else 200, threads,
-                                        pin=pin)
+    spec, loaded = _run_ranks(ranks, "cpu", launch.threads_per_rank(ranks), pin, CalibrateRank(quick, base, engine),
+                              MeasureLoaded(SIZES["a2a_loaded"][0 if quick else 1], 60 if quick else 200))
     fit = fit_loaded(loaded)
     changes: dict = {k: v for k, v in fit.items() if k != "link_bandwidth"}
-    if "link_bandwidth" in fit and spec.name.startswith("local-"):  # one host: inter-node taken as intra-node
-        link = fit["link_bandwidth"]
-        changes.update(nvlink_bandwidth=link, nvlink_efficiency=1.0, ib_bandwidth=link, ib_efficiency=1.0)
+    if "link_bandwidth" in fit and spec.name.startswith("local-"):
+        changes.update(one_host_link(fit["link_bandwidth"]))
     changes["points"] = (*(p for p in spec.points if p.kind != "all_to_all"), *loaded)
     changes["source"] = (f"{spec.source}; one of {ranks} {'pinned' if pin else 'unpinned'} rank processes "
                          f"calibrating at once, collectives timed between {ranks} computing ranks "

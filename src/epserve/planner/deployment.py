@@ -5,15 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from epserve.config import ModelConfig
-from epserve.parallel.stages import OVERLAP_MODES
+from epserve.config import MULTI_RANK_DISPATCH, OVERLAP_CHOICES, ModelConfig, OverlapSetting
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import HardwareSpec
 
-OVERLAP_CHOICES = (*OVERLAP_MODES, "auto")  # auto: the faster of dispatch and microbatch, as the engine picks
 WEIGHT_DTYPES = ("fp8", "bf16", "fp4")
 KV_DTYPES = ("bf16", "fp8")
-DISPATCH_CHOICES = ("all_to_all", "padded")  # the engine's multi-rank dispatcher backends
+DISPATCH_CHOICES = MULTI_RANK_DISPATCH  # the planner prices the engine's multi-rank dispatchers
 
 # Bytes per element, block scales included: FP8 weights carry one fp32 scale per 128×128 tile and FP8
 # activations one per 1×128 vector (BRIEF.md, "Precision"); NVFP4 carries one fp8 scale per 16 values.
@@ -33,7 +31,7 @@ class Deployment:
     kv_len: int = 5000
     mtp_draft: int = 0
     mtp_accept: float = 0.6
-    overlap: str = "auto"
+    overlap: OverlapSetting = "auto"
     num_redundant_experts: int = 0
     weight_dtype: str = "fp8"
     kv_dtype: str = "bf16"
