@@ -1,5 +1,6 @@
 """Overlap schedules as the engine runs them: stage order of two micro-batches, micro-batch splits,
-every scheduled op implemented by the layer, and one-process equivalence of the modes."""
+the ops a layer's forward runs (and where it yields) equal to the stage lists, and one-process
+equivalence of the modes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.config import ConfigError, ModelConfig, ParallelConfig
 from epserve.engine.runner import BatchPlan
-from epserve.model.deepseek_v3 import DecoderLayer
+from epserve.model.batch import MicroBatch
 from epserve.moe.placement import ExpertPlacement
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.overlap import choose_overlap, run_in_order, run_interleaved
@@ -17,16 +18,24 @@ from epserve.parallel.stages import OVERLAP_MODES, Schedule, dense_layer_schedul
 
 
 class RecordingLayer:
-    """A layer whose ops append ``(micro-batch, layer, op)`` to a shared log."""
+    """A layer whose forward appends ``(micro-batch, layer, op)`` to a shared log for every op of its
+    schedule and yields at every stage end."""
 
     def __init__(self, idx: int, log: list) -> None:
         self.idx, self.log = idx, log
 
-    def schedule(self, mode: str) -> Schedule:
-        return moe_layer_schedule(mode)  # type: ignore[arg-type]
+    def forward(self, state: str, mode: str):
+        for stage in moe_layer_schedule(mode).stages:  # type: ignore[arg-type]
+            for op in stage.ops:
+                self.log.append((state, self.idx, op.name))
+            yield
+        return state
 
-    def run_op(self, name: str, state: object) -> None:
-        self.log.append((state, self.idx, name))
+
+def run_layers(layers: list[RecordingLayer], state: str, mode: str):
+    for layer in layers:
+        state = yield from layer.forward(state, mode)
+    return state
 
 
 def stage_trace(log: list, schedule: Schedule) -> list[str]:
@@ -39,7 +48,9 @@ def stage_trace(log: list, schedule: Schedule) -> list[str]:
 def test_two_micro_batches_follow_the_stage_offset():
     log: list = []
     layers = [RecordingLayer(i, log) for i in range(2)]
-    run_interleaved(layers, "A", "B")
+    offset = moe_layer_schedule("microbatch").micro_batch_offset
+    assert run_interleaved(run_layers(layers, "A", "microbatch"), run_layers(layers, "B", "microbatch"),
+                           offset) == ("A", "B")
     trace = stage_trace(log, moe_layer_schedule("microbatch"))
     # B starts two stages after A, then they alternate (BRIEF.md, "Two micro-batches").
     assert trace[:8] == ["A1", "A2", "A3", "B1", "A4", "B2", "A5", "B3"]
@@ -55,7 +66,7 @@ def test_two_micro_batches_follow_the_stage_offset():
 
 def test_in_order_runs_the_schedule_ops():
     log: list = []
-    run_in_order([RecordingLayer(0, log)], "A", "dispatch")
+    run_in_order(run_layers([RecordingLayer(0, log)], "A", "dispatch"))
     assert [op for _, _, op in log] == [op.name for op in moe_layer_schedule("dispatch").ops]
 
 
@@ -68,11 +79,62 @@ def test_choose_overlap():
         choose_overlap("sometimes", 1, 1)
 
 
-def test_every_scheduled_op_is_implemented_by_the_layer():
-    names = {op.name for mode in OVERLAP_MODES for op in moe_layer_schedule(mode, "mixed").ops}
-    names |= {op.name for op in dense_layer_schedule("mixed").ops}
-    missing = sorted(n for n in names if not hasattr(DecoderLayer, "op_" + n))
-    assert not missing
+class OpRecorder:
+    """An op hook: logs each op's name, and ``|`` wherever the forward yields."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def __call__(self, name, fn, *args):
+        self.log.append(name)
+        return fn(*args)
+
+    def drain(self, stages) -> torch.Tensor:
+        while True:
+            try:
+                next(stages)
+            except StopIteration as done:
+                return done.value
+            self.log.append("|")
+
+
+@pytest.mark.parametrize("mode", OVERLAP_MODES)
+def test_layer_forward_runs_exactly_the_stage_list(make_ckpt, mode):
+    """The ops a real decoder layer runs (recorded through its op hook) are its schedule's, in order,
+    for every overlap mode; under the micro-batch schedule it yields exactly at the stage ends."""
+    llm = LLM(make_ckpt("tiny", dtype="float32"), dtype="float32", num_blocks=16)
+    runner = llm.engine.runner
+    model = runner.model
+    plan = BatchPlan(input_ids=(5, 6, 7, 8), positions=(3, 0, 1, 2), slot_mapping=(3, 16, 17, 18),
+                     seq_lens=(4, 3), block_tables=((0,), (1,)), logits_indices=(0, 3),
+                     query_start_loc=(0, 1, 4), num_decode_seqs=1)
+    batch = plan.to_batch(torch.device("cpu"), runner.block_size)
+    x = torch.randn(batch.num_tokens, llm.config.model.hidden_size)
+    mb = MicroBatch(batch, model.rotary.lookup(batch.positions, x.dtype), runner.kv_caches)
+    kinds = {layer.is_moe: layer for layer in model.layers}
+    assert set(kinds) == {True, False}  # the tiny preset has both kinds of layer
+    for is_moe, layer in kinds.items():
+        recorder = OpRecorder()
+        layer.op_hook = recorder
+        try:
+            with torch.inference_mode():
+                out = recorder.drain(layer.forward(x, mb, mode))
+        finally:
+            layer.op_hook = None
+        assert out.shape == x.shape
+        schedule = moe_layer_schedule(mode, "mixed") if is_moe else dense_layer_schedule("mixed")
+        assert schedule == layer.schedule(mode)
+        ran = [name for name in recorder.log if name != "|"]
+        assert ran == [op.name for op in schedule.ops]
+        if is_moe and mode == "microbatch":
+            stages: list[list[str]] = [[]]
+            for name in recorder.log:
+                if name == "|":
+                    stages.append([])
+                else:
+                    stages[-1].append(name)
+            assert stages.pop() == []  # the last stage ends with a yield too
+            assert stages == [[op.name for op in st.ops] for st in schedule.stages]
 
 
 def test_micro_batch_split_keeps_whole_sequences():

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 class StepRecord:
     num_tokens: int  # this rank's DP group
     num_seqs: int
-    is_decode: bool  # every sequence runs one token
+    is_decode: bool  # every sequence is a decode (ScheduledChunk.is_decode)
     overlap: str
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 

@@ -69,7 +69,7 @@ class BatchPlan:
 
     @classmethod
     def from_chunks(cls, chunks: list[ScheduledChunk], block_size: int) -> BatchPlan:
-        """``chunks`` must list single-token (decode) chunks first."""
+        """``chunks`` as the scheduler orders them: decodes (``ScheduledChunk.is_decode``) first."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -85,7 +85,7 @@ class BatchPlan:
             seq_lens.append(chunk.end)
             if chunk.needs_sample:
                 logits_idx.append(query_start[-1] - 1)
-            num_decode += chunk.num_tokens == 1
+            num_decode += chunk.is_decode
         max_blocks = max((-(-n // block_size) for n in seq_lens), default=0)
         tables = tuple(
             (*ids, *(0,) * (max_blocks - len(ids))) for ids in (c.request.block_ids[:max_blocks] for c in chunks)
@@ -155,8 +155,7 @@ class ModelRunner:
         """Time every op of every step from now on (a fresh record), or stop."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
         self.profiler = OpProfiler(sync) if enabled else None
-        for layer in self.model.layers:
-            layer.profiler = self.profiler
+        self.model.set_op_hook(self.profiler.timed if self.profiler is not None else None)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -171,7 +170,7 @@ class ModelRunner:
         if self.profiler is None:
             return self._forward(batch, overlap)
         num_seqs = len(plan.seq_lens)
-        self.profiler.begin_step(plan.num_tokens, num_seqs, plan.num_tokens == num_seqs, overlap)
+        self.profiler.begin_step(plan.num_tokens, num_seqs, plan.num_decode_seqs == num_seqs, overlap)
         return self.profiler.timed("forward", self._forward, batch, overlap)  # type: ignore[return-value]
 
     def _forward(self, batch: ForwardBatch, overlap: str) -> torch.Tensor:

@@ -17,13 +17,21 @@ from epserve.engine.kv_manager import KVCacheManager
 from epserve.engine.request import Request, RequestStatus
 
 
+def decodes_at(request: Request, start: int) -> bool:
+    """Whether running ``request`` from token ``start`` is a decode: only the last known token lacks
+    KV, and it is an output token (so a recompute's prompt part never counts)."""
+    return start == request.num_tokens - 1 and start >= request.num_prompt_tokens
+
+
 @dataclass(frozen=True)
 class ScheduledChunk:
     """Tokens ``[start, start + num_tokens)`` of ``request.all_token_ids`` to run this step.
 
     ``start`` is the request's ``num_computed_tokens`` before the step (KV for ``[0, start)`` is in
-    the cache, in ``request.block_ids``). ``needs_sample`` and ``is_prefill`` read the request's
+    the cache, in ``request.block_ids``). ``needs_sample`` and ``is_decode`` read the request's
     current length, so they hold between ``schedule()`` and ``update()`` (which appends a token).
+    ``is_decode`` is the engine's one definition of a decode: the scheduler orders by it, the batch
+    plan counts it, and the model runs those rows in absorbed MLA form.
     """
 
     request: Request
@@ -40,14 +48,15 @@ class ScheduledChunk:
         return self.end == self.request.num_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """Exactly one token, the last known one, an output token (:func:`decodes_at`). Every other
+        chunk (prompt chunks, a recompute after preemption) is a prefill; a prefill chunk may also be
+        a single token (the last prompt token alone)."""
+        return self.num_tokens == 1 and decodes_at(self.request, self.start)
+
+    @property
     def is_prefill(self) -> bool:
-        """False only for a *decode*: exactly one token, the last known one, an output token.
-        Every other chunk (prompt chunks, a recompute after preemption) is a prefill; a prefill
-        chunk may also be a single token."""
-        is_decode = (
-            self.num_tokens == 1 and self.needs_sample and self.start >= self.request.num_prompt_tokens
-        )
-        return not is_decode
+        return not self.is_decode
 
     @property
     def token_ids(self) -> list[int]:
@@ -184,7 +193,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if not self._is_decoding(request):
+            if not decodes_at(request, request.num_computed_tokens):
                 i += 1
                 continue
             while not self.kv_manager.allocate_slots(request, 1):
@@ -204,7 +213,7 @@ class Scheduler:
         for request in self.running:
             if budget == 0:
                 break
-            if self._is_decoding(request):
+            if decodes_at(request, request.num_computed_tokens):
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if self.kv_manager.allocate_slots(request, num_new):
@@ -227,7 +236,7 @@ class Scheduler:
             chunks.append(self._make_chunk(request, num_new))
             budget -= num_new
 
-        ordered = [c for c in chunks if not c.is_prefill] + [c for c in chunks if c.is_prefill]
+        ordered = [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
         self._in_flight = {c.request.request_id for c in ordered}
         return SchedulerOutput(
             chunks=tuple(ordered),
@@ -285,12 +294,6 @@ class Scheduler:
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    @staticmethod
-    def _is_decoding(request: Request) -> bool:
-        """Only the last sampled token lacks KV (anything else is a prefill, recompute included)."""
-        n = request.num_computed_tokens
-        return n == request.num_tokens - 1 and n >= request.num_prompt_tokens
 
     @staticmethod
     def _make_chunk(request: Request, num_tokens: int) -> ScheduledChunk:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epserve.model.layers import RopeTable
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -67,4 +69,26 @@ class ForwardBatch:
             seq_lens_cpu=self.seq_lens_cpu[first:last],
             query_start_loc_cpu=tuple(s - lo for s in starts[first : last + 1]),
             block_size=self.block_size,
+        )
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What every decoder layer reads for one (micro-)batch besides the residual stream: the batch, its
+    rotary rows (looked up once per forward) and the latent KV cache of every layer."""
+
+    batch: ForwardBatch
+    rope: RopeTable
+    kv_caches: list[torch.Tensor]
+
+    def split(self) -> tuple[MicroBatch, MicroBatch]:
+        """Two micro-batches of whole sequences with about half the tokens each (the first one's
+        tokens come first in the flat batch)."""
+        cut_seq = self.batch.split_point()
+        cut = self.batch.query_start_loc_cpu[cut_seq]
+        rope = self.rope
+        return (
+            MicroBatch(self.batch.select(0, cut_seq), rope.rows(0, cut), self.kv_caches),
+            MicroBatch(self.batch.select(cut_seq, self.batch.num_seqs), rope.rows(cut, self.batch.num_tokens),
+                       self.kv_caches),
         )

@@ -82,6 +82,10 @@ class RopeTable:
     sin: torch.Tensor  # [T, rope_dim / 2]
     interleave: bool
 
+    def rows(self, start: int, end: int) -> RopeTable:
+        """The table of tokens ``[start, end)`` (a micro-batch's)."""
+        return RopeTable(self.cos[start:end], self.sin[start:end], self.interleave)
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., rope_dim] -> same shape, rotated."""
         shape = [x.shape[0]] + [1] * (x.dim() - 2) + [self.cos.shape[-1]]

@@ -4,11 +4,14 @@ The cache holds, per token and layer, the normalised latent ``c_kv`` (``kv_lora_
 the rotated shared key ``k_pe`` (``qk_rope_head_dim``). Prefill chunks run in MHA form (the latent of
 the whole context is projected to per-head K/V by ``kv_b_proj``); decode tokens run in absorbed form
 (``W_UK`` folded into the query, ``W_UV`` applied after attention, attention directly on the latent
-cache as multi-query attention).
+cache as multi-query attention). The engine's batches mix both: decode sequences first, then
+prefill chunks, and :meth:`MLAttention.forward` runs both forms (the ``mixed`` op list of
+``parallel/stages.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import NamedTuple
 
 import torch
@@ -17,8 +20,20 @@ from torch import nn
 
 from epserve.config import ModelConfig
 from epserve.kernels import linear
-from epserve.model.batch import ForwardBatch
+from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import RMSNorm, RopeTable
+from epserve.parallel.stages import (
+    APPEND_KV,
+    ATTENTION_CORE,
+    KV_B_PROJ,
+    O_PROJ,
+    Q_ABSORB,
+    Q_B_PROJ,
+    QKV_A_PROJ,
+    V_ABSORB,
+    OpHook,
+    run_op,
+)
 
 
 class PrefillKV(NamedTuple):
@@ -52,6 +67,23 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
         self.kv_b_proj = nn.Parameter(torch.empty(h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, h * c.v_head_dim))
+
+    def forward(
+        self, h: torch.Tensor, mb: MicroBatch, layer_idx: int, hook: OpHook | None = None
+    ) -> Generator[None, None, torch.Tensor]:
+        """h [T, H] (normed) -> o_proj output [T, H] (partial sums over this rank's heads when TP > 1),
+        writing the tokens' latent KV to layer ``layer_idx``'s cache. Yields once, between the
+        projections and the attention itself: the end of the micro-batch schedule's first stage."""
+        batch, rope, kv_cache = mb.batch, mb.rope, mb.kv_caches[layer_idx]
+        q_a, latent = run_op(hook, QKV_A_PROJ, self.project_qkv_a, h)
+        q = run_op(hook, Q_B_PROJ, self.project_q, h, q_a, rope)
+        run_op(hook, APPEND_KV, self.append_kv, latent, batch, kv_cache, rope)
+        q_latent = run_op(hook, Q_ABSORB, self.absorb_q, q, batch)  # decode rows: into the latent space
+        prefill_kv = run_op(hook, KV_B_PROJ, self.expand_kv, batch, kv_cache, q.dtype)  # prefill rows: MHA form
+        yield
+        o_latent, out = run_op(hook, ATTENTION_CORE, self.attention_core, q, q_latent, prefill_kv, batch, kv_cache)
+        out = run_op(hook, V_ABSORB, self.absorb_v, o_latent, out)
+        return run_op(hook, O_PROJ, self.project_out, out)
 
     # ---- the attention ops of parallel/stages.py ---------------------------------------------
     def project_qkv_a(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

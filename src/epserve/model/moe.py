@@ -1,20 +1,34 @@
-"""DeepSeek MoE layer parts: router -> dispatcher -> grouped experts -> combine, plus the shared expert.
+"""DeepSeek MoE layer: router -> dispatcher -> grouped experts -> combine, plus the shared expert.
 
-The layer calls them op by op (``parallel/stages.py``) so that the shared expert, or the other
-micro-batch, runs while a dispatch or combine is in flight.
+:meth:`MoE.forward` reads top to bottom like DeepSeek's reference ``MoE.forward``, with the
+dispatcher's send/receive halves around the overlap points, and yields where another micro-batch may
+run while a transfer is in flight (``parallel/stages.py``, the micro-batch schedule).
 """
 
 from __future__ import annotations
+
+from collections.abc import Generator
 
 import torch
 from torch import nn
 
 from epserve.config import ModelConfig
 from epserve.model.layers import GatedMLP
-from epserve.moe.dispatch.base import Dispatcher
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.experts import GroupedExperts
 from epserve.moe.placement import ExpertPlacement
-from epserve.moe.router import Router
+from epserve.moe.router import ExpertRouter
+from epserve.parallel.stages import (
+    COMBINE_RECV,
+    COMBINE_SEND,
+    DISPATCH_RECV,
+    DISPATCH_SEND,
+    EXPERTS,
+    GATE,
+    SHARED_EXPERT,
+    OpHook,
+    run_op,
+)
 
 
 class MoE(nn.Module):
@@ -22,7 +36,7 @@ class MoE(nn.Module):
         self, config: ModelConfig, dispatcher: Dispatcher, placement: ExpertPlacement, ep_rank: int = 0
     ) -> None:
         super().__init__()
-        self.router = Router(config)
+        self.router = ExpertRouter(config)
         self.dispatcher = dispatcher
         self.local_logical_experts = placement.local_logical_experts(ep_rank)
         self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size)
@@ -35,6 +49,27 @@ class MoE(nn.Module):
             else None
         )
 
+    def forward(
+        self, x: torch.Tensor, shared_during_dispatch: bool = True, hook: OpHook | None = None
+    ) -> Generator[None, None, torch.Tensor]:
+        """x [T, H] (this TP rank's normed tokens) -> routed experts' weighted sum + shared expert [T, H].
+        ``shared_during_dispatch``: compute the shared expert while the dispatch is in flight (else
+        after the combine). Yields after the gate, after the dispatch is sent, after the combine is
+        sent: the ends of the micro-batch schedule's stages 2-4."""
+        topk_ids, topk_weights = run_op(hook, GATE, self.gate, x)
+        yield
+        sent = run_op(hook, DISPATCH_SEND, self.dispatcher.dispatch_send, x, topk_ids, topk_weights)
+        shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x) if shared_during_dispatch else None
+        yield
+        expert_input, route = run_op(hook, DISPATCH_RECV, self._dispatch_recv, sent)
+        y = run_op(hook, EXPERTS, self.experts, expert_input)
+        combining = run_op(hook, COMBINE_SEND, self.dispatcher.combine_send, y, route)
+        yield
+        out = run_op(hook, COMBINE_RECV, self.dispatcher.combine_recv, combining)
+        if not shared_during_dispatch:
+            shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x)
+        return out if shared is None else out + shared
+
     def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
         routing = self.router(x)
@@ -42,3 +77,8 @@ class MoE(nn.Module):
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(x) if self.shared_experts is not None else None
+
+    def _dispatch_recv(self, sent: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
+        expert_input, route = self.dispatcher.dispatch_recv(sent)
+        self.expert_load += expert_input.num_tokens_per_expert
+        return expert_input, route

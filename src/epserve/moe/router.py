@@ -20,7 +20,7 @@ class RoutingResult:
     topk_weights: torch.Tensor  # [T, K] fp32
 
 
-class Router(nn.Module):
+class ExpertRouter(nn.Module):
     """DeepSeek gate. ``noaux_tc`` (V3): sigmoid scores, the correction bias added for selection only,
     best ``topk_group`` of ``n_group`` groups by the sum of each group's top-2 biased scores, top-k
     inside them; weights are the unbiased scores. ``group_limited_greedy`` (V2): groups ranked by

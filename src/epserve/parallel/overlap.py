@@ -1,62 +1,60 @@
-"""Run decoder layers by their stage lists (``stages.py``), with one micro-batch or two interleaved.
+"""Run decoder layers with one micro-batch, or two interleaved (BRIEF.md, "Overlap").
 
-A layer exposes ``run_op(name, state)`` for every op name its schedules use. With one micro-batch the
-ops simply run in order. With two, each micro-batch is a generator that yields at every stage end;
-micro-batch A runs ``micro_batch_offset`` stages ahead, then A and B alternate one stage each, so the
-transfer one half started (dispatch or combine send) is in flight while the other half computes.
+A layer's forward is a generator that yields at the end of every stage of the micro-batch schedule
+(``stages.moe_layer_schedule("microbatch")``) and returns its output. With one micro-batch the
+generator is simply drained. With two, micro-batch A runs ``offset`` stages ahead, then A and B
+alternate one stage each, so the transfer one half started (dispatch or combine send) is in flight
+while the other half computes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Generator
+from typing import TypeVar
 
-from epserve.parallel.stages import OVERLAP_MODES, Schedule
+from epserve.config import OVERLAP_CHOICES, OVERLAP_MODES, OverlapMode, OverlapSetting
 
-
-class StagedLayer(Protocol):
-    def schedule(self, mode: str) -> Schedule: ...
-
-    def run_op(self, name: str, state: object) -> None: ...
+A = TypeVar("A")
+B = TypeVar("B")
+Stages = Generator[None, None, A]  # a forward that yields at its stage ends and returns its output
 
 
-def run_in_order(layers: Sequence[StagedLayer], state: object, mode: str) -> None:
-    for layer in layers:
-        for op in layer.schedule(mode).ops:
-            layer.run_op(op.name, state)
+def run_in_order(stages: Stages[A]) -> A:
+    """Drain ``stages``; its return value."""
+    while True:
+        try:
+            next(stages)
+        except StopIteration as done:
+            return done.value
 
 
-def _stages(layers: Sequence[StagedLayer], state: object, mode: str) -> Iterator[None]:
-    for layer in layers:
-        for stage in layer.schedule(mode).stages:
-            for op in stage.ops:
-                layer.run_op(op.name, state)
-            yield
+def run_interleaved(first: Stages[A], second: Stages[B], offset: int) -> tuple[A, B]:
+    """Two micro-batches' forwards, ``first`` leading by ``offset`` stages, then alternating."""
+    results: dict[int, object] = {}
+    active = {0: first, 1: second}
 
+    def advance(i: int) -> None:
+        try:
+            next(active[i])
+        except StopIteration as done:
+            results[i] = done.value
+            del active[i]
 
-def run_interleaved(layers: Sequence[StagedLayer], a: object, b: object, mode: str = "microbatch") -> None:
-    """Two micro-batches through ``layers`` by the stage list of ``mode`` (A leads by its offset)."""
-    if not layers:
-        return
-    offset = layers[0].schedule(mode).micro_batch_offset
-    first, second = _stages(layers, a, mode), _stages(layers, b, mode)
     for _ in range(offset):
-        if next(first, StopIteration) is StopIteration:
-            break
-    active = [first, second]
+        if 0 in active:
+            advance(0)
     while active:
-        for gen in list(active):
-            if next(gen, StopIteration) is StopIteration:
-                active.remove(gen)
+        for i in list(active):
+            advance(i)
+    return results[0], results[1]  # type: ignore[return-value]
 
 
-def choose_overlap(mode: str, max_tokens_per_rank: int, threshold: int | None) -> str:
+def choose_overlap(mode: OverlapSetting, max_tokens_per_rank: int, threshold: int | None) -> OverlapMode:
     """The schedule for this step. ``auto``: two micro-batches once every rank's FFN half holds at
     least ``threshold`` tokens (the step's global maximum decides, so all ranks agree; None: never),
     else dispatch overlap; splitting small batches only halves GEMM efficiency."""
     if mode == "auto":
         return "microbatch" if threshold is not None and max_tokens_per_rank >= threshold else "dispatch"
     if mode not in OVERLAP_MODES:
-        raise ValueError(f"unknown overlap mode {mode!r}; choose from {(*OVERLAP_MODES, 'auto')}")
+        raise ValueError(f"unknown overlap mode {mode!r}; choose from {OVERLAP_CHOICES}")
     return mode
-

@@ -1,7 +1,9 @@
 """The operations of a decoder layer and the overlap schedules that order them, as data.
 
-The engine executes these very names (a layer exposes one callable per ``Op.name``) and the planner
-prices them; neither keeps a private copy, so the two cannot drift apart. Pure Python, no torch.
+The engine runs these very ops (a layer's forward runs each through :func:`run_op`, which hands its
+name to an :class:`OpHook` such as the per-op profiler) and the planner prices them; neither keeps a
+private copy, and a test checks that the ops a layer actually runs, and where its forward yields,
+equal these lists for every overlap mode. Pure Python, no torch.
 
 A :class:`Schedule` is a list of :class:`Stage` s; a stage ends at a yield point. With one
 micro-batch the stages simply run in order. With two, micro-batch B starts ``micro_batch_offset``
@@ -16,13 +18,16 @@ whatever runs between the two hides the transfer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, Protocol, TypeVar, get_args
+
+from epserve.config import OVERLAP_MODES, OverlapMode
+
+__all__ = ["OVERLAP_MODES", "OverlapMode"]  # re-exported: the schedules are per overlap mode
 
 OpKind = Literal["gemm", "group_gemm", "attention", "dispatch", "combine", "collective", "other"]
-OP_KINDS: tuple[str, ...] = ("gemm", "group_gemm", "attention", "dispatch", "combine", "collective", "other")
-OverlapMode = Literal["none", "dispatch", "microbatch"]
-OVERLAP_MODES: tuple[str, ...] = ("none", "dispatch", "microbatch")
+OP_KINDS: tuple[str, ...] = get_args(OpKind)
 Phase = Literal["decode", "prefill", "mixed"]  # mixed: the engine's batches of decodes and prefill chunks
 
 
@@ -53,6 +58,26 @@ class Schedule:
     @property
     def ops(self) -> tuple[Op, ...]:
         return tuple(op for stage in self.stages for op in stage.ops)
+
+    def runs_before(self, first: Op, second: Op) -> bool:
+        """Whether ``first`` runs before ``second`` in this schedule (both must be in it)."""
+        names = [op.name for op in self.ops]
+        return names.index(first.name) < names.index(second.name)
+
+
+T = TypeVar("T")
+
+
+class OpHook(Protocol):
+    """Wraps every op a layer runs: ``hook(op_name, fn, *args)`` must return ``fn(*args)``. The per-op
+    profiler times it; a test records the names."""
+
+    def __call__(self, name: str, fn: Callable[..., T], *args: Any) -> T: ...
+
+
+def run_op(hook: OpHook | None, op: Op, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, through ``hook`` when there is one: how a layer's forward runs each of its ops."""
+    return fn(*args) if hook is None else hook(op.name, fn, *args)
 
 
 # ---- the operations ------------------------------------------------------------------------------

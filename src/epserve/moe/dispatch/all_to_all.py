@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 from epserve.moe.dispatch.local import group_by_expert
 
 
@@ -114,7 +114,5 @@ class AllToAllDispatcher(Dispatcher):
     def combine_recv(self, handle: AllToAllCombineInFlight) -> torch.Tensor:
         """-> [T, H] in the original token order."""
         handle.work.wait()
-        sender, y = handle.sender, handle.recv
-        out = y.new_zeros(sender.num_tokens, y.shape[1])
-        out.index_add_(0, sender.token_idx, y * sender.weights[:, None].to(y.dtype))
-        return out
+        sender = handle.sender
+        return weighted_combine(handle.recv, sender.token_idx, sender.weights, sender.num_tokens)

@@ -24,6 +24,14 @@ class ExpertInput:
     num_tokens_per_expert_list: tuple[int, ...]
 
 
+def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The combine every backend ends with: expert-output rows ``y`` [N, H], each from token
+    ``token_idx`` [N] with routing weight ``weights`` [N] (fp32), summed per token -> [num_tokens, H]."""
+    out = y.new_zeros(num_tokens, y.shape[1])
+    out.index_add_(0, token_idx, y * weights[:, None].to(y.dtype))
+    return out
+
+
 class DispatchHandle:
     """Backend-specific state carried from dispatch to combine (each backend subclasses it as a
     frozen dataclass)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 
 
 @dataclass(frozen=True)
@@ -64,9 +64,7 @@ class LocalDispatcher(Dispatcher):
         return handle.expert_input, handle.route
 
     def combine_send(self, y: torch.Tensor, handle: LocalRoute) -> LocalCombined:
-        out = y.new_zeros(handle.num_tokens, y.shape[1])
-        out.index_add_(0, handle.token_idx, y * handle.weights[:, None].to(y.dtype))
-        return LocalCombined(out)
+        return LocalCombined(weighted_combine(y, handle.token_idx, handle.weights, handle.num_tokens))
 
     def combine_recv(self, handle: LocalCombined) -> torch.Tensor:
         return handle.output

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 from epserve.moe.dispatch.local import group_by_expert
 
 
@@ -131,6 +131,4 @@ class PaddedDispatcher(Dispatcher):
         handle.work.wait()
         sender = handle.sender
         y = handle.recv.index_select(0, sender.send_pos)
-        out = y.new_zeros(sender.num_tokens, y.shape[1])
-        out.index_add_(0, sender.token_idx, y * sender.weights[:, None].to(y.dtype))
-        return out
+        return weighted_combine(y, sender.token_idx, sender.weights, sender.num_tokens)
