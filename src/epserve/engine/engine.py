@@ -17,15 +17,14 @@ from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.scheduler import RequestUpdate, Scheduler, check_prompt
 from epserve.parallel.comm import all_reduce_max, broadcast_from_leader
 from epserve.parallel.context import ParallelContext
+from epserve.parallel.launch import CommandRefused
 
 logger = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
+class RequestError(CommandRefused):
     """A request the engine refuses; raised identically on every rank, before any collective, so
     the ranks stay usable."""
-
-    recoverable = True
 
 
 class LLMEngine:
@@ -44,8 +43,10 @@ class LLMEngine:
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
         self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a prompt this engine cannot serve (the same answer on every rank)."""
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """The one check of a request, where it enters (the offline command on every rank, the gRPC
+        call on a leader): RequestError for a prompt this engine cannot serve (the same answer on every
+        rank), else the request, ready for :meth:`enqueue`."""
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -55,14 +56,19 @@ class LLMEngine:
                          self.config.cache.block_size, self.runner.num_blocks)
         except ValueError as e:
             raise RequestError(str(e)) from None
+        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.config.model.eos_token_ids)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request on this DP group (leader only); raises RequestError for a bad one."""
+    def enqueue(self, request: Request) -> None:
+        """Queue a request from :meth:`make_request` on this DP group (leader only). ValueError only
+        for an id the scheduler already holds."""
         if self.scheduler is None:
             raise RuntimeError("requests go to the leader rank of a DP group")
-        self.check_request(request_id, prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.config.model.eos_token_ids)
         self.scheduler.add_request(request)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """:meth:`make_request` then :meth:`enqueue` (leader only); RequestError for a bad request."""
+        request = self.make_request(request_id, prompt_token_ids, params)
+        self.enqueue(request)
         return request
 
     def abort_request(self, request_id: str) -> bool:
@@ -87,7 +93,7 @@ class LLMEngine:
     def _step(self, stopping: bool) -> list[RequestUpdate]:
         scheduler = self.scheduler
         output = scheduler.schedule() if scheduler is not None else None
-        chunks = sorted(output.chunks, key=lambda c: c.num_tokens != 1) if output else []  # decodes first
+        chunks = list(output.chunks) if output else []  # decodes first
         plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
         max_tokens, unfinished, stop = all_reduce_max(
             [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping)], self.ctx

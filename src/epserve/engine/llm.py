@@ -14,12 +14,33 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from epserve.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from epserve.config import (
+    CacheConfig,
+    DispatchBackend,
+    EngineConfig,
+    ModelConfig,
+    OverlapSetting,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from epserve.engine.engine import LLMEngine
 from epserve.engine.profiler import StepRecord
 from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import TokenLogprobs
-from epserve.engine.worker import EngineWorker, OfflineRequest, join_torchrun, spawn_ranks
+from epserve.engine.worker import (
+    EngineWorker,
+    Generate,
+    GetCommBytes,
+    GetExpertLoad,
+    GetProfile,
+    OfflineRequest,
+    ResetCommStats,
+    SetOverlap,
+    SetProfiling,
+    WorkerCommand,
+    join_torchrun,
+    spawn_ranks,
+)
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.launch import RankFailure, RankProcesses, torchrun_rank
 from epserve.tokenizer import load_tokenizer
@@ -80,16 +101,17 @@ class LLM:
         """Whether this process should print results (rank 0, or the front end of spawned ranks)."""
         return self.rank == 0
 
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, command: WorkerCommand) -> Any:
+        """Run ``command`` on every rank: this process's own worker, or the spawned ranks."""
         if self._worker is not None:
             try:
-                return getattr(self._worker, method)(*args)
+                return self._worker.handle(command)
             except RuntimeError as e:  # under torchrun a failed collective means a peer is gone
                 if not self._worker.ctx.distributed or isinstance(e, RankFailure):
                     raise
                 raise RankFailure(f"rank {self.rank} failed: {str(e).splitlines()[0]}") from e
         assert self._ranks is not None
-        return self._ranks.call(method, *args)
+        return self._ranks.call(command)
 
     # ---- API ---------------------------------------------------------------------------------
     def generate(
@@ -111,7 +133,7 @@ class LLM:
             token_ids = self._encode(prompt)
             outputs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, token_ids))
             requests.append(OfflineRequest(rid, token_ids, p))
-        results = self._call("generate", requests, use_tqdm)
+        results = self._call(Generate(tuple(requests), use_tqdm))
         for out in outputs:
             res = results[out.request_id]
             out.token_ids = res.token_ids
@@ -124,30 +146,30 @@ class LLM:
 
     def expert_load(self) -> ExpertLoad:
         """Tokens per (MoE layer, logical expert) and per rank since start-up, and the imbalance."""
-        return self._call("expert_load")
+        return self._call(GetExpertLoad())
 
-    def set_overlap(self, mode: str, microbatch_threshold: int | None = None) -> None:
+    def set_overlap(self, mode: OverlapSetting, microbatch_threshold: int | None = None) -> None:
         """Switch the overlap mode (``none``, ``dispatch``, ``microbatch``, ``auto``) between calls."""
         threshold = self.config.parallel.microbatch_threshold if microbatch_threshold is None else microbatch_threshold
         parallel = replace(self.config.parallel, overlap=mode, microbatch_threshold=threshold)
         self.config = replace(self.config, parallel=parallel)  # ConfigError for a bad mode or threshold
-        self._call("set_overlap", mode, microbatch_threshold)
+        self._call(SetOverlap(parallel.overlap, microbatch_threshold))
 
     def comm_bytes(self) -> list[dict[str, int]]:
         """Bytes each rank's dispatcher sent to other ranks (``dispatch``, ``combine``) since the
         last :meth:`reset_comm_stats`, in rank order."""
-        return self._call("comm_bytes")
+        return self._call(GetCommBytes())
 
     def reset_comm_stats(self) -> None:
-        self._call("reset_comm_stats")
+        self._call(ResetCommStats())
 
     def set_profiling(self, enabled: bool) -> None:
         """Record every op's wall time per step on every rank (benchmarks; costs a little)."""
-        self._call("set_profiling", enabled)
+        self._call(SetProfiling(enabled))
 
     def profile(self) -> list[list[StepRecord]]:
         """Each rank's per-step op times since profiling was enabled, in rank order."""
-        return self._call("profile")
+        return self._call(GetProfile())
 
     def shutdown(self) -> None:
         """Stop the rank processes (nothing to do for an in-process engine). Idempotent."""
@@ -186,8 +208,8 @@ def build_engine_config(
     max_model_len: int | None = None,
     dp: int = 1,
     tp: int = 1,
-    dispatch: str = "auto",
-    overlap: str = "auto",
+    dispatch: DispatchBackend = "auto",
+    overlap: OverlapSetting = "auto",
     microbatch_threshold: int | None = None,
     num_redundant_experts: int = 0,
     nnodes: int = 1,

@@ -1,42 +1,45 @@
-"""What one rank does for the offline API, the same in every process layout.
+"""One rank: its engine, the offline commands the ``LLM`` front end sends it, and how rank processes
+start.
 
-``generate`` is SPMD: every rank receives the whole request list, checks it identically (so a bad
-request is refused everywhere before any collective), spreads it over the DP groups by load with the
-same deterministic rule, and steps in lockstep until no group has work; the leaders' results are
-then gathered so every rank returns all of them.
+The commands are small frozen dataclasses, the same in every process layout: ``LLM`` hands them to
+:meth:`EngineWorker.handle` in this process (one rank, or torchrun) or sends them to spawned ranks
+(``RankProcesses.call``). ``Generate`` is SPMD: every rank receives the whole request list, checks it
+identically (so a bad request is refused everywhere before any collective), spreads it over the DP
+groups by load with the same deterministic rule, and steps in lockstep until no group has work; the
+leaders' results are then gathered so every rank returns all of them.
+
+A rank process runs an *entry* function (``start_rank`` for the offline API; the serving layer
+passes its own to :func:`spawn_ranks`), so this module knows nothing of what sits above it.
 """
 
 from __future__ import annotations
 
 import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-from epserve.config import EngineConfig
-from epserve.engine.engine import LLMEngine
+from epserve.config import EngineConfig, OverlapSetting
+from epserve.engine.engine import LLMEngine, RequestError
 from epserve.engine.profiler import StepRecord
 from epserve.engine.request import SamplingParams
 from epserve.engine.runner import resolve_device
 from epserve.engine.sampler import TokenLogprobs
+from epserve.env import pinning_enabled
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
 from epserve.parallel.launch import (
+    RankHandler,
     RankInfo,
     RankProcesses,
     die_with_parent,
     free_port,
     pin_to_cores,
-    pinning_enabled,
     threads_per_rank,
 )
-
-if TYPE_CHECKING:
-    from epserve.serve.engine_server import ServeOptions
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,47 @@ class OfflineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+# ---- the offline commands -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Generate:
+    requests: tuple[OfflineRequest, ...]
+    use_tqdm: bool = False
+
+
+@dataclass(frozen=True)
+class GetExpertLoad:
+    pass
+
+
+@dataclass(frozen=True)
+class SetOverlap:
+    mode: OverlapSetting  # as validated by the front end (ParallelConfig)
+    threshold: int | None = None  # None: keep the current one
+
+
+@dataclass(frozen=True)
+class ResetCommStats:
+    pass
+
+
+@dataclass(frozen=True)
+class GetCommBytes:
+    pass
+
+
+@dataclass(frozen=True)
+class SetProfiling:
+    enabled: bool
+
+
+@dataclass(frozen=True)
+class GetProfile:
+    pass
+
+
+WorkerCommand = Generate | GetExpertLoad | SetOverlap | ResetCommStats | GetCommBytes | SetProfiling | GetProfile
 
 
 @dataclass
@@ -69,7 +113,7 @@ def assign_dp_groups(requests: list[OfflineRequest], dp: int) -> list[int]:
 
 
 class EngineWorker:
-    """One rank: its engine and the offline commands the LLM front end sends to every rank."""
+    """One rank: its engine and the offline commands (:data:`WorkerCommand`)."""
 
     def __init__(
         self, config: EngineConfig, ctx: ParallelContext | None = None, rendezvous: tuple[str, int] | None = None
@@ -78,25 +122,40 @@ class EngineWorker:
         self.ctx = self.engine.ctx
         self.rendezvous = rendezvous  # (host, port) of the store the ranks met through; None in one process
 
-    @property
-    def num_blocks(self) -> int:
-        return self.engine.runner.num_blocks
+    def handle(self, command: WorkerCommand) -> object:
+        """Run one command (the same on every rank)."""
+        match command:
+            case Generate(requests, use_tqdm):
+                return self.generate(list(requests), use_tqdm)
+            case GetExpertLoad():
+                return self.expert_load()
+            case SetOverlap(mode, threshold):
+                return self.set_overlap(mode, threshold)
+            case ResetCommStats():
+                return self.engine.runner.dispatcher.reset_stats()
+            case GetCommBytes():
+                return self.comm_bytes()
+            case SetProfiling(enabled):
+                return self.engine.runner.set_profiling(enabled)
+            case GetProfile():
+                return self.profile()
+        raise TypeError(f"unknown command {command!r}")
 
     def generate(self, requests: list[OfflineRequest], use_tqdm: bool = False) -> dict[str, OfflineResult]:
         engine = self.engine
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
-            raise _refused(ValueError("request ids must be unique"))
-        for r in requests:
-            engine.check_request(r.request_id, r.prompt_token_ids, r.params)
+            raise RequestError("request ids must be unique")
+        checked = [engine.make_request(r.request_id, r.prompt_token_ids, r.params) for r in requests]
         groups = assign_dp_groups(requests, self.ctx.dp)
-        mine = [r for r, g in zip(requests, groups) if g == self.ctx.dp_rank] if self.ctx.is_leader else []
+        mine = [r for r, g in zip(checked, groups) if g == self.ctx.dp_rank] if self.ctx.is_leader else []
         results = {r.request_id: OfflineResult() for r in mine}
-        added = {}
+        added = []
         bar = tqdm(total=len(mine), desc="Generating", disable=not (use_tqdm and self.ctx.rank == 0))
         try:
-            for r in mine:
-                added[r.request_id] = engine.add_request(r.request_id, r.prompt_token_ids, r.params)
+            for request in mine:
+                engine.enqueue(request)
+                added.append(request)
             while True:
                 for update in engine.step():
                     out = results.get(update.request_id)
@@ -109,13 +168,13 @@ class EngineWorker:
                 if not engine.anybody_unfinished:
                     break
         except BaseException:
-            for rid in added:
-                engine.abort_request(rid)
+            for request in added:
+                engine.abort_request(request.request_id)
             raise
         finally:
             bar.close()
-        for rid, request in added.items():
-            out = results[rid]
+        for request in added:
+            out = results[request.request_id]
             out.num_cached_tokens = request.num_cached_tokens
             if request.sampling_params.logprobs is not None:
                 out.logprobs = list(request.output_logprobs)  # type: ignore[arg-type]
@@ -125,26 +184,20 @@ class EngineWorker:
         return merged
 
     def expert_load(self) -> ExpertLoad:
+        """Tokens per (MoE layer, logical expert) over the whole EP group (a collective)."""
         runner = self.engine.runner
         loads = gather_objects(runner.expert_load(), self.ctx)
         return ExpertLoad.from_ranks(self.engine.config.model.moe_layer_ids, loads, runner.placement)  # type: ignore[arg-type]
 
-    def set_overlap(self, mode: str, threshold: int | None = None) -> None:
-        """``mode`` and ``threshold`` as validated by the front end (ParallelConfig)."""
+    def set_overlap(self, mode: OverlapSetting, threshold: int | None = None) -> None:
         runner = self.engine.runner
         runner.overlap = mode
         if threshold is not None:
             runner.microbatch_threshold = threshold
 
-    def reset_comm_stats(self) -> None:
-        self.engine.runner.dispatcher.reset_stats()
-
     def comm_bytes(self) -> list[dict[str, int]]:
         """Bytes each rank's dispatcher sent to other ranks, in rank order."""
         return gather_objects(dict(self.engine.runner.dispatcher.comm_bytes), self.ctx)  # type: ignore[return-value]
-
-    def set_profiling(self, enabled: bool) -> None:
-        self.engine.runner.set_profiling(enabled)
 
     def profile(self) -> list[list[StepRecord]]:
         """Every rank's step records since profiling was enabled, in rank order."""
@@ -154,24 +207,13 @@ class EngineWorker:
         ]
         return gather_objects(steps, self.ctx)  # type: ignore[return-value]
 
-    def serve(self, options: ServeOptions) -> None:
-        """Serve online until every rank is told to stop (SIGTERM/SIGINT on any rank) and has
-        drained: leaders run the gRPC engine service, all ranks step in lockstep."""
-        from epserve.serve.engine_server import EngineServer
-
-        EngineServer(self, options).serve()
-
     def close(self) -> None:
         shutdown_parallel()
 
 
-def _refused(e: Exception) -> Exception:
-    e.recoverable = True  # type: ignore[attr-defined]
-    return e
-
-
 def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WARNING) -> EngineWorker:
-    """Entry of a rank process (spawned, or this process under torchrun): threads, device, groups."""
+    """Entry of a rank process (spawned, or this process under torchrun): threads, device, groups;
+    returns its worker, which runs the offline commands."""
     die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s rank{info.rank} %(name)s: %(message)s")
     pc = config.parallel
@@ -179,7 +221,7 @@ def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WA
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
     else:
-        torch.set_num_threads(int(os.environ.get("EPSERVE_THREADS_PER_RANK", threads_per_rank(info.local_world_size))))
+        torch.set_num_threads(threads_per_rank(info.local_world_size))
         if pinning_enabled():
             pin_to_cores(info.local_rank, info.local_world_size)
     store = make_store(info.master_addr, info.master_port, pc.world_size, info.rank, pc.timeout_s)
@@ -194,13 +236,17 @@ def join_torchrun(config: EngineConfig, info: RankInfo, world: int) -> EngineWor
     return start_rank(info, config, logging.getLogger().getEffectiveLevel())
 
 
-def spawn_ranks(config: EngineConfig) -> RankProcesses:
-    """This host's share of the world's ranks as spawned processes (``RankProcesses.infos`` says
-    where each sits and where they meet)."""
+RankEntry = Callable[..., RankHandler]  # entry(info, config, log_level, *args) -> the rank's handler
+
+
+def spawn_ranks(config: EngineConfig, entry: RankEntry = start_rank, args: tuple = ()) -> RankProcesses:
+    """This host's share of the world's ranks as spawned processes, each running
+    ``entry(info, config, log_level, *args)`` (default: an offline :class:`EngineWorker`);
+    ``RankProcesses.infos`` says where each sits and where they meet."""
     pc = config.parallel
     port = pc.master_port if pc.master_port is not None else free_port()
     local = pc.local_world_size
     infos = [RankInfo(pc.node_rank * local + i, i, local, pc.master_addr, port) for i in range(local)]
     logger.info("starting %d rank processes (dp=%d, tp=%d, node %d of %d)", local, pc.dp, pc.tp, pc.node_rank,
                 pc.nnodes)
-    return RankProcesses(start_rank, infos, (config, logging.getLogger().getEffectiveLevel()))
+    return RankProcesses(entry, infos, (config, logging.getLogger().getEffectiveLevel(), *args))

@@ -1,10 +1,12 @@
 """Rank processes: spawned on this host (``torch.multiprocessing``), or this process as one rank of a
 ``torchrun`` world.
 
-Spawned ranks are driven SPMD-style: the parent sends every local rank the same command over its
-pipe, each rank runs it (collectives included) and replies. The parent watches every rank's pipe and
-process sentinel at once, so a rank that dies or fails stops the others and the call raises
-:class:`RankFailure` within moments instead of hanging; closing joins (then kills) every rank.
+A spawned rank runs an *entry* function ``entry(info, *args)`` that builds its handler (a
+:class:`RankHandler`); the parent then drives the ranks SPMD-style: it sends every local rank the same
+command (a small frozen dataclass the handler knows) over its pipe, each rank runs it (collectives
+included) and replies with a :class:`Reply`, :class:`Refused` or :class:`Failed`. The parent watches
+every rank's pipe and process sentinel at once, so a rank that dies or fails stops the others and the
+call raises :class:`RankFailure` within moments instead of hanging; closing joins (then kills) every rank.
 """
 
 from __future__ import annotations
@@ -19,15 +21,57 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Protocol
 
 import torch.multiprocessing as mp
+
+from epserve import env
 
 logger = logging.getLogger(__name__)
 
 
 class RankFailure(RuntimeError):
     """A rank process died or failed; the other ranks were stopped."""
+
+
+class CommandRefused(ValueError):
+    """A command every rank refused alike, before any collective (bad input): the ranks stay usable
+    and the caller gets a ValueError. Handlers raise subclasses of it."""
+
+
+class RankHandler(Protocol):
+    """What a rank's entry function returns: it runs the parent's commands, then closes."""
+
+    def handle(self, command: object) -> object: ...
+
+    def close(self) -> None: ...
+
+
+# ---- messages between the parent and a spawned rank ---------------------------------------------
+@dataclass(frozen=True)
+class Shutdown:
+    """Parent -> rank: close the handler and exit."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Rank -> parent: the command ran (or, first of all, the handler was built)."""
+
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Rank -> parent: the handler raised :class:`CommandRefused`; the rank stays usable."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Rank -> parent: anything else went wrong; the rank exits after sending it."""
+
+    traceback: str
 
 
 @dataclass(frozen=True)
@@ -65,14 +109,10 @@ def torchrun_rank() -> tuple[RankInfo, int] | None:
 
 
 def threads_per_rank(local_world_size: int) -> int:
-    """CPU threads each rank may use: the host's cores shared out (oversubscribed OpenMP pools make
+    """CPU threads each rank may use: ``EPSERVE_THREADS_PER_RANK``, else the host's cores shared out (oversubscribed OpenMP pools make
     every parallel region wait on the others)."""
-    return max(1, len(os.sched_getaffinity(0)) // local_world_size)
-
-
-def pinning_enabled() -> bool:
-    """CPU ranks pin themselves to their own cores unless ``EPSERVE_PIN=0``."""
-    return os.environ.get("EPSERVE_PIN", "1") != "0"
+    override = env.threads_per_rank_override()
+    return override if override is not None else max(1, len(os.sched_getaffinity(0)) // local_world_size)
 
 
 def pin_to_cores(local_rank: int, local_world_size: int) -> None:
@@ -94,30 +134,29 @@ def die_with_parent() -> None:
         pass
 
 
-def _rank_main(factory: Callable[..., Any], info: RankInfo, conn: Connection, args: tuple) -> None:
-    """A spawned rank: build the handler, then serve commands until shutdown or the parent leaves."""
+def _rank_main(entry: Callable[..., RankHandler], info: RankInfo, conn: Connection, args: tuple) -> None:
+    """A spawned rank: build the handler, then run commands until Shutdown or the parent leaves."""
     try:
-        handler = factory(info, *args)
-        conn.send(("ok", None))
+        handler = entry(info, *args)
+        conn.send(Reply())
     except BaseException:
-        conn.send(("fatal", traceback.format_exc()))
+        conn.send(Failed(traceback.format_exc()))
         os._exit(1)
     while True:
         try:
-            method, call_args = conn.recv()
+            command = conn.recv()
         except (EOFError, OSError):  # the parent is gone
             os._exit(1)
-        if method == "shutdown":
+        if isinstance(command, Shutdown):
             handler.close()
-            conn.send(("ok", None))
+            conn.send(Reply())
             return
         try:
-            conn.send(("ok", getattr(handler, method)(*call_args)))
-        except BaseException as e:
-            if getattr(e, "recoverable", False):  # refused before any collective, on every rank alike
-                conn.send(("invalid", str(e)))
-                continue
-            conn.send(("fatal", traceback.format_exc()))
+            conn.send(Reply(handler.handle(command)))
+        except CommandRefused as e:
+            conn.send(Refused(str(e)))
+        except BaseException:
+            conn.send(Failed(traceback.format_exc()))
             os._exit(1)
 
 
@@ -152,10 +191,10 @@ def _signal_name(exitcode: int | None) -> str:
 
 
 class RankProcesses:
-    """This host's ranks of a world, each running ``factory(RankInfo, *args)`` -> a handler whose
-    methods the parent calls on all of them at once with :meth:`call`."""
+    """This host's ranks of a world, each running ``entry(RankInfo, *args)`` -> a :class:`RankHandler`
+    to which the parent sends commands, to all of them at once, with :meth:`call`."""
 
-    def __init__(self, factory: Callable[..., Any], infos: list[RankInfo], args: tuple = ()) -> None:
+    def __init__(self, entry: Callable[..., RankHandler], infos: list[RankInfo], args: tuple = ()) -> None:
         ctx = mp.get_context("spawn")
         self.infos = list(infos)
         self.ranks = [info.rank for info in infos]
@@ -164,7 +203,7 @@ class RankProcesses:
         for info in infos:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_rank_main, args=(factory, info, child, args), name=f"epserve-rank{info.rank}", daemon=True
+                target=_rank_main, args=(entry, info, child, args), name=f"epserve-rank{info.rank}", daemon=True
             )
             proc.start()
             child.close()
@@ -173,15 +212,15 @@ class RankProcesses:
         self._closed = False
         self._collect()
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Run ``handler.method(*args)`` on every local rank; returns the first local rank's result.
-        Raises ValueError when the ranks refused the call (and stay usable), RankFailure when a rank
-        failed or died (every rank is then stopped)."""
+    def call(self, command: object) -> Any:
+        """Run ``handler.handle(command)`` on every local rank; returns the first local rank's result.
+        Raises ValueError when the ranks refused the command (and stay usable), RankFailure when a
+        rank failed or died (every rank is then stopped)."""
         if self._closed:
             raise RankFailure("the rank processes were shut down")
         for conn in self._conns:
             try:
-                conn.send((method, args))
+                conn.send(command)
             except (BrokenPipeError, OSError):
                 pass  # its death is reported by _collect
         return self._collect()
@@ -199,17 +238,18 @@ class RankProcesses:
                 i = pending.get(ready, sentinels.get(ready))  # type: ignore[arg-type]
                 if ready in pending:
                     try:
-                        kind, payload = ready.recv()
+                        message = ready.recv()
                     except (EOFError, OSError):
                         del pending[ready]  # it died; its sentinel says how
                         continue
                     del pending[ready]
-                    if kind == "fatal":
-                        failures[i] = _last_line(payload)
-                        logger.debug("rank %d failed:\n%s", self.ranks[i], payload)
-                    elif kind == "invalid":
-                        refused = payload
-                    results[i] = payload
+                    if isinstance(message, Failed):
+                        failures[i] = _last_line(message.traceback)
+                        logger.debug("rank %d failed:\n%s", self.ranks[i], message.traceback)
+                    elif isinstance(message, Refused):
+                        refused = message.message
+                    else:
+                        results[i] = message.value
                 elif i not in failures:
                     conn = self._conns[i]
                     if conn in pending and conn.poll():
@@ -228,7 +268,7 @@ class RankProcesses:
             raise RankFailure(message)
         if refused is not None:
             raise ValueError(refused)
-        return results[0]
+        return results.get(0)
 
     def close(self, timeout: float = 30.0) -> None:
         """Shut every rank down: politely, then by signal. Leaves no process behind."""
@@ -238,7 +278,7 @@ class RankProcesses:
         for conn, proc in zip(self._conns, self._procs):
             if proc.is_alive():
                 try:
-                    conn.send(("shutdown", ()))
+                    conn.send(Shutdown())
                 except (BrokenPipeError, OSError):
                     pass
         deadline = time.monotonic() + timeout

@@ -1,5 +1,9 @@
 """One HTTP request's generations: every choice routed to an engine instance, detokenized and cut at
-stop strings, then shaped as an OpenAI response body or as Server-Sent Events."""
+stop strings, then shaped as an OpenAI response body or as Server-Sent Events.
+
+What a generation needs from the server that owns it (how to route a request, the tokenizer, the
+metrics, the model's name) comes in a :class:`GenerationContext`; this module knows nothing of the
+HTTP app itself. Requests arrive here already validated."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +26,23 @@ from epserve.serve.logprobs import chat_logprobs, completion_logprobs
 from epserve.serve.protocol import ChatCompletionRequest, CompletionRequest, stop_strings
 
 if TYPE_CHECKING:
-    from epserve.serve.openai_api import OpenAIServer
+    from epserve.serve.metrics import RouterMetrics
+    from epserve.serve.proto import engine_pb2 as pb
+    from epserve.tokenizer import Tokenizer
 
 _DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class GenerationContext:
+    """What every generation of one server shares, built once by that server."""
+
+    # Route and stream one engine request: (request id, prompt token ids, params) -> engine messages.
+    # Closing the iterator cancels the request; raises EngineUnavailable or EngineRequestError.
+    generate: Callable[[str, list[int], SamplingParams], AsyncIterator[pb.GenerateResponse]]
+    tokenizer: Tokenizer | None
+    metrics: RouterMetrics
+    model_name: str
 
 
 @dataclass
@@ -51,12 +69,39 @@ class Choice:
     num_output: int = 0
 
 
+# ---- what a choice's task sends to the response stream -------------------------------------------
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """The choice produced more output."""
+
+    choice: Choice
+    delta: Delta
+
+
+@dataclass(frozen=True)
+class ChoiceFailed:
+    """The choice failed after its first message (an error before it fails the whole response)."""
+
+    choice: Choice
+    error: Exception
+
+
+@dataclass(frozen=True)
+class ChoiceDone:
+    """The choice's task ended (after its last delta or its failure); it sends nothing more."""
+
+    choice: Choice
+
+
+ChoiceEvent = ChoiceDelta | ChoiceFailed | ChoiceDone
+
+
 class Generation:
     """One HTTP request's choices, run concurrently."""
 
-    def __init__(self, server: OpenAIServer, req: CompletionRequest | ChatCompletionRequest,
+    def __init__(self, ctx: GenerationContext, req: CompletionRequest | ChatCompletionRequest,
                  choices: list[Choice], request_id: str) -> None:
-        self.server = server
+        self.ctx = ctx
         self.req = req
         self.choices = choices
         self.id = request_id
@@ -65,15 +110,15 @@ class Generation:
 
     # ---- one choice ----------------------------------------------------------------------------
     async def deltas(self, choice: Choice) -> AsyncIterator[Delta]:
-        server, req = self.server, self.req
-        tokenizer = server.tokenizer
+        ctx, req = self.ctx, self.req
+        tokenizer = ctx.tokenizer
         detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens, choice.prompt_ids[-8:]) if tokenizer else None
         stopper = StopStringMatcher(stop_strings(req), req.include_stop_str_in_output)
-        metrics = server.metrics
+        metrics = ctx.metrics
         last = None
         rid = f"{self.id}-{choice.index}"
         try:
-            async with contextlib.aclosing(server.router.generate(rid, choice.prompt_ids, choice.params)) as stream:
+            async with contextlib.aclosing(ctx.generate(rid, choice.prompt_ids, choice.params)) as stream:
                 async for msg in stream:
                     now = time.monotonic()
                     n = len(msg.token_ids)
@@ -113,7 +158,7 @@ class Generation:
 
     def _finished(self, choice: Choice) -> None:
         first = choice.first_of_prompt
-        self.server.metrics.finished(
+        self.ctx.metrics.finished(
             choice.finish_reason or "abort",
             len(choice.prompt_ids) if first else 0,
             choice.num_cached if first else 0,
@@ -137,7 +182,7 @@ class Generation:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     def response(self, chat: bool) -> dict[str, Any]:
-        tokenizer = self.server.tokenizer
+        tokenizer = self.ctx.tokenizer
         out = []
         for c in self.choices:
             text = "".join(c.text)
@@ -153,13 +198,13 @@ class Generation:
             else:
                 out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         return {"id": self.id, "object": "chat.completion" if chat else "text_completion", "created": self.created,
-                "model": self.server.model_name, "choices": out, "usage": self.usage()}
+                "model": self.ctx.model_name, "choices": out, "usage": self.usage()}
 
     # ---- streaming -----------------------------------------------------------------------------
     async def stream(self, raw: Request, chat: bool) -> Response:
         """Start every choice; answer with an error status if one fails before its first message,
         else stream Server-Sent Events."""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         first: list[asyncio.Future] = [asyncio.get_running_loop().create_future() for _ in self.choices]
 
         async def pump(choice: Choice) -> None:
@@ -168,14 +213,14 @@ class Generation:
                 async for delta in self.deltas(choice):
                     if not fut.done():
                         fut.set_result(None)
-                    await queue.put((choice, delta))
+                    await queue.put(ChoiceDelta(choice, delta))
             except Exception as e:
                 if not fut.done():
                     fut.set_exception(e)
                 else:
-                    await queue.put((choice, e))
+                    await queue.put(ChoiceFailed(choice, e))
             finally:
-                await queue.put((choice, None))
+                await queue.put(ChoiceDone(choice))
 
         tasks = [asyncio.create_task(pump(c)) for c in self.choices]
         try:
@@ -186,12 +231,14 @@ class Generation:
             raise
         return StreamingResponse(self._events(queue, tasks, chat), media_type="text/event-stream")
 
-    async def _events(self, queue: asyncio.Queue, tasks: list[asyncio.Task], chat: bool) -> AsyncIterator[str]:
-        tokenizer = self.server.tokenizer
+    async def _events(
+        self, queue: asyncio.Queue[ChoiceEvent], tasks: list[asyncio.Task], chat: bool
+    ) -> AsyncIterator[str]:
+        tokenizer = self.ctx.tokenizer
         offsets = [0] * len(self.choices)
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         kind = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": self.id, "object": kind, "created": self.created, "model": self.server.model_name}
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.ctx.model_name}
         try:
             if chat:
                 for c in self.choices:
@@ -200,15 +247,16 @@ class Generation:
                                 **({"usage": None} if include_usage else {})})
             remaining = len(self.choices)
             while remaining:
-                choice, item = await queue.get()
-                if item is None:
+                event = await queue.get()
+                if isinstance(event, ChoiceDone):
                     remaining -= 1
                     continue
-                if isinstance(item, Exception):
-                    error = unavailable(str(item)) if isinstance(item, EngineUnavailable) else APIError(str(item))
+                if isinstance(event, ChoiceFailed):
+                    err = event.error
+                    error = unavailable(str(err)) if isinstance(err, EngineUnavailable) else APIError(str(err))
                     yield _sse(error.body())
                     continue
-                delta: Delta = item
+                choice, delta = event.choice, event.delta
                 if not delta.text and not delta.finish_reason and not delta.logprobs:
                     continue
                 logprobs = None

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from epserve import env
 from epserve.config import EngineConfig
 from epserve.engine.worker import join_torchrun, spawn_ranks
 from epserve.parallel.context import store_client
@@ -32,7 +33,7 @@ from epserve.parallel.launch import (
     die_with_parent,
     torchrun_rank,
 )
-from epserve.serve.engine_server import ServeOptions
+from epserve.serve.engine_server import EngineServer, Serve, ServeOptions, serving_rank
 from epserve.serve.signals import StopSignals
 
 logger = logging.getLogger(__name__)
@@ -119,24 +120,24 @@ def run_router(options: RouterOptions, api_key: str | None = None) -> None:
 def _router_process(options: RouterOptions, log_level: str) -> None:
     die_with_parent()
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
-    run_router(options, os.environ.get("EPSERVE_API_KEY") or None)
+    run_router(options, env.api_key())
 
 
 class EngineRanks:
     """This host's engine ranks, serving in the background."""
 
     def __init__(self, config: EngineConfig, options: ServeOptions) -> None:
-        self.ranks = spawn_ranks(config)
+        self.ranks = spawn_ranks(config, serving_rank, (options,))
         tp = config.parallel.tp
         self.master_addr, self.master_port = self.ranks.infos[0].master_addr, self.ranks.infos[0].master_port
         self.local_dp_ranks = sorted({info.rank // tp for info in self.ranks.infos if info.rank % tp == 0})
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, args=(options,), name="ranks", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="ranks", daemon=True)
         self._thread.start()
 
-    def _serve(self, options: ServeOptions) -> None:
+    def _serve(self) -> None:
         try:
-            self.ranks.call("serve", options)
+            self.ranks.call(Serve())
         except BaseException as e:
             self.error = e
 
@@ -224,7 +225,7 @@ def run_engine(config: EngineConfig, options: ServeOptions) -> int:
     if torchrun is not None:
         worker = join_torchrun(config, *torchrun)
         try:
-            worker.serve(options)
+            EngineServer(worker, options).serve()
         finally:
             worker.close()
         return 0

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from epserve.serve.errors import APIError, not_found_model, unauthorized, unavailable, validation_error
-from epserve.serve.generation import Choice, Generation, until_disconnect
+from epserve.serve.generation import Choice, Generation, GenerationContext, until_disconnect
 from epserve.serve.metrics import CONTENT_TYPE, RouterMetrics
 from epserve.serve.protocol import (
     ChatCompletionRequest,
@@ -48,6 +48,7 @@ class OpenAIServer:
         self.model_name = model_name
         self.api_key = api_key
         self.metrics = RouterMetrics(router, model_name)
+        self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name)
         self.created = int(time.time())
         self.app = self._build_app()
 
@@ -162,7 +163,8 @@ class OpenAIServer:
         max_model_len, vocab = self._limits()
         choices: list[Choice] = []
         for ids in prompts:
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            # check_request already refused negative ids; the vocabulary's size is known only now
+            bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             max_tokens = resolve_max_tokens(req, len(ids), max_model_len)
@@ -172,7 +174,7 @@ class OpenAIServer:
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        run = Generation(self, req, choices, request_id)
+        run = Generation(self.generation_context, req, choices, request_id)
         if req.stream:
             return await run.stream(raw, chat)
         await until_disconnect(raw, run.complete())

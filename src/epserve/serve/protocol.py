@@ -260,15 +260,14 @@ def _check_chat(req: ChatCompletionRequest) -> None:
 
 def resolve_max_tokens(req: AnyRequest, num_prompt_tokens: int, max_model_len: int) -> int:
     """How many tokens to generate: as requested (completions default 16; chat ``max_completion_tokens``
-    over ``max_tokens``), else whatever room the context leaves. Raises ``context_length_exceeded``."""
+    over ``max_tokens``), else whatever room the context leaves. Raises ``context_length_exceeded``.
+    ``req`` has passed ``check_request`` (which refuses a requested count below 1)."""
     if isinstance(req, ChatCompletionRequest):
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         prompt_param = "messages"
     else:
         requested, param, prompt_param = req.max_tokens, "max_tokens", "prompt"
-    if requested is not None and requested < 1:
-        raise bad_request(f"{param} must be at least 1, got {requested}", param)
     if num_prompt_tokens >= max_model_len:
         raise context_length_exceeded(max_model_len, num_prompt_tokens, requested, prompt_param)
     if requested is None:

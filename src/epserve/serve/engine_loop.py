@@ -1,0 +1,259 @@
+"""One rank serving online: the lockstep step loop (no gRPC here; the leader's gRPC side is
+:mod:`epserve.serve.engine_server`).
+
+The loop runs on the rank's main thread. On a DP group's leader it first moves what the gRPC thread
+queued (:class:`AddRequest`, :class:`AbortRequest`) into the engine, then every rank runs
+:meth:`LLMEngine.step` together, and the leader hands each step's results to its :class:`Frontend` in
+one batch (:class:`GeneratedTokens`, :class:`RequestFailed`). When the step's all-reduce says nobody
+has work, every rank sleeps on the :class:`~epserve.parallel.doorbell.Doorbell` (no spinning) until
+a leader rings it. A stop vote (SIGTERM/SIGINT on any rank) travels in the same all-reduce: every
+leader stops taking requests, the running ones finish (or are aborted after ``drain_timeout_s``), and
+all ranks leave together.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from epserve.engine.request import Request
+from epserve.engine.sampler import TokenLogprobs
+from epserve.engine.scheduler import RequestUpdate
+from epserve.engine.worker import EngineWorker
+from epserve.moe.stats import ExpertLoad
+from epserve.parallel.comm import gather_objects
+from epserve.parallel.doorbell import Doorbell, LocalDoorbell
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"  # where leaders listen for gRPC
+    port: int = 0  # the leader of DP group i listens on port + i; 0 = any free port
+    drain_timeout_s: float = 30.0  # after a stop, running requests get this long before they are aborted
+    stats_every: int = 64  # forward steps between expert-load gathers (also gathered when going idle)
+
+
+# ---- the gRPC thread -> the step loop -------------------------------------------------------------
+@dataclass(frozen=True)
+class AddRequest:
+    request: Request  # checked by LLMEngine.make_request where it entered
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+# ---- the step loop -> the gRPC thread -------------------------------------------------------------
+@dataclass(frozen=True)
+class GeneratedTokens:
+    """What one step added to a request (``finish_reason`` set on its last message)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]  # one per token when the request asked for logprobs, else ()
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The request did not run (or stopped) for a reason of the engine's, not the client's input."""
+
+    request_id: str
+    reason: Literal["invalid", "unavailable"]
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A leader's load figures (the fields of the gRPC ``GetLoadResponse``)."""
+
+    dp_rank: int
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    expert_imbalance: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions_total: int
+    draining: bool
+
+
+class Frontend(Protocol):
+    """Where a leader's loop sends its results (the gRPC service); called from the loop's thread."""
+
+    def deliver(self, outputs: list[GeneratedTokens | RequestFailed]) -> None: ...
+
+    def set_draining(self) -> None: ...
+
+
+class EngineLoop:
+    def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
+        self.engine = worker.engine
+        self.ctx = worker.ctx
+        self.options = options
+        self.doorbell: Doorbell | LocalDoorbell = (
+            Doorbell(*worker.rendezvous) if worker.rendezvous is not None else LocalDoorbell()
+        )
+        self.inbox: collections.deque[AddRequest | AbortRequest] = collections.deque()
+        self.requests: dict[str, Request] = {}  # accepted by this leader, not finished (the loop's thread)
+        self.stop_requested = False  # this rank's vote
+        self.draining = False  # some rank voted: take no new requests
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.expert_imbalance = 1.0
+        self._stats_at = 0
+        self._drain_deadline: float | None = None
+        self._frontend: Frontend | None = None
+
+    # ---- any thread ----------------------------------------------------------------------------
+    def submit(self, message: AddRequest | AbortRequest) -> None:
+        self.inbox.append(message)
+        self.doorbell.ring()
+
+    def request_stop(self) -> None:
+        """Vote to drain and stop (signal handlers call this); wakes sleeping ranks."""
+        if not self.stop_requested:
+            logger.info("rank %d: stop requested; draining", self.ctx.rank)
+        self.stop_requested = True
+        self.doorbell.ring()
+
+    def load(self) -> EngineLoad:
+        scheduler = self.engine.scheduler
+        assert scheduler is not None
+        kv = scheduler.kv_manager
+        return EngineLoad(
+            dp_rank=self.ctx.dp_rank,
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting + sum(isinstance(m, AddRequest) for m in list(self.inbox)),
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_query_tokens=kv.num_prefix_query_tokens,
+            prefix_hit_tokens=kv.num_prefix_hit_tokens,
+            expert_imbalance=self.expert_imbalance,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            num_preemptions_total=scheduler.num_preemptions_total,
+            draining=self.draining,
+        )
+
+    # ---- the loop's thread ---------------------------------------------------------------------
+    def run(self, frontend: Frontend | None = None) -> None:
+        """Step until every rank has stopped (``frontend``: the leader's gRPC service). On failure
+        every accepted request fails as unavailable and the error is raised."""
+        self._frontend = frontend
+        if self.ctx.device.type == "cuda":
+            torch.cuda.set_device(self.ctx.device)
+        try:
+            self._loop()
+        except BaseException as e:
+            logger.error("rank %d: step loop failed: %s", self.ctx.rank, e)
+            pending = [*self.requests, *(m.request.request_id for m in list(self.inbox) if isinstance(m, AddRequest))]
+            self._deliver([RequestFailed(rid, "unavailable", f"engine failed: {e}") for rid in pending])
+            self.requests.clear()
+            raise
+
+    def _loop(self) -> None:
+        engine, leader = self.engine, self.ctx.is_leader
+        while True:
+            if leader:
+                self._take_inbox()
+                if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
+                    self._abort_all("drain timeout")
+            updates = engine.step(stopping=self.stop_requested)
+            if leader:
+                self._publish(updates)
+            if self.ctx.rank == 0:
+                self.doorbell.collect()  # every rank passed the all-reduce, so none waits on the old key
+            if engine.anybody_stopping and not self.draining:
+                self._start_draining()
+            if not engine.anybody_unfinished:
+                if engine.num_forwards != self._stats_at:
+                    self._gather_stats()
+                if engine.anybody_stopping:
+                    return
+                self.doorbell.wait()
+            elif engine.num_forwards - self._stats_at >= self.options.stats_every:
+                self._gather_stats()
+
+    def _take_inbox(self) -> None:
+        failed: list[GeneratedTokens | RequestFailed] = []
+        while self.inbox:
+            message = self.inbox.popleft()
+            if isinstance(message, AbortRequest):
+                self.engine.abort_request(message.request_id)
+                continue
+            request = message.request
+            rid = request.request_id
+            if self.draining:
+                failed.append(RequestFailed(rid, "unavailable", "the engine is shutting down"))
+                continue
+            try:
+                self.engine.enqueue(request)
+            except ValueError as e:  # an id the scheduler still holds
+                failed.append(RequestFailed(rid, "invalid", str(e)))
+                continue
+            self.requests[rid] = request
+            self.prompt_tokens_total += request.num_prompt_tokens
+        self._deliver(failed)
+
+    def _publish(self, updates: list[RequestUpdate]) -> None:
+        """Each request's new tokens, handed to the frontend once per step (not once per request)."""
+        out: list[GeneratedTokens | RequestFailed] = []
+        for update in updates:
+            request = self.requests.get(update.request_id)
+            if request is None:
+                continue
+            new = update.new_token_ids
+            logprobs = ()
+            if request.sampling_params.logprobs is not None and new:
+                logprobs = tuple(request.output_logprobs[-len(new):])  # type: ignore[arg-type]
+            out.append(GeneratedTokens(
+                request_id=update.request_id, token_ids=new, logprobs=logprobs,
+                num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+                num_output_tokens=request.num_output_tokens, finish_reason=update.finish_reason,
+            ))
+            self.generation_tokens_total += len(new)
+            if update.finished:
+                del self.requests[update.request_id]
+        self._deliver(out)
+
+    def _deliver(self, outputs: list[GeneratedTokens | RequestFailed]) -> None:
+        if outputs and self._frontend is not None:
+            self._frontend.deliver(outputs)
+
+    def _abort_all(self, why: str) -> None:
+        scheduler = self.engine.scheduler
+        assert scheduler is not None
+        ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+        if ids:
+            logger.warning("aborting %d requests: %s", len(ids), why)
+        for rid in ids:
+            self.engine.abort_request(rid)
+
+    def _start_draining(self) -> None:
+        self.draining = True
+        self._drain_deadline = time.monotonic() + self.options.drain_timeout_s
+        if self._frontend is not None:
+            self._frontend.set_draining()
+
+    def _gather_stats(self) -> None:
+        """Expert load over the whole EP group (a collective: every rank calls it at the same step)."""
+        runner = self.engine.runner
+        loads = gather_objects(runner.expert_load(), self.ctx)
+        moe_layers = self.engine.config.model.moe_layer_ids
+        self.expert_imbalance = ExpertLoad.from_ranks(moe_layers, loads, runner.placement).imbalance  # type: ignore[arg-type]
+        self._stats_at = self.engine.num_forwards
