@@ -1,0 +1,84 @@
+"""The code's shape, checked: the request path's layers import only downward, class names are unique,
+every file stays under 400 lines, and ``EPSERVE_*`` variables are read in one module."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "src" / "epserve"
+
+# serve -> engine -> model -> moe, with parallel/ and kernels/ below them (docs/structure.md). A
+# module may import its own package and any of a lower rank, never one of the same or a higher rank.
+RANKS = {
+    "env": 0, "config": 0,
+    "kernels": 1, "parallel": 1, "checkpoint": 1, "tokenizer": 1,
+    "moe": 2, "presets": 2,
+    "model": 3,
+    "engine": 4,
+    "serve": 5, "planner": 5, "bench": 5,
+    "cli": 6, "__init__": 7,
+}
+TOP_LEVEL_NAMES = {"LLM": "engine", "SamplingParams": "engine"}  # what `from epserve import X` reaches
+
+
+def _sources(*dirs: Path) -> list[Path]:
+    return sorted(p for d in dirs for p in d.rglob("*.py") if "proto" not in p.parts)
+
+
+def _unit(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).parts
+    return parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+
+
+def _imported_units(tree: ast.AST) -> set[str]:
+    units = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "epserve":
+                units |= {TOP_LEVEL_NAMES.get(a.name, a.name) for a in node.names}
+            elif node.module.startswith("epserve."):
+                units.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            units |= {a.name.split(".")[1] for a in node.names if a.name.startswith("epserve.")}
+    return units
+
+
+def test_every_unit_has_a_rank():
+    assert {_unit(p) for p in _sources(PACKAGE)} <= set(RANKS)
+
+
+@pytest.mark.parametrize("path", _sources(PACKAGE), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_down_the_request_path(path: Path):
+    unit = _unit(path)
+    upward = sorted(u for u in _imported_units(ast.parse(path.read_text())) - {unit} if RANKS[u] >= RANKS[unit])
+    assert not upward, f"{path.relative_to(PACKAGE)} ({unit}) imports {upward}: not below it"
+
+
+def test_class_names_are_unique():
+    seen: dict[str, list[str]] = {}
+    for path in _sources(PACKAGE):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                seen.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}
+
+
+def test_no_file_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in _sources(PACKAGE, ROOT / "tests", ROOT / "benchmarks")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_environment_variables_are_read_in_one_module():
+    """Only env.py names an ``EPSERVE_*`` variable in code (docstrings may mention them)."""
+    name = re.compile(r"EPSERVE_[A-Z_]+")
+    readers = sorted({
+        str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE) for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and name.fullmatch(node.value)
+    })
+    assert readers == ["env.py"]
