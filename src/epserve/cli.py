@@ -7,6 +7,7 @@ import logging
 import sys
 
 from epserve import env
+from epserve.config import DISPATCH_BACKENDS, OVERLAP_CHOICES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -23,9 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     par = p.add_argument_group("parallelism (world = dp x tp = EP ranks)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel attention groups (engine instances)")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
-    par.add_argument("--dispatch", default="auto", choices=["auto", "local", "all_to_all", "padded"],
+    par.add_argument("--dispatch", default="auto", choices=DISPATCH_BACKENDS,
                      help="MoE token exchange (auto: local for EP 1, else all_to_all)")
-    par.add_argument("--overlap", default="auto", choices=["none", "dispatch", "microbatch", "auto"])
+    par.add_argument("--overlap", default="auto", choices=OVERLAP_CHOICES)
     par.add_argument("--microbatch-threshold", type=int, default=None,
                      help="auto overlap: tokens per rank from which two micro-batches run (default: 256 on "
                      "CUDA, never on CPU)")
