@@ -199,3 +199,19 @@ def test_fit_stream_efficiency() -> None:
     assert fit_stream_efficiency(hw, slow) == STREAM_EFFICIENCY_RANGE[0]
     fast = [replace(p, time_us=1.0) for p in points]
     assert fit_stream_efficiency(hw, fast) == STREAM_EFFICIENCY_RANGE[1]
+
+
+def test_engine_calibration_flushes_through_the_op_hook(make_ckpt) -> None:
+    """The engine-step calibration's cache flush rides on the model's op hook (before the dense MLP
+    ops), and the model runs unchanged through it."""
+    from epserve import LLM, SamplingParams
+    from epserve.planner.calibrate_engine import flush_before_blocks
+
+    llm = LLM(make_ckpt("tiny", dtype="float32"), dtype="float32", num_blocks=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], params)[0].token_ids
+    model = llm.engine.runner.model
+    spent = flush_before_blocks(model)
+    assert llm.generate([[5, 6, 7]], params)[0].token_ids == want
+    assert spent[0] > 0
+    assert all(layer.op_hook is not None for layer in model.layers)
