@@ -50,8 +50,7 @@ from epserve import LLM, SamplingParams, env
 from epserve.kernels.cpu import TILE_M
 from epserve.model.moe import MoE
 from epserve.planner import Deployment, load_hardware, load_model, plan_decode, save_hardware
-from epserve.planner.calibrate import calibrate
-from epserve.planner.calibrate_ranks import calibrate_ranks
+from epserve.planner.calibrate import calibrate, calibrate_ranks
 from epserve.planner.cli import BUSY_FLOOR_US
 from epserve.presets import make_checkpoint
 

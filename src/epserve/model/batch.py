@@ -86,9 +86,8 @@ class MicroBatch:
         tokens come first in the flat batch)."""
         cut_seq = self.batch.split_point()
         cut = self.batch.query_start_loc_cpu[cut_seq]
-        rope = self.rope
         return (
-            MicroBatch(self.batch.select(0, cut_seq), rope.rows(0, cut), self.kv_caches),
-            MicroBatch(self.batch.select(cut_seq, self.batch.num_seqs), rope.rows(cut, self.batch.num_tokens),
+            MicroBatch(self.batch.select(0, cut_seq), self.rope.rows(0, cut), self.kv_caches),
+            MicroBatch(self.batch.select(cut_seq, self.batch.num_seqs), self.rope.rows(cut, self.batch.num_tokens),
                        self.kv_caches),
         )

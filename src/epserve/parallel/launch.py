@@ -109,8 +109,8 @@ def torchrun_rank() -> tuple[RankInfo, int] | None:
 
 
 def threads_per_rank(local_world_size: int) -> int:
-    """CPU threads each rank may use: ``EPSERVE_THREADS_PER_RANK``, else the host's cores shared out (oversubscribed OpenMP pools make
-    every parallel region wait on the others)."""
+    """CPU threads each rank may use: ``EPSERVE_THREADS_PER_RANK``, else the host's cores shared out
+    (oversubscribed OpenMP pools make every parallel region wait on the others)."""
     override = env.threads_per_rank_override()
     return override if override is not None else max(1, len(os.sched_getaffinity(0)) // local_world_size)
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal, Protocol, TypeVar, get_args
 
 from epserve.config import OVERLAP_MODES, OverlapMode
-
-__all__ = ["OVERLAP_MODES", "OverlapMode"]  # re-exported: the schedules are per overlap mode
 
 OpKind = Literal["gemm", "group_gemm", "attention", "dispatch", "combine", "collective", "other"]
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
@@ -55,14 +54,18 @@ class Schedule:
     num_micro_batches: int = 1
     micro_batch_offset: int = 0  # stages micro-batch B lags behind A
 
-    @property
+    @cached_property
     def ops(self) -> tuple[Op, ...]:
         return tuple(op for stage in self.stages for op in stage.ops)
 
+    @cached_property
+    def _position(self) -> dict[str, int]:
+        return {op.name: i for i, op in enumerate(self.ops)}
+
     def runs_before(self, first: Op, second: Op) -> bool:
-        """Whether ``first`` runs before ``second`` in this schedule (both must be in it)."""
-        names = [op.name for op in self.ops]
-        return names.index(first.name) < names.index(second.name)
+        """Whether ``first`` runs before ``second`` in this schedule (both must be in it); a layer asks
+        every step, so the order is computed once per schedule."""
+        return self._position[first.name] < self._position[second.name]
 
 
 T = TypeVar("T")

@@ -26,12 +26,22 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 
+from epserve.parallel.launch import threads_per_rank
 from epserve.planner.calibrate_engine import fit_overhead, fit_stream_efficiency, measure_engine
+from epserve.planner.calibrate_ranks import (
+    CalibrationRank,
+    MeasureLoaded,
+    fit_loaded,
+    measure_all_to_all,
+    one_host_link,
+    resolve_pin,
+    run_ranks,
+)
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import BUILTIN, Efficiency, HardwareSpec, MeasuredPoint
 
@@ -237,11 +247,6 @@ def _fraction(x: float) -> float:
     return min(1.0, max(float(f"{x:.4g}"), 1e-6))
 
 
-def one_host_link(link: float) -> dict[str, float]:
-    """No second host measured: the inter-node link taken as the intra-node one, both at 100%."""
-    return {"nvlink_bandwidth": link, "nvlink_efficiency": 1.0, "ib_bandwidth": link, "ib_efficiency": 1.0}
-
-
 def calibrate(quick: bool = False, device: str | None = None, world_size: int = 2,
               base: HardwareSpec | None = None, engine: bool = True) -> HardwareSpec:
     """Measure this device and return a ``HardwareSpec`` whose fractions, curves and overheads are
@@ -256,8 +261,6 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     with torch.inference_mode():
         points = _measure_kernels(device, dtype, quick)
     if world_size > 1:
-        from epserve.planner.calibrate_ranks import measure_all_to_all  # imports this module
-
         points += measure_all_to_all(world_size, SIZES["a2a"][0 if quick else 1], 5 if quick else 20, device)
     floor = next(p.time_us for p in points if p.kind == "floor")
     stream = next(p for p in points if p.kind == "stream")
@@ -306,3 +309,48 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     changes["source"] = (f"calibrated on {name} ({device}, {dtype}, {torch.get_num_threads()} threads) at {stamp} "
                          f"by `epserve plan calibrate{' --quick' if quick else ''}`; peaks from {peaks}")
     return replace(base, **changes)
+
+
+@dataclass(frozen=True)
+class CalibrateRank:
+    """Rank 0 calibrates (its ``HardwareSpec``); the others stream memory (a sum over 256 MiB, over
+    and over) until it is done, as an engine rank's peers stream their weights."""
+
+    quick: bool
+    base: HardwareSpec | None
+    engine: bool
+
+    def run(self, rank: CalibrationRank) -> HardwareSpec | None:
+        if rank.ctx.rank > 0:
+            data = torch.ones(SIZES["stream_bytes"][0] // 4)
+            while not rank.done.is_set():
+                data.sum()
+            return None
+        try:
+            return calibrate(quick=self.quick, device="cpu", world_size=1, base=self.base, engine=self.engine)
+        finally:
+            rank.done.set()
+
+
+def calibrate_ranks(ranks: int, quick: bool = False, base: HardwareSpec | None = None,
+                    engine: bool = True, pin: bool | None = None) -> HardwareSpec:
+    """A calibration of one rank of a CPU engine that runs ``ranks`` rank processes on this host:
+    rank 0 calibrates with the engine's threads per rank while the ``ranks - 1`` others stream memory
+    without pause (an engine rank's peers stream their weights during most of a step; a competitor
+    repeating the calibration itself spent much of its time building models and understated the
+    contention: predictions 20-30% low at dp 2), then the same processes time the collectives while
+    computing between them (``MeasureLoaded``): the rows' latency and bandwidth, the dispatcher's
+    count exchange and the step's all-reduce. ``pin``: every process pinned to its rank's block of
+    cores, as the engine pins its CPU ranks; default: as the engine does (unless ``EPSERVE_PIN=0``)."""
+    pin = resolve_pin(pin)
+    spec, loaded = run_ranks(ranks, "cpu", threads_per_rank(ranks), pin, CalibrateRank(quick, base, engine),
+                              MeasureLoaded(SIZES["a2a_loaded"][0 if quick else 1], 60 if quick else 200))
+    fit = fit_loaded(loaded)
+    changes: dict = {k: v for k, v in fit.items() if k != "link_bandwidth"}
+    if "link_bandwidth" in fit and spec.name.startswith("local-"):
+        changes.update(one_host_link(fit["link_bandwidth"]))
+    changes["points"] = (*(p for p in spec.points if p.kind != "all_to_all"), *loaded)
+    changes["source"] = (f"{spec.source}; one of {ranks} {'pinned' if pin else 'unpinned'} rank processes "
+                         f"calibrating at once, collectives timed between {ranks} computing ranks "
+                         f"(`epserve plan calibrate --ranks {ranks}{'' if pin else ' --no-pin'}`)")
+    return replace(spec, **changes)

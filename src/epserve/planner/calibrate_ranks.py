@@ -1,12 +1,13 @@
 """Calibration in rank processes, spawned as the engine spawns its ranks (``RankProcesses``) and
-joined as they join (``make_store`` + ``init_parallel``): the all-to-all between idle ranks, the
-engine's collectives between computing ranks, and ``epserve plan calibrate --ranks N``."""
+joined as they join (``make_store`` + ``init_parallel``): the all-to-all between idle ranks and the
+engine's collectives between computing ranks. ``epserve plan calibrate --ranks N`` runs on them
+(``calibrate.calibrate_ranks``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from statistics import linear_regression
 from typing import Any
 
@@ -17,9 +18,8 @@ import torch.multiprocessing as mp
 from epserve.env import pinning_enabled
 from epserve.parallel import launch
 from epserve.parallel.context import init_parallel, make_store, shutdown_parallel
-from epserve.planner.calibrate import SIZES, calibrate, one_host_link
 from epserve.planner.errors import PlanError
-from epserve.planner.hardware import HardwareSpec, MeasuredPoint
+from epserve.planner.hardware import MeasuredPoint
 
 LOADED_GEMVS = 4  # weight-streaming GEMVs (2 MiB each, ~0.6 ms at one thread here) between two collectives
 
@@ -126,27 +126,6 @@ class MeasureLoaded:
         return pts
 
 
-@dataclass(frozen=True)
-class CalibrateRank:
-    """Rank 0 calibrates (its ``HardwareSpec``); the others stream memory (a sum over 256 MiB, over
-    and over) until it is done, as an engine rank's peers stream their weights."""
-
-    quick: bool
-    base: HardwareSpec | None
-    engine: bool
-
-    def run(self, rank: CalibrationRank) -> HardwareSpec | None:
-        if rank.ctx.rank > 0:
-            data = torch.ones(SIZES["stream_bytes"][0] // 4)
-            while not rank.done.is_set():
-                data.sum()
-            return None
-        try:
-            return calibrate(quick=self.quick, device="cpu", world_size=1, base=self.base, engine=self.engine)
-        finally:
-            rank.done.set()
-
-
 def resolve_pin(pin: bool | None) -> bool:
     """``pin`` as given, or (None) the engine's default (``pinning_enabled``)."""
     return pinning_enabled() if pin is None else bool(pin)
@@ -158,7 +137,7 @@ def pin_rank(rank: int, world: int, pin: bool) -> None:
         launch.pin_to_cores(rank, world)
 
 
-def _run_ranks(world: int, device: str, threads: int | None, pin: bool, *commands: Any) -> list[Any]:
+def run_ranks(world: int, device: str, threads: int | None, pin: bool, *commands: Any) -> list[Any]:
     """Rank 0's results of ``commands``, run one after the other on ``world`` calibration ranks."""
     port = launch.free_port()
     infos = [launch.RankInfo(r, r, world, "127.0.0.1", port) for r in range(world)]
@@ -174,7 +153,7 @@ def _run_ranks(world: int, device: str, threads: int | None, pin: bool, *command
 
 def measure_all_to_all(world: int, sizes: Sequence[int], iters: int, device: str = "cpu") -> list[MeasuredPoint]:
     """Each rank sends ``size`` bytes to every other rank; one point per size."""
-    return _run_ranks(world, device, None, False, MeasureAllToAll(tuple(sizes), iters))[0]
+    return run_ranks(world, device, None, False, MeasureAllToAll(tuple(sizes), iters))[0]
 
 
 def measure_loaded_collectives(world: int, sizes: Sequence[int], iters: int, threads: int = 1,
@@ -188,7 +167,12 @@ def measure_loaded_collectives(world: int, sizes: Sequence[int], iters: int, thr
     (gloo's, the peer's) that compete with the compute for the cores: its mean is several times the
     idle back-to-back figure, with a long tail, and a step pays the mean. ``pin``: each rank process
     pinned to its own block of cores, as the engine pins its ranks (default: ``EPSERVE_PIN``)."""
-    return _run_ranks(world, "cpu", threads, resolve_pin(pin), MeasureLoaded(tuple(sizes), iters))[0]
+    return run_ranks(world, "cpu", threads, resolve_pin(pin), MeasureLoaded(tuple(sizes), iters))[0]
+
+
+def one_host_link(link: float) -> dict[str, float]:
+    """No second host measured: the inter-node link taken as the intra-node one, both at 100%."""
+    return {"nvlink_bandwidth": link, "nvlink_efficiency": 1.0, "ib_bandwidth": link, "ib_efficiency": 1.0}
 
 
 def fit_loaded(points: Sequence[MeasuredPoint]) -> dict[str, float]:
@@ -206,27 +190,3 @@ def fit_loaded(points: Sequence[MeasuredPoint]) -> dict[str, float]:
         out.update(nvlink_latency_us=latency, collective_latency_us=latency, ib_latency_us=latency,
                    link_bandwidth=bandwidth)
     return out
-
-
-def calibrate_ranks(ranks: int, quick: bool = False, base: HardwareSpec | None = None,
-                    engine: bool = True, pin: bool | None = None) -> HardwareSpec:
-    """A calibration of one rank of a CPU engine that runs ``ranks`` rank processes on this host:
-    rank 0 calibrates with the engine's threads per rank while the ``ranks - 1`` others stream memory
-    without pause (an engine rank's peers stream their weights during most of a step; a competitor
-    repeating the calibration itself spent much of its time building models and understated the
-    contention: predictions 20-30% low at dp 2), then the same processes time the collectives while
-    computing between them (``MeasureLoaded``): the rows' latency and bandwidth, the dispatcher's
-    count exchange and the step's all-reduce. ``pin``: every process pinned to its rank's block of
-    cores, as the engine pins its CPU ranks; default: as the engine does (unless ``EPSERVE_PIN=0``)."""
-    pin = resolve_pin(pin)
-    spec, loaded = _run_ranks(ranks, "cpu", launch.threads_per_rank(ranks), pin, CalibrateRank(quick, base, engine),
-                              MeasureLoaded(SIZES["a2a_loaded"][0 if quick else 1], 60 if quick else 200))
-    fit = fit_loaded(loaded)
-    changes: dict = {k: v for k, v in fit.items() if k != "link_bandwidth"}
-    if "link_bandwidth" in fit and spec.name.startswith("local-"):
-        changes.update(one_host_link(fit["link_bandwidth"]))
-    changes["points"] = (*(p for p in spec.points if p.kind != "all_to_all"), *loaded)
-    changes["source"] = (f"{spec.source}; one of {ranks} {'pinned' if pin else 'unpinned'} rank processes "
-                         f"calibrating at once, collectives timed between {ranks} computing ranks "
-                         f"(`epserve plan calibrate --ranks {ranks}{'' if pin else ' --no-pin'}`)")
-    return replace(spec, **changes)

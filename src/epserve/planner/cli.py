@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from epserve.planner.calibrate import calibrate  # imports torch
-    from epserve.planner.calibrate_ranks import calibrate_ranks
+    from epserve.planner.calibrate import calibrate, calibrate_ranks  # imports torch
 
     base = load_hardware(args.base) if args.base else None
     if args.ranks > 1:
