@@ -17,3 +17,10 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py 
   2>&1 | tail -25 | tee "$OUT/tests.txt"
 timeout 240 python3 benchmarks/offline_throughput.py --device cuda --repeats 3 --json "$OUT/offline.json" \
   2>&1 | tail -30 | tee "$OUT/offline.txt"
+# Block-scaled FP8 kernels: the tests run the front ends on CUDA (Triton, blockwise torch._scaled_mm where
+# the probe accepts it, a CUDA-graph capture of the grouped path) against the CPU reference; then the
+# FP8 GEMM benchmark (Triton vs _scaled_mm vs bf16, grouped GEMM on routed experts).
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py \
+  2>&1 | tail -25 | tee "$OUT/fp8_tests.txt"
+timeout 240 python3 benchmarks/fp8_gemm.py --json "$OUT/fp8_gemm.json" \
+  2>&1 | tail -80 | tee "$OUT/fp8_gemm.txt"

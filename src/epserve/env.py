@@ -10,6 +10,7 @@ may use it.
 | ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
 | ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |
 | ``EPSERVE_API_KEY`` | the router's API key (how ``epserve serve`` hands it to the router process) | none |
+| ``EPSERVE_FP8_BACKEND`` | FP8 kernels on CUDA: ``auto``, ``triton``, ``scaled_mm`` or ``torch`` | ``auto`` |
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ CPU_KERNELS = "EPSERVE_CPU_KERNELS"
 THREADS_PER_RANK = "EPSERVE_THREADS_PER_RANK"
 PIN = "EPSERVE_PIN"
 API_KEY = "EPSERVE_API_KEY"
+FP8_BACKEND = "EPSERVE_FP8_BACKEND"
+FP8_BACKENDS = ("auto", "triton", "scaled_mm", "torch")
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -52,6 +55,15 @@ def pinning_enabled() -> bool:
 def threads_per_rank_override() -> int | None:
     value = os.environ.get(THREADS_PER_RANK)
     return int(value) if value else None
+
+
+def fp8_backend() -> str:
+    """``$EPSERVE_FP8_BACKEND`` (one of ``FP8_BACKENDS``), else ``"auto"``: ``auto`` probes
+    ``torch._scaled_mm`` blockwise once per device and falls back to Triton; ``torch`` is the reference."""
+    value = os.environ.get(FP8_BACKEND, "").strip().lower() or "auto"
+    if value not in FP8_BACKENDS:
+        raise ValueError(f"{FP8_BACKEND}={value!r}: expected one of {', '.join(FP8_BACKENDS)}")
+    return value
 
 
 def api_key() -> str | None:
