@@ -1,38 +1,32 @@
-"""Reading and writing Hugging Face–format DeepSeek-V3 checkpoints.
+"""Lazy, name-addressed reading of a Hugging Face–format DeepSeek-V3 checkpoint directory.
 
 A checkpoint directory holds ``config.json`` and either ``model.safetensors.index.json`` with the
-shards it names, or a single ``model.safetensors``. FP8 checkpoints store a linear weight ``X.weight``
-as ``float8_e4m3fn`` ``[out, in]`` next to ``X.weight_scale_inv`` float32
-``[ceil(out / b0), ceil(in / b1)]``: one scale per ``b0 × b1`` tile (``weight_block_size`` in
-``quantization_config``, 128 × 128 in DeepSeek-V3), multiplied in to dequantize.
+shards it names, or a single ``model.safetensors`` (or any ``*.safetensors``). FP8 checkpoints store a
+linear weight ``X.weight`` as ``float8_e4m3fn`` ``[out, in]`` next to ``X.weight_scale_inv``
+(``checkpoint/fp8.py``).
 
-``CheckpointReader`` opens shards lazily with ``safetensors.safe_open`` and reads only the tensors it
-is asked for, so an expert-parallel rank touches only its own experts.
+``CheckpointReader`` parses shard headers once and reads only the tensors (or rows of a tensor) it is
+asked for, with positioned reads rather than a memory map (``checkpoint/files.py``), so an
+expert-parallel rank touches only its own experts and its own heads, and holds only what it keeps.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from epserve import env
+from epserve.checkpoint.files import FileFormatError, SafetensorsFile
+from epserve.checkpoint.fp8 import DEFAULT_BLOCK, FP8_DTYPE, SCALE_SUFFIX, Fp8Weight, fp8_block_dequantize
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-SCALE_SUFFIX = "_scale_inv"  # "X.weight" -> "X.weight_scale_inv"
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-DEFAULT_BLOCK = (128, 128)
-DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 _DTYPES = {
     "float32": torch.float32,
@@ -60,63 +54,6 @@ def as_torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
     return _DTYPES[key]
-
-
-# ---- FP8 block quantization ---------------------------------------------------------------------
-
-
-class Fp8Weight(NamedTuple):
-    """A block-quantized weight: ``weight`` float8_e4m3fn ``[out, in]`` and ``scale_inv`` float32
-    ``[ceil(out / b0), ceil(in / b1)]``. Unpacks as ``w_fp8, scale_inv``."""
-
-    weight: torch.Tensor
-    scale_inv: torch.Tensor
-
-
-def _check_block(shape: torch.Size, block: tuple[int, int]) -> tuple[int, int]:
-    if len(shape) != 2:
-        raise ValueError(f"block quantization needs a 2-D [out, in] weight, got shape {tuple(shape)}")
-    b0, b1 = int(block[0]), int(block[1])
-    if b0 <= 0 or b1 <= 0:
-        raise ValueError(f"block size must be positive, got {block}")
-    return b0, b1
-
-
-def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) -> Fp8Weight:
-    """Quantize ``w`` ``[out, in]`` to float8_e4m3fn with one scale per ``block`` tile.
-
-    Each tile's absolute maximum maps to 448 (the e4m3 maximum); ``scale_inv = amax / 448`` is
-    float32 ``[ceil(out / b0), ceil(in / b1)]`` and ``w ≈ w_fp8.float() * scale_inv`` (per tile).
-    Edge tiles may be partial. All-zero tiles get ``scale_inv = 1``.
-    """
-    b0, b1 = _check_block(w.shape, block)
-    out_dim, in_dim = w.shape
-    n0, n1 = math.ceil(out_dim / b0), math.ceil(in_dim / b1)
-    x = w.detach().float()
-    padded = torch.zeros(n0 * b0, n1 * b1, dtype=torch.float32, device=x.device)
-    padded[:out_dim, :in_dim] = x
-    tiles = padded.view(n0, b0, n1, b1)  # [n0, b0, n1, b1]
-    amax = tiles.abs().amax(dim=(1, 3))  # [n0, n1]
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (tiles / scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
-    w_fp8 = q.view(n0 * b0, n1 * b1)[:out_dim, :in_dim].to(FP8_DTYPE).contiguous()
-    return Fp8Weight(w_fp8, scale_inv.contiguous())
-
-
-def fp8_block_dequantize(
-    w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK
-) -> torch.Tensor:
-    """Inverse of ``fp8_block_quantize``: float32 ``[out, in]`` = ``w_fp8`` times its tile's scale."""
-    b0, b1 = _check_block(w_fp8.shape, block)
-    out_dim, in_dim = w_fp8.shape
-    expected = (math.ceil(out_dim / b0), math.ceil(in_dim / b1))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(
-            f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(w_fp8.shape)} "
-            f"with block {(b0, b1)}: expected {expected}"
-        )
-    scale = scale_inv.float().repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
-    return w_fp8.float() * scale[:out_dim, :in_dim]
 
 
 # ---- progress -----------------------------------------------------------------------------------
@@ -162,8 +99,8 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint path is not a directory: {self.path}")
         self.config: dict[str, Any] = self._read_config()
         self.block_size: tuple[int, int] = tuple(block_size or self._config_block())  # type: ignore[assignment]
+        self._files: dict[str, SafetensorsFile] = {}
         self._weight_map: dict[str, str] = self._read_weight_map()
-        self._handles: dict[str, Any] = {}
 
     # -- construction helpers
     def _read_config(self) -> dict[str, Any]:
@@ -199,14 +136,16 @@ class CheckpointReader:
             raise CheckpointError(f"no safetensors files (and no {INDEX_FILE}) in {self.path}")
         weight_map = {}
         for f in files:
-            with safe_open(f, framework="pt") as handle:
-                weight_map.update(dict.fromkeys(handle.keys(), f.name))
+            weight_map.update(dict.fromkeys(self._file(f.name).keys(), f.name))
         return weight_map
 
-    def _handle(self, shard: str) -> Any:
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(self.path / shard, framework="pt", device="cpu")
-        return self._handles[shard]
+    def _file(self, shard: str) -> SafetensorsFile:
+        if shard not in self._files:
+            try:
+                self._files[shard] = SafetensorsFile(self.path / shard)
+            except FileFormatError as e:
+                raise CheckpointError(str(e)) from None
+        return self._files[shard]
 
     # -- queries
     @property
@@ -240,15 +179,41 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {name!r} is not in checkpoint {self.path}")
 
     def _dtype_of(self, name: str) -> torch.dtype:
-        # get_slice reads only the header entry, not the data.
-        dtype = self._handle(self._weight_map[name]).get_slice(name).get_dtype()
-        return _SAFETENSORS_DTYPES.get(dtype, torch.float32)
+        return self._entry(name).dtype
+
+    def _entry(self, name: str) -> Any:
+        self._require(name)
+        return self._file(self._weight_map[name]).entries[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of ``name`` (from the shard's header; no data is read)."""
+        return self._entry(name).shape
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self._entry(name).dtype
 
     # -- reading
-    def get_raw(self, name: str, device: str | torch.device = "cpu") -> torch.Tensor:
-        """The tensor exactly as stored (FP8 stays FP8)."""
+    def get_raw(
+        self, name: str, device: str | torch.device = "cpu", rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """The tensor (or its rows ``[lo, hi)``) exactly as stored (FP8 stays FP8)."""
         self._require(name)
-        return self._handle(self._weight_map[name]).get_tensor(name).to(device)
+        try:
+            return self._file(self._weight_map[name]).read(name, rows).to(device)
+        except (ValueError, OSError) as e:
+            raise CheckpointError(f"cannot read {name!r} from {self.path}: {e}") from None
+
+    def read_into(self, name: str, out: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Read ``name`` (rows ``[lo, hi)``) as stored into ``out``: straight into it when it is a contiguous
+        CPU tensor of the stored dtype, else through one temporary (cast and copied)."""
+        entry = self._entry(name)
+        if out.device.type == "cpu" and out.dtype == entry.dtype and out.is_contiguous():
+            try:
+                self._file(self._weight_map[name]).read_into(name, out, rows)
+            except (ValueError, OSError) as e:
+                raise CheckpointError(f"cannot read {name!r} from {self.path}: {e}") from None
+        else:
+            out.copy_(self.get_raw(name, rows=rows))
 
     def get_fp8(self, name: str, device: str | torch.device = "cpu") -> Fp8Weight:
         """An FP8 weight with its block scales, for kernels that consume FP8 directly."""
@@ -275,7 +240,8 @@ class CheckpointReader:
         return tensor.to(device)
 
     def close(self) -> None:
-        self._handles.clear()
+        for f in self._files.values():
+            f.close()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -285,60 +251,3 @@ class CheckpointReader:
 
     def __repr__(self) -> str:
         return f"CheckpointReader({str(self.path)!r}, tensors={len(self._weight_map)}, shards={len(self.shards)})"
-
-
-_SAFETENSORS_DTYPES = {
-    "F8_E4M3": FP8_DTYPE,
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-}
-
-
-# ---- writing ------------------------------------------------------------------------------------
-
-
-def save_checkpoint(
-    path: str | Path,
-    config: Mapping[str, Any],
-    tensors: Mapping[str, torch.Tensor],
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> Path:
-    """Write ``config.json``, ``model-0000i-of-0000N.safetensors`` shards and their index.
-
-    Tensors fill shards in the given order (so a layer stays together) up to ``max_shard_bytes``; a
-    tensor larger than that gets a shard of its own. Checkpoint files already in ``path``
-    (shards, ``model.safetensors``, the index) are removed first so none is left stale.
-    """
-    if max_shard_bytes <= 0:
-        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for stale in [*path.glob("model-*-of-*.safetensors"), path / SINGLE_FILE, path / INDEX_FILE]:
-        stale.unlink(missing_ok=True)
-
-    groups: list[list[str]] = []
-    group_bytes = 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        if not groups or (group_bytes + size > max_shard_bytes and groups[-1]):
-            groups.append([])
-            group_bytes = 0
-        groups[-1].append(name)
-        group_bytes += size
-
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for i, names in enumerate(iter_with_progress(groups, "writing shards")):
-        shard = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        # clone() so no two entries share storage (safetensors refuses shared tensors).
-        data = {n: tensors[n].detach().to("cpu").contiguous().clone() for n in names}
-        save_file(data, str(path / shard), metadata={"format": "pt"})
-        for n, t in data.items():
-            weight_map[n] = shard
-            total_size += t.numel() * t.element_size()
-
-    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    (path / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n")
-    return path
