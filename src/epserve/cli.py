@@ -7,13 +7,18 @@ import logging
 import sys
 
 from epserve import env
-from epserve.config import DISPATCH_BACKENDS, OVERLAP_CHOICES
+from epserve.config import DISPATCH_BACKENDS, KV_CACHE_DTYPES, OVERLAP_CHOICES
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--quantization", default="auto", choices=["auto", "fp8", "none"],
+                   help="weights: fp8 keeps FP8 block-scaled weights (quantizes a bf16 checkpoint at load), "
+                   "none dequantizes at load, auto = fp8 for an FP8 checkpoint on CUDA, none on CPU")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="latent KV cache: auto (the model dtype) or fp8 (e4m3, twice the blocks)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="memory for weights + KV cache")
@@ -94,6 +99,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
         microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
+        quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
 
 

@@ -78,6 +78,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None = None
+    fp8_scale_fmt: str | None = None  # quantization_config.scale_fmt (e.g. "ue8m0": power-of-two scales)
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -171,7 +172,7 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
-        block = None
+        block, scale_fmt = None, None
         quant = raw.get("quantization_config")
         if quant:
             method = quant.get("quant_method")
@@ -181,6 +182,7 @@ class ModelConfig:
             if quant.get("activation_scheme", "dynamic") != "dynamic":
                 raise ConfigError("unsupported FP8 activation_scheme; only 'dynamic'")
             block = tuple(int(b) for b in quant.get("weight_block_size", (128, 128)))
+            scale_fmt = quant.get("scale_fmt")
 
         return cls(
             architecture=arch,
@@ -217,6 +219,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             fp8_block_size=block,  # type: ignore[arg-type]
+            fp8_scale_fmt=scale_fmt,
         )
 
 
@@ -256,6 +259,11 @@ class CacheConfig:
     memory_budget_bytes: int | None = None
     memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
+    kv_cache_dtype: KvCacheDtype = "auto"  # auto: the model dtype; fp8: e4m3 with a per-layer scale
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {KV_CACHE_DTYPES}")
 
 
 @dataclass(frozen=True)
@@ -276,6 +284,11 @@ OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
 OVERLAP_CHOICES: tuple[str, ...] = get_args(OverlapSetting)
 DISPATCH_BACKENDS: tuple[str, ...] = get_args(DispatchBackend)
 MULTI_RANK_DISPATCH: tuple[str, ...] = ("all_to_all", "padded")  # the backends that exchange tokens between ranks
+# Weight precision at run time: fp8 keeps FP8 block-scaled weights, None dequantizes at load, auto = fp8 on CUDA.
+Quantization = Literal["auto", "fp8", None]
+QUANTIZATIONS: tuple[str | None, ...] = get_args(Quantization)
+KvCacheDtype = Literal["auto", "fp8"]  # the latent KV cache: the model dtype, or e4m3 with a per-layer scale
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 
 
 @dataclass(frozen=True)
@@ -358,6 +371,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quantization: Quantization = "auto"
+
+    def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unknown quantization {self.quantization!r}; choose from {QUANTIZATIONS}")
 
     @property
     def max_model_len(self) -> int:

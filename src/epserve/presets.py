@@ -82,28 +82,38 @@ def _yarn(factor: float, original: int) -> dict[str, Any]:
     }
 
 
+_TINY: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "max_position_embeddings": 2048,
+    "rope_scaling": _yarn(4, 512),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Unit tests: runs in milliseconds.
-    "tiny": {
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "n_routed_experts": 16,
-        "num_experts_per_tok": 4,
-        "n_group": 4,
-        "topk_group": 2,
-        "q_lora_rank": 48,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "max_position_embeddings": 2048,
-        "rope_scaling": _yarn(4, 512),
+    "tiny": _TINY,
+    # FP8 runtime tests: tiny, with every dimension the FP8 runtime fuses or splits a multiple of 128.
+    "tiny128": {
+        **_TINY,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "q_lora_rank": 128,
     },
     # Benchmarks: ~400M parameters in the main model.
     "small": {
@@ -265,8 +275,15 @@ def _init_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     return x * (gain / math.sqrt(fan_in))
 
 
-def random_weights(config: dict[str, Any], seed: int = 0, dtype: str = "bfloat16") -> dict[str, torch.Tensor]:
+def random_weights(
+    config: dict[str, Any], seed: int = 0, dtype: str = "bfloat16", logit_margin: float = 0.0
+) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors for ``config`` (a ``config.json`` dict), in file order.
+
+    ``logit_margin`` > 0 adds to every LM head row ``logit_margin`` times the unit-norm embedding of a
+    fixed permutation of the vocabulary: the current token's embedding, strong in the final hidden
+    state, then lifts one next token clear of the rest (clear logit margins, for comparing numerics
+    that differ slightly, such as FP8 against bf16, by their greedy tokens).
 
     FP8 (when ``config`` has a ``quantization_config``): quantizable linears become float8_e4m3fn
     plus a float32 ``weight_scale_inv``. The correction bias is always float32; everything else is
@@ -283,6 +300,10 @@ def random_weights(config: dict[str, Any], seed: int = 0, dtype: str = "bfloat16
             out[spec.name] = out[shared[spec.kind]].clone()
             continue
         w = _init_tensor(spec, seed)
+        if spec.name == "lm_head.weight" and logit_margin:
+            emb = out["model.embed_tokens.weight"].float()
+            perm = torch.randperm(len(emb), generator=torch.Generator().manual_seed(seed))
+            w = w + logit_margin * emb[perm] / emb[perm].norm(dim=1, keepdim=True)
         if spec.kind == "bias":
             out[spec.name] = w
         elif cfg.fp8_block_size is not None and spec.is_quantizable:
@@ -300,13 +321,15 @@ def make_checkpoint(
     overrides: dict[str, Any] | None = None,
     dtype: str = "bfloat16",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    logit_margin: float = 0.0,
 ) -> Path:
-    """Write a random-weight DeepSeek-V3 checkpoint plus tokenizer files into ``path``.
+    """Write a random-weight DeepSeek-V3 checkpoint plus tokenizer files into ``path``
+    (``logit_margin``: see :func:`random_weights`).
 
     Deterministic: the same arguments give byte-identical tensors and tokenizer files.
     """
     config = build_config(preset, fp8=fp8, overrides=overrides, dtype=dtype)
-    tensors = random_weights(config, seed=seed, dtype=dtype)
+    tensors = random_weights(config, seed=seed, dtype=dtype, logit_margin=logit_margin)
     path = save_checkpoint(path, config, tensors, max_shard_bytes=max_shard_bytes)
     write_tokenizer_files(
         path, vocab_size=config["vocab_size"], model_max_length=config["max_position_embeddings"]

@@ -18,9 +18,11 @@ from epserve.config import (
     CacheConfig,
     DispatchBackend,
     EngineConfig,
+    KvCacheDtype,
     ModelConfig,
     OverlapSetting,
     ParallelConfig,
+    Quantization,
     SchedulerConfig,
 )
 from epserve.engine.engine import LLMEngine
@@ -30,6 +32,7 @@ from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.worker import (
     EngineWorker,
     Generate,
+    GetCacheInfo,
     GetCommBytes,
     GetExpertLoad,
     GetProfile,
@@ -41,6 +44,7 @@ from epserve.engine.worker import (
     join_torchrun,
     spawn_ranks,
 )
+from epserve.model.quantization import resolve_fp8_weights
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.launch import RankFailure, RankProcesses, torchrun_rank
 from epserve.tokenizer import load_tokenizer
@@ -69,7 +73,8 @@ class LLM:
         self, model: str | Path | None = None, dtype: str = "bfloat16", device: str = "cpu", **options: Any
     ) -> None:
         """``options``: the keywords of :func:`build_engine_config` (``block_size``, ``num_blocks``,
-        ``max_num_seqs``, ``max_model_len``, ``dp``, ``tp``, ``dispatch``, ``overlap``, ...)."""
+        ``max_num_seqs``, ``max_model_len``, ``dp``, ``tp``, ``dispatch``, ``overlap``, ``quantization``,
+        ``kv_cache_dtype``, ...)."""
         self.config = build_engine_config(model, dtype, device, **options)
         path = self.config.model_path
         parallel = self.config.parallel
@@ -144,6 +149,11 @@ class LLM:
                 out.text = self.tokenizer.decode(out.token_ids)
         return outputs
 
+    def cache_info(self) -> dict[str, int | str]:
+        """The paged KV cache: ``num_blocks``, ``block_size``, ``bytes_per_token`` (all layers, one
+        rank) and ``kv_cache_dtype``; every rank holds the same pool."""
+        return self._call(GetCacheInfo())
+
     def expert_load(self) -> ExpertLoad:
         """Tokens per (MoE layer, logical expert) and per rank since start-up, and the imbalance."""
         return self._call(GetExpertLoad())
@@ -216,9 +226,15 @@ def build_engine_config(
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
+    quantization: Quantization = "auto",
+    kv_cache_dtype: KvCacheDtype = "auto",
 ) -> EngineConfig:
     """The engine configuration ``LLM`` and ``epserve serve`` start from (``model=None``: the built-in
-    tiny checkpoint); ValueError for an inconsistent one."""
+    tiny checkpoint); ValueError for an inconsistent one. ``quantization``: ``"fp8"`` keeps FP8
+    block-scaled weights (quantizing a higher-precision checkpoint at load), ``None`` dequantizes at
+    load, ``"auto"`` keeps an FP8 checkpoint's weights on CUDA and dequantizes on the CPU.
+    ``kv_cache_dtype``: ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3, per-layer scale: twice the
+    blocks in the same memory)."""
     if model is None:
         from epserve.presets import default_model_path
 
@@ -243,7 +259,7 @@ def build_engine_config(
                 f"{parallel.local_world_size} ranks per host need as many GPUs; "
                 f"{torch.cuda.device_count()} visible"
             )
-    return EngineConfig(
+    config = EngineConfig(
         model=model_config,
         model_path=path,
         dtype=dtype,
@@ -254,6 +270,7 @@ def build_engine_config(
             memory_budget_bytes=memory_budget_bytes,
             memory_utilization=memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -261,4 +278,7 @@ def build_engine_config(
             max_model_len=max_model_len,
         ),
         parallel=parallel,
+        quantization=quantization,
     )
+    resolve_fp8_weights(config.quantization, model_config, tp, device.split(":")[0])  # refuses what FP8 cannot run
+    return config

@@ -18,10 +18,19 @@ class OutOfMemoryError(RuntimeError):
     """The weights (or a single request) cannot fit in the memory budget."""
 
 
+def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The latent cache's element type: the model dtype, or float8 e4m3 for ``kv_cache_dtype="fp8"``."""
+    return torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else model_dtype
+
+
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
+    """Latent cache bytes of one token across all layers."""
+    return model.num_hidden_layers * model.kv_cache_dim * dtype.itemsize
+
+
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Latent cache bytes of one block across all layers."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return model.num_hidden_layers * block_size * model.kv_cache_dim * itemsize
+    return block_size * kv_bytes_per_token(model, dtype)
 
 
 def available_memory(device: torch.device) -> int:
@@ -66,7 +75,4 @@ def determine_num_blocks(
             f"after {weight_bytes / 2**20:.1f} MiB of weights, {source} leaves room for no KV block "
             f"({per_block} bytes each)"
         )
-    num_blocks = min(num_blocks, max_blocks_needed)
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, cache.block_size,
-                num_blocks * per_block / 2**20)
-    return num_blocks
+    return min(num_blocks, max_blocks_needed)

@@ -9,12 +9,13 @@ import torch
 
 from epserve.checkpoint import as_torch_dtype
 from epserve.config import EngineConfig
-from epserve.engine.memory import determine_num_blocks
+from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
 from epserve.engine.sampler import Sampler, TokenLogprobs
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.model.batch import ForwardBatch
-from epserve.model.loader import load_model
+from epserve.model.loader import load_model, model_bytes
+from epserve.model.quantization import resolve_fp8_weights
 from epserve.moe.dispatch.all_to_all import AllToAllDispatcher
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.dispatch.local import LocalDispatcher
@@ -132,24 +133,41 @@ class ModelRunner:
         pc = config.parallel
         self.placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ctx.ep_size, pc.num_redundant_experts)
         self.dispatcher = build_dispatcher(pc.dispatch, self.placement.num_local_slots, ctx)
-        self.model = load_model(mc, config.model_path, self.dtype, self.device, self.dispatcher, self.placement, ctx)
-        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.fp8_weights = resolve_fp8_weights(config.quantization, mc, ctx.tp, self.device.type)
+        self.model = load_model(mc, config.model_path, self.dtype, self.device, self.dispatcher, self.placement, ctx,
+                                self.fp8_weights)
+        self.weight_bytes = weight_bytes = model_bytes(self.model)
         self.block_size = config.cache.block_size
+        self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
         max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
         cache = config.cache
         if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
             cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size)
-        num_blocks = determine_num_blocks(mc, cache, self.dtype, self.device, weight_bytes, max_blocks)
+        num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, weight_bytes, max_blocks)
         self.num_blocks = -all_reduce_max([-num_blocks], ctx)[0]  # every rank agrees: the smallest pool
         self.kv_caches = [
-            torch.zeros(self.num_blocks, self.block_size, mc.kv_cache_dim, dtype=self.dtype, device=self.device)
+            torch.zeros(self.num_blocks, self.block_size, mc.kv_cache_dim, dtype=self.kv_dtype, device=self.device)
             for _ in range(mc.num_hidden_layers)
         ]
+        info = self.cache_info()
+        logger.info("KV cache: %d blocks of %d tokens, %d bytes per token (%s), %.1f MiB", info["num_blocks"],
+                    info["block_size"], info["bytes_per_token"], info["kv_cache_dtype"],
+                    self.num_blocks * self.block_size * info["bytes_per_token"] / 2**20)
         self.overlap = pc.overlap
         self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.profiler: OpProfiler | None = None
+
+    def cache_info(self) -> dict[str, int | str]:
+        """The paged latent cache of this rank: blocks, tokens per block, bytes per token over all layers,
+        and the element type (``fp8_e4m3`` or the model dtype)."""
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "bytes_per_token": kv_bytes_per_token(self.config.model, self.kv_dtype),
+            "kv_cache_dtype": "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch."),
+        }
 
     def set_profiling(self, enabled: bool) -> None:
         """Time every op of every step from now on (a fresh record), or stop."""

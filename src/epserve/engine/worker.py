@@ -89,7 +89,14 @@ class GetProfile:
     pass
 
 
-WorkerCommand = Generate | GetExpertLoad | SetOverlap | ResetCommStats | GetCommBytes | SetProfiling | GetProfile
+@dataclass(frozen=True)
+class GetCacheInfo:
+    pass
+
+
+WorkerCommand = (
+    Generate | GetExpertLoad | SetOverlap | ResetCommStats | GetCommBytes | SetProfiling | GetProfile | GetCacheInfo
+)
 
 
 @dataclass
@@ -139,6 +146,8 @@ class EngineWorker:
                 return self.engine.runner.set_profiling(enabled)
             case GetProfile():
                 return self.profile()
+            case GetCacheInfo():
+                return self.engine.runner.cache_info()
         raise TypeError(f"unknown command {command!r}")
 
     def generate(self, requests: list[OfflineRequest], use_tqdm: bool = False) -> dict[str, OfflineResult]:

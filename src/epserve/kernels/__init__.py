@@ -1,9 +1,25 @@
 """Kernel selection for the model's hot ops: custom kernels where they apply, torch otherwise.
 
 The model calls these instead of ``F.linear`` so the choice is made in one place, per call, from
-the tensors' device, dtype and shape (never from the parallel layout).
+the tensors' device, dtype and shape (never from the parallel layout): FP8 block-scaled weights go to
+``kernels.fp8`` (Triton or ``torch._scaled_mm`` on CUDA, a torch reference on the CPU), bf16 decode
+GEMMs on an AVX512-BF16 CPU to ``kernels.cpu``.
 """
 
-from epserve.kernels.cpu import linear, moe_swiglu
+from __future__ import annotations
+
+import torch
+
+from epserve.kernels import cpu
+from epserve.kernels.cpu import moe_swiglu
+from epserve.kernels.fp8 import fp8_linear
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T; with ``scale_inv`` (one fp32 per 128x128 tile) ``w`` is FP8 block-scaled."""
+    if scale_inv is not None:
+        return fp8_linear(x, w, scale_inv)
+    return cpu.linear(x, w)
+
 
 __all__ = ["linear", "moe_swiglu"]

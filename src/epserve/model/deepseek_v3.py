@@ -48,12 +48,14 @@ class DecoderLayer(nn.Module):
     (``parallel/comm.py``): attention on every token of the DP group with this rank's heads, the FFN
     on the tokens this TP rank owns."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module, tp: TensorParallel) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, mlp: nn.Module, tp: TensorParallel, fp8: bool = False
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.tp = tp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MLAttention(config, config.num_attention_heads // tp.size)
+        self.self_attn = MLAttention(config, config.num_attention_heads // tp.size, fp8)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
         self.is_moe = isinstance(mlp, MoE)
@@ -99,24 +101,34 @@ def _run_layers(layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, mod
 
 
 class DeepseekV3ForCausalLM(nn.Module):
+    """``fp8``: the linear layers and routed experts hold FP8 block-scaled weights (embedding, LM head,
+    norms and router stay in higher precision, as published). Only a DP group's leader computes
+    logits, so other ranks hold an empty ``lm_head``."""
+
     def __init__(
-        self, config: ModelConfig, dispatcher: Dispatcher, placement: ExpertPlacement, ctx: ParallelContext
+        self,
+        config: ModelConfig,
+        dispatcher: Dispatcher,
+        placement: ExpertPlacement,
+        ctx: ParallelContext,
+        fp8: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
+        self.fp8 = fp8
         tp = TensorParallel(ctx)
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         self.rotary = RotaryEmbedding(config)
         layers = []
         for i in range(config.num_hidden_layers):
             if config.is_moe_layer(i):
-                mlp: nn.Module = MoE(config, dispatcher, placement, ctx.rank)
+                mlp: nn.Module = MoE(config, dispatcher, placement, ctx.rank, fp8)
             else:
-                mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-            layers.append(DecoderLayer(config, i, mlp, tp))
+                mlp = GatedMLP(config.hidden_size, config.intermediate_size, fp8)
+            layers.append(DecoderLayer(config, i, mlp, tp, fp8))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.lm_head = nn.Parameter(torch.empty(config.vocab_size if ctx.is_leader else 0, config.hidden_size))
         # Runs of consecutive layers of one kind: micro-batching applies to MoE runs only.
         self.segments: list[tuple[bool, list[DecoderLayer]]] = []
         for layer in self.layers:
@@ -144,6 +156,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             else:
                 x = run_in_order(_run_layers(layers, x, mb, overlap))
         return self.norm(x)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """Compute the buffers that are derived, not loaded (the rotary tables, the expert slot
+        tables), on ``device``: after building the model on the meta device."""
+        with torch.device(device):
+            self.rotary = RotaryEmbedding(self.config)
+        for layer in self.layers:
+            if layer.is_moe:
+                layer.mlp.init_buffers()
 
     def set_op_hook(self, hook: OpHook | None) -> None:
         """Run every layer op through ``hook`` (e.g. the per-op profiler), or stop (None)."""

@@ -1,4 +1,5 @@
-"""Small building blocks: RMSNorm, rotary embedding with YaRN scaling, SwiGLU MLP."""
+"""Small building blocks: linear weights (model dtype or FP8 block-scaled), RMSNorm, rotary embedding
+with YaRN scaling, SwiGLU MLP."""
 
 from __future__ import annotations
 
@@ -11,6 +12,50 @@ from torch import nn
 
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
 from epserve.kernels import linear
+from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, block_fp8_gemm, silu_mul_quant
+
+
+def fp8_scale_shape(*shape: int) -> tuple[int, ...]:
+    """The scale tensor of an FP8 weight ``[..., out, in]``: one fp32 per 128x128 tile."""
+    *lead, out_features, in_features = shape
+    return (*lead, -(-out_features // BLOCK), -(-in_features // BLOCK))
+
+
+def fp8_weight_pair(*shape: int) -> tuple[nn.Parameter, nn.Parameter]:
+    """An empty FP8 weight ``shape`` and its tile scales, as DeepSeek publishes them."""
+    weight = nn.Parameter(torch.empty(*shape, dtype=FP8_DTYPE), requires_grad=False)
+    scale = nn.Parameter(torch.empty(*fp8_scale_shape(*shape), dtype=torch.float32), requires_grad=False)
+    return weight, scale
+
+
+class Linear(nn.Module):
+    """``y = x W^T``, W ``[out, in]``: in the model dtype, or (``fp8``) float8 e4m3 with one fp32 scale per
+    128x128 tile in ``weight_scale_inv``, run as a block-scaled FP8 GEMM (activations quantized per
+    token and 128 columns)."""
+
+    def __init__(self, in_features: int, out_features: int, fp8: bool = False) -> None:
+        super().__init__()
+        self.weight_scale_inv: nn.Parameter | None
+        if fp8:
+            self.weight, self.weight_scale_inv = fp8_weight_pair(out_features, in_features)
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features))
+            self.weight_scale_inv = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale_inv is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out] in x's dtype."""
+        return linear(x, self.weight, self.weight_scale_inv)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as fp32 ``[out, in]`` (after loading; for derived weights such as MLA's absorbed ones)."""
+        if self.weight_scale_inv is None:
+            return self.weight.detach().float()
+        scale = self.weight_scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+        return self.weight.float() * scale[: self.weight.shape[0], : self.weight.shape[1]]
 
 
 class RMSNorm(nn.Module):
@@ -58,22 +103,32 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         dim = config.qk_rope_head_dim
-        s = config.rope_scaling
-        if s is None:
-            inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-            attention_scaling = 1.0
-        else:
-            inv_freq = yarn_inv_freq(dim, config.rope_theta, s)
-            attention_scaling = yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
         self.interleave = config.rope_interleave
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, dim/2]
-        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
+        if torch.empty(0).is_meta:  # the loader's plan: shapes only (ops on meta import much of torch)
+            cos = sin = torch.empty(config.max_position_embeddings, dim // 2)
+        else:
+            cos, sin = _rotary_tables(config)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
         """cos/sin rows for ``positions`` [T], looked up once per forward and shared by every layer."""
         return RopeTable(self.cos[positions].to(dtype), self.sin[positions].to(dtype), self.interleave)
+
+
+def _rotary_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [max_position_embeddings, rope_dim / 2], YaRN's attention scaling folded in."""
+    dim = config.qk_rope_head_dim
+    s = config.rope_scaling
+    if s is None:
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        attention_scaling = 1.0
+    else:
+        inv_freq = yarn_inv_freq(dim, config.rope_theta, s)
+        attention_scaling = yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]  # [P, dim/2]
+    return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 
 
 @dataclass(frozen=True)
@@ -100,13 +155,17 @@ class RopeTable:
 class GatedMLP(nn.Module):
     """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, fp8: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size))
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, fp8)
+        self.down_proj = Linear(intermediate_size, hidden_size, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]"""
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if down.weight_scale_inv is not None:  # SiLU·mul fused with the activation quantization
+            return block_fp8_gemm(*silu_mul_quant(gate_up), down.weight, down.weight_scale_inv, x.dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return down(F.silu(gate) * up)

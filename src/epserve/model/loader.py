@@ -1,82 +1,246 @@
-"""Build the model and fill it from a Hugging Face checkpoint (FP8 weights arrive dequantized).
+"""Build the model on the meta device and materialize each tensor once, in its runtime dtype, on its
+device, from this rank's shard of a Hugging Face checkpoint.
+
+Loading reads only what a rank keeps: its own routed experts (through the expert placement), its TP
+heads (a row range of the per-head projections, read directly; ``o_proj``'s columns through one
+temporary), and, on a DP group's leader only, the LM head. With FP8 weights kept, FP8 tensors and
+their tile scales are read as stored straight into the parameters; dequantized, each tensor passes
+through one fp32 temporary. Peak memory is about the weights kept plus one tensor.
 
 Our parameter layout differs from the checkpoint's in three places, all resolved here: q_a_proj and
 kv_a_proj_with_mqa are fused into one GEMM, gate/up projections are fused, and routed experts are
-stacked per rank in the order of the expert placement (a rank reads only its own experts).
+stacked per rank in the order of the expert placement.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from epserve.checkpoint import CheckpointReader, iter_with_progress
+from epserve.checkpoint import (
+    FP8_DTYPE,
+    SCALE_SUFFIX,
+    CheckpointError,
+    CheckpointReader,
+    fp8_block_dequantize,
+    fp8_block_quantize,
+    iter_with_progress,
+)
 from epserve.config import ModelConfig
+from epserve.kernels.fp8 import BLOCK
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.model.mla import MLAttention
 from epserve.moe.dispatch.base import Dispatcher
+from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.context import ParallelContext
 
 logger = logging.getLogger(__name__)
 
-Getter = Callable[[str], torch.Tensor]
+Span = tuple[int, int]  # [lo, hi)
+
+# Float tensors that stay fp32 whatever the runtime dtype: tile scales, the router (its top-k must not
+# flip), the KV scale and the rotary tables. MLA's absorbed weights too, unless the weights are FP8.
+_KEEP_FP32 = ("_scale_inv", "router.weight", "e_score_correction_bias", "kv_scale", "rotary.cos", "rotary.sin")
+_ABSORBED = ("self_attn.w_uk", "self_attn.w_uv_t")
+_DERIVED = (*_ABSORBED, "rotary.cos", "rotary.sin", "logical_to_physical")  # computed after loading
+_OPTIONAL = ("kv_scale",)  # 1.0 unless the checkpoint has one
 
 
-def _sources(config: ModelConfig, name: str, local_experts: tuple[int, ...], get: Getter) -> torch.Tensor:
-    """The checkpoint tensor(s) for one of our parameter names, combined into our layout."""
+class Piece(NamedTuple):
+    """One checkpoint tensor's contribution to one of our tensors: ``source`` (its ``rows``/``cols``, or
+    all) goes to ``target[index][dst_rows]`` (or all of ``target[index]``)."""
+
+    source: str
+    index: tuple[int, ...] = ()
+    dst_rows: Span | None = None
+    rows: Span | None = None
+    cols: Span | None = None
+
+    def scaled(self) -> Piece:
+        """The same piece of the tile-scale tensor (spans in 128-tiles; starts are tile-aligned)."""
+
+        def tiles(span: Span | None) -> Span | None:
+            return None if span is None else (span[0] // BLOCK, -(-span[1] // BLOCK))
+
+        return Piece(self.source + SCALE_SUFFIX, self.index, tiles(self.dst_rows), tiles(self.rows), tiles(self.cols))
+
+
+def _shard(ctx: ParallelContext, n: int) -> Span | None:
+    """This TP rank's span of ``n`` per-rank rows or columns."""
+    return None if ctx.tp == 1 else (ctx.tp_rank * n, (ctx.tp_rank + 1) * n)
+
+
+def _pieces(
+    config: ModelConfig, name: str, shape: tuple[int, ...], local_experts: tuple[int, ...], ctx: ParallelContext
+) -> list[Piece]:
+    """Where our tensor ``name`` (``shape``) comes from in the checkpoint."""
     if name == "embed_tokens":
-        return get("model.embed_tokens.weight")
+        return [Piece("model.embed_tokens.weight")]
     if name == "lm_head":
-        return get("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+        head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        return [Piece(head)] if shape[0] else []  # ranks that are not a DP group's leader hold none
     if name == "norm.weight":
-        return get("model.norm.weight")
+        return [Piece("model.norm.weight")]
     prefix, _, rest = name.partition(".")
     assert prefix == "layers", name
     idx, _, rest = rest.partition(".")
     p = f"model.layers.{idx}."
-    if rest == "self_attn.fused_qkv_a_proj":
-        return torch.cat([get(p + "self_attn.q_a_proj.weight"), get(p + "self_attn.kv_a_proj_with_mqa.weight")])
+    if rest == "self_attn.fused_qkv_a_proj.weight":
+        q_lora = config.q_lora_rank or 0
+        return [Piece(p + "self_attn.q_a_proj.weight", dst_rows=(0, q_lora)),
+                Piece(p + "self_attn.kv_a_proj_with_mqa.weight", dst_rows=(q_lora, shape[0]))]
+    if rest in ("self_attn.q_b_proj.weight", "self_attn.q_proj.weight", "self_attn.kv_b_proj.weight"):
+        return [Piece(p + rest, rows=_shard(ctx, shape[0]))]
+    if rest == "self_attn.o_proj.weight":
+        return [Piece(p + rest, cols=_shard(ctx, shape[1]))]
     if rest.startswith("mlp.router."):
-        return get(p + "mlp.gate." + rest.removeprefix("mlp.router."))
-    if rest in ("mlp.gate_up_proj", "mlp.shared_experts.gate_up_proj"):
-        q = p + rest.removesuffix("gate_up_proj")
-        return torch.cat([get(q + "gate_proj.weight"), get(q + "up_proj.weight")])
-    if rest in ("mlp.down_proj", "mlp.shared_experts.down_proj"):
-        return get(p + rest + ".weight")
+        return [Piece(p + "mlp.gate." + rest.removeprefix("mlp.router."))]
+    if rest in ("mlp.gate_up_proj.weight", "mlp.shared_experts.gate_up_proj.weight"):
+        q, inter = p + rest.removesuffix("gate_up_proj.weight"), shape[0] // 2
+        return [Piece(q + "gate_proj.weight", dst_rows=(0, inter)), Piece(q + "up_proj.weight", dst_rows=(inter, shape[0]))]
     if rest == "mlp.experts.w13":
-        return torch.stack(
-            [
-                torch.cat([get(f"{p}mlp.experts.{e}.gate_proj.weight"), get(f"{p}mlp.experts.{e}.up_proj.weight")])
-                for e in local_experts
-            ]
-        )
+        inter = shape[1] // 2
+        return [piece for j, e in enumerate(local_experts) for piece in (
+            Piece(f"{p}mlp.experts.{e}.gate_proj.weight", (j,), (0, inter)),
+            Piece(f"{p}mlp.experts.{e}.up_proj.weight", (j,), (inter, shape[1])))]
     if rest == "mlp.experts.w2":
-        return torch.stack([get(f"{p}mlp.experts.{e}.down_proj.weight") for e in local_experts])
-    if rest.endswith(".weight"):  # norms
-        return get(p + rest)
-    return get(p + rest + ".weight")  # plain projections: q_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+        return [Piece(f"{p}mlp.experts.{e}.down_proj.weight", (j,)) for j, e in enumerate(local_experts)]
+    return [Piece(p + rest)]  # norms, kv_a_proj_with_mqa, down_proj, kv_scale
 
 
-_HEAD_ROWS = ("self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_b_proj")
+# ---- building ----------------------------------------------------------------------------------
 
 
-def _shard_heads(config: ModelConfig, name: str, t: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
-    """This TP rank's heads of a per-head projection: rows of q_b/q/kv_b_proj, columns of o_proj.
-    Everything else (kv_a_proj, norms, embeddings, lm_head, dense MLPs, shared experts) is replicated."""
-    if ctx.tp == 1:
-        return t
-    heads = config.num_attention_heads
-    per_rank = heads // ctx.tp
-    lo, hi = ctx.tp_rank * per_rank, (ctx.tp_rank + 1) * per_rank
-    if name.endswith(_HEAD_ROWS):
-        return t.view(heads, -1, t.shape[-1])[lo:hi].reshape(-1, t.shape[-1])
-    if name.endswith("self_attn.o_proj"):
-        return t.view(t.shape[0], heads, -1)[:, lo:hi].reshape(t.shape[0], -1)
-    return t
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    for mod_name, module in model.named_modules():
+        for attr, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                yield (f"{mod_name}.{attr}" if mod_name else attr), module, attr, t
+
+
+def _empty(like: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized tensor shaped like ``like`` (not ``empty_like``: on meta inputs it pulls in
+    torch's Python meta kernels, ~40 MB of modules)."""
+    return torch.empty(like.shape, dtype=dtype or like.dtype, device=device)
+
+
+def _set(module: nn.Module, attr: str, t: torch.Tensor) -> None:
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+    else:
+        module._buffers[attr] = t
+
+
+def build_on_meta(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    fp8: bool,
+    ctx: ParallelContext,
+    placement: ExpertPlacement,
+    dispatcher: Dispatcher | None = None,
+) -> DeepseekV3ForCausalLM:
+    """The model of rank ``ctx.rank`` on the meta device, every tensor in its runtime dtype: the loader's
+    plan (shapes and bytes) before any weight is read."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config, dispatcher or LocalDispatcher(placement.num_local_slots), placement, ctx, fp8)
+    keep = _KEEP_FP32 if fp8 else (*_KEEP_FP32, *_ABSORBED)
+    for name, module, attr, t in _named_tensors(model):
+        if t.dtype == torch.float32 and not name.endswith(keep):
+            _set(module, attr, _empty(t, "meta", dtype))
+    return model.requires_grad_(False)
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (what a rank holds for the model, meta or materialized)."""
+    return sum(t.numel() * t.element_size() for _, _, _, t in _named_tensors(model))
+
+
+def plan_weight_bytes(
+    config: ModelConfig, ctx: ParallelContext, fp8: bool, dtype: torch.dtype = torch.bfloat16,
+    num_redundant_experts: int = 0,
+) -> int:
+    """Bytes rank ``ctx.rank`` holds for the model, from the loader's own plan on the meta device."""
+    placement = ExpertPlacement.build(max(config.n_routed_experts, 1), ctx.ep_size, num_redundant_experts)
+    return model_bytes(build_on_meta(config, dtype, fp8, ctx, placement))
+
+
+# ---- filling ------------------------------------------------------------------------------------
+
+
+def _read(reader: CheckpointReader, piece: Piece) -> torch.Tensor:
+    """A piece's source rows and columns, dequantized to fp32 if stored FP8 (one temporary)."""
+    name = piece.source
+    if reader.is_fp8(name):
+        rows = piece.rows
+        aligned = rows is None or rows[0] % reader.block_size[0] == 0
+        w = reader.get_raw(name, rows=rows if aligned else None)
+        scale = reader.get_raw(name + SCALE_SUFFIX, rows=piece.scaled().rows if aligned and rows else None)
+        try:
+            t = fp8_block_dequantize(w, scale, reader.block_size)
+        except ValueError as e:
+            raise CheckpointError(f"cannot dequantize {name!r}: {e}") from None
+        if not aligned:
+            t = t[rows[0] : rows[1]]
+    else:
+        t = reader.get_raw(name, rows=piece.rows)
+    return t if piece.cols is None else t[:, piece.cols[0] : piece.cols[1]]
+
+
+def _check(piece: Piece, got: tuple[int, ...], want: tuple[int, ...], name: str) -> None:
+    if got != want:
+        raise CheckpointError(f"checkpoint tensor {piece.source!r} (for {name}) has shape {got}, expected {want}")
+
+
+def _fill(reader: CheckpointReader, name: str, target: torch.Tensor, scale: torch.Tensor | None, pieces: list[Piece]) -> None:
+    """Fill ``target`` (and its tile ``scale`` when FP8) from ``pieces``."""
+    for piece in pieces:
+        dst = target[piece.index] if piece.index else target
+        dst = dst[piece.dst_rows[0] : piece.dst_rows[1]] if piece.dst_rows else dst
+        stored_fp8 = reader.is_fp8(piece.source)
+        if scale is not None and stored_fp8:  # FP8 kept: weight and scales as stored, no cast
+            if reader.block_size != (BLOCK, BLOCK):
+                raise CheckpointError(f"{piece.source!r}: FP8 blocks {reader.block_size}, expected {(BLOCK, BLOCK)}")
+            for part, out in ((piece, dst), (piece.scaled(), _scale_view(scale, piece))):
+                if part.cols is None and out.is_contiguous() and out.device.type == "cpu":
+                    _check(part, _rows_shape(reader, part), tuple(out.shape), name)
+                    reader.read_into(part.source, out, part.rows)
+                else:
+                    t = reader.get_raw(part.source, rows=part.rows)
+                    t = t if part.cols is None else t[:, part.cols[0] : part.cols[1]]
+                    _check(part, tuple(t.shape), tuple(out.shape), name)
+                    out.copy_(t)
+            continue
+        direct = scale is None and not stored_fp8 and piece.cols is None
+        if direct and dst.is_contiguous() and dst.device.type == "cpu" and dst.dtype == reader.stored_dtype(piece.source):
+            _check(piece, _rows_shape(reader, piece), tuple(dst.shape), name)
+            reader.read_into(piece.source, dst, piece.rows)  # as stored, straight into the parameter
+            continue
+        t = _read(reader, piece)
+        _check(piece, tuple(t.shape), tuple(dst.shape), name)
+        if scale is None:
+            dst.copy_(t)
+        else:  # a higher-precision checkpoint quantized at load (tile-aligned pieces)
+            q = fp8_block_quantize(t, (BLOCK, BLOCK))
+            dst.copy_(q.weight)
+            _scale_view(scale, piece).copy_(q.scale_inv)
+
+
+def _scale_view(scale: torch.Tensor, piece: Piece) -> torch.Tensor:
+    s = scale[piece.index] if piece.index else scale
+    rows = piece.scaled().dst_rows
+    return s[rows[0] : rows[1]] if rows else s
+
+
+def _rows_shape(reader: CheckpointReader, piece: Piece) -> tuple[int, ...]:
+    shape = reader.shape(piece.source)
+    return shape if piece.rows is None else (piece.rows[1] - piece.rows[0], *shape[1:])
 
 
 def load_model(
@@ -87,34 +251,45 @@ def load_model(
     dispatcher: Dispatcher,
     placement: ExpertPlacement,
     ctx: ParallelContext,
+    fp8: bool = False,
 ) -> DeepseekV3ForCausalLM:
-    """Each rank reads its own routed experts (through ``placement``) and, with TP > 1, keeps its
-    heads of the per-head attention projections; only leaders read ``lm_head``."""
+    """Build on the meta device, then materialize every tensor on ``device`` from the checkpoint at
+    ``path`` (this rank's experts and heads only); ``fp8``: keep FP8 block-scaled weights."""
+    start = time.perf_counter()
     reader = CheckpointReader(path)
-    with torch.device(device):
-        model = DeepseekV3ForCausalLM(config, dispatcher, placement, ctx)
+    model = build_on_meta(config, dtype, fp8, ctx, placement, dispatcher)
     if config.num_nextn_predict_layers and reader.has(f"model.layers.{config.num_hidden_layers}.eh_proj.weight"):
         logger.info("checkpoint has %d MTP layer(s); not used by this engine yet", config.num_nextn_predict_layers)
     local_experts = placement.local_logical_experts(ctx.rank)
-    params: dict[str, torch.Tensor] = dict(model.named_parameters())
-    params.update((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
-    for name in iter_with_progress(list(params), desc="Loading weights", disable=ctx.rank != 0):
-        target = params[name]
-        if name == "lm_head" and not ctx.is_leader:  # only a DP group's leader computes logits
-            target.data = torch.empty(0, config.hidden_size, device=device, dtype=dtype)
-            continue
-        keep_fp32 = ".router." in name
-        src = _sources(config, name, local_experts, lambda n: reader.get(n, dtype=torch.float32))
-        src = _shard_heads(config, name, src, ctx)
-        if tuple(src.shape) != tuple(target.shape):
-            raise ValueError(f"checkpoint tensor for {name} has shape {tuple(src.shape)}, expected {tuple(target.shape)}")
-        with torch.no_grad():
-            if isinstance(target, nn.Parameter):
-                target.data = src.to(device=device, dtype=torch.float32 if keep_fp32 else dtype)
-            else:
-                target.copy_(src)
-    model.requires_grad_(False)
+    tensors = {name: (module, attr, t) for name, module, attr, t in _named_tensors(model)}
+    for name in iter_with_progress(list(tensors), desc="Loading weights", disable=ctx.rank != 0):
+        module, attr, meta = tensors[name]
+        if name.endswith(SCALE_SUFFIX) or name.endswith(_DERIVED):
+            continue  # scales are filled with their weight; derived tensors computed below
+        target = _empty(meta, device)
+        scale = None
+        if target.dtype == FP8_DTYPE:
+            _, s_attr, s_meta = tensors[name + SCALE_SUFFIX]
+            scale = _empty(s_meta, device)
+            _set(module, s_attr, scale)
+        pieces = _pieces(config, name, tuple(meta.shape), local_experts, ctx)
+        if name.endswith(_OPTIONAL) and not all(reader.has(pc.source) for pc in pieces):
+            target.fill_(1.0)
+        else:
+            with torch.no_grad():
+                _fill(reader, name, target, scale, pieces)
+        _set(module, attr, target)
+    reader.close()
+    for name, module, attr, meta in _named_tensors(model):  # derived tensors: allocated, then computed
+        if meta.device.type == "meta" and name.endswith(_ABSORBED):
+            _set(module, attr, _empty(meta, device))
+    model.init_buffers(device)
     for module in model.modules():
         if isinstance(module, MLAttention):
             module.prepare()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    logger.info("loaded %s: %.2f GiB on rank %d (%s weights) in %.1f s", path, model_bytes(model) / 2**30, ctx.rank,
+                "FP8" if fp8 else str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return model.eval()

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
-from epserve.kernels import linear
+from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from epserve.model.batch import ForwardBatch, MicroBatch
-from epserve.model.layers import RMSNorm, RopeTable
+from epserve.model.layers import Linear, RMSNorm, RopeTable
 from epserve.parallel.stages import (
     APPEND_KV,
     ATTENTION_CORE,
@@ -44,7 +44,11 @@ class PrefillKV(NamedTuple):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, num_local_heads: int | None = None) -> None:
+    """Absorbed weights (``w_uk``, ``w_uv_t``, from ``kv_b_proj`` by :meth:`prepare`) are fp32 so the
+    decode math runs in fp32, or the model dtype when the projections run in FP8 (half the memory).
+    ``kv_scale``: the latent cache's per-layer scale when the cache is FP8 (stored = latent / scale)."""
+
+    def __init__(self, config: ModelConfig, num_local_heads: int | None = None, fp8: bool = False) -> None:
         super().__init__()
         c = config
         self.num_heads = num_local_heads or c.num_attention_heads
@@ -57,16 +61,19 @@ class MLAttention(nn.Module):
         self.softmax_scale = c.softmax_scale
         h = self.num_heads
         if c.q_lora_rank is None:
-            self.q_proj = nn.Parameter(torch.empty(h * c.qk_head_dim, c.hidden_size))
-            self.kv_a_proj_with_mqa = nn.Parameter(torch.empty(c.kv_cache_dim, c.hidden_size))
+            self.q_proj = Linear(c.hidden_size, h * c.qk_head_dim, fp8)
+            self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_cache_dim, fp8)
         else:
             # q_a_proj and kv_a_proj_with_mqa fused into one GEMM: [q_lora + kv_lora + rope, H]
-            self.fused_qkv_a_proj = nn.Parameter(torch.empty(c.q_lora_rank + c.kv_cache_dim, c.hidden_size))
+            self.fused_qkv_a_proj = Linear(c.hidden_size, c.q_lora_rank + c.kv_cache_dim, fp8)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = nn.Parameter(torch.empty(h * c.qk_head_dim, c.q_lora_rank))
+            self.q_b_proj = Linear(c.q_lora_rank, h * c.qk_head_dim, fp8)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = nn.Parameter(torch.empty(h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank))
-        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, h * c.v_head_dim))
+        self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), fp8)
+        self.o_proj = Linear(h * c.v_head_dim, c.hidden_size, fp8)
+        self.register_buffer("w_uk", torch.empty(h, c.qk_nope_head_dim, c.kv_lora_rank), persistent=False)
+        self.register_buffer("w_uv_t", torch.empty(h, c.kv_lora_rank, c.v_head_dim), persistent=False)
+        self.register_buffer("kv_scale", torch.ones((), dtype=torch.float32))
 
     def forward(
         self, h: torch.Tensor, mb: MicroBatch, layer_idx: int, hook: OpHook | None = None
@@ -89,15 +96,15 @@ class MLAttention(nn.Module):
     def project_qkv_a(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """x: [T, H] -> (q_a [T, q_lora] or None without q LoRA, raw latent [T, kv_lora + rope])."""
         if self.q_lora_rank is None:
-            return None, linear(x, self.kv_a_proj_with_mqa)
-        q_a, latent = linear(x, self.fused_qkv_a_proj).split(
+            return None, self.kv_a_proj_with_mqa(x)
+        q_a, latent = self.fused_qkv_a_proj(x).split(
             [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
         )
         return q_a, latent
 
     def project_q(self, x: torch.Tensor, q_a: torch.Tensor | None, rope: RopeTable) -> torch.Tensor:
         """-> q [T, h, qk_head] with the rotary part rotated."""
-        q = linear(x, self.q_proj) if q_a is None else linear(self.q_a_layernorm(q_a), self.q_b_proj)
+        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(-1, self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         return torch.cat([q_nope, rope.apply(q_pe)], dim=-1)
@@ -106,23 +113,40 @@ class MLAttention(nn.Module):
         """Normalise ``c_kv``, rotate ``k_pe`` and write them to the paged latent cache."""
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = torch.cat([self.kv_a_layernorm(c_kv), rope.apply(k_pe)], dim=-1)
-        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, batch.slot_mapping, latent.to(kv_cache.dtype))
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        if kv_cache.dtype != FP8_DTYPE:
+            flat.index_copy_(0, batch.slot_mapping, latent.to(kv_cache.dtype))
+        else:  # stored = latent / scale, saturated; copied as bytes (index ops lack float8 kernels)
+            q = (latent.float() / self.kv_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            flat.view(torch.uint8).index_copy_(0, batch.slot_mapping, q.view(torch.uint8))
+
+    @staticmethod
+    def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The cache blocks ``tables`` (gathered as bytes when FP8: index ops lack float8 kernels)."""
+        if kv_cache.dtype != FP8_DTYPE:
+            return kv_cache[tables]
+        return kv_cache.view(torch.uint8)[tables].view(FP8_DTYPE)
+
+    def _from_cache(self, latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cached latents in ``dtype``, dequantized when the cache is FP8."""
+        if latent.dtype != FP8_DTYPE:
+            return latent.to(dtype)
+        return (latent.float() * self.kv_scale).to(dtype)
 
     def prepare(self) -> None:
-        """After loading: split ``kv_b_proj`` per head into the absorbed decode weights, kept in fp32
-        (small: heads x nope x kv_lora_rank) so the decode attention math runs in fp32.
-        W_UK [h, nope, r] and W_UV^T [h, r, v]."""
-        w = self.kv_b_proj.detach().float().view(
-            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
-        )
-        self.register_buffer("w_uk", w[:, : self.qk_nope_head_dim].contiguous(), persistent=False)
-        self.register_buffer("w_uv_t", w[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous(), persistent=False)
+        """After loading: split ``kv_b_proj`` per head into the absorbed decode weights
+        W_UK [h, nope, r] and W_UV^T [h, r, v] (in the dtype the loader gave these buffers)."""
+        w = self.kv_b_proj.dequantized().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        with torch.no_grad():
+            self.w_uk.copy_(w[:, : self.qk_nope_head_dim])
+            self.w_uv_t.copy_(w[:, self.qk_nope_head_dim :].transpose(1, 2))
 
     def absorb_q(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Decode queries into the latent space (fp32): [B, h, qk_head] -> [B, h, kv_lora + rope]."""
-        q_nope, q_pe = q[: batch.num_decode_seqs].float().split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, h, r]
-        return torch.cat([q_latent, q_pe], dim=-1)
+        q_nope, q_pe = q[: batch.num_decode_seqs].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_nope = q_nope.to(self.w_uk.dtype).transpose(0, 1)
+        q_latent = torch.bmm(q_nope, self.w_uk).transpose(0, 1).float()  # [B, h, r]
+        return torch.cat([q_latent, q_pe.float()], dim=-1)
 
     def expand_kv(self, batch: ForwardBatch, kv_cache: torch.Tensor, dtype: torch.dtype) -> list[PrefillKV]:
         """Prefill chunks: the whole cached context of each projected to per-head K and V."""
@@ -131,9 +155,9 @@ class MLAttention(nn.Module):
         for i in range(batch.num_decode_seqs, batch.num_seqs):
             seq_len = batch.seq_lens_cpu[i]
             num_blocks = -(-seq_len // bs)
-            latent = kv_cache[batch.block_tables[i, :num_blocks]].view(-1, kv_cache.shape[-1])[:seq_len].to(dtype)
-            c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            kv = linear(c_kv, self.kv_b_proj).view(seq_len, self.num_heads, -1)
+            latent = self._gather(kv_cache, batch.block_tables[i, :num_blocks]).view(-1, kv_cache.shape[-1])[:seq_len]
+            c_kv, k_pe = self._from_cache(latent, dtype).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            kv = self.kv_b_proj(c_kv).view(seq_len, self.num_heads, -1)
             k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
             k = torch.cat([k_nope, k_pe[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
             out.append(PrefillKV(k, v))
@@ -170,12 +194,13 @@ class MLAttention(nn.Module):
 
     def absorb_v(self, o_latent: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Decode outputs back from the latent space into ``out``'s first rows; returns ``out``."""
-        out[: o_latent.shape[0]] = torch.bmm(o_latent.transpose(0, 1), self.w_uv_t).transpose(0, 1).to(out.dtype)
+        o = torch.bmm(o_latent.to(self.w_uv_t.dtype).transpose(0, 1), self.w_uv_t)
+        out[: o_latent.shape[0]] = o.transpose(0, 1).to(out.dtype)
         return out
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """[T, h, v] -> [T, H] (partial sums over this rank's heads when TP > 1)."""
-        return linear(out.flatten(1), self.o_proj)
+        return self.o_proj(out.flatten(1))
 
     def _decode_mqa(self, q_latent: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Absorbed decode attention: MQA of [B, h, r + rope] queries over the latent cache -> [B, h, r]."""
@@ -186,7 +211,8 @@ class MLAttention(nn.Module):
         max_len = max(batch.seq_lens_cpu[:num_seqs])
         num_blocks = -(-max_len // batch.block_size)
         tables = batch.block_tables[:num_seqs, :num_blocks]
-        kv = kv_cache[tables].view(num_seqs, num_blocks * batch.block_size, -1)[:, :max_len].float()  # [B, L, r+rope]
+        kv = self._gather(kv_cache, tables).view(num_seqs, num_blocks * batch.block_size, -1)[:, :max_len]
+        kv = self._from_cache(kv, torch.float32)  # [B, L, r + rope]
         scores = torch.bmm(q_latent, kv.transpose(1, 2)) * self.softmax_scale  # [B, h, L]
         pad = torch.arange(max_len, device=q_latent.device)[None, :] >= seq_lens[:, None]  # [B, L]
         scores.masked_fill_(pad[:, None, :], float("-inf"))

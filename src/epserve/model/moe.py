@@ -33,18 +33,24 @@ from epserve.parallel.stages import (
 
 class MoE(nn.Module):
     def __init__(
-        self, config: ModelConfig, dispatcher: Dispatcher, placement: ExpertPlacement, ep_rank: int = 0
+        self,
+        config: ModelConfig,
+        dispatcher: Dispatcher,
+        placement: ExpertPlacement,
+        ep_rank: int = 0,
+        fp8: bool = False,
     ) -> None:
         super().__init__()
         self.router = ExpertRouter(config)
         self.dispatcher = dispatcher
+        self.placement = placement
         self.local_logical_experts = placement.local_logical_experts(ep_rank)
-        self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size)
+        self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size, fp8)
         self.register_buffer("logical_to_physical", placement.logical_to_physical_table(), persistent=False)
         # Tokens received by each local slot since start-up (CPU, cheap to read for statistics).
         self.expert_load = torch.zeros(placement.num_local_slots, dtype=torch.long, device="cpu")
         self.shared_experts = (
-            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, fp8)
             if config.n_shared_experts
             else None
         )
@@ -69,6 +75,11 @@ class MoE(nn.Module):
         if not shared_during_dispatch:
             shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x)
         return out if shared is None else out + shared
+
+    def init_buffers(self) -> None:
+        """The slot table, computed (not loaded): after building on the meta device."""
+        device = self.router.weight.device
+        self.logical_to_physical = self.placement.logical_to_physical_table().to(device)
 
     def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.kernels import moe_swiglu
+from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_moe_swiglu
 from epserve.moe.dispatch.base import ExpertInput
 
 
@@ -17,21 +18,37 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" or torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
-class GroupedExperts(nn.Module):
-    """``num_local_experts`` SwiGLU experts: ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I]."""
+def _weight(*shape: int, fp8: bool) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=FP8_DTYPE if fp8 else None), requires_grad=False)
 
-    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int) -> None:
+
+def _scales(num: int, rows: int, cols: int) -> nn.Parameter:
+    shape = (num, -(-rows // BLOCK), -(-cols // BLOCK))
+    return nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+
+
+class GroupedExperts(nn.Module):
+    """``num_local_experts`` SwiGLU experts: ``w13`` [E, 2I, H] (gate rows then up rows), ``w2`` [E, H, I].
+    With ``fp8`` both are float8 e4m3 with one fp32 scale per 128x128 tile (``w13_scale_inv``
+    [E, 2I/128, H/128], ``w2_scale_inv``), run as grouped block-scaled FP8 GEMMs."""
+
+    def __init__(self, num_local_experts: int, hidden_size: int, intermediate_size: int, fp8: bool = False) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
         self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden_size, intermediate_size))
+        self.w13 = _weight(num_local_experts, 2 * intermediate_size, hidden_size, fp8=fp8)
+        self.w2 = _weight(num_local_experts, hidden_size, intermediate_size, fp8=fp8)
+        self.w13_scale_inv = _scales(num_local_experts, 2 * intermediate_size, hidden_size) if fp8 else None
+        self.w2_scale_inv = _scales(num_local_experts, hidden_size, intermediate_size) if fp8 else None
 
     def forward(self, expert_input: ExpertInput) -> torch.Tensor:
         """Rows grouped by local expert [N, H] -> expert outputs [N, H] in the same order."""
         x = expert_input.hidden_states
         if x.shape[0] == 0:
             return x.new_empty(0, self.w2.shape[1])
+        if self.w13_scale_inv is not None:
+            return fp8_moe_swiglu(x, expert_input.num_tokens_per_expert, self.w13, self.w13_scale_inv,
+                                  self.w2, self.w2_scale_inv)
         out = moe_swiglu(x, expert_input.num_tokens_per_expert_list, self.w13, self.w2)  # decode-sized
         if out is not None:
             return out

@@ -195,8 +195,9 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
                                          "hidden_size": 1024, "max_position_embeddings": 8192,
                                          "quantization_config": None})
             attn = MLAttention(cfg)
-            torch.nn.init.normal_(attn.kv_b_proj, std=0.02)
+            torch.nn.init.normal_(attn.kv_b_proj.weight, std=0.02)
             attn = attn.to(device=device, dtype=dtype)
+            attn.w_uk, attn.w_uv_t = attn.w_uk.float(), attn.w_uv_t.float()  # fp32, as the engine keeps them
             attn.prepare()
             modules[heads] = cfg, attn
         cfg, attn = modules[heads]
