@@ -31,7 +31,7 @@ from epserve.planner.cost import (
 )
 from epserve.planner.deployment import WEIGHT_BYTES
 from epserve.planner.errors import PlanError
-from epserve.planner.memory import expert_params, weight_counts
+from epserve.planner.memory import expert_counts, weight_counts
 from epserve.planner.ops import BatchShape, price_ops
 
 
@@ -168,7 +168,7 @@ def test_kv_bytes_per_token() -> None:
 
 def test_deepseek_v3_parameter_count() -> None:
     total = weight_counts(V3, Deployment(ep=1))
-    assert (total.quantized + total.bf16) / 1e9 == pytest.approx(671, rel=0.002)
+    assert total.parameters / 1e9 == pytest.approx(671, rel=0.002)
 
 
 def test_memory_arithmetic() -> None:
@@ -179,10 +179,9 @@ def test_memory_arithmetic() -> None:
     assert mem.kv_bytes == 10 * per_request
     assert mem.reserved_bytes == int(hw.memory_bytes * 0.10)
     assert mem.max_batch_per_gpu == (hw.memory_bytes - mem.reserved_bytes - mem.weights_bytes) // per_request
-    # halving EP adds 16 experts x 58 MoE layers of FP8 weights on every GPU
+    # halving EP adds 16 experts x 58 MoE layers of FP8 weights (and their tile scales) on every GPU
     wide = estimate_memory(V3, hw, replace(d, ep=16))
-    assert mem.weights_bytes - wide.weights_bytes == pytest.approx(
-        16 * 58 * expert_params(V3) * WEIGHT_BYTES["fp8"], abs=2)
+    assert mem.weights_bytes - wide.weights_bytes == 16 * 58 * expert_counts(V3).bytes("fp8")
     # TP replicates the latent cache: TP 2 stores both DP ranks' requests
     tp2 = estimate_memory(V3, hw, replace(d, tp=2))
     assert tp2.kv_bytes == 2 * mem.kv_bytes
@@ -196,17 +195,16 @@ def test_redundant_experts_cost_memory() -> None:
     hw = load_hardware("h200")
     base = estimate_memory(V3, hw, Deployment(ep=32))
     extra = estimate_memory(V3, hw, Deployment(ep=32, num_redundant_experts=32))
-    assert extra.weights_bytes - base.weights_bytes == pytest.approx(
-        58 * expert_params(V3) * WEIGHT_BYTES["fp8"], abs=2)
+    assert extra.weights_bytes - base.weights_bytes == 58 * expert_counts(V3).bytes("fp8")
 
 
 def test_weights_that_do_not_fit_are_refused() -> None:
-    # 671B FP8 parameters on one node of 80 GB H100s: ~95 GiB of weights per GPU
+    # 671B FP8 parameters on one node of 80 GB H100s: ~96 GiB of weights per GPU
     plan = plan_decode(V3, load_hardware("h100"), Deployment(ep=8, batch=1))
     assert not plan.fits and plan.step is None
     assert "weights need" in (plan.refusal or "")
     assert plan.memory.max_batch_per_gpu == 0
-    assert math.isclose(plan.memory.weights_bytes / 2**30, 95.5, rel_tol=0.02)
+    assert math.isclose(plan.memory.weights_bytes / 2**30, 96.06, rel_tol=0.001)
 
 
 def test_padded_dispatch_sends_fixed_buffers() -> None:

@@ -1,30 +1,64 @@
 """Memory model: weights per GPU, KV bytes per token, and the batch the rest of HBM holds.
 
-Layout (BRIEF.md, "Parallelism"): every GPU holds the attention of its DP group (the head-sharded
-projections split by TP, the latent projections ``q_a``/``kv_a`` replicated), the dense MLPs and the
-shared expert whole, ``slots / EP`` routed experts, and a vocabulary-parallel embedding and LM head.
+Weights follow the engine's own layout tensor for tensor (``model/loader.py``, ``build_on_meta``) on
+the GPU that holds the most, a DP group's leader: the attention of its DP group (the head-sharded
+``q_b``/``q_proj``, ``kv_b`` and ``o_proj`` split by TP, the fused latent ``q_a`` + ``kv_a``
+replicated) with MLA's absorbed decode weights, the dense MLPs and the shared expert whole,
+``slots / EP`` routed experts, the router, the full embedding (replicated, not vocabulary-parallel)
+and the full LM head (a DP group's leader only). ``tests/test_planner_memory.py`` checks the figure
+against the engine's plan byte for byte. The MTP layer (``mtp_draft > 0``) is an addition on top,
+laid out like the other layers: the engine does not load it yet.
+
 The latent KV cache is replicated on every TP rank, so one GPU stores the cache of all
 ``batch * tp`` requests of its DP group.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 from epserve.config import ModelConfig
 from epserve.planner.deployment import KV_BYTES, WEIGHT_BYTES, Deployment, num_expert_slots
 from epserve.planner.hardware import HardwareSpec
 
+TILE = 128  # FP8 weights carry one fp32 scale per TILE x TILE tile of each matrix (edge tiles whole)
+RUNTIME_BYTES = 2  # the engine's runtime dtype (bf16): embedding, LM head, norms
+# Per element of a linear layer's weight, and per tile of its scales. FP4 (NVFP4; the engine has no
+# FP4 weights) is priced per element, its one fp8 scale per 16 values included.
+LINEAR_BYTES = {"fp8": 1.0, "bf16": 2.0, "fp4": WEIGHT_BYTES["fp4"]}
+TILE_SCALE_BYTES = {"fp8": 4, "bf16": 0, "fp4": 0}
+
 
 @dataclass(frozen=True)
 class WeightCounts:
-    """Parameters per GPU, split by how they are stored."""
+    """What one GPU holds, by how it is stored: elements, and tiles of FP8 scales."""
 
-    quantized: int  # linear layers in the deployment's weight dtype
-    bf16: int  # embedding, LM head, router gate, norms
+    linear: int = 0  # linear layers' weights, in the deployment's weight dtype
+    tiles: int = 0  # their TILE x TILE tiles, per matrix (per expert when stacked): one fp32 scale each if FP8
+    runtime: int = 0  # embedding, LM head, norms: the runtime dtype (bf16)
+    absorbed: int = 0  # MLA's absorbed w_uk and w_uv_t: bf16 next to quantized weights, fp32 next to bf16 ones
+    router: int = 0  # the router's gate weight and correction bias: fp32
+    fp32: int = 0  # derived fp32 tensors: the rotary cos/sin tables, each layer's KV scale
+    int64: int = 0  # the MoE layers' logical-to-physical slot tables
+
+    def __add__(self, other: WeightCounts) -> WeightCounts:
+        return WeightCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def __mul__(self, n: int) -> WeightCounts:
+        return WeightCounts(*(a * n for a in astuple(self)))
+
+    __rmul__ = __mul__
+
+    @property
+    def parameters(self) -> int:
+        """Checkpoint parameters held (scales and derived tensors not counted)."""
+        return self.linear + self.runtime + self.router
 
     def bytes(self, weight_dtype: str) -> int:
-        return int(self.quantized * WEIGHT_BYTES[weight_dtype] + self.bf16 * 2)
+        absorbed = 4 if weight_dtype == "bf16" else RUNTIME_BYTES
+        return int(self.linear * LINEAR_BYTES[weight_dtype] + self.tiles * TILE_SCALE_BYTES[weight_dtype]
+                   + self.runtime * RUNTIME_BYTES + self.absorbed * absorbed
+                   + (self.router + self.fp32) * 4 + self.int64 * 8)
 
 
 @dataclass(frozen=True)
@@ -41,40 +75,58 @@ class MemoryEstimate:
         return self.weights_bytes + self.reserved_bytes <= self.capacity_bytes
 
 
-def attention_params(model: ModelConfig, tp: int) -> int:
-    """One layer's MLA weights on one TP rank."""
+def linear_counts(in_features: int, out_features: int, count: int = 1) -> WeightCounts:
+    """``count`` weights ``[out, in]`` (a fused weight is one matrix: its tiles are counted whole)."""
+    tiles = -(-out_features // TILE) * -(-in_features // TILE)
+    return WeightCounts(linear=count * out_features * in_features, tiles=count * tiles)
+
+
+def gated_mlp_counts(hidden: int, intermediate: int, count: int = 1) -> WeightCounts:
+    """SwiGLU with gate and up fused: ``gate_up [2I, H]`` and ``down [H, I]``."""
+    return linear_counts(hidden, 2 * intermediate, count) + linear_counts(intermediate, hidden, count)
+
+
+def attention_counts(model: ModelConfig, tp: int) -> WeightCounts:
+    """One layer's MLA on one TP rank (``model/mla.py``): projections, norms, absorbed weights, KV scale."""
     heads = model.num_attention_heads // tp
-    h = model.hidden_size
-    if model.q_lora_rank:
-        q = h * model.q_lora_rank + model.q_lora_rank + model.q_lora_rank * heads * model.qk_head_dim
+    h, r = model.hidden_size, model.kv_lora_rank
+    if model.q_lora_rank:  # q_a and kv_a fused, replicated; q_b split by heads
+        q = (linear_counts(h, model.q_lora_rank + model.kv_cache_dim)
+             + linear_counts(model.q_lora_rank, heads * model.qk_head_dim) + WeightCounts(runtime=model.q_lora_rank))
     else:
-        q = h * heads * model.qk_head_dim
-    kv_a = h * model.kv_cache_dim + model.kv_lora_rank
-    kv_b = model.kv_lora_rank * heads * (model.qk_nope_head_dim + model.v_head_dim)
-    o = heads * model.v_head_dim * h
-    return q + kv_a + kv_b + o
+        q = linear_counts(h, heads * model.qk_head_dim) + linear_counts(h, model.kv_cache_dim)
+    return (q + linear_counts(r, heads * (model.qk_nope_head_dim + model.v_head_dim))  # kv_b
+            + linear_counts(heads * model.v_head_dim, h)  # o_proj
+            + WeightCounts(runtime=r, absorbed=heads * r * (model.qk_nope_head_dim + model.v_head_dim), fp32=1))
 
 
-def expert_params(model: ModelConfig) -> int:
-    """One routed expert (SwiGLU gate, up, down)."""
-    return 3 * model.hidden_size * model.moe_intermediate_size
+def expert_counts(model: ModelConfig) -> WeightCounts:
+    """One routed expert (``w13`` gate and up, ``w2`` down)."""
+    return gated_mlp_counts(model.hidden_size, model.moe_intermediate_size)
+
+
+def moe_counts(model: ModelConfig, slots_per_rank: int) -> WeightCounts:
+    """One MoE layer on one rank (``model/moe.py``): router, slot table, local experts, shared expert."""
+    n = model.n_routed_experts
+    bias = n if model.topk_method == "noaux_tc" else 0  # the router registers it for noaux_tc only
+    shared = gated_mlp_counts(model.hidden_size, model.moe_intermediate_size * model.n_shared_experts)
+    return (WeightCounts(router=n * model.hidden_size + bias, int64=n) + slots_per_rank * expert_counts(model)
+            + (shared if model.n_shared_experts else WeightCounts()))
 
 
 def weight_counts(model: ModelConfig, d: Deployment) -> WeightCounts:
+    """What the most loaded GPU (a DP group's leader) holds."""
     h = model.hidden_size
-    attn = attention_params(model, d.tp)
-    moe_layer = model.n_shared_experts * expert_params(model) + num_expert_slots(model, d) // d.ep * expert_params(model)
-    router = model.n_routed_experts * h + model.n_routed_experts  # gate weight + correction bias
+    attn = attention_counts(model, d.tp) + WeightCounts(runtime=2 * h)  # with the layer's two norms
+    moe = moe_counts(model, num_expert_slots(model, d) // d.ep)
     num_moe = len(model.moe_layer_ids)
     num_dense = model.num_hidden_layers - num_moe
-    quantized = model.num_hidden_layers * attn + num_dense * 3 * h * model.intermediate_size + num_moe * moe_layer
-    bf16 = model.num_hidden_layers * 2 * h + num_moe * router
-    vocab = model.vocab_size * h // d.tp
-    bf16 += vocab if model.tie_word_embeddings else 2 * vocab
-    if d.mtp_draft:  # the MTP layer: enorm, hnorm, eh_proj and one MoE decoder layer; embedding and head shared
-        quantized += 2 * h * h + attn + moe_layer
-        bf16 += 2 * h + 2 * h + router
-    return WeightCounts(quantized=quantized, bf16=bf16 + h)
+    total = (model.num_hidden_layers * attn + num_moe * moe + num_dense * gated_mlp_counts(h, model.intermediate_size)
+             + WeightCounts(runtime=2 * model.vocab_size * h + h,  # embedding and LM head (both, even if tied), norm
+                            fp32=2 * model.max_position_embeddings * (model.qk_rope_head_dim // 2)))  # rotary
+    if d.mtp_draft:  # the MTP layer: enorm, hnorm, eh_proj, one MoE decoder layer, the head's norm
+        total += linear_counts(2 * h, h) + WeightCounts(runtime=3 * h) + attn + moe
+    return total
 
 
 def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", mtp_draft: int = 0) -> int:
