@@ -1,26 +1,35 @@
 #!/usr/bin/env bash
-# The GPU checks of the single-process engine, for a session that is lent a CUDA machine:
-# the engine tests and the transformers parity tests with the engine on CUDA (the oracle stays on
-# the CPU), then the offline benchmark on CUDA. Results go to $OUT (or ./bench_out).
-# Usage (device tool): bash benchmarks/gpu_check.sh
+# The GPU checks, for a session that is lent a CUDA machine. Results go to $OUT (or ./bench_out).
+#   engine: the engine tests and the transformers parity tests with the engine on CUDA (the oracle stays
+#           on the CPU), then the offline benchmark on CUDA.
+#   fp8:    the block-scaled FP8 kernel tests on CUDA (Triton, blockwise torch._scaled_mm where the probe
+#           accepts it, a CUDA-graph capture of the grouped path) against the CPU reference; the FP8 GEMM
+#           benchmark (Triton vs _scaled_mm vs bf16 at M = 1, 16, 128, 4096; grouped expert GEMM); the
+#           FP8 runtime against the dequantized model in the engine.
+# Usage (device tool): bash benchmarks/gpu_check.sh [engine|fp8|all]   (default all; each part < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PART=${1:-all}
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 export EPSERVE_TEST_DEVICE=cuda EPSERVE_CACHE_DIR=${EPSERVE_CACHE_DIR:-$PWD/.gpu-cache} PYTHONPATH=$PWD/src
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/gpu.txt"
-# test_overlap: the overlap schedules (incl. two micro-batches) in one process on CUDA. Multi-rank NCCL
-# expert parallelism needs two GPUs (NCCL refuses two ranks on one device): not checkable on one H200.
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_engine.py tests/test_overlap.py \
-  2>&1 | tail -25 | tee "$OUT/tests.txt"
-timeout 240 python3 benchmarks/offline_throughput.py --device cuda --repeats 3 --json "$OUT/offline.json" \
-  2>&1 | tail -30 | tee "$OUT/offline.txt"
-# Block-scaled FP8 kernels: the tests run the front ends on CUDA (Triton, blockwise torch._scaled_mm where
-# the probe accepts it, a CUDA-graph capture of the grouped path) against the CPU reference; then the
-# FP8 GEMM benchmark (Triton vs _scaled_mm vs bf16, grouped GEMM on routed experts).
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py \
-  2>&1 | tail -25 | tee "$OUT/fp8_tests.txt"
-timeout 240 python3 benchmarks/fp8_gemm.py --json "$OUT/fp8_gemm.json" \
-  2>&1 | tail -80 | tee "$OUT/fp8_gemm.txt"
+python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tee -a "$OUT/gpu.txt"
+if [ "$PART" = engine ] || [ "$PART" = all ]; then
+  # test_overlap: the overlap schedules (incl. two micro-batches) in one process on CUDA. Multi-rank NCCL
+  # expert parallelism needs two GPUs (NCCL refuses two ranks on one device): not checkable on one H200.
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_engine.py tests/test_overlap.py \
+    2>&1 | tail -25 | tee "$OUT/tests.txt"
+  timeout 180 python3 benchmarks/offline_throughput.py --device cuda --repeats 3 --json "$OUT/offline.json" \
+    2>&1 | tail -30 | tee "$OUT/offline.txt"
+fi
+if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py \
+    2>&1 | tail -25 | tee "$OUT/fp8_tests.txt"
+  timeout 150 python3 benchmarks/fp8_gemm.py --json "$OUT/fp8_gemm.json" \
+    2>&1 | tail -80 | tee "$OUT/fp8_gemm.txt"
+  timeout 150 python3 benchmarks/fp8_engine.py --device cuda --memory-budget-gb 4 --json "$OUT/fp8_engine.json" \
+    2>&1 | tail -10 | tee "$OUT/fp8_engine.txt"
+fi

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -169,3 +171,40 @@ def test_unsupported_fp8_layouts_are_named(tiny_fp8_ckpt, make_ckpt, tmp_path):
     mc = ModelConfig.from_hf(src)
     assert any("q rows per TP rank" in p for p in fp8_runtime_problems(mc, tp=2))
     assert fp8_runtime_problems(mc) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
+def test_fp8_runtime_gives_the_same_tokens_across_layouts(make_ckpt, dp, tp):
+    """FP8 weights and FP8 KV cache over expert-parallel ranks (each reading its own experts) and TP
+    ranks (each reading its heads' rows and columns): the one-process tokens, close logprobs."""
+    path = make_ckpt("tiny128", fp8=True, dtype="bfloat16", logit_margin=MARGIN,
+                     overrides={"qk_nope_head_dim": 64, "qk_rope_head_dim": 64, "v_head_dim": 64})
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    prompts = _prompts(6, seed=2)
+    ref = _llm(path, quantization="fp8", kv_cache_dtype="fp8").generate(prompts, params)
+    with LLM(path, dp=dp, tp=tp, quantization="fp8", kv_cache_dtype="fp8", num_blocks=96, max_num_seqs=16) as llm:
+        assert llm.cache_info()["kv_cache_dtype"] == "fp8_e4m3"
+        got = llm.generate(prompts, params)
+    clear = 0
+    for r, g in zip(ref, got):
+        if min(_gaps(r)) >= MIN_MARGIN_NATS:
+            assert g.token_ids == r.token_ids
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(r.logprobs, g.logprobs)) < 0.1
+            clear += 1
+    assert clear >= 3
+
+
+def test_cli_runs_fp8_and_names_what_it_cannot(fp8_ckpt, tiny_fp8_ckpt):
+    def generate(path, *flags):
+        return subprocess.run([sys.executable, "-m", "epserve.cli", "generate", str(path), "--prompt", "hi",
+                               "--max-tokens", "4", "--num-blocks", "32", *flags],
+                              capture_output=True, text=True, timeout=300)
+
+    ok = generate(fp8_ckpt, "--quantization", "fp8", "--kv-cache-dtype", "fp8")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert "tokens:" in ok.stdout
+    assert "FP8 weights" in ok.stderr and "(fp8_e4m3)" in ok.stderr  # the load and KV cache log lines
+    bad = generate(tiny_fp8_ckpt, "--quantization", "fp8")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "moe_intermediate_size (expert gate_proj fused with up_proj) = 32 is not a multiple of 128" in bad.stderr

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from epserve.checkpoint import fp8_block_dequantize
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
 from epserve.kernels import linear
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, block_fp8_gemm, silu_mul_quant
@@ -54,8 +55,7 @@ class Linear(nn.Module):
         """The weight as fp32 ``[out, in]`` (after loading; for derived weights such as MLA's absorbed ones)."""
         if self.weight_scale_inv is None:
             return self.weight.detach().float()
-        scale = self.weight_scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-        return self.weight.float() * scale[: self.weight.shape[0], : self.weight.shape[1]]
+        return fp8_block_dequantize(self.weight, self.weight_scale_inv, (BLOCK, BLOCK))
 
 
 class RMSNorm(nn.Module):
