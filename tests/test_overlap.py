@@ -202,3 +202,34 @@ def test_set_overlap_refuses_bad_values(make_ckpt):
         llm.set_overlap("auto", 0)
     llm.set_overlap("auto", 8)
     assert llm.engine.runner.microbatch_threshold == 8 and llm.engine.runner.overlap == "auto"
+
+
+def _inner_stages(x):
+    y = x * 2
+    yield
+    return y + 1
+
+
+def _outer_stages(x, times):
+    for _ in range(times):
+        x = yield from _inner_stages(x)
+        yield
+    return x
+
+
+def test_straight_twin_runs_the_same_code_without_pausing():
+    """parallel.overlap.straight: the generator's own source with stage ends dropped; `yield from f(...)`
+    calls f's twin (here a module-level name `<f>_straight`)."""
+    from epserve.parallel.overlap import straight
+
+    globals()["_inner_stages_straight"] = straight(_inner_stages)
+    outer = straight(_outer_stages)
+    assert outer(3, 2) == run_in_order(_outer_stages(3, 2)) == 15
+    assert outer.__code__.co_firstlineno == _outer_stages.__code__.co_firstlineno  # tracebacks point at the source
+
+    def yields_a_value(x):
+        got = yield x
+        return got
+
+    with pytest.raises(ValueError, match="only bare `yield`|not a stage end"):
+        straight(yields_a_value)

@@ -1,4 +1,10 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, optional logprobs."""
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, optional logprobs.
+
+The whole batch is sampled on the logits' device: the filters run on ``[S, V]`` with one value per row,
+the draw is an exponential race (``argmax(p / Exp(1))`` samples from ``p``) whose noise comes from each
+request's own generator (so a seeded request's tokens do not depend on its batch), and the sampled ids
+with any logprobs come back to the host in one transfer per step.
+"""
 
 from __future__ import annotations
 
@@ -24,21 +30,35 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k, top-p and min-p to one row of logits [V]."""
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [S, 1]
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, each row with its own values: logits [S, V] -> [S, V] with
+    the dropped tokens at -inf. Greedy rows (temperature 0) come back unscaled."""
+    vocab = logits.shape[-1]
+    logits = logits / _column([p.temperature if p.temperature > 0 else 1.0 for p in params], logits)
+    if any(0 < p.top_k < vocab for p in params):
+        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, ks[:, None] - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, idx, drop), float("-inf"))
-    if p.min_p > 0.0:
+    if any(p.top_p < 1.0 for p in params):
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix reaching top_p
+        drop = probs.cumsum(-1) - probs >= _column([p.top_p for p in params], probs)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        floor = _column([p.min_p for p in params], probs) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row [V] (the filters of :func:`filter_logits`)."""
+    return filter_logits(logits[None], [p])[0]
 
 
 class Sampler:
@@ -56,25 +76,34 @@ class Sampler:
         generators: list[torch.Generator | None],
     ) -> SamplerOutput:
         """logits [S, V] fp32, one SamplingParams and optional per-request generator per row."""
-        greedy = logits.argmax(dim=-1)
-        token_ids = greedy.tolist()
-        for i, p in enumerate(params):
-            if p.is_greedy:
-                continue
-            probs = _filter(logits[i], p).softmax(-1)
-            # Exponential race: argmax(p / Exp(1)) samples from p, with one generator per request.
-            noise = torch.empty_like(probs).exponential_(generator=generators[i] or self._default)
-            token_ids[i] = int((probs / noise).argmax())
-        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        ids = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled:
+            probs = filter_logits(logits[sampled], [params[i] for i in sampled]).softmax(-1)
+            noise = torch.empty_like(probs)
+            unseeded = [row for row, i in enumerate(sampled) if generators[i] is None]
+            if unseeded:  # one draw from the sampler's generator for every unseeded row
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
+                    generator=self._default)
+            for row, i in enumerate(sampled):
+                if generators[i] is not None:
+                    noise[row].exponential_(generator=generators[i])
+            ids[sampled] = (probs / noise).argmax(dim=-1)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if wanted:
-            lp = torch.log_softmax(logits[wanted], dim=-1)
-            for row, i in enumerate(wanted):
-                k = params[i].logprobs or 0
-                top = torch.topk(lp[row], k) if k else None
-                logprobs[i] = TokenLogprobs(
-                    token_id=token_ids[i],
-                    logprob=float(lp[row, token_ids[i]]),
-                    top=tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else (),
-                )
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        if not wanted:
+            return SamplerOutput(ids.tolist(), [None] * len(params))
+        k = max(params[i].logprobs or 0 for i in wanted)
+        lp = torch.log_softmax(logits[wanted], dim=-1)
+        chosen = lp.gather(1, ids[wanted, None])  # [W, 1]
+        top = torch.topk(lp, k, dim=-1)
+        packed = torch.cat([ids.double(), chosen.double().flatten(), top.values.double().flatten(),
+                            top.indices.double().flatten()]).tolist()  # the step's one transfer
+        s, w = len(params), len(wanted)
+        token_ids = [int(t) for t in packed[:s]]
+        values, indices = packed[s + w : s + w + w * k], packed[s + w + w * k :]
+        logprobs: list[TokenLogprobs | None] = [None] * s
+        for row, i in enumerate(wanted):
+            n = params[i].logprobs or 0
+            pairs = zip(indices[row * k : row * k + n], values[row * k : row * k + n])
+            logprobs[i] = TokenLogprobs(token_ids[i], packed[s + row], tuple((int(t), v) for t, v in pairs))
+        return SamplerOutput(token_ids, logprobs)

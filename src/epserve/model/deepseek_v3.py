@@ -26,7 +26,7 @@ from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.comm import TensorParallel
 from epserve.parallel.context import ParallelContext
-from epserve.parallel.overlap import Stages, run_in_order, run_interleaved
+from epserve.parallel.overlap import Stages, run_interleaved, straight
 from epserve.parallel.stages import (
     ATTN_REDUCE_SCATTER,
     DISPATCH_RECV,
@@ -82,6 +82,8 @@ class DecoderLayer(nn.Module):
         x = run_op(hook, FFN_ALL_GATHER, self.tp.all_gather, own + out, x.shape[0])
         yield
         return x
+
+    forward_straight = straight(forward)  # the same, run start to finish (parallel/overlap.py)
 
     def _reduce_scatter(self, x: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         """The residual of the tokens this TP rank owns plus the o_proj partials summed over TP."""
@@ -154,7 +156,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                                          _run_layers(layers, x[cut:], b, overlap), offset)
                 x = torch.cat([xa, xb])
             else:
-                x = run_in_order(_run_layers(layers, x, mb, overlap))
+                for layer in layers:
+                    x = layer.forward_straight(x, mb, overlap)
         return self.norm(x)
 
     def init_buffers(self, device: torch.device) -> None:

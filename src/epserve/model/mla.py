@@ -20,8 +20,10 @@ from torch import nn
 
 from epserve.config import ModelConfig
 from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from epserve.kernels.ops import paged_mla_decode_op
 from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import Linear, RMSNorm, RopeTable
+from epserve.parallel.overlap import straight
 from epserve.parallel.stages import (
     APPEND_KV,
     ATTENTION_CORE,
@@ -91,6 +93,8 @@ class MLAttention(nn.Module):
         o_latent, out = run_op(hook, ATTENTION_CORE, self.attention_core, q, q_latent, prefill_kv, batch, kv_cache)
         out = run_op(hook, V_ABSORB, self.absorb_v, o_latent, out)
         return run_op(hook, O_PROJ, self.project_out, out)
+
+    forward_straight = straight(forward)  # the same, run start to finish (parallel/overlap.py)
 
     # ---- the attention ops of parallel/stages.py ---------------------------------------------
     def project_qkv_a(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -203,20 +207,14 @@ class MLAttention(nn.Module):
         return self.o_proj(out.flatten(1))
 
     def _decode_mqa(self, q_latent: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Absorbed decode attention: MQA of [B, h, r + rope] queries over the latent cache -> [B, h, r]."""
+        """Absorbed decode attention: MQA of [B, h, r + rope] queries over the paged latent cache, read in
+        place through the block tables (``kernels/mla_decode.py``) -> [B, h, r] fp32."""
         num_seqs = q_latent.shape[0]
         if not num_seqs:
             return q_latent.new_empty(0, self.num_heads, self.kv_lora_rank)
-        seq_lens = batch.seq_lens[:num_seqs]
-        max_len = max(batch.seq_lens_cpu[:num_seqs])
-        num_blocks = -(-max_len // batch.block_size)
-        tables = batch.block_tables[:num_seqs, :num_blocks]
-        kv = self._gather(kv_cache, tables).view(num_seqs, num_blocks * batch.block_size, -1)[:, :max_len]
-        kv = self._from_cache(kv, torch.float32)  # [B, L, r + rope]
-        scores = torch.bmm(q_latent, kv.transpose(1, 2)) * self.softmax_scale  # [B, h, L]
-        pad = torch.arange(max_len, device=q_latent.device)[None, :] >= seq_lens[:, None]  # [B, L]
-        scores.masked_fill_(pad[:, None, :], float("-inf"))
-        return torch.bmm(torch.softmax(scores, dim=-1), kv[..., : self.kv_lora_rank])  # [B, h, r]
+        scale = self.kv_scale if kv_cache.dtype == FP8_DTYPE else None
+        return paged_mla_decode_op(q_latent, kv_cache, batch.block_tables[:num_seqs], batch.seq_lens[:num_seqs],
+                                   self.softmax_scale, self.kv_lora_rank, scale)
 
     def decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """W_UK, MQA over the latent cache, W_UV for decode queries [B, h, qk_head] -> [B, h, v]."""

@@ -18,6 +18,7 @@ from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.experts import GroupedExperts
 from epserve.moe.placement import ExpertPlacement
 from epserve.moe.router import ExpertRouter
+from epserve.parallel.overlap import straight
 from epserve.parallel.stages import (
     COMBINE_RECV,
     COMBINE_SEND,
@@ -76,6 +77,8 @@ class MoE(nn.Module):
             shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x)
         return out if shared is None else out + shared
 
+    forward_straight = straight(forward)  # the same, run start to finish (parallel/overlap.py)
+
     def init_buffers(self) -> None:
         """The slot table, computed (not loaded): after building on the meta device."""
         device = self.router.weight.device
@@ -83,8 +86,8 @@ class MoE(nn.Module):
 
     def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
-        routing = self.router(x)
-        return self.logical_to_physical[routing.topk_ids], routing.topk_weights
+        routing = self.router(x, self.logical_to_physical)
+        return routing.topk_ids, routing.topk_weights
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(x) if self.shared_experts is not None else None

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
+from epserve.kernels.router import grouped_topk
 
 
 @dataclass(frozen=True)
@@ -43,22 +44,13 @@ class ExpertRouter(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> RoutingResult:
-        """x: [T, H] -> RoutingResult with [T, K] ids and weights."""
-        logits = F.linear(x.float(), self.weight)  # [T, E]
-        scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
-        if self.topk_method != "greedy" and self.n_group > 1:
-            grouped = choice.view(x.shape[0], self.n_group, choice.shape[1] // self.n_group)  # [T, G, E/G]
-            if self.topk_method == "noaux_tc":
-                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            else:
-                group_scores = grouped.max(dim=-1).values
-            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
-            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(choice.shape)
-        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
-        weights = scores.gather(1, topk_ids)
-        if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return RoutingResult(topk_ids=topk_ids, topk_weights=weights * self.routed_scaling_factor)
+    def forward(self, x: torch.Tensor, logical_to_physical: torch.Tensor | None = None) -> RoutingResult:
+        """x: [T, H] -> RoutingResult with [T, K] ids (physical slots through ``logical_to_physical`` if
+        given) and weights. The selection runs as one fused kernel on CUDA (``kernels/router.py``)."""
+        ids, weights = grouped_topk(
+            F.linear(x.float(), self.weight), top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
+            method=self.topk_method, scoring=self.scoring_func, norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor, bias=self.e_score_correction_bias,
+            logical_to_physical=logical_to_physical,
+        )
+        return RoutingResult(topk_ids=ids, topk_weights=weights)

@@ -1,0 +1,179 @@
+"""Paged MLA decode attention in absorbed form, reading the paged latent cache in place.
+
+Decode queries ``q_latent [B, h, r + rope]`` (``W_UK`` already folded in, fp32) attend as multi-query
+attention over the cached rows ``[c_kv (r) | k_pe (rope)]`` of their sequence: the key is the whole
+row, the value its first ``r = kv_lora_rank`` columns. The cache is ``[num_blocks, block_size,
+r + rope]`` in bf16/fp32, or float8_e4m3fn with a per-layer scalar ``kv_scale`` (stored = latent /
+scale; read = stored * scale). Sequence ``i`` holds its ``seq_lens[i]`` tokens in the blocks
+``block_tables[i, :cdiv(seq_lens[i], block_size)]``, in order; later table entries are never read.
+Rows with ``seq_lens[i] == 0`` (padding of a padded batch) come out zero.
+
+``paged_mla_decode`` picks the backend from the tensors' device: the split-K Triton kernels on CUDA
+(``kernels.mla_decode_triton``, imported only then, so the CPU engine never loads triton) and the
+torch reference ``paged_mla_decode_ref`` elsewhere. The reference walks the context a chunk of blocks
+at a time for all sequences still running, gathering those blocks through the block table
+(dequantizing FP8 as read) and merging chunks with an online softmax, so its memory stays bounded
+(about ``_CHUNK_ELEMS`` fp32 values) however long the contexts are. It reads ``seq_lens`` on the host;
+the CUDA path never does (no host sync, CUDA-graph safe): its grid comes from shapes only, and its
+context bound is ``block_tables.shape[1] * block_size``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from epserve.kernels.fp8 import FP8_DTYPE, cdiv
+
+CACHE_DTYPES = (torch.bfloat16, torch.float32, FP8_DTYPE)
+BLOCK_H = 16  # heads per Triton program (the MMA's M; fewer heads are masked)
+TARGET_PROGRAMS = 256  # split the context until B * head blocks * splits reaches about this (~2 waves)
+MIN_SPLIT_TOKENS = 256  # ... but give each split at least this much of the longest possible context
+MAX_SPLITS = 64
+_CHUNK_ELEMS = 1 << 22  # the reference's working set per chunk: ~16 MiB of fp32
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_decode(
+    q_latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None,
+) -> None:
+    """Shapes, dtypes and devices only (nothing read from the device)."""
+    if q_latent.dim() != 3 or kv_cache.dim() != 3:
+        raise ValueError(
+            f"paged MLA decode needs q_latent [B, h, r + rope] and kv_cache [blocks, block_size, r + rope], "
+            f"got {_shape(q_latent)} and {_shape(kv_cache)}"
+        )
+    b, _, d = q_latent.shape
+    if kv_cache.shape[2] != d or not 0 < kv_lora_rank < d:
+        raise ValueError(
+            f"q_latent {_shape(q_latent)} and kv_cache {_shape(kv_cache)} must share the last dim "
+            f"r + rope with 0 < kv_lora_rank ({kv_lora_rank}) < it"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or _shape(seq_lens) != (b,):
+        raise ValueError(
+            f"block_tables {_shape(block_tables)} and seq_lens {_shape(seq_lens)} must be [{b}, max_blocks] "
+            f"and [{b}] for q_latent {_shape(q_latent)}"
+        )
+    ints = (torch.int32, torch.int64)
+    if block_tables.dtype not in ints or seq_lens.dtype not in ints:
+        raise ValueError(
+            f"block_tables and seq_lens must be int32/int64, got {block_tables.dtype} and {seq_lens.dtype}"
+        )
+    if kv_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(f"kv_cache dtype must be one of {CACHE_DTYPES}, got {kv_cache.dtype}")
+    if kv_scale is not None and kv_scale.numel() != 1:
+        raise ValueError(f"kv_scale must be a scalar tensor, got shape {_shape(kv_scale)}")
+    tensors = (kv_cache, block_tables, seq_lens) + ((kv_scale,) if kv_scale is not None else ())
+    if any(t.device != q_latent.device for t in tensors):
+        devices = [str(t.device) for t in (q_latent, *tensors)]
+        raise ValueError(f"all inputs must be on one device, got {devices}")
+
+
+def default_num_splits(batch: int, num_heads: int, max_tokens: int) -> int:
+    """KV splits per (sequence, head block) for the Triton kernels, from shapes only: enough programs
+    to fill the GPU (``TARGET_PROGRAMS``), at least ``MIN_SPLIT_TOKENS`` of the longest possible
+    context (``max_tokens``) per split, at most ``MAX_SPLITS``. Each sequence divides its own length
+    into this many parts, so short sequences in a long batch get short splits."""
+    programs = max(1, batch * cdiv(num_heads, BLOCK_H))
+    return max(1, min(cdiv(TARGET_PROGRAMS, programs), max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
+
+
+# ---- torch reference ----------------------------------------------------------------------------
+
+
+def _read_blocks(kv_cache: torch.Tensor, tables: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """fp32 copies of the cache blocks ``tables`` [A, n] -> [A, n, block_size, d], dequantized when FP8
+    (gathered as bytes: index ops lack float8 kernels)."""
+    if kv_cache.dtype != FP8_DTYPE:
+        return kv_cache[tables].float()
+    blocks = kv_cache.view(torch.uint8)[tables].view(FP8_DTYPE).float()
+    return blocks if kv_scale is None else blocks * kv_scale.float()
+
+
+def paged_mla_decode_ref(
+    q_latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
+    chunk_blocks: int | None = None,
+) -> torch.Tensor:
+    """o_latent [B, h, kv_lora_rank] fp32: softmax(q k^T * softmax_scale) v over each sequence's cached
+    rows, ``chunk_blocks`` cache blocks at a time (default: ~``_CHUNK_ELEMS`` values per chunk)."""
+    check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, kv_scale)
+    b, h, d = q_latent.shape
+    block_size, r = kv_cache.shape[1], kv_lora_rank
+    device = q_latent.device
+    lens = [int(n) for n in seq_lens.tolist()]
+    if min(lens, default=0) < 0 or max(lens, default=0) > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"seq_lens {lens} must lie in [0, {block_tables.shape[1] * block_size}] "
+            f"(block_tables {_shape(block_tables)}, block_size {block_size})"
+        )
+    acc = torch.zeros(b, h, r, dtype=torch.float32, device=device)
+    max_blocks = cdiv(max(lens, default=0), block_size)
+    if max_blocks == 0 or h == 0:
+        return acc
+    m = torch.full((b, h), float("-inf"), device=device)
+    denom = torch.zeros(b, h, device=device)
+    q, tables = q_latent.float(), block_tables.long()
+    lens_t = torch.tensor(lens, device=device)
+    step = chunk_blocks or max(1, _CHUNK_ELEMS // (b * block_size * max(d, h)))
+    for c0 in range(0, max_blocks, step):
+        c1 = min(c0 + step, max_blocks)
+        rows = [i for i, n in enumerate(lens) if n > c0 * block_size]  # every one has a token here
+        idx = torch.tensor(rows, device=device)
+        kv = _read_blocks(kv_cache, tables[idx, c0:c1], kv_scale).view(len(rows), -1, d)  # [A, n, d]
+        scores = torch.bmm(q[idx], kv.transpose(1, 2)) * softmax_scale  # [A, h, n]
+        pos = torch.arange(c0 * block_size, c1 * block_size, device=device)
+        scores.masked_fill_((pos[None, :] >= lens_t[idx, None])[:, None, :], float("-inf"))
+        m_old = m[idx]
+        m_new = torch.maximum(m_old, scores.amax(dim=-1))  # finite: each row has a valid position
+        alpha = torch.exp(m_old - m_new)  # 0 on the first chunk (m_old = -inf)
+        p = torch.exp(scores - m_new[..., None])
+        denom[idx] = denom[idx] * alpha + p.sum(dim=-1)
+        acc[idx] = acc[idx] * alpha[..., None] + torch.bmm(p, kv[..., :r])
+        m[idx] = m_new
+    return torch.where(denom[..., None] > 0, acc / denom.clamp(min=1e-30)[..., None], 0.0)
+
+
+# ---- front end ----------------------------------------------------------------------------------
+
+
+def _triton() -> ModuleType:
+    from epserve.kernels import mla_decode_triton  # lazy: importing triton costs the CPU engine for nothing
+
+    return mla_decode_triton
+
+
+def paged_mla_decode(
+    q_latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """o_latent [B, h, kv_lora_rank] fp32 for q_latent [B, h, r + rope] over the paged latent cache.
+    ``block_tables`` [B, max_blocks] int32/int64 and ``seq_lens`` [B] live on q's device; ``kv_scale``
+    (0-d fp32) dequantizes an FP8 cache; ``num_splits`` (CUDA only) overrides the KV split count."""
+    if q_latent.is_cuda:
+        return _triton().paged_mla_decode_triton(
+            q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale, num_splits
+        )
+    return paged_mla_decode_ref(
+        q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale
+    )

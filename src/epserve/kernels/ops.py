@@ -1,0 +1,32 @@
+"""The model's kernels as torch custom ops (``torch.ops.epserve.*``), so ``torch.compile`` sees each as
+one opaque call with a known output shape (its fake implementation) instead of tracing into code that
+reads the device on the host: the CPU reference of paged MLA decode reads ``seq_lens``, the CPU expert
+paths read the per-expert counts. On CUDA the same ops run the sync-free Triton kernels, so a captured
+CUDA graph and a compiled CPU forward call the same functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epserve.kernels.mla_decode import paged_mla_decode
+
+
+@torch.library.custom_op("epserve::paged_mla_decode", mutates_args=())
+def paged_mla_decode_op(
+    q_latent: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    kv_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """``kernels.mla_decode.paged_mla_decode``: [B, h, r + rope] queries over the paged latent cache ->
+    [B, h, r] fp32."""
+    return paged_mla_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale)
+
+
+@paged_mla_decode_op.register_fake
+def _(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale):  # noqa: ANN001
+    return q_latent.new_empty(q_latent.shape[0], q_latent.shape[1], kv_lora_rank, dtype=torch.float32)
