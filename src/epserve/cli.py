@@ -19,6 +19,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    "none dequantizes at load, auto = fp8 for an FP8 checkpoint on CUDA, none on CPU")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="latent KV cache: auto (the model dtype) or fp8 (e4m3, twice the blocks)")
+    p.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly, not as graphs")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch captured (CUDA graphs) or compiled (--compile); default max-num-seqs")
+    p.add_argument("--compile", action="store_true",
+                   help="CPU: decode steps through torch.compile(fullgraph=True), one graph per batch bucket")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="memory for weights + KV cache")
@@ -100,6 +105,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port,
         quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        cuda_graph=False if args.no_cuda_graph else None, compile=args.compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
 
 

@@ -372,10 +372,28 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quantization: Quantization = "auto"
+    # Decode steps captured per batch bucket (engine/graphs.py): CUDA graphs or, on the CPU, torch.compile.
+    cuda_graph: bool | None = None
+    compile: bool = False
+    cuda_graph_max_bs: int | None = None
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {self.quantization!r}; choose from {QUANTIZATIONS}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.compile and self.device.startswith("cuda"):
+            raise ConfigError("compile=True is the CPU's captured decode; on CUDA decode steps run as CUDA graphs "
+                              "(cuda_graph)")
+        if self.cuda_graph and not self.device.startswith("cuda"):
+            raise ConfigError("cuda_graph=True needs a CUDA device; on the CPU use compile=True")
+
+    @property
+    def capture_mode(self) -> str | None:
+        """``cuda_graph``, ``compile`` or None (every step eager)."""
+        if self.device.startswith("cuda"):
+            return None if self.cuda_graph is False else "cuda_graph"
+        return "compile" if self.compile else None
 
     @property
     def max_model_len(self) -> int:

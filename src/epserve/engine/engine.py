@@ -95,15 +95,16 @@ class LLMEngine:
         output = scheduler.schedule() if scheduler is not None else None
         chunks = list(output.chunks) if output else []  # decodes first
         plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
-        max_tokens, unfinished, stop = all_reduce_max(
-            [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping)], self.ctx
+        prefilling = plan.num_tokens > plan.num_decode_seqs
+        max_tokens, unfinished, stop, any_prefill = all_reduce_max(
+            [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping), int(prefilling)], self.ctx
         )
         self.anybody_unfinished, self.anybody_stopping = bool(unfinished), bool(stop)
         result = None
         if max_tokens:
             self.num_forwards += 1
             plan = broadcast_from_leader(plan, self.ctx)
-            hidden = self.runner.forward(plan, max_tokens)
+            hidden = self.runner.forward(plan, max_tokens, all_decode=not any_prefill)
             if chunks:
                 result = self.runner.sample(chunks, hidden)
         if scheduler is None:

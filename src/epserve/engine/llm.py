@@ -228,13 +228,18 @@ def build_engine_config(
     master_port: int | None = None,
     quantization: Quantization = "auto",
     kv_cache_dtype: KvCacheDtype = "auto",
+    cuda_graph: bool | None = None,
+    compile: bool = False,
+    cuda_graph_max_bs: int | None = None,
 ) -> EngineConfig:
     """The engine configuration ``LLM`` and ``epserve serve`` start from (``model=None``: the built-in
     tiny checkpoint); ValueError for an inconsistent one. ``quantization``: ``"fp8"`` keeps FP8
     block-scaled weights (quantizing a higher-precision checkpoint at load), ``None`` dequantizes at
     load, ``"auto"`` keeps an FP8 checkpoint's weights on CUDA and dequantizes on the CPU.
     ``kv_cache_dtype``: ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3, per-layer scale: twice the
-    blocks in the same memory)."""
+    blocks in the same memory). ``cuda_graph`` (default on for CUDA) / ``compile`` (CPU): pure-decode
+    steps run one captured CUDA graph / one ``torch.compile(fullgraph=True)`` forward per batch bucket up
+    to ``cuda_graph_max_bs`` (default: ``max_num_seqs``, at most 256)."""
     if model is None:
         from epserve.presets import default_model_path
 
@@ -279,6 +284,9 @@ def build_engine_config(
         ),
         parallel=parallel,
         quantization=quantization,
+        cuda_graph=cuda_graph,
+        compile=compile,
+        cuda_graph_max_bs=cuda_graph_max_bs,
     )
     resolve_fp8_weights(config.quantization, model_config, tp, device.split(":")[0])  # refuses what FP8 cannot run
     return config

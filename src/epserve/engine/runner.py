@@ -9,6 +9,7 @@ import torch
 
 from epserve.checkpoint import as_torch_dtype
 from epserve.config import EngineConfig
+from epserve.engine.graphs import DecodeGraphs, pad_decode
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
 from epserve.engine.sampler import Sampler, TokenLogprobs
@@ -145,10 +146,12 @@ class ModelRunner:
             cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size)
         num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, weight_bytes, max_blocks)
         self.num_blocks = -all_reduce_max([-num_blocks], ctx)[0]  # every rank agrees: the smallest pool
+        # One block more than the scheduler hands out: the sink padding rows of a captured decode write to.
         self.kv_caches = [
-            torch.zeros(self.num_blocks, self.block_size, mc.kv_cache_dim, dtype=self.kv_dtype, device=self.device)
+            torch.zeros(self.num_blocks + 1, self.block_size, mc.kv_cache_dim, dtype=self.kv_dtype, device=self.device)
             for _ in range(mc.num_hidden_layers)
         ]
+        self.sink_slot = self.num_blocks * self.block_size
         info = self.cache_info()
         logger.info("KV cache: %d blocks of %d tokens, %d bytes per token (%s), %.1f MiB", info["num_blocks"],
                     info["block_size"], info["bytes_per_token"], info["kv_cache_dtype"],
@@ -158,6 +161,14 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.profiler: OpProfiler | None = None
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.decode_graphs: DecodeGraphs | None = None
+        mode = config.capture_mode
+        if mode is not None:
+            max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs, 256)
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_batch, mode,  # type: ignore[arg-type]
+                                              on_bucket=lambda b: self.dispatcher.begin_step(-(-b // ctx.tp)))
+            logger.info("decode steps: %s for batch buckets %s", mode, self.decode_graphs.buckets)
 
     def cache_info(self) -> dict[str, int | str]:
         """The paged latent cache of this rank: blocks, tokens per block, bytes per token over all layers,
@@ -177,13 +188,21 @@ class ModelRunner:
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan, global_max_tokens: int) -> torch.Tensor:
+    def forward(self, plan: BatchPlan, global_max_tokens: int, all_decode: bool = False) -> torch.Tensor:
         """Every rank, every step (the empty plan on an idle DP group): the final hidden states of the
         tokens to sample from, ``[len(plan.logits_indices), H]``. ``global_max_tokens``: the most tokens
-        any DP group runs this step, from the step's all-reduce."""
+        any DP group runs this step, ``all_decode``: whether every DP group's batch is pure decode (from
+        the step's all-reduce; then every rank can run the same captured bucket)."""
         per_rank = -(-global_max_tokens // self.ctx.tp)
-        self.dispatcher.begin_step(per_rank)
         overlap = choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(global_max_tokens) if graphs is not None and all_decode else None
+        if bucket is not None and overlap != "microbatch" and self.profiler is None:
+            inputs = pad_decode(plan.input_ids, plan.positions, plan.slot_mapping, plan.block_tables, bucket,
+                                self.max_blocks_per_seq, self.sink_slot, self.device)
+            hidden = graphs.run(inputs, overlap)  # type: ignore[union-attr]
+            return hidden[torch.tensor(plan.logits_indices, dtype=torch.long, device=self.device)]
+        self.dispatcher.begin_step(per_rank)
         batch = plan.to_batch(self.device, self.block_size)
         if self.profiler is None:
             return self._forward(batch, overlap)
@@ -228,5 +247,5 @@ class ModelRunner:
 
     def expert_load(self) -> torch.Tensor:
         """Tokens received per (MoE layer, local slot) since start-up: [num_moe_layers, num_local_slots]."""
-        loads = [layer.mlp.expert_load for layer in self.model.layers if layer.is_moe]
+        loads = [layer.mlp.expert_load.cpu() for layer in self.model.layers if layer.is_moe]
         return torch.stack(loads) if loads else torch.zeros(0, self.placement.num_local_slots, dtype=torch.long)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from epserve.config import ModelConfig, OverlapMode
+from epserve.config import OVERLAP_MODES, ModelConfig, OverlapMode
 from epserve.kernels import linear
 from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
@@ -60,6 +60,11 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.is_moe = isinstance(mlp, MoE)
         self.op_hook: OpHook | None = None  # wraps every op (the per-op profiler)
+        # Where each mode's schedule runs the shared expert, read once (the forward only looks it up).
+        self.shared_during_dispatch = {
+            mode: self.is_moe and _schedule(True, mode).runs_before(SHARED_EXPERT, DISPATCH_RECV)
+            for mode in OVERLAP_MODES
+        }
 
     def schedule(self, mode: OverlapMode) -> Schedule:
         """The stage list this layer runs under ``mode`` (dense layers: one stage whatever the mode)."""
@@ -75,8 +80,7 @@ class DecoderLayer(nn.Module):
         own = run_op(hook, ATTN_REDUCE_SCATTER, self._reduce_scatter, x, partial)  # [T / TP, H]
         h = run_op(hook, POST_NORM, self.post_attention_layernorm, own)
         if self.is_moe:
-            during_dispatch = self.schedule(mode).runs_before(SHARED_EXPERT, DISPATCH_RECV)
-            out = yield from self.mlp.forward(h, during_dispatch, hook)
+            out = yield from self.mlp.forward(h, self.shared_during_dispatch[mode], hook)
         else:
             out = run_op(hook, MLP, self.mlp, h)
         x = run_op(hook, FFN_ALL_GATHER, self.tp.all_gather, own + out, x.shape[0])

@@ -48,8 +48,8 @@ class MoE(nn.Module):
         self.local_logical_experts = placement.local_logical_experts(ep_rank)
         self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size, fp8)
         self.register_buffer("logical_to_physical", placement.logical_to_physical_table(), persistent=False)
-        # Tokens received by each local slot since start-up (CPU, cheap to read for statistics).
-        self.expert_load = torch.zeros(placement.num_local_slots, dtype=torch.long, device="cpu")
+        # Tokens received by each local slot since start-up, counted on the device (no sync per layer).
+        self.expert_load = torch.zeros(placement.num_local_slots, dtype=torch.long)
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, fp8)
             if config.n_shared_experts
@@ -83,6 +83,7 @@ class MoE(nn.Module):
         """The slot table, computed (not loaded): after building on the meta device."""
         device = self.router.weight.device
         self.logical_to_physical = self.placement.logical_to_physical_table().to(device)
+        self.expert_load = torch.zeros(self.expert_load.shape, dtype=torch.long, device=device)
 
     def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
@@ -94,5 +95,5 @@ class MoE(nn.Module):
 
     def _dispatch_recv(self, sent: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
         expert_input, route = self.dispatcher.dispatch_recv(sent)
-        self.expert_load += expert_input.num_tokens_per_expert
+        self.expert_load += expert_input.num_tokens_per_expert.to(self.expert_load.device, non_blocking=True)
         return expert_input, route

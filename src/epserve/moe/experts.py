@@ -1,4 +1,9 @@
-"""Routed experts of one rank as stacked weights, run as one grouped GEMM over tokens grouped by expert."""
+"""Routed experts of one rank as stacked weights, run as one grouped GEMM over tokens grouped by expert.
+
+The per-expert row counts stay on the device. The GPU paths (FP8 grouped kernels, ``torch._grouped_mm``
+on Hopper) take them as device offsets; the CPU paths (the decode kernel, grouped GEMM, a loop) read them
+on the host inside the custom op ``epserve::grouped_swiglu``, which ``torch.compile`` treats as one call.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,42 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
         return False
     return x.device.type == "cpu" or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    offs = counts.cumsum(0).to(device=x.device, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+
+
+@torch.library.custom_op("epserve::grouped_swiglu", mutates_args=())
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts ``w2[e] @ (silu(gate) * up)``, ``[gate; up] = w13[e] @ x``, on rows grouped by expert
+    (``counts[e]`` each, in order; rows past their sum come out zero), the counts read on the host."""
+    sizes = [int(n) for n in counts.tolist()]
+    total = sum(sizes)
+    out = x.new_zeros(x.shape[0], w2.shape[1])
+    if total == 0:
+        return out
+    rows = x[:total]
+    y = moe_swiglu(rows, sizes, w13, w2)  # the CPU decode kernel, where it applies
+    if y is None and _grouped_mm_ok(rows):
+        y = _grouped_mm_swiglu(rows, torch.tensor(sizes), w13, w2)
+    if y is None:
+        y = out[:total]
+        start = 0
+        for e, n in enumerate(sizes):
+            if n:
+                gate, up = F.linear(rows[start : start + n], w13[e]).chunk(2, dim=-1)
+                y[start : start + n] = F.linear(F.silu(gate) * up, w2[e])
+                start += n
+    out[:total] = y
+    return out
+
+
+@grouped_swiglu.register_fake
+def _(x, counts, w13, w2):  # noqa: ANN001
+    return x.new_empty(x.shape[0], w2.shape[1])
 
 
 def _weight(*shape: int, fp8: bool) -> nn.Parameter:
@@ -49,19 +90,8 @@ class GroupedExperts(nn.Module):
         if self.w13_scale_inv is not None:
             return fp8_moe_swiglu(x, expert_input.num_tokens_per_expert, self.w13, self.w13_scale_inv,
                                   self.w2, self.w2_scale_inv)
-        out = moe_swiglu(x, expert_input.num_tokens_per_expert_list, self.w13, self.w2)  # decode-sized
-        if out is not None:
-            return out
-        if _grouped_mm_ok(x):
-            offs = expert_input.num_tokens_per_expert.cumsum(0).to(device=x.device, dtype=torch.int32)
-            gate, up = torch._grouped_mm(x, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
-        out = torch.empty(x.shape[0], self.w2.shape[1], dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(expert_input.num_tokens_per_expert_list):
-            if n:
-                rows = x[start : start + n]
-                gate, up = F.linear(rows, self.w13[e]).chunk(2, dim=-1)
-                out[start : start + n] = F.linear(F.silu(gate) * up, self.w2[e])
-                start += n
-        return out
+        counts = expert_input.num_tokens_per_expert
+        if x.device.type == "cuda" and _grouped_mm_ok(x):  # device offsets; padding rows zeroed, no sync
+            valid = torch.arange(x.shape[0], device=x.device) < counts.sum()
+            return _grouped_mm_swiglu(x, counts, self.w13, self.w2) * valid[:, None].to(x.dtype)
+        return grouped_swiglu(x, counts, self.w13, self.w2)

@@ -161,7 +161,7 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
         for m in sorted({*SIZES["expert_rows"][q], *tile}):
             counts = routed_counts(m, per_call, seed=m)
             tokens = sum(counts)
-            inp = ExpertInput(rand(tokens, h), torch.tensor(counts, dtype=torch.int64), counts)
+            inp = ExpertInput(rand(tokens, h), torch.tensor(counts, dtype=torch.int64), tuple(counts))
             t = _time_calls(device, [partial(e, inp) for e in modules], budget)
             weights = per_call * 3 * h * inter
             moved = weights + tokens * (h + 2 * inter + inter + h)  # per expert: its weights; per row: in and out

@@ -93,11 +93,9 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch_recv(self, handle: AllToAllInFlight) -> tuple[ExpertInput, AllToAllRoute]:
         handle.work.wait()
-        expert_input = ExpertInput(
-            hidden_states=handle.recv.index_select(0, handle.perm),
-            num_tokens_per_expert=handle.num_tokens_per_expert,
-            num_tokens_per_expert_list=tuple(handle.num_tokens_per_expert.tolist()),
-        )
+        host = handle.num_tokens_per_expert  # from the count exchange: this backend's one host sync
+        expert_input = ExpertInput(handle.recv.index_select(0, handle.perm),
+                                   host.to(handle.recv.device, non_blocking=True), tuple(host.tolist()))
         return expert_input, AllToAllRoute(handle.perm, handle.sender)
 
     def combine_send(self, y: torch.Tensor, handle: AllToAllRoute) -> AllToAllCombineInFlight:

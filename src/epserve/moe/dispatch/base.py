@@ -17,11 +17,18 @@ import torch
 
 @dataclass(frozen=True)
 class ExpertInput:
-    """Tokens for this rank's experts, grouped by local expert slot."""
+    """Tokens for this rank's experts, grouped by local expert slot. ``hidden_states`` may end with
+    padding rows past ``sum(num_tokens_per_expert)`` (a fixed-shape backend's); expert outputs for them
+    are zero. The counts stay on the device: reading them on the host (``counts_list``) is a sync that
+    only a backend that already made one (``host_counts``) gets for free."""
 
-    hidden_states: torch.Tensor  # [N, H], rows of local slot 0 first, then slot 1, …
-    num_tokens_per_expert: torch.Tensor  # [num_local_slots] int64, on CPU
-    num_tokens_per_expert_list: tuple[int, ...]
+    hidden_states: torch.Tensor  # [N, H], rows of local slot 0 first, then slot 1, …, then padding
+    num_tokens_per_expert: torch.Tensor  # [num_local_slots] int64, on the device of hidden_states
+    host_counts: tuple[int, ...] | None = None  # the same counts, when the backend has them on the host
+
+    def counts_list(self) -> tuple[int, ...]:
+        """Rows per local slot on the host (a device sync unless ``host_counts``)."""
+        return self.host_counts if self.host_counts is not None else tuple(self.num_tokens_per_expert.tolist())
 
 
 def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -33,12 +33,16 @@ class LocalCombined(DispatchHandle):
     output: torch.Tensor  # [T, H]
 
 
+def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Occurrences of each id in ``ids`` (any shape) -> [num_experts] int64: a fixed-shape ``bincount``."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, K] -> (order [T*K]: flat (token, k) indices sorted by expert, counts [num_experts])."""
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    return order, counts
+    order = torch.argsort(topk_ids.reshape(-1), stable=True)
+    return order, count_per_expert(topk_ids, num_experts)
 
 
 class LocalDispatcher(Dispatcher):
@@ -51,12 +55,7 @@ class LocalDispatcher(Dispatcher):
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LocalInFlight:
         order, counts = group_by_expert(topk_ids, self.num_local_experts)
         token_idx = order // topk_ids.shape[1]
-        counts_cpu = counts.cpu()
-        expert_input = ExpertInput(
-            hidden_states=x.index_select(0, token_idx),
-            num_tokens_per_expert=counts_cpu,
-            num_tokens_per_expert_list=tuple(counts_cpu.tolist()),
-        )
+        expert_input = ExpertInput(x.index_select(0, token_idx), counts)  # no host sync
         route = LocalRoute(x.shape[0], token_idx, topk_weights.reshape(-1).index_select(0, order))
         return LocalInFlight(expert_input, route)
 

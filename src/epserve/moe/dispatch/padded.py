@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
-from epserve.moe.dispatch.local import group_by_expert
+from epserve.moe.dispatch.local import count_per_expert, group_by_expert
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,7 @@ class PaddedSenderRoute:
 
 @dataclass(frozen=True)
 class PaddedInFlight(DispatchHandle):
-    work: dist.Work
-    send: torch.Tensor  # [ep_size*capacity, H], kept alive until the transfer completes
-    recv: torch.Tensor  # [ep_size*capacity, H], block s from source rank s
+    recv: torch.Tensor  # [ep_size*capacity, H], block s from source rank s (in flight until waited on)
     recv_slots: torch.Tensor  # [ep_size*capacity] int64 local slot of each received row, -1 = padding
     capacity: int
     sender: PaddedSenderRoute
@@ -41,16 +40,14 @@ class PaddedInFlight(DispatchHandle):
 
 @dataclass(frozen=True)
 class PaddedRoute(DispatchHandle):
-    perm: torch.Tensor  # [N] row of the received buffer for each ExpertInput row
+    perm: torch.Tensor  # [ep_size*capacity] row of the received buffer for each ExpertInput row
     capacity: int
     sender: PaddedSenderRoute
 
 
 @dataclass(frozen=True)
 class PaddedCombineInFlight(DispatchHandle):
-    work: dist.Work
-    send: torch.Tensor  # [ep_size*capacity, H], kept alive until the transfer completes
-    recv: torch.Tensor  # [ep_size*capacity, H] expert outputs at the positions this rank sent from
+    recv: torch.Tensor  # [ep_size*capacity, H] expert outputs at the positions this rank sent from (in flight)
     sender: PaddedSenderRoute
 
 
@@ -96,39 +93,32 @@ class PaddedDispatcher(Dispatcher):
         send = x.new_zeros(ep * capacity, x.shape[1]).index_copy_(0, send_pos, x.index_select(0, token_idx))
         send_slots = torch.full((ep * capacity,), -1, dtype=torch.long, device=x.device)
         send_slots.index_copy_(0, send_pos, sorted_slots % slots)
-        recv_slots = torch.empty_like(send_slots)
-        dist.all_to_all_single(recv_slots, send_slots, group=self.group)
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        # Functional collectives: asynchronous until waited on, and traceable by torch.compile.
+        recv_slots = funcol.all_to_all_single(send_slots, None, None, self.group)
+        recv = funcol.all_to_all_single(send, None, None, self.group)
         self._count_bytes("dispatch", capacity, send)
         sender = PaddedSenderRoute(x.shape[0], token_idx, topk_weights.reshape(-1).index_select(0, order), send_pos)
-        return PaddedInFlight(work, send, recv, recv_slots, capacity, sender)
+        return PaddedInFlight(recv, funcol.wait_tensor(recv_slots), capacity, sender)
 
     def dispatch_recv(self, handle: PaddedInFlight) -> tuple[ExpertInput, PaddedRoute]:
         slots, recv_slots = self.num_local_slots, handle.recv_slots
-        # The buffer is source-major; a stable sort by local slot (padding last) makes it slot-major.
+        # The buffer is source-major; a stable sort by local slot (padding last) makes it slot-major. Every
+        # row stays (fixed shape, no host sync): the padding rows trail the real ones.
         keys = torch.where(recv_slots >= 0, recv_slots, slots)
-        counts = torch.bincount(recv_slots + 1, minlength=slots + 1)[1:].cpu()
-        perm = torch.argsort(keys, stable=True)[: int(counts.sum())]
-        handle.work.wait()
-        expert_input = ExpertInput(
-            hidden_states=handle.recv.index_select(0, perm),
-            num_tokens_per_expert=counts,
-            num_tokens_per_expert_list=tuple(counts.tolist()),
-        )
-        return expert_input, PaddedRoute(perm, handle.capacity, handle.sender)
+        counts = count_per_expert(keys, slots + 1)[:slots]
+        perm = torch.argsort(keys, stable=True)
+        recv = funcol.wait_tensor(handle.recv)
+        return ExpertInput(recv.index_select(0, perm), counts), PaddedRoute(perm, handle.capacity, handle.sender)
 
     def combine_send(self, y: torch.Tensor, handle: PaddedRoute) -> PaddedCombineInFlight:
         """y [N, H] in ExpertInput order."""
         send = y.new_zeros(self.ep_size * handle.capacity, y.shape[1]).index_copy_(0, handle.perm, y)
-        recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        recv = funcol.all_to_all_single(send, None, None, self.group)
         self._count_bytes("combine", handle.capacity, send)
-        return PaddedCombineInFlight(work, send, recv, handle.sender)
+        return PaddedCombineInFlight(recv, handle.sender)
 
     def combine_recv(self, handle: PaddedCombineInFlight) -> torch.Tensor:
         """-> [T, H] in the original token order."""
-        handle.work.wait()
         sender = handle.sender
-        y = handle.recv.index_select(0, sender.send_pos)
+        y = funcol.wait_tensor(handle.recv).index_select(0, sender.send_pos)
         return weighted_combine(y, sender.token_idx, sender.weights, sender.num_tokens)

@@ -1,0 +1,168 @@
+"""Decode steps as one captured forward per batch bucket: CUDA graphs on a GPU, ``torch.compile(fullgraph=True)``
+on the CPU, with the same bucketing and padding.
+
+A pure-decode step of ``n`` sequences runs as the bucket ``b >= n`` (1, 2, 4, 8, then every multiple of
+8 up to the maximum): rows ``n..b`` are padding (token 0 at position 0, context length 0, their KV written
+to a sink block the scheduler never hands out), so every step of one bucket has the same shapes. Nothing in
+the forward reads the device on the host (routing counts, offsets, attention lengths stay tensors; the CPU
+references that do read them are custom ops), so the forward captures as one CUDA graph and compiles as
+one graph: ``fullgraph=True`` is the proof. Prefill and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from epserve.config import OverlapMode
+from epserve.model.batch import ForwardBatch
+from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+CaptureMode = Literal["cuda_graph", "compile"]
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """The padded batch sizes: 1, 2, 4, 8, then every multiple of 8 up to ``max_batch`` (and it)."""
+    if max_batch < 1:
+        raise ValueError(f"the largest captured batch must be >= 1, got {max_batch}")
+    sizes = {b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8)) | {max_batch}
+    return tuple(sorted(sizes))
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """A decode batch padded to its bucket: one token per row. [bucket] each, tables [bucket, max_blocks]."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+    @property
+    def bucket(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables
+
+
+def pad_decode(
+    input_ids: tuple[int, ...],
+    positions: tuple[int, ...],
+    slot_mapping: tuple[int, ...],
+    block_tables: tuple[tuple[int, ...], ...],
+    bucket: int,
+    max_blocks: int,
+    sink_slot: int,
+    device: torch.device,
+) -> DecodeInputs:
+    """The ``n`` decode rows (one token each, context ``position + 1``) padded to ``bucket`` rows."""
+    n = len(input_ids)
+    if n > bucket:
+        raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
+    pad = bucket - n
+    tables = torch.zeros(bucket, max_blocks, dtype=torch.long)
+    for i, row in enumerate(block_tables):
+        tables[i, : len(row)] = torch.tensor(row[:max_blocks], dtype=torch.long)
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long)
+
+    host = DecodeInputs(
+        input_ids=t([*input_ids, *[0] * pad]),
+        positions=t([*positions, *[0] * pad]),
+        slot_mapping=t([*slot_mapping, *[sink_slot] * pad]),
+        seq_lens=t([p + 1 for p in positions] + [0] * pad),
+        block_tables=tables,
+    )
+    return DecodeInputs(*(x.to(device, non_blocking=True) for x in host.tensors()))
+
+
+class DecodeGraphs:
+    """The model's decode forward per bucket, captured (``cuda_graph``) or compiled (``compile``)."""
+
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_batch: int,
+        mode: CaptureMode,
+        on_bucket: Callable[[int], None] | None = None,
+    ) -> None:
+        """``on_bucket(bucket)`` runs before every forward of a bucket (the dispatcher's ``begin_step``)."""
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.buckets = decode_buckets(max_batch)
+        self.mode = mode
+        self.on_bucket = on_bucket or (lambda bucket: None)
+        self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
+        self._compiled: Callable[..., torch.Tensor] | None = None
+        if mode == "compile":
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
+            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        """The smallest bucket holding ``num_seqs`` rows, or None above the largest (run eagerly)."""
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        overlap: OverlapMode,
+    ) -> torch.Tensor:
+        """Final hidden states of every row [bucket, H] (the one forward captured or compiled)."""
+        bucket = input_ids.shape[0]
+        batch = ForwardBatch(
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
+            block_tables=block_tables, logits_indices=torch.arange(bucket, device=input_ids.device),
+            num_decode_seqs=bucket, seq_lens_cpu=(0,) * bucket, query_start_loc_cpu=tuple(range(bucket + 1)),
+            block_size=self.block_size,
+        )
+        return self.model(batch, self.kv_caches, overlap)
+
+    @torch.inference_mode()
+    def run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
+        """Hidden states [bucket, H] of a padded decode batch (callers keep the real rows)."""
+        self.on_bucket(inputs.bucket)
+        if self._compiled is not None:
+            return self._compiled(*inputs.tensors(), overlap)
+        graph, static, out = self._graph(inputs, overlap)
+        for dst, src in zip(static.tensors(), inputs.tensors()):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _graph(self, inputs: DecodeInputs, overlap: OverlapMode) -> tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]:
+        """The bucket's CUDA graph, captured on its first use (after one eager warm-up on a side stream)."""
+        key = (inputs.bucket, overlap)
+        if key not in self._graphs:
+            start = time.perf_counter()
+            static = DecodeInputs(*(t.clone() for t in inputs.tensors()))
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(*static.tensors(), overlap)  # warm-up: kernels compiled, workspaces allocated
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = self._forward(*static.tensors(), overlap)
+            self._graphs[key] = (graph, static, out)
+            logger.info("captured the decode graph of batch %d (%s) in %.2f s", inputs.bucket, overlap,
+                        time.perf_counter() - start)
+        return self._graphs[key]
