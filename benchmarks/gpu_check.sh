@@ -2,11 +2,13 @@
 # The GPU checks, for a session that is lent a CUDA machine. Results go to $OUT (or ./bench_out).
 #   engine: the engine tests and the transformers parity tests with the engine on CUDA (the oracle stays
 #           on the CPU), then the offline benchmark on CUDA.
-#   fp8:    the block-scaled FP8 kernel tests on CUDA (Triton, blockwise torch._scaled_mm where the probe
-#           accepts it, a CUDA-graph capture of the grouped path) against the CPU reference; the FP8 GEMM
-#           benchmark (Triton vs _scaled_mm vs bf16 at M = 1, 16, 128, 4096; grouped expert GEMM); the
+#   kernels: the Triton kernel tests on CUDA against the CPU references (block-scaled FP8: Triton and
+#           blockwise torch._scaled_mm where the probe accepts it; the fused router; paged MLA decode; each
+#           with a CUDA-graph capture and replay), then the FP8 GEMM benchmark (Triton vs _scaled_mm vs bf16
+#           at M = 1, 16, 128, 4096; grouped expert GEMM).
+#   decode: the decode step eager vs captured as CUDA graphs at batch 1, 16, 64 (small preset), and the
 #           FP8 runtime against the dequantized model in the engine.
-# Usage (device tool): bash benchmarks/gpu_check.sh [engine|fp8|all]   (default all; each part < 10 min)
+# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|all]   (default all; each < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -25,11 +27,15 @@ if [ "$PART" = engine ] || [ "$PART" = all ]; then
   timeout 180 python3 benchmarks/offline_throughput.py --device cuda --repeats 3 --json "$OUT/offline.json" \
     2>&1 | tail -30 | tee "$OUT/offline.txt"
 fi
-if [ "$PART" = fp8 ] || [ "$PART" = all ]; then
-  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py \
-    2>&1 | tail -25 | tee "$OUT/fp8_tests.txt"
+if [ "$PART" = kernels ] || [ "$PART" = all ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_router_kernel.py \
+    tests/test_mla_decode_kernel.py 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
   timeout 150 python3 benchmarks/fp8_gemm.py --json "$OUT/fp8_gemm.json" \
     2>&1 | tail -80 | tee "$OUT/fp8_gemm.txt"
+fi
+if [ "$PART" = decode ] || [ "$PART" = all ]; then
+  (cd benchmarks && timeout 300 python3 decode_capture.py --device cuda --batches 1 16 64 --json "../$OUT/decode_capture.json") \
+    2>&1 | tail -20 | tee "$OUT/decode_capture.txt"
   timeout 150 python3 benchmarks/fp8_engine.py --device cuda --memory-budget-gb 4 --json "$OUT/fp8_engine.json" \
     2>&1 | tail -10 | tee "$OUT/fp8_engine.txt"
 fi

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 
 from epserve.config import OverlapMode
+from epserve.kernels import cpu as cpu_kernels
 from epserve.model.batch import ForwardBatch
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
@@ -107,8 +108,11 @@ class DecodeGraphs:
         self.on_bucket = on_bucket or (lambda bucket: None)
         self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
+        self._pool: tuple[int, int] | None = None  # the CUDA graphs' shared memory pool
         if mode == "compile":
             import torch._dynamo
+
+            cpu_kernels.available()  # decided before tracing (the forward's GEMMs ask it)
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
             self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
@@ -160,8 +164,9 @@ class DecodeGraphs:
                 self._forward(*static.tensors(), overlap)  # warm-up: kernels compiled, workspaces allocated
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, pool=self._pool):  # one memory pool for every bucket's graph
                 out = self._forward(*static.tensors(), overlap)
+            self._pool = graph.pool()
             self._graphs[key] = (graph, static, out)
             logger.info("captured the decode graph of batch %d (%s) in %.2f s", inputs.bucket, overlap,
                         time.perf_counter() - start)

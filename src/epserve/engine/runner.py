@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from epserve.checkpoint import as_torch_dtype
-from epserve.config import EngineConfig
+from epserve.config import ConfigError, EngineConfig
 from epserve.engine.graphs import DecodeGraphs, pad_decode
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
@@ -164,6 +164,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         mode = config.capture_mode
+        if mode is not None and self.dispatcher.name == "all_to_all":  # its count exchange is a host sync
+            if config.compile or config.cuda_graph:
+                raise ConfigError(f"{mode} decode needs a fixed-shape dispatcher: use dispatch='padded' with EP > 1")
+            logger.info("decode steps run eagerly: the all_to_all dispatcher syncs with the host (dispatch='padded' "
+                        "captures them)")
+            mode = None
         if mode is not None:
             max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs, 256)
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_batch, mode,  # type: ignore[arg-type]

@@ -74,8 +74,16 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+_available: bool | None = None  # available()'s answer, once asked: a constant to torch.compile
+
+
 def available() -> bool:
-    return _library() is not None
+    """Whether the kernels load here (built on first ask). Ask once before compiling a forward that may
+    call them (``engine/graphs.py`` does), so torch.compile reads a constant instead of tracing the build."""
+    global _available
+    if _available is None:
+        _available = _library() is not None
+    return _available
 
 
 def _eligible(*tensors: torch.Tensor) -> bool:
@@ -84,14 +92,26 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T; the kernel streams ``w`` once when M <= TILE_M."""
-    if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w):
-        lib = _library()
-        if lib is not None:
-            out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-            lib.epserve_linear_bf16(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1],
-                                    out.data_ptr(), torch.get_num_threads())
-            return out
+    if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w) and available():
+        return linear_bf16(x, w)
     return F.linear(x, w)
+
+
+@torch.library.custom_op("epserve::linear_bf16", mutates_args=())
+def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The AVX512-BF16 decode GEMM as a custom op (one opaque call to ``torch.compile``)."""
+    lib = _library()
+    assert lib is not None, "linear_bf16 needs the CPU kernels (kernels.cpu.available())"
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    lib.epserve_linear_bf16(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(),
+                            torch.get_num_threads())
+    return out
+
+
+@linear_bf16.register_fake
+def _(x, w):  # noqa: ANN001
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:

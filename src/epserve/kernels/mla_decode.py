@@ -125,11 +125,18 @@ def paged_mla_decode_ref(
     max_blocks = cdiv(max(lens, default=0), block_size)
     if max_blocks == 0 or h == 0:
         return acc
-    m = torch.full((b, h), float("-inf"), device=device)
-    denom = torch.zeros(b, h, device=device)
     q, tables = q_latent.float(), block_tables.long()
     lens_t = torch.tensor(lens, device=device)
     step = chunk_blocks or max(1, _CHUNK_ELEMS // (b * block_size * max(d, h)))
+    if max_blocks <= step:  # one chunk holds every context: a plain softmax (fewer, larger ops)
+        kv = _read_blocks(kv_cache, tables[:, :max_blocks], kv_scale).view(b, -1, d)  # [B, L, d]
+        scores = torch.bmm(q, kv.transpose(1, 2)) * softmax_scale  # [B, h, L]
+        pad = torch.arange(kv.shape[1], device=device)[None, :] >= lens_t[:, None]
+        probs = torch.softmax(scores.masked_fill_(pad[:, None, :], float("-inf")), dim=-1)
+        out = torch.bmm(probs, kv[..., :r])
+        return torch.where((lens_t > 0)[:, None, None], out, 0.0)  # empty rows: softmax of nothing is NaN
+    m = torch.full((b, h), float("-inf"), device=device)
+    denom = torch.zeros(b, h, device=device)
     for c0 in range(0, max_blocks, step):
         c1 = min(c0 + step, max_blocks)
         rows = [i for i, n in enumerate(lens) if n > c0 * block_size]  # every one has a token here

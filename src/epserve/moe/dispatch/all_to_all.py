@@ -5,6 +5,9 @@ dispatch_send sorts the ``T*K`` token copies by physical slot (rank ``r`` owns s
 synchronous all-to-all, then starts the row exchange with exact split sizes. Rows arrive grouped by
 source rank, then local slot; dispatch_recv regroups them slot-major (slot 0 from source 0, source 1, …).
 combine reverses the regrouping and the exchange, then does the weighted scatter-add in token order.
+
+The count exchange is this backend's one host sync per layer (the split sizes must be known on the host),
+which is why a captured decode step (``engine/graphs.py``) wants the fixed-shape ``padded`` backend.
 """
 
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""The device-resident decode step: padded batch buckets, a forward with no host syncs (run under
+FakeTensorMode, where reading a tensor's value on the host raises), and ``compile=True`` (the same decode
+forward through ``torch.compile(fullgraph=True)``) giving the eager engine's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from epserve import LLM, SamplingParams
+from epserve.config import ConfigError
+from epserve.engine.graphs import DecodeGraphs, decode_buckets, pad_decode
+from epserve.moe.dispatch.padded import PaddedDispatcher
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], [42] * 5, list(range(300, 340))]
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt):
+    return make_ckpt("tiny")  # float32
+
+
+def test_buckets():
+    assert decode_buckets(1) == (1,)
+    assert decode_buckets(6) == (1, 2, 4, 6)
+    assert decode_buckets(33) == (1, 2, 4, 8, 16, 24, 32, 33)
+    with pytest.raises(ValueError):
+        decode_buckets(0)
+
+
+def _decode_inputs(runner, rows: int, bucket: int, seed: int = 0):
+    """``rows`` decode rows at different context lengths in their own blocks, padded to ``bucket``."""
+    g = torch.Generator().manual_seed(seed)
+    bs = runner.block_size
+    positions = tuple(int(p) for p in torch.randint(1, 3 * bs, (rows,), generator=g))
+    tables = tuple(tuple(range(4 * i, 4 * i + -(-(p + 1) // bs))) for i, p in enumerate(positions))
+    slots = tuple(t[p // bs] * bs + p % bs for t, p in zip(tables, positions))
+    ids = tuple(int(t) for t in torch.randint(2, 500, (rows,), generator=g))
+    return pad_decode(ids, positions, slots, tables, bucket, runner.max_blocks_per_seq, runner.sink_slot,
+                      runner.device)
+
+
+def test_padding_rows_change_no_real_row(ckpt):
+    """The same 3 decode rows padded to 4 and to 8: the real rows' hidden states and the KV they write
+    agree; the padding rows write only the sink block."""
+    llm = LLM(ckpt, dtype="float32", num_blocks=64)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 8, "compile")
+    torch.manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.normal_()  # a context to attend to
+    before = [c.clone() for c in runner.kv_caches]
+    with torch.inference_mode():
+        small = graphs._forward(*_decode_inputs(runner, 3, 4).tensors(), "dispatch")
+        after_small = [c.clone() for c in runner.kv_caches]
+        for c, b in zip(runner.kv_caches, before):
+            c.copy_(b)
+        big = graphs._forward(*_decode_inputs(runner, 3, 8).tensors(), "dispatch")
+    torch.testing.assert_close(big[:3], small[:3], rtol=1e-5, atol=1e-5)  # (GEMM blocking differs by rows)
+    sink = runner.num_blocks
+    for c, s, b in zip(runner.kv_caches, after_small, before):
+        c, s, b = (t[:sink].flatten(0, 1) for t in (c, s, b))
+        written = (s != b).any(dim=-1)
+        assert int(written.sum()) == 3  # one slot per real row, nothing else outside the sink
+        assert torch.equal(c[~written], b[~written])
+        torch.testing.assert_close(c[written], s[written], rtol=1e-5, atol=1e-5)
+
+
+def _host_read_raises(mode: FakeTensorMode) -> bool:
+    with mode:
+        try:
+            torch.ones(3).sum().item()
+        except Exception:  # noqa: BLE001 - DataDependentOutputException and kin
+            return True
+    return False
+
+
+@pytest.mark.parametrize("dispatch", ["local", "padded"])
+def test_decode_forward_has_no_host_syncs(ckpt, dispatch, request):
+    """The whole decode forward under FakeTensorMode: any ``.item()``, ``.tolist()``, ``.cpu()`` or
+    data-dependent shape in it raises, so a new one fails here."""
+    llm = LLM(ckpt, dtype="float32", num_blocks=64)
+    runner = llm.engine.runner
+    if dispatch == "padded":  # a one-rank gloo group: the real fixed-shape backend and its collectives
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        request.addfinalizer(dist.destroy_process_group)
+        padded = PaddedDispatcher(runner.placement.num_local_slots, dist.group.WORLD)
+        padded.begin_step(8)
+        for layer in runner.model.layers:
+            if layer.is_moe:
+                layer.mlp.dispatcher = padded
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 8, "compile")
+    inputs = _decode_inputs(runner, 5, 8)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    assert _host_read_raises(mode)  # the check can fail
+    with torch.inference_mode(), mode:
+        fake = [mode.from_tensor(t) for t in inputs.tensors()]
+        out = graphs._forward(*fake, "dispatch")
+    assert tuple(out.shape) == (8, llm.config.model.hidden_size)
+
+
+def test_compiled_decode_matches_eager(ckpt):
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    eager = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2).generate(PROMPTS, params)
+    llm = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2, compile=True)
+    assert llm.engine.runner.decode_graphs is not None
+    for a, b in zip(eager, llm.generate(PROMPTS, params)):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager_over_two_ranks_with_the_padded_dispatcher(ckpt):
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
+    kw = dict(dtype="float32", num_blocks=64, max_num_seqs=2, dp=2, dispatch="padded")
+    with LLM(ckpt, **kw) as llm:
+        eager = llm.generate(PROMPTS, params)
+    with LLM(ckpt, compile=True, **kw) as llm:
+        compiled = llm.generate(PROMPTS, params)
+    for a, b in zip(eager, compiled):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_capture_options_are_checked(ckpt):
+    with pytest.raises(ConfigError, match="cuda_graph=True needs a CUDA device"):
+        LLM(ckpt, cuda_graph=True)
+    with pytest.raises(ConfigError, match="cuda_graph_max_bs must be >= 1"):
+        LLM(ckpt, compile=True, cuda_graph_max_bs=0)
+
+
+def test_captured_decode_over_ranks_needs_the_padded_dispatcher(ckpt):
+    with pytest.raises(ValueError, match="dispatch='padded'"):
+        LLM(ckpt, compile=True, dp=2)
