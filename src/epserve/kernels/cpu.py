@@ -93,13 +93,12 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T; the kernel streams ``w`` once when M <= TILE_M."""
     if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w) and available():
-        return linear_bf16(x, w)
+        return linear_bf16(x, w) if torch.compiler.is_compiling() else _linear_bf16(x, w)
     return F.linear(x, w)
 
 
-@torch.library.custom_op("epserve::linear_bf16", mutates_args=())
-def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The AVX512-BF16 decode GEMM as a custom op (one opaque call to ``torch.compile``)."""
+def _linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The AVX512-BF16 decode GEMM (as a custom op below: one opaque call to ``torch.compile``)."""
     lib = _library()
     assert lib is not None, "linear_bf16 needs the CPU kernels (kernels.cpu.available())"
     x = x.contiguous()
@@ -107,6 +106,9 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lib.epserve_linear_bf16(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(),
                             torch.get_num_threads())
     return out
+
+
+linear_bf16 = torch.library.custom_op("epserve::linear_bf16", _linear_bf16, mutates_args=())
 
 
 @linear_bf16.register_fake

@@ -287,8 +287,8 @@ def load_model(
     for module in model.modules():
         if isinstance(module, MLAttention):
             module.prepare()
-    gc.collect()
-    if device.type == "cuda":
+    if device.type == "cuda":  # (on the CPU every temporary is already freed: no reference cycles)
+        gc.collect()
         torch.cuda.empty_cache()
     logger.info("loaded %s: %.2f GiB on rank %d (%s weights) in %.1f s", path, model_bytes(model) / 2**30, ctx.rank,
                 "FP8" if fp8 else str(dtype).removeprefix("torch."), time.perf_counter() - start)

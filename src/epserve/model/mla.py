@@ -20,7 +20,7 @@ from torch import nn
 
 from epserve.config import ModelConfig
 from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
-from epserve.kernels.ops import paged_mla_decode_op
+from epserve.kernels.ops import mla_decode
 from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import Linear, RMSNorm, RopeTable
 from epserve.parallel.overlap import straight
@@ -213,8 +213,8 @@ class MLAttention(nn.Module):
         if not num_seqs:
             return q_latent.new_empty(0, self.num_heads, self.kv_lora_rank)
         scale = self.kv_scale if kv_cache.dtype == FP8_DTYPE else None
-        return paged_mla_decode_op(q_latent, kv_cache, batch.block_tables[:num_seqs], batch.seq_lens[:num_seqs],
-                                   self.softmax_scale, self.kv_lora_rank, scale)
+        return mla_decode(q_latent, kv_cache, batch.block_tables[:num_seqs], batch.seq_lens[:num_seqs],
+                          self.softmax_scale, self.kv_lora_rank, scale)
 
     def decode_attention(self, q: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """W_UK, MQA over the latent cache, W_UV for decode queries [B, h, qk_head] -> [B, h, v]."""

@@ -13,6 +13,7 @@ from torch import nn
 
 from epserve.kernels import moe_swiglu
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_moe_swiglu
+from epserve.kernels.ops import tracing
 from epserve.moe.dispatch.base import ExpertInput
 
 
@@ -29,8 +30,7 @@ def _grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
     return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
 
 
-@torch.library.custom_op("epserve::grouped_swiglu", mutates_args=())
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu_host(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts ``w2[e] @ (silu(gate) * up)``, ``[gate; up] = w13[e] @ x``, on rows grouped by expert
     (``counts[e]`` each, in order; rows past their sum come out zero), the counts read on the host."""
     sizes = [int(n) for n in counts.tolist()]
@@ -52,6 +52,10 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2:
                 start += n
     out[:total] = y
     return out
+
+
+# The same as a custom op, for traces (kernels/ops.py: eager calls skip the op's first-call cost).
+grouped_swiglu = torch.library.custom_op("epserve::grouped_swiglu", grouped_swiglu_host, mutates_args=())
 
 
 @grouped_swiglu.register_fake
@@ -94,4 +98,4 @@ class GroupedExperts(nn.Module):
         if x.device.type == "cuda" and _grouped_mm_ok(x):  # device offsets; padding rows zeroed, no sync
             valid = torch.arange(x.shape[0], device=x.device) < counts.sum()
             return _grouped_mm_swiglu(x, counts, self.w13, self.w2) * valid[:, None].to(x.dtype)
-        return grouped_swiglu(x, counts, self.w13, self.w2)
+        return (grouped_swiglu if tracing() else grouped_swiglu_host)(x, counts, self.w13, self.w2)
