@@ -9,23 +9,19 @@ the CPU. Running this file as a script runs the interpreter cases and prints the
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton_harness
 
 from epserve import env
 from epserve.checkpoint import fp8_block_dequantize, fp8_block_quantize
 from epserve.kernels import fp8
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX, cdiv
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPES_NK = [(128, 128), (160, 200), (256, 384), (160, 384)]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -229,7 +225,7 @@ def test_backend_variable(monkeypatch):
 
 def test_importing_fp8_does_not_import_triton():
     code = "import sys, epserve.kernels.fp8; assert 'triton' not in sys.modules, 'triton imported'"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_subprocess_env())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=triton_harness.subprocess_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
@@ -295,19 +291,11 @@ INTERP_CASES = {"interpreted": _case_interpreted, "quant": _case_quant, "gemm": 
                 "grouped": _case_grouped, "shape_errors": shape_errors, "front_ends": _case_front_ends}
 
 
-def _subprocess_env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
-
-
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str | None]:
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
-                          env=_subprocess_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return triton_harness.interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("case", sorted(INTERP_CASES))
@@ -387,13 +375,7 @@ def test_cuda_graph_captures_the_moe_path():
 def _interpreter_main() -> None:
     from epserve.kernels import fp8_triton
 
-    results: dict[str, str | None] = {}
-    for name, case in INTERP_CASES.items():
-        try:
-            results[name] = case(fp8_triton)  # None
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    triton_harness.report_cases(INTERP_CASES, fp8_triton)
 
 
 if __name__ == "__main__":

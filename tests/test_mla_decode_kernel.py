@@ -13,20 +13,15 @@ interpreter cases and prints their results as JSON.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
+import triton_harness
 
 from epserve.kernels import mla_decode as md
 from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX, cdiv
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 R, PE = 64, 16
@@ -214,19 +209,11 @@ INTERP_CASES = {"interpreted": _case_interpreted, "fp32": _matrix_case("fp32"), 
                 "fp8": _matrix_case("fp8"), "all_empty": _case_all_empty, "hi_lo_query": _case_hi_lo_query}
 
 
-def _subprocess_env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
-
-
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str | None]:
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
-                          env=_subprocess_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return triton_harness.interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("case", sorted([*INTERP_CASES, "lazy_import"]))
@@ -303,13 +290,7 @@ def _interpreter_main() -> None:
     early = "triton" in sys.modules
     from epserve.kernels import mla_decode_triton
 
-    results: dict[str, str | None] = {"lazy_import": "kernels.mla_decode imported triton" if early else None}
-    for name, case in INTERP_CASES.items():
-        try:
-            results[name] = case(mla_decode_triton)  # None
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    triton_harness.report_cases(INTERP_CASES, mla_decode_triton, {"lazy_import": "kernels.mla_decode imported triton" if early else None})
 
 
 if __name__ == "__main__":

@@ -11,24 +11,19 @@ script runs the interpreter cases and prints their results as JSON.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+import triton_harness
 
 from epserve.config import ModelConfig
 from epserve.kernels import router
 from epserve.moe.router import ExpertRouter
 from epserve.presets import build_config
 
-ROOT = Path(__file__).resolve().parents[1]
 _TRITON_BEFORE_MAIN = "triton" in sys.modules  # after importing kernels.router (the script's check)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -217,19 +212,11 @@ INTERP_CASES = {
 }
 
 
-def _subprocess_env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
-
-
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str | None]:
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
-                          env=_subprocess_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return triton_harness.interpreter_results(__file__)
 
 
 @pytest.mark.parametrize("case", sorted(INTERP_CASES))
@@ -296,13 +283,7 @@ def test_cuda_graph_captures_the_gate():
 def _interpreter_main() -> None:
     from epserve.kernels import router_triton
 
-    results: dict[str, str | None] = {}
-    for name, case in INTERP_CASES.items():
-        try:
-            results[name] = case(router_triton)  # None
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    triton_harness.report_cases(INTERP_CASES, router_triton)
 
 
 if __name__ == "__main__":
