@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -75,13 +76,15 @@ def test_serving_commands_refuse_bad_options_before_starting(tmp_path):
         for args in (["serve", "--port", str(port)], ["router", "--engine", "127.0.0.1:1", "--port", str(port)]):
             r = run_cli(*args)
             assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
-    for args, message in [
+    cases = [
         (["router", "--engine", "nonsense"], "engine address 'nonsense' is not HOST:PORT"),
         (["router", "--engine", "h:1", "--cache-threshold", "2"], "cache_threshold"),
         (["router", str(tmp_path / "missing"), "--engine", "h:1"], "does not exist"),
         (["serve", "--engine-port", "70000"], "--engine-port"),
         (["serve", "--nnodes", "2"], "serve runs on one host"),
-    ]:
-        r = run_cli(*args)
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:  # independent processes: run them side by side
+        results = list(pool.map(lambda case: run_cli(*case[0]), cases))
+    for (args, message), r in zip(cases, results):
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

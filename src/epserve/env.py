@@ -10,6 +10,7 @@ may use it.
 | ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
 | ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |
 | ``EPSERVE_API_KEY`` | the router's API key (how ``epserve serve`` hands it to the router process) | none |
+| ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests use ``aot_eager``: the same fullgraph trace, no codegen) | ``inductor`` |
 | ``EPSERVE_FP8_BACKEND`` | FP8 kernels on CUDA: ``auto``, ``triton``, ``scaled_mm`` or ``torch`` | ``auto`` |
 """
 
@@ -25,6 +26,7 @@ THREADS_PER_RANK = "EPSERVE_THREADS_PER_RANK"
 PIN = "EPSERVE_PIN"
 API_KEY = "EPSERVE_API_KEY"
 FP8_BACKEND = "EPSERVE_FP8_BACKEND"
+COMPILE_BACKEND = "EPSERVE_COMPILE_BACKEND"
 FP8_BACKENDS = ("auto", "triton", "scaled_mm", "torch")
 
 
@@ -64,6 +66,10 @@ def fp8_backend() -> str:
     if value not in FP8_BACKENDS:
         raise ValueError(f"{FP8_BACKEND}={value!r}: expected one of {', '.join(FP8_BACKENDS)}")
     return value
+
+
+def compile_backend() -> str:
+    return os.environ.get(COMPILE_BACKEND) or "inductor"
 
 
 def api_key() -> str | None:

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from epserve import env
 from epserve.config import OverlapMode
 from epserve.kernels import cpu as cpu_kernels
 from epserve.model.batch import ForwardBatch
@@ -115,7 +116,7 @@ class DecodeGraphs:
             cpu_kernels.available()  # decided before tracing (the forward's GEMMs ask it)
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
-            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False)
+            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=env.compile_backend())
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket holding ``num_seqs`` rows, or None above the largest (run eagerly)."""
