@@ -35,11 +35,13 @@ def _decode_inputs(runner, rows: int, bucket: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     bs = runner.block_size
     positions = tuple(int(p) for p in torch.randint(1, 3 * bs, (rows,), generator=g))
-    tables = tuple(tuple(range(4 * i, 4 * i + -(-(p + 1) // bs))) for i, p in enumerate(positions))
+    tables = [list(range(4 * i, 4 * i + -(-(p + 1) // bs))) for i, p in enumerate(positions)]
+    width = max(map(len, tables))
+    tables = tuple(tuple(t + [0] * (width - len(t))) for t in tables)  # one width, as BatchPlan pads them
     slots = tuple(t[p // bs] * bs + p % bs for t, p in zip(tables, positions))
     ids = tuple(int(t) for t in torch.randint(2, 500, (rows,), generator=g))
-    return pad_decode(ids, positions, slots, tables, bucket, runner.max_blocks_per_seq, runner.sink_slot,
-                      runner.device)
+    return pad_decode(ids, positions, slots, tuple(p + 1 for p in positions), tables, bucket,
+                      runner.max_blocks_per_seq, runner.sink_slot, runner.device)
 
 
 def test_padding_rows_change_no_real_row(ckpt):

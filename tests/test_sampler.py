@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from epserve.engine.request import SamplingParams
-from epserve.engine.sampler import Sampler, _filter
+from epserve.engine.sampler import Sampler, filter_logits
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 
 
 def kept(p: SamplingParams) -> list[int]:
-    return torch.isfinite(_filter(LOGITS, p)).nonzero().flatten().tolist()
+    return torch.isfinite(filter_logits(LOGITS[None], [p])[0]).nonzero().flatten().tolist()
 
 
 def test_filters_keep_the_expected_tokens():

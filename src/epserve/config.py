@@ -134,10 +134,8 @@ class ModelConfig:
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            supported = ", ".join(SUPPORTED_ARCHITECTURES)
+            raise ConfigError(f"unsupported architecture {archs or raw.get('model_type')!r}; supported: {supported}")
         is_v3 = arch == "DeepseekV3ForCausalLM"
 
         def need(key: str) -> Any:
@@ -175,8 +173,7 @@ class ModelConfig:
         block, scale_fmt = None, None
         quant = raw.get("quantization_config")
         if quant:
-            method = quant.get("quant_method")
-            fmt = quant.get("fmt", "e4m3")
+            method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
             if method != "fp8" or fmt != "e4m3":
                 raise ConfigError(f"unsupported quantization {method!r}/{fmt!r}; only fp8 e4m3 block scales")
             if quant.get("activation_scheme", "dynamic") != "dynamic":
@@ -239,12 +236,9 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if factor is None:
         factor = raw.get("max_position_embeddings", orig) / orig
     return theta, RopeScaling(
-        factor=float(factor),
-        original_max_position_embeddings=int(orig),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=float(params.get("mscale") or 1.0),
-        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        factor=float(factor), original_max_position_embeddings=int(orig),
+        beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         truncate=bool(params.get("truncate", True)),
     )
 
@@ -284,8 +278,7 @@ OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
 OVERLAP_CHOICES: tuple[str, ...] = get_args(OverlapSetting)
 DISPATCH_BACKENDS: tuple[str, ...] = get_args(DispatchBackend)
 MULTI_RANK_DISPATCH: tuple[str, ...] = ("all_to_all", "padded")  # the backends that exchange tokens between ranks
-# Weight precision at run time: fp8 keeps FP8 block-scaled weights, None dequantizes at load, auto = fp8 on CUDA.
-Quantization = Literal["auto", "fp8", None]
+Quantization = Literal["auto", "fp8", None]  # weights: fp8 kept, None dequantized at load, auto: fp8 on CUDA
 QUANTIZATIONS: tuple[str | None, ...] = get_args(Quantization)
 KvCacheDtype = Literal["auto", "fp8"]  # the latent KV cache: the model dtype, or e4m3 with a per-layer scale
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
@@ -300,8 +293,8 @@ class ParallelConfig:
     ``microbatch`` (two interleaved micro-batches) or ``auto`` (micro-batches once every rank's FFN
     half has at least ``microbatch_threshold`` tokens; default: 256 on CUDA, never on CPU, where the
     collectives run on the cores the compute needs and micro-batching measured slower at every batch
-    size, docs/benchmarks.md). ``nnodes``/``node_rank``/``master_addr``/
-    ``master_port``: a world spread over hosts, each running ``dp*tp/nnodes`` ranks."""
+    size, docs/benchmarks.md). ``nnodes``/``node_rank``/``master_addr``/``master_port``: a world spread
+    over hosts, each running ``dp*tp/nnodes`` ranks."""
 
     dp: int = 1
     tp: int = 1
@@ -338,6 +331,11 @@ class ParallelConfig:
             raise ConfigError("timeout_s must be > 0")
 
     @property
+    def fixed_shape_dispatch(self) -> bool:
+        """Whether the MoE exchange never syncs with the host (EP 1, or ``padded``): decode can be captured."""
+        return self.world_size == 1 or self.dispatch == "padded"
+
+    @property
     def ep(self) -> int:
         return self.dp * self.tp
 
@@ -372,8 +370,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quantization: Quantization = "auto"
-    # Decode steps captured per batch bucket (engine/graphs.py): CUDA graphs or, on the CPU, torch.compile.
-    cuda_graph: bool | None = None
+    cuda_graph: bool | None = None  # decode captured per batch bucket (engine/graphs.py); compile: on the CPU
     compile: bool = False
     cuda_graph_max_bs: int | None = None
 
@@ -383,14 +380,17 @@ class EngineConfig:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
             raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
         if self.compile and self.device.startswith("cuda"):
-            raise ConfigError("compile=True is the CPU's captured decode; on CUDA decode steps run as CUDA graphs "
-                              "(cuda_graph)")
+            raise ConfigError("compile=True is the CPU's captured decode; on CUDA it is cuda_graph")
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ConfigError("cuda_graph=True needs a CUDA device; on the CPU use compile=True")
+        if (self.compile or self.cuda_graph) and not self.parallel.fixed_shape_dispatch:
+            raise ConfigError("compile / cuda_graph with EP > 1 need a fixed-shape dispatch='padded' (--dispatch padded)")
 
     @property
     def capture_mode(self) -> str | None:
-        """``cuda_graph``, ``compile`` or None (every step eager)."""
+        """``cuda_graph``, ``compile`` or None (every step eager; also with the all_to_all dispatcher)."""
+        if not self.parallel.fixed_shape_dispatch:
+            return None
         if self.device.startswith("cuda"):
             return None if self.cuda_graph is False else "cuda_graph"
         return "compile" if self.compile else None

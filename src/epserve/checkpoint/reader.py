@@ -189,9 +189,6 @@ class CheckpointReader:
         """The stored shape of ``name`` (from the shard's header; no data is read)."""
         return self._entry(name).shape
 
-    def stored_dtype(self, name: str) -> torch.dtype:
-        return self._entry(name).dtype
-
     # -- reading
     def get_raw(
         self, name: str, device: str | torch.device = "cpu", rows: tuple[int, int] | None = None

@@ -60,20 +60,22 @@ def pad_decode(
     input_ids: tuple[int, ...],
     positions: tuple[int, ...],
     slot_mapping: tuple[int, ...],
-    block_tables: tuple[tuple[int, ...], ...],
+    seq_lens: tuple[int, ...],
+    block_tables: tuple[tuple[int, ...], ...],  # one width for every row
     bucket: int,
     max_blocks: int,
     sink_slot: int,
     device: torch.device,
 ) -> DecodeInputs:
-    """The ``n`` decode rows (one token each, context ``position + 1``) padded to ``bucket`` rows."""
+    """The ``n`` decode rows (one token each) padded to ``bucket`` rows (context length 0)."""
     n = len(input_ids)
     if n > bucket:
         raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
     pad = bucket - n
     tables = torch.zeros(bucket, max_blocks, dtype=torch.long)
-    for i, row in enumerate(block_tables):
-        tables[i, : len(row)] = torch.tensor(row[:max_blocks], dtype=torch.long)
+    if n:  # the plan's rows share one width (BatchPlan pads them), at most the model's blocks per sequence
+        rows = torch.tensor(block_tables, dtype=torch.long)
+        tables[:n, : rows.shape[1]] = rows
 
     def t(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long)
@@ -82,7 +84,7 @@ def pad_decode(
         input_ids=t([*input_ids, *[0] * pad]),
         positions=t([*positions, *[0] * pad]),
         slot_mapping=t([*slot_mapping, *[sink_slot] * pad]),
-        seq_lens=t([p + 1 for p in positions] + [0] * pad),
+        seq_lens=t([*seq_lens, *[0] * pad]),
         block_tables=tables,
     )
     return DecodeInputs(*(x.to(device, non_blocking=True) for x in host.tensors()))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from epserve.checkpoint import as_torch_dtype
-from epserve.config import ConfigError, EngineConfig
+from epserve.config import EngineConfig
 from epserve.engine.graphs import DecodeGraphs, pad_decode
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
@@ -163,13 +163,7 @@ class ModelRunner:
         self.profiler: OpProfiler | None = None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
-        mode = config.capture_mode
-        if mode is not None and self.dispatcher.name == "all_to_all":  # its count exchange is a host sync
-            if config.compile or config.cuda_graph:
-                raise ConfigError(f"{mode} decode needs a fixed-shape dispatcher: use dispatch='padded' with EP > 1")
-            logger.info("decode steps run eagerly: the all_to_all dispatcher syncs with the host (dispatch='padded' "
-                        "captures them)")
-            mode = None
+        mode = config.capture_mode  # None with all_to_all: its count exchange syncs with the host
         if mode is not None:
             max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs, 256)
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_batch, mode,  # type: ignore[arg-type]
@@ -204,8 +198,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(global_max_tokens) if graphs is not None and all_decode else None
         if bucket is not None and overlap != "microbatch" and self.profiler is None:
-            inputs = pad_decode(plan.input_ids, plan.positions, plan.slot_mapping, plan.block_tables, bucket,
-                                self.max_blocks_per_seq, self.sink_slot, self.device)
+            inputs = pad_decode(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens, plan.block_tables,
+                                bucket, self.max_blocks_per_seq, self.sink_slot, self.device)
             hidden = graphs.run(inputs, overlap)  # type: ignore[union-attr]
             return hidden[torch.tensor(plan.logits_indices, dtype=torch.long, device=self.device)]
         self.dispatcher.begin_step(per_rank)

@@ -56,11 +56,6 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return logits
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One row [V] (the filters of :func:`filter_logits`)."""
-    return filter_logits(logits[None], [p])[0]
-
-
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int = 0) -> None:
         self.device = torch.device(device)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from epserve import env
+from epserve.kernels.ops import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T; the kernel streams ``w`` once when M <= TILE_M."""
     if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w) and available():
-        return linear_bf16(x, w) if torch.compiler.is_compiling() else _linear_bf16(x, w)
+        return linear_bf16(x, w) if tracing() else _linear_bf16(x, w)
     return F.linear(x, w)
 
 

@@ -46,6 +46,19 @@ def cdiv(a: int, b: int) -> int:
 # ---- shape checks (shared with the Triton wrappers) ---------------------------------------------
 
 
+def fp8_scale_shape(*shape: int) -> tuple[int, ...]:
+    """The scale tensor of an FP8 weight ``[..., out, in]``: one fp32 per 128x128 tile."""
+    *lead, out_features, in_features = shape
+    return (*lead, cdiv(out_features, BLOCK), cdiv(in_features, BLOCK))
+
+
+def fp8_weight_pair(*shape: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """An empty FP8 weight ``shape`` (``[..., out, in]``) and its tile scales, as DeepSeek publishes them."""
+    weight = torch.nn.Parameter(torch.empty(*shape, dtype=FP8_DTYPE), requires_grad=False)
+    scale = torch.nn.Parameter(torch.empty(*fp8_scale_shape(*shape), dtype=torch.float32), requires_grad=False)
+    return weight, scale
+
+
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 

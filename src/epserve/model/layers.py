@@ -13,20 +13,7 @@ from torch import nn
 from epserve.checkpoint import fp8_block_dequantize
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
 from epserve.kernels import linear
-from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, block_fp8_gemm, silu_mul_quant
-
-
-def fp8_scale_shape(*shape: int) -> tuple[int, ...]:
-    """The scale tensor of an FP8 weight ``[..., out, in]``: one fp32 per 128x128 tile."""
-    *lead, out_features, in_features = shape
-    return (*lead, -(-out_features // BLOCK), -(-in_features // BLOCK))
-
-
-def fp8_weight_pair(*shape: int) -> tuple[nn.Parameter, nn.Parameter]:
-    """An empty FP8 weight ``shape`` and its tile scales, as DeepSeek publishes them."""
-    weight = nn.Parameter(torch.empty(*shape, dtype=FP8_DTYPE), requires_grad=False)
-    scale = nn.Parameter(torch.empty(*fp8_scale_shape(*shape), dtype=torch.float32), requires_grad=False)
-    return weight, scale
+from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul_quant
 
 
 class Linear(nn.Module):
@@ -42,10 +29,6 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features))
             self.weight_scale_inv = None
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.weight_scale_inv is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""

@@ -198,38 +198,41 @@ def _check(piece: Piece, got: tuple[int, ...], want: tuple[int, ...], name: str)
         raise CheckpointError(f"checkpoint tensor {piece.source!r} (for {name}) has shape {got}, expected {want}")
 
 
+def _copy_stored(reader: CheckpointReader, part: Piece, out: torch.Tensor, name: str) -> None:
+    """``part`` of a checkpoint tensor, as stored (cast to ``out``'s dtype if it differs), into ``out``:
+    rows read straight into it where they can be (``CheckpointReader.read_into``), columns through one
+    temporary."""
+    if part.cols is None:
+        _check(part, _rows_shape(reader, part), tuple(out.shape), name)
+        reader.read_into(part.source, out, part.rows)
+    else:
+        t = reader.get_raw(part.source, rows=part.rows)[:, part.cols[0] : part.cols[1]]
+        _check(part, tuple(t.shape), tuple(out.shape), name)
+        out.copy_(t)
+
+
 def _fill(reader: CheckpointReader, name: str, target: torch.Tensor, scale: torch.Tensor | None, pieces: list[Piece]) -> None:
     """Fill ``target`` (and its tile ``scale`` when FP8) from ``pieces``."""
     for piece in pieces:
         dst = target[piece.index] if piece.index else target
         dst = dst[piece.dst_rows[0] : piece.dst_rows[1]] if piece.dst_rows else dst
         stored_fp8 = reader.is_fp8(piece.source)
-        if scale is not None and stored_fp8:  # FP8 kept: weight and scales as stored, no cast
+        if scale is not None and stored_fp8:  # FP8 kept: weight and scales as stored
             if reader.block_size != (BLOCK, BLOCK):
                 raise CheckpointError(f"{piece.source!r}: FP8 blocks {reader.block_size}, expected {(BLOCK, BLOCK)}")
-            for part, out in ((piece, dst), (piece.scaled(), _scale_view(scale, piece))):
-                if part.cols is None and out.is_contiguous() and out.device.type == "cpu":
-                    _check(part, _rows_shape(reader, part), tuple(out.shape), name)
-                    reader.read_into(part.source, out, part.rows)
-                else:
-                    t = reader.get_raw(part.source, rows=part.rows)
-                    t = t if part.cols is None else t[:, part.cols[0] : part.cols[1]]
-                    _check(part, tuple(t.shape), tuple(out.shape), name)
-                    out.copy_(t)
-            continue
-        direct = scale is None and not stored_fp8 and piece.cols is None
-        if direct and dst.is_contiguous() and dst.device.type == "cpu" and dst.dtype == reader.stored_dtype(piece.source):
-            _check(piece, _rows_shape(reader, piece), tuple(dst.shape), name)
-            reader.read_into(piece.source, dst, piece.rows)  # as stored, straight into the parameter
-            continue
-        t = _read(reader, piece)
-        _check(piece, tuple(t.shape), tuple(dst.shape), name)
-        if scale is None:
-            dst.copy_(t)
-        else:  # a higher-precision checkpoint quantized at load (tile-aligned pieces)
-            q = fp8_block_quantize(t, (BLOCK, BLOCK))
-            dst.copy_(q.weight)
-            _scale_view(scale, piece).copy_(q.scale_inv)
+            _copy_stored(reader, piece, dst, name)
+            _copy_stored(reader, piece.scaled(), _scale_view(scale, piece), name)
+        elif scale is None and not stored_fp8:  # as stored, cast to the runtime dtype
+            _copy_stored(reader, piece, dst, name)
+        else:  # FP8 dequantized, or a higher-precision checkpoint quantized at load (tile-aligned pieces)
+            t = _read(reader, piece)
+            _check(piece, tuple(t.shape), tuple(dst.shape), name)
+            if scale is None:
+                dst.copy_(t)
+            else:
+                q = fp8_block_quantize(t, (BLOCK, BLOCK))
+                dst.copy_(q.weight)
+                _scale_view(scale, piece).copy_(q.scale_inv)
 
 
 def _scale_view(scale: torch.Tensor, piece: Piece) -> torch.Tensor:

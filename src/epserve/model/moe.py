@@ -95,5 +95,5 @@ class MoE(nn.Module):
 
     def _dispatch_recv(self, sent: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
         expert_input, route = self.dispatcher.dispatch_recv(sent)
-        self.expert_load += expert_input.num_tokens_per_expert.to(self.expert_load.device, non_blocking=True)
+        self.expert_load += expert_input.num_tokens_per_expert  # both on the device: no sync
         return expert_input, route

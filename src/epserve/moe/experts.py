@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.kernels import moe_swiglu
-from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_moe_swiglu
+from epserve.kernels.fp8 import fp8_moe_swiglu, fp8_weight_pair
 from epserve.kernels.ops import tracing
 from epserve.moe.dispatch.base import ExpertInput
 
@@ -30,10 +30,9 @@ def _grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
     return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
 
 
-def grouped_swiglu_host(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def grouped_swiglu_host(x: torch.Tensor, sizes: tuple[int, ...], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts ``w2[e] @ (silu(gate) * up)``, ``[gate; up] = w13[e] @ x``, on rows grouped by expert
-    (``counts[e]`` each, in order; rows past their sum come out zero), the counts read on the host."""
-    sizes = [int(n) for n in counts.tolist()]
+    (``sizes[e]`` each, in order, known on the host; rows past their sum come out zero)."""
     total = sum(sizes)
     out = x.new_zeros(x.shape[0], w2.shape[1])
     if total == 0:
@@ -42,34 +41,28 @@ def grouped_swiglu_host(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor
     y = moe_swiglu(rows, sizes, w13, w2)  # the CPU decode kernel, where it applies
     if y is None and _grouped_mm_ok(rows):
         y = _grouped_mm_swiglu(rows, torch.tensor(sizes), w13, w2)
-    if y is None:
-        y = out[:total]
-        start = 0
-        for e, n in enumerate(sizes):
-            if n:
-                gate, up = F.linear(rows[start : start + n], w13[e]).chunk(2, dim=-1)
-                y[start : start + n] = F.linear(F.silu(gate) * up, w2[e])
-                start += n
-    out[:total] = y
+    if y is not None:
+        out[:total] = y
+        return out
+    start = 0
+    for e, n in enumerate(sizes):
+        if n:
+            gate, up = F.linear(rows[start : start + n], w13[e]).chunk(2, dim=-1)
+            out[start : start + n] = F.linear(F.silu(gate) * up, w2[e])
+            start += n
     return out
 
 
-# The same as a custom op, for traces (kernels/ops.py: eager calls skip the op's first-call cost).
-grouped_swiglu = torch.library.custom_op("epserve::grouped_swiglu", grouped_swiglu_host, mutates_args=())
+@torch.library.custom_op("epserve::grouped_swiglu", mutates_args=())
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The same as a custom op taking the counts as a tensor, for traces (kernels/ops.py: eager calls skip
+    the op's first-call cost)."""
+    return grouped_swiglu_host(x, tuple(int(n) for n in counts.tolist()), w13, w2)
 
 
 @grouped_swiglu.register_fake
 def _(x, counts, w13, w2):  # noqa: ANN001
     return x.new_empty(x.shape[0], w2.shape[1])
-
-
-def _weight(*shape: int, fp8: bool) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=FP8_DTYPE if fp8 else None), requires_grad=False)
-
-
-def _scales(num: int, rows: int, cols: int) -> nn.Parameter:
-    shape = (num, -(-rows // BLOCK), -(-cols // BLOCK))
-    return nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
 
 
 class GroupedExperts(nn.Module):
@@ -81,10 +74,16 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.intermediate_size = intermediate_size
-        self.w13 = _weight(num_local_experts, 2 * intermediate_size, hidden_size, fp8=fp8)
-        self.w2 = _weight(num_local_experts, hidden_size, intermediate_size, fp8=fp8)
-        self.w13_scale_inv = _scales(num_local_experts, 2 * intermediate_size, hidden_size) if fp8 else None
-        self.w2_scale_inv = _scales(num_local_experts, hidden_size, intermediate_size) if fp8 else None
+        w13_shape = (num_local_experts, 2 * intermediate_size, hidden_size)
+        w2_shape = (num_local_experts, hidden_size, intermediate_size)
+        self.w13_scale_inv: nn.Parameter | None = None
+        self.w2_scale_inv: nn.Parameter | None = None
+        if fp8:
+            self.w13, self.w13_scale_inv = fp8_weight_pair(*w13_shape)
+            self.w2, self.w2_scale_inv = fp8_weight_pair(*w2_shape)
+        else:
+            self.w13 = nn.Parameter(torch.empty(w13_shape), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(w2_shape), requires_grad=False)
 
     def forward(self, expert_input: ExpertInput) -> torch.Tensor:
         """Rows grouped by local expert [N, H] -> expert outputs [N, H] in the same order."""
@@ -98,4 +97,6 @@ class GroupedExperts(nn.Module):
         if x.device.type == "cuda" and _grouped_mm_ok(x):  # device offsets; padding rows zeroed, no sync
             valid = torch.arange(x.shape[0], device=x.device) < counts.sum()
             return _grouped_mm_swiglu(x, counts, self.w13, self.w2) * valid[:, None].to(x.dtype)
-        return (grouped_swiglu if tracing() else grouped_swiglu_host)(x, counts, self.w13, self.w2)
+        if tracing():
+            return grouped_swiglu(x, counts, self.w13, self.w2)
+        return grouped_swiglu_host(x, expert_input.counts_list(), self.w13, self.w2)  # all_to_all's host counts
