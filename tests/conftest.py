@@ -54,3 +54,12 @@ def device() -> str:
     import os
 
     return os.environ.get("EPSERVE_TEST_DEVICE", "cpu")
+
+
+
+@pytest.fixture(scope="session")
+def counter_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A float32 checkpoint whose MTP layer drafts right about half the time (``tests/spec_toys.py``)."""
+    from tests.spec_toys import counter_checkpoint
+
+    return counter_checkpoint(tmp_path_factory.mktemp("counter"))

@@ -24,6 +24,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch captured (CUDA graphs) or compiled (--compile); default max-num-seqs")
     p.add_argument("--compile", action="store_true",
                    help="CPU: decode steps through torch.compile(fullgraph=True), one graph per batch bucket")
+    p.add_argument("--speculative", default=None, choices=["mtp"],
+                   help="speculative decoding: mtp drafts with the checkpoint's multi-token prediction layer")
+    p.add_argument("--num-speculative-tokens", type=int, default=1,
+                   help="draft tokens per decode step with --speculative (the MTP layer chained on itself)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="memory for weights + KV cache")
@@ -106,6 +110,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         master_addr=args.master_addr, master_port=args.master_port,
         quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph=False if args.no_cuda_graph else None, compile=args.compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
     )
 
 

@@ -35,7 +35,7 @@ class LLMEngine:
         self.ctx = ctx if ctx is not None else ParallelContext.single(resolve_device(config.device))
         self.runner = ModelRunner(config, self.ctx)
         self.scheduler = (
-            Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len)
+            Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len, config.num_spec_tokens)
             if self.ctx.is_leader
             else None
         )
@@ -53,7 +53,7 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         try:
             check_prompt(request_id, len(prompt_token_ids), params.max_tokens, self.config.max_model_len,
-                         self.config.cache.block_size, self.runner.num_blocks)
+                         self.config.cache.block_size, self.runner.num_blocks, self.config.num_spec_tokens)
         except ValueError as e:
             raise RequestError(str(e)) from None
         return Request(request_id, prompt_token_ids, params, eos_token_ids=self.config.model.eos_token_ids)
@@ -100,16 +100,19 @@ class LLMEngine:
             [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping), int(prefilling)], self.ctx
         )
         self.anybody_unfinished, self.anybody_stopping = bool(unfinished), bool(stop)
-        result = None
+        result, drafts = None, None
         if max_tokens:
             self.num_forwards += 1
             plan = broadcast_from_leader(plan, self.ctx)
             hidden = self.runner.forward(plan, max_tokens, all_decode=not any_prefill)
             if chunks:
-                result = self.runner.sample(chunks, hidden)
+                result = self.runner.sample(chunks, hidden, plan)
+            if self.runner.proposer is not None:  # every rank: the MTP layer's passes, in lockstep
+                drafts = self.runner.propose(chunks, plan, result, hidden, max_tokens)
         if scheduler is None:
             return []
-        updates = scheduler.update(output, result.sampled if result else {}, result.logprobs if result else None)
+        updates = scheduler.update(output, result.sampled if result else {}, result.logprobs if result else None,
+                                   drafts)
         if not chunks and not updates and scheduler.has_unfinished_requests():
             # Cannot happen while the scheduler keeps its invariants; never spin silently.
             raise RuntimeError(

@@ -22,10 +22,15 @@ class ComputedBlocks(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_lookahead: int = 0
+    ) -> None:
+        """``hash_lookahead``: tokens after a block that its prefix-cache hash also covers (1 with an
+        MTP draft layer, whose KV at a position depends on the token after it)."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.hash_lookahead = hash_lookahead
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.block_pool = BlockPool(num_blocks, self.prefix_cache)
         # request_id -> how many leading blocks of the request are already in the prefix cache.
@@ -70,7 +75,7 @@ class KVCacheManager:
             return ComputedBlocks([], 0)
         self._update_block_hashes(request)
         num_matchable = (request.num_tokens - 1) // self.block_size
-        block_ids = self.prefix_cache.match_hashes(request.block_hashes[:num_matchable])
+        block_ids = self.prefix_cache.match_hashes(request.block_hashes[: min(num_matchable, len(request.block_hashes))])
         return ComputedBlocks(block_ids, len(block_ids) * self.block_size)
 
     def allocate_slots(
@@ -116,6 +121,14 @@ class KVCacheManager:
             self.prefix_cache.insert(request.block_hashes[i], request.block_ids[i])
         self._num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks past those holding its computed tokens (the lookahead a speculative
+        step allocated for drafts that were rejected): KV there is rolled back."""
+        keep = self.num_blocks_for(request.num_computed_tokens)
+        if len(request.block_ids) > keep:
+            self.block_pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
+
     def free(self, request: Request) -> None:
         """Release the request's blocks (cached ones stay reusable until evicted)."""
         self.block_pool.free(request.block_ids)
@@ -126,6 +139,7 @@ class KVCacheManager:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
         hashes = request.block_hashes
         num_hashed_tokens = len(hashes) * self.block_size
-        if request.num_tokens - num_hashed_tokens >= self.block_size:
+        if request.num_tokens - num_hashed_tokens >= self.block_size + self.hash_lookahead:
             parent = hashes[-1] if hashes else None
-            hashes.extend(hash_blocks(request.all_token_ids[num_hashed_tokens:], self.block_size, parent))
+            hashes.extend(hash_blocks(request.all_token_ids[num_hashed_tokens:], self.block_size, parent,
+                                      self.hash_lookahead))

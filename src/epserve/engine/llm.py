@@ -24,6 +24,7 @@ from epserve.config import (
     ParallelConfig,
     Quantization,
     SchedulerConfig,
+    SpeculativeMethod,
 )
 from epserve.engine.engine import LLMEngine
 from epserve.engine.profiler import StepRecord
@@ -36,6 +37,7 @@ from epserve.engine.worker import (
     GetCommBytes,
     GetExpertLoad,
     GetProfile,
+    GetSpeculativeStats,
     OfflineRequest,
     ResetCommStats,
     SetOverlap,
@@ -154,6 +156,12 @@ class LLM:
         rank) and ``kv_cache_dtype``; every rank holds the same pool."""
         return self._call(GetCacheInfo())
 
+    def speculative_stats(self) -> dict[str, object] | None:
+        """Draft acceptance since start-up, over every DP group: ``num_drafts`` (decodes that verified
+        drafts), ``num_draft_tokens``, ``num_accepted_tokens``, ``acceptance_rate`` and
+        ``accepted_per_position`` (how often draft ``j`` was accepted); None without speculative decoding."""
+        return self._call(GetSpeculativeStats())
+
     def expert_load(self) -> ExpertLoad:
         """Tokens per (MoE layer, logical expert) and per rank since start-up, and the imbalance."""
         return self._call(GetExpertLoad())
@@ -231,6 +239,8 @@ def build_engine_config(
     cuda_graph: bool | None = None,
     compile: bool = False,
     cuda_graph_max_bs: int | None = None,
+    speculative: SpeculativeMethod = None,
+    num_speculative_tokens: int = 1,
 ) -> EngineConfig:
     """The engine configuration ``LLM`` and ``epserve serve`` start from (``model=None``: the built-in
     tiny checkpoint); ValueError for an inconsistent one. ``quantization``: ``"fp8"`` keeps FP8
@@ -239,7 +249,9 @@ def build_engine_config(
     ``kv_cache_dtype``: ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3, per-layer scale: twice the
     blocks in the same memory). ``cuda_graph`` (default on for CUDA) / ``compile`` (CPU): pure-decode
     steps run one captured CUDA graph / one ``torch.compile(fullgraph=True)`` forward per batch bucket up
-    to ``cuda_graph_max_bs`` (default: ``max_num_seqs``, at most 256)."""
+    to ``cuda_graph_max_bs`` (default: ``max_num_seqs``, at most 256). ``speculative="mtp"``: decode with
+    the checkpoint's MTP layer drafting ``num_speculative_tokens`` tokens per step, verified by the model
+    in one forward (the output distribution is unchanged)."""
     if model is None:
         from epserve.presets import default_model_path
 
@@ -287,6 +299,8 @@ def build_engine_config(
         cuda_graph=cuda_graph,
         compile=compile,
         cuda_graph_max_bs=cuda_graph_max_bs,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
     )
     resolve_fp8_weights(config.quantization, model_config, tp, device.split(":")[0])  # refuses what FP8 cannot run
     return config

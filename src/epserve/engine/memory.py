@@ -23,14 +23,16 @@ def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if cache.kv_cache_dtype == "fp8" else model_dtype
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
-    """Latent cache bytes of one token across all layers."""
-    return model.num_hidden_layers * model.kv_cache_dim * dtype.itemsize
+def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Latent cache bytes of one token across all ``num_layers`` cached layers (default: the main
+    model's; one more with an MTP draft layer)."""
+    layers = model.num_hidden_layers if num_layers is None else num_layers
+    return layers * model.kv_cache_dim * dtype.itemsize
 
 
-def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Latent cache bytes of one block across all layers."""
-    return block_size * kv_bytes_per_token(model, dtype)
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+    """Latent cache bytes of one block across all cached layers."""
+    return block_size * kv_bytes_per_token(model, dtype, num_layers)
 
 
 def available_memory(device: torch.device) -> int:
@@ -51,6 +53,7 @@ def determine_num_blocks(
     device: torch.device,
     weight_bytes: int,
     max_blocks_needed: int,
+    num_layers: int | None = None,
 ) -> int:
     """Blocks for the KV pool: explicit, or what the budget leaves after weights and headroom, never
     more than the scheduler could ever use (``max_blocks_needed``)."""
@@ -68,7 +71,7 @@ def determine_num_blocks(
         raise OutOfMemoryError(
             f"model weights need {weight_bytes / 2**20:.1f} MiB but {source} is {budget / 2**20:.1f} MiB"
         )
-    per_block = kv_bytes_per_block(model, cache.block_size, dtype)
+    per_block = kv_bytes_per_block(model, cache.block_size, dtype, num_layers)
     num_blocks = int(left * (1 - _ACTIVATION_RESERVE)) // per_block
     if num_blocks < 1:
         raise OutOfMemoryError(

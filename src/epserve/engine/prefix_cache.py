@@ -30,12 +30,16 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def hash_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int | None = None) -> list[int]:
+def hash_blocks(
+    token_ids: Sequence[int], block_size: int, parent_hash: int | None = None, lookahead: int = 0
+) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids``, the first chained to ``parent_hash``
-    (None at the start of a sequence). A trailing partial block gets no hash."""
+    (None at the start of a sequence). A trailing partial block gets no hash. ``lookahead``: each
+    block's hash also covers that many tokens after it, and a block gets a hash only once they are
+    known (an MTP layer's KV at a block's last position depends on the next token)."""
     hashes: list[int] = []
-    for i in range(len(token_ids) // block_size):
-        parent_hash = hash_block(parent_hash, token_ids[i * block_size : (i + 1) * block_size])
+    for i in range((len(token_ids) - lookahead) // block_size):
+        parent_hash = hash_block(parent_hash, token_ids[i * block_size : (i + 1) * block_size + lookahead])
         hashes.append(parent_hash)
     return hashes
 

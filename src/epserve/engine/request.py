@@ -112,6 +112,7 @@ class Request:
         "block_hashes",
         "num_cached_tokens",
         "num_preemptions",
+        "draft_token_ids",
         "_all_token_ids",
     )
 
@@ -137,6 +138,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # Speculative decoding: tokens the draft model proposed after the last known one (not yet verified).
+        self.draft_token_ids: list[int] = []
         # prompt + outputs in one list, appended to, so reading it costs no copy.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
 

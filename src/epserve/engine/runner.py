@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from epserve.checkpoint import as_torch_dtype
 from epserve.config import EngineConfig
+from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.graphs import DecodeGraphs, pad_decode
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
-from epserve.engine.sampler import Sampler, TokenLogprobs
+from epserve.engine.proposer import MTPProposer
+from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
+from epserve.engine.spec_decode import VerifyGroup, verify
 from epserve.model.batch import ForwardBatch
 from epserve.model.loader import load_model, model_bytes
 from epserve.model.quantization import resolve_fp8_weights
@@ -45,75 +48,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-@dataclass(frozen=True)
-class StepResult:
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """One step's batch on the host, as the leader broadcasts it to its TP peers (see ForwardBatch
-    for the fields). An idle DP group runs the empty plan."""
-
-    input_ids: tuple[int, ...] = ()
-    positions: tuple[int, ...] = ()
-    slot_mapping: tuple[int, ...] = ()
-    seq_lens: tuple[int, ...] = ()
-    block_tables: tuple[tuple[int, ...], ...] = ()
-    logits_indices: tuple[int, ...] = ()
-    query_start_loc: tuple[int, ...] = (0,)
-    num_decode_seqs: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-    @classmethod
-    def from_chunks(cls, chunks: list[ScheduledChunk], block_size: int) -> BatchPlan:
-        """``chunks`` as the scheduler orders them: decodes (``ScheduledChunk.is_decode``) first."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        logits_idx: list[int] = []
-        num_decode = 0
-        for chunk in chunks:
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, chunk.end))
-            slots.extend(chunk.slot_ids(block_size))
-            query_start.append(query_start[-1] + chunk.num_tokens)
-            seq_lens.append(chunk.end)
-            if chunk.needs_sample:
-                logits_idx.append(query_start[-1] - 1)
-            num_decode += chunk.is_decode
-        max_blocks = max((-(-n // block_size) for n in seq_lens), default=0)
-        tables = tuple(
-            (*ids, *(0,) * (max_blocks - len(ids))) for ids in (c.request.block_ids[:max_blocks] for c in chunks)
-        )
-        return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(seq_lens), tables, tuple(logits_idx),
-                   tuple(query_start), num_decode)
-
-    def to_batch(self, device: torch.device, block_size: int) -> ForwardBatch:
-        def t(values: object) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        tables = t(self.block_tables) if self.block_tables else torch.zeros(0, 0, dtype=torch.long, device=device)
-        return ForwardBatch(
-            input_ids=t(self.input_ids),
-            positions=t(self.positions),
-            slot_mapping=t(self.slot_mapping),
-            seq_lens=t(self.seq_lens),
-            block_tables=tables,
-            logits_indices=t(self.logits_indices),
-            num_decode_seqs=self.num_decode_seqs,
-            seq_lens_cpu=self.seq_lens,
-            query_start_loc_cpu=self.query_start_loc,
-            block_size=block_size,
-        )
-
-
 def build_dispatcher(name: str, num_local_slots: int, ctx: ParallelContext) -> Dispatcher:
     """``local`` for EP = 1 (whatever was asked: there is nobody to send to); ``padded``, or
     ``all_to_all`` (also for ``auto``), across ranks."""
@@ -135,8 +69,10 @@ class ModelRunner:
         self.placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ctx.ep_size, pc.num_redundant_experts)
         self.dispatcher = build_dispatcher(pc.dispatch, self.placement.num_local_slots, ctx)
         self.fp8_weights = resolve_fp8_weights(config.quantization, mc, ctx.tp, self.device.type)
+        self.num_spec = config.num_spec_tokens  # draft tokens per decode (speculative decoding with MTP)
         self.model = load_model(mc, config.model_path, self.dtype, self.device, self.dispatcher, self.placement, ctx,
-                                self.fp8_weights)
+                                self.fp8_weights, mtp=self.num_spec > 0)
+        self.num_cache_layers = mc.num_hidden_layers + (1 if self.num_spec else 0)  # the MTP layer's own cache
         self.weight_bytes = weight_bytes = model_bytes(self.model)
         self.block_size = config.cache.block_size
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
@@ -144,12 +80,13 @@ class ModelRunner:
         cache = config.cache
         if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
             cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size)
-        num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, weight_bytes, max_blocks)
+        num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, weight_bytes, max_blocks,
+                                          self.num_cache_layers)
         self.num_blocks = -all_reduce_max([-num_blocks], ctx)[0]  # every rank agrees: the smallest pool
         # One block more than the scheduler hands out: the sink padding rows of a captured decode write to.
         self.kv_caches = [
             torch.zeros(self.num_blocks + 1, self.block_size, mc.kv_cache_dim, dtype=self.kv_dtype, device=self.device)
-            for _ in range(mc.num_hidden_layers)
+            for _ in range(self.num_cache_layers)
         ]
         self.sink_slot = self.num_blocks * self.block_size
         info = self.cache_info()
@@ -160,6 +97,9 @@ class ModelRunner:
         self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
+        self.proposer = None if not self.num_spec else MTPProposer(
+            self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
+            lambda r: self._generator(r.request_id, r.sampling_params.seed), self.sampler.default_generator)
         self.profiler: OpProfiler | None = None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
@@ -176,7 +116,7 @@ class ModelRunner:
         return {
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
-            "bytes_per_token": kv_bytes_per_token(self.config.model, self.kv_dtype),
+            "bytes_per_token": kv_bytes_per_token(self.config.model, self.kv_dtype, self.num_cache_layers),
             "kv_cache_dtype": "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch."),
         }
 
@@ -189,8 +129,8 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, global_max_tokens: int, all_decode: bool = False) -> torch.Tensor:
-        """Every rank, every step (the empty plan on an idle DP group): the final hidden states of the
-        tokens to sample from, ``[len(plan.logits_indices), H]``. ``global_max_tokens``: the most tokens
+        """Every rank, every step (the empty plan on an idle DP group): the final hidden states of every
+        token, ``[plan.num_tokens, H]``. ``global_max_tokens``: the most tokens
         any DP group runs this step, ``all_decode``: whether every DP group's batch is pure decode (from
         the step's all-reduce; then every rank can run the same captured bucket)."""
         per_rank = -(-global_max_tokens // self.ctx.tp)
@@ -200,8 +140,7 @@ class ModelRunner:
         if bucket is not None and overlap != "microbatch" and self.profiler is None:
             inputs = pad_decode(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens, plan.block_tables,
                                 bucket, self.max_blocks_per_seq, self.sink_slot, self.device)
-            hidden = graphs.run(inputs, overlap)  # type: ignore[union-attr]
-            return hidden[torch.tensor(plan.logits_indices, dtype=torch.long, device=self.device)]
+            return graphs.run(inputs, overlap)[: plan.num_tokens]  # type: ignore[union-attr]
         self.dispatcher.begin_step(per_rank)
         batch = plan.to_batch(self.device, self.block_size)
         if self.profiler is None:
@@ -211,27 +150,63 @@ class ModelRunner:
         return self.profiler.timed("forward", self._forward, batch, overlap)  # type: ignore[return-value]
 
     def _forward(self, batch: ForwardBatch, overlap: str) -> torch.Tensor:
-        return self.model(batch, self.kv_caches, overlap)[batch.logits_indices]
+        return self.model(batch, self.kv_caches, overlap)
 
-    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> StepResult:
-        """Leader only: logits and sampling for the chunks that reach their last known token, whose
-        final hidden states ``forward`` returned (in chunk order)."""
+    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan) -> StepResult:
+        """Leader only: logits and sampling for the chunks that reach their last known token (the rows
+        ``plan.logits_indices`` of ``forward``'s hidden states, in chunk order); with speculative
+        decoding, the verification of their drafts."""
         if self.profiler is None:
-            return self._sample(chunks, hidden)
-        return self.profiler.timed("sample", self._sample, chunks, hidden)  # type: ignore[return-value]
+            return self._sample(chunks, hidden, plan)
+        return self.profiler.timed("sample", self._sample, chunks, hidden, plan)  # type: ignore[return-value]
+
+    def propose(self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, hidden: torch.Tensor,
+                global_max_tokens: int) -> dict[str, list[int]]:
+        """Every rank, after :meth:`sample` when speculative decoding is on: the MTP layer's passes
+        (``engine/proposer.py``); the leader's drafts per request."""
+        assert self.proposer is not None
+        per_rank = -(-global_max_tokens // self.ctx.tp)
+        overlap = choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
+        args = (chunks, plan, result, hidden, per_rank, overlap)
+        if self.profiler is None:
+            return self.proposer.propose(*args)
+        return self.profiler.timed("mtp_draft", self.proposer.propose, *args)  # type: ignore[return-value]
+
+    def speculative_stats(self) -> dict[str, object] | None:
+        return None if self.proposer is None else self.proposer.stats.as_dict()
 
     @torch.inference_mode()
-    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> StepResult:
+    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan) -> StepResult:
         sampling = [c for c in chunks if c.needs_sample]
         if not sampling:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden[torch.tensor(plan.logits_indices, dtype=torch.long,
+                                                               device=hidden.device)])
+        if self.proposer is not None:
+            return self._verify(sampling, logits)
         params = [c.request.sampling_params for c in sampling]
         gens = [self._generator(c.request.request_id, p.seed) for c, p in zip(sampling, params)]
         out = self.sampler.sample(logits, params, gens)
         ids = [c.request.request_id for c in sampling]
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return StepResult(dict(zip(ids, out.token_ids)), logprobs)
+
+    def _verify(self, sampling: list[ScheduledChunk], logits: torch.Tensor) -> StepResult:
+        assert self.proposer is not None
+        groups, row = [], 0
+        for c in sampling:
+            rid, params = c.request.request_id, c.request.sampling_params
+            probs = self.proposer.draft_probs(rid, len(c.drafts)) if c.drafts and not params.is_greedy else None
+            groups.append(VerifyGroup(row, c.drafts, probs, params, self._generator(rid, params.seed)))
+            row += len(c.drafts) + 1
+        outcomes = verify(logits, groups, self.sampler.default_generator)
+        sampled, logprobs = {}, {}
+        for c, out in zip(sampling, outcomes):
+            self.proposer.stats.record(len(c.drafts), out.num_accepted)
+            sampled[c.request.request_id] = out.token_ids
+            if out.logprobs is not None:
+                logprobs[c.request.request_id] = out.logprobs
+        return StepResult(sampled, logprobs)  # type: ignore[arg-type]
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -244,6 +219,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request state (its sampling generator) once it finished."""
         self._generators.pop(request_id, None)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def expert_load(self) -> torch.Tensor:
         """Tokens received per (MoE layer, local slot) since start-up: [num_moe_layers, num_local_slots]."""

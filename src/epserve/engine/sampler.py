@@ -61,6 +61,11 @@ class Sampler:
         self.device = torch.device(device)
         self._default = torch.Generator(device=self.device).manual_seed(seed)
 
+    @property
+    def default_generator(self) -> torch.Generator:
+        """The generator of unseeded requests."""
+        return self._default
+
     def make_generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 

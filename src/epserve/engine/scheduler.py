@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from epserve.config import CacheConfig, SchedulerConfig
@@ -25,7 +26,9 @@ def decodes_at(request: Request, start: int) -> bool:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """Tokens ``[start, start + num_tokens)`` of ``request.all_token_ids`` to run this step.
+    """Tokens ``[start, start + num_tokens)`` of ``request.all_token_ids`` to run this step; with
+    speculative decoding, a decode's last ``len(drafts)`` tokens are draft tokens after the last known
+    one (positions past ``request.num_tokens``), verified by this step's forward.
 
     ``start`` is the request's ``num_computed_tokens`` before the step (KV for ``[0, start)`` is in
     the cache, in ``request.block_ids``). ``needs_sample`` and ``is_decode`` read the request's
@@ -37,22 +40,29 @@ class ScheduledChunk:
     request: Request
     start: int
     num_tokens: int
+    drafts: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def num_known(self) -> int:
+        """Tokens of the chunk that are the request's own (the drafts excluded)."""
+        return self.num_tokens - len(self.drafts)
+
+    @property
     def needs_sample(self) -> bool:
-        """The chunk reaches the last known token, so the runner samples the next one."""
-        return self.end == self.request.num_tokens
+        """The chunk reaches the last known token, so the runner samples the next one (and verifies
+        the drafts)."""
+        return self.start + self.num_known == self.request.num_tokens
 
     @property
     def is_decode(self) -> bool:
-        """Exactly one token, the last known one, an output token (:func:`decodes_at`). Every other
-        chunk (prompt chunks, a recompute after preemption) is a prefill; a prefill chunk may also be
-        a single token (the last prompt token alone)."""
-        return self.num_tokens == 1 and decodes_at(self.request, self.start)
+        """Exactly one known token, the last one, an output token (:func:`decodes_at`), plus any drafts.
+        Every other chunk (prompt chunks, a recompute after preemption) is a prefill; a prefill chunk
+        may also be a single token (the last prompt token alone)."""
+        return self.num_known == 1 and decodes_at(self.request, self.start)
 
     @property
     def is_prefill(self) -> bool:
@@ -60,7 +70,7 @@ class ScheduledChunk:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.end]
+        return self.request.all_token_ids[self.start : self.start + self.num_known] + list(self.drafts)
 
     def slot_ids(self, block_size: int) -> list[int]:
         """KV cache slot of each position of the chunk (``block * block_size + offset``)."""
@@ -90,10 +100,11 @@ class RequestUpdate:
 
 
 def check_prompt(
-    request_id: str, num_prompt: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int
+    request_id: str, num_prompt: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
+    num_speculative_tokens: int = 0,
 ) -> None:
     """Raise ValueError for a prompt that can never run: empty, beyond the context, or needing more
-    KV blocks than the whole cache."""
+    KV blocks than the whole cache (with speculative decoding, its draft positions included)."""
     rid = request_id
     if num_prompt == 0:
         raise ValueError(f"request {rid!r}: the prompt is empty")
@@ -104,6 +115,8 @@ def check_prompt(
         )
     # The last token of a finished request is never fed back, so it needs no KV slot.
     num_kv_tokens = min(num_prompt + max_tokens, max_model_len) - 1
+    if num_speculative_tokens:  # drafts verified and chained past the last token (Scheduler._allocation)
+        num_kv_tokens = min(num_prompt + max_tokens - 2 + 2 * num_speculative_tokens, max_model_len)
     num_blocks_needed = -(-num_kv_tokens // block_size)
     if num_blocks_needed > num_blocks:
         raise ValueError(
@@ -119,7 +132,9 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        num_speculative_tokens: int = 0,
     ) -> None:
+        """``num_speculative_tokens``: draft tokens verified per decode (0: no speculative decoding)."""
         if scheduler_config.max_num_seqs < 1 or scheduler_config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if max_model_len < 2:
@@ -127,8 +142,9 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size
+        self.num_spec = num_speculative_tokens
         self.kv_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, int(num_speculative_tokens > 0)
         )
         self.waiting: deque[Request] = deque()  # in arrival order; preempted ones go back in front
         self.running: list[Request] = []  # in arrival order; the last one is preempted first
@@ -159,7 +175,7 @@ class Scheduler:
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {rid!r} is not a new request ({request.status.name})")
         check_prompt(rid, request.num_prompt_tokens, request.sampling_params.max_tokens, self.max_model_len,
-                     self.block_size, self.kv_manager.num_blocks)
+                     self.block_size, self.kv_manager.num_blocks, self.num_spec)
         self._requests[rid] = request
         self._arrival_index[rid] = self._num_arrivals
         self._num_arrivals += 1
@@ -189,22 +205,23 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
 
-        # 1. Decodes, one token each, oldest first; out of blocks -> preempt the newest running.
+        # 1. Decodes, one token each (plus its drafts), oldest first; out of blocks -> preempt the newest.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if not decodes_at(request, request.num_computed_tokens):
                 i += 1
                 continue
-            while not self.kv_manager.allocate_slots(request, 1):
+            drafts = self._drafts(request, budget)
+            while not self.kv_manager.allocate_slots(request, self._allocation(request, 1 + len(drafts))):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
             else:
-                chunks.append(self._make_chunk(request, 1))
-                budget -= 1
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1 + len(drafts), drafts))
+                budget -= 1 + len(drafts)
                 i += 1
 
         # 2. Running requests with an unfinished (chunked) prefill. A prefill stops short only when
@@ -216,7 +233,7 @@ class Scheduler:
             if decodes_at(request, request.num_computed_tokens):
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_manager.allocate_slots(request, num_new):
+            if self.kv_manager.allocate_slots(request, self._allocation(request, num_new)):
                 chunks.append(self._make_chunk(request, num_new))
                 budget -= num_new
 
@@ -225,7 +242,8 @@ class Scheduler:
             request = self.waiting[0]
             hit = self.kv_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if not self.kv_manager.allocate_slots(request, num_new, hit.block_ids):
+            if not self.kv_manager.allocate_slots(request, self._allocation(request, num_new, hit.num_tokens),
+                                                  hit.block_ids):
                 break
             self.waiting.popleft()
             if request.num_preemptions == 0:
@@ -245,12 +263,22 @@ class Scheduler:
         )
 
     def update(
-        self, output: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, object] | None = None
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int | Sequence[int]],
+        logprobs: dict[str, object] | None = None,
+        drafts: dict[str, list[int]] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a finished step: advance computed tokens, append sampled tokens (and
         ``logprobs[request_id]`` to ``request.output_logprobs`` when given), cache full blocks,
         stop and free finished requests. Returns an update for every request that got a token or
-        finished, aborted ones included."""
+        finished, aborted ones included.
+
+        With speculative decoding a request's ``sampled`` entry is a sequence: the accepted drafts then
+        the token sampled after them (``logprobs`` one entry per token); they are appended one by one
+        and a stop condition cuts the rest, exactly where plain decoding would stop. Only the KV of
+        appended tokens counts as computed; blocks past it are freed (the rejected drafts' KV rolls
+        back). ``drafts[request_id]``: the draft tokens to verify in the request's next decode."""
         updates = [RequestUpdate(r.request_id, (), True, r.finish_reason) for r in self._unreported]
         for request in self._unreported:
             if self._requests.get(request.request_id) is request:  # aborted while in flight
@@ -271,14 +299,26 @@ class Scheduler:
                 continue
             if rid not in sampled:
                 raise KeyError(f"no sampled token for request {rid!r}")
-            token = sampled[rid]
-            request.append_output_token(token, None if logprobs is None else logprobs.get(rid))
+            got = sampled[rid]
+            tokens = (got,) if isinstance(got, int) else tuple(got)
+            lps = None if logprobs is None else logprobs.get(rid)
+            lps = (lps,) * len(tokens) if lps is None or isinstance(got, int) else tuple(lps)  # type: ignore[arg-type]
+            status, n = None, 0
+            for token, lp in zip(tokens, lps):
+                n += 1
+                request.append_output_token(token, lp)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
+            request.num_computed_tokens = chunk.start + chunk.num_known - 1 + n
             self.kv_manager.cache_full_blocks(request)
-            status = self._check_stop(request, token)
             if status is not None:
                 request.status = status
                 finished.append(request)
-            updates.append(RequestUpdate(rid, (token,), status is not None, request.finish_reason))
+            elif self.num_spec:
+                self.kv_manager.trim(request)
+                request.draft_token_ids = list(drafts.get(rid, ())) if drafts else []
+            updates.append(RequestUpdate(rid, tokens[:n], status is not None, request.finish_reason))
         if finished:
             done = {r.request_id for r in finished}
             self.running = [r for r in self.running if r.request_id not in done]
@@ -299,6 +339,22 @@ class Scheduler:
     def _make_chunk(request: Request, num_tokens: int) -> ScheduledChunk:
         return ScheduledChunk(request, request.num_computed_tokens, num_tokens)
 
+    def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
+        """The drafts a decode verifies: no more than the budget leaves, nor past ``max_tokens`` or the
+        context (the token sampled after them counts too)."""
+        room = min(budget, request.sampling_params.max_tokens - request.num_output_tokens,
+                   self.max_model_len - request.num_tokens) - 1
+        return tuple(request.draft_token_ids[: max(room, 0)])
+
+    def _allocation(self, request: Request, num_new: int, start: int | None = None) -> int:
+        """KV slots to allocate for ``num_new`` tokens from ``start`` (default: the computed ones): with
+        speculative decoding, a chunk that samples also writes the draft layer's KV of the next
+        ``num_spec - 1`` positions (the chained drafts), within the context."""
+        start = request.num_computed_tokens if start is None else start
+        if not self.num_spec or start + num_new < request.num_tokens:  # a prompt chunk that does not sample
+            return num_new
+        return max(num_new, min(num_new + self.num_spec - 1, self.max_model_len - start))
+
     def _arrival_of(self, request: Request) -> int:
         return self._arrival_index[request.request_id]
 
@@ -306,6 +362,7 @@ class Scheduler:
         """Preemption by recompute: drop the KV, keep the outputs, wait at the front of the queue."""
         self.kv_manager.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions_total += 1

@@ -27,6 +27,7 @@ from epserve.engine.profiler import StepRecord
 from epserve.engine.request import SamplingParams
 from epserve.engine.runner import resolve_device
 from epserve.engine.sampler import TokenLogprobs
+from epserve.engine.spec_decode import merge_stats
 from epserve.env import pinning_enabled
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
@@ -94,8 +95,14 @@ class GetCacheInfo:
     pass
 
 
+@dataclass(frozen=True)
+class GetSpeculativeStats:
+    pass
+
+
 WorkerCommand = (
     Generate | GetExpertLoad | SetOverlap | ResetCommStats | GetCommBytes | SetProfiling | GetProfile | GetCacheInfo
+    | GetSpeculativeStats
 )
 
 
@@ -148,6 +155,8 @@ class EngineWorker:
                 return self.profile()
             case GetCacheInfo():
                 return self.engine.runner.cache_info()
+            case GetSpeculativeStats():
+                return self.speculative_stats()
         raise TypeError(f"unknown command {command!r}")
 
     def generate(self, requests: list[OfflineRequest], use_tqdm: bool = False) -> dict[str, OfflineResult]:
@@ -197,6 +206,12 @@ class EngineWorker:
         runner = self.engine.runner
         loads = gather_objects(runner.expert_load(), self.ctx)
         return ExpertLoad.from_ranks(self.engine.config.model.moe_layer_ids, loads, runner.placement)  # type: ignore[arg-type]
+
+    def speculative_stats(self) -> dict[str, object] | None:
+        """Draft acceptance summed over the DP groups (a collective); None without speculative decoding."""
+        stats = self.engine.runner.speculative_stats() if self.ctx.is_leader else None
+        parts = [p for p in gather_objects(stats, self.ctx) if p is not None]
+        return merge_stats(parts) if parts else None  # type: ignore[arg-type]
 
     def set_overlap(self, mode: OverlapSetting, threshold: int | None = None) -> None:
         runner = self.engine.runner

@@ -19,7 +19,7 @@ from torch import nn
 from epserve.config import OVERLAP_MODES, ModelConfig, OverlapMode
 from epserve.kernels import linear
 from epserve.model.batch import ForwardBatch, MicroBatch
-from epserve.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from epserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from epserve.model.mla import MLAttention
 from epserve.model.moe import MoE
 from epserve.moe.dispatch.base import Dispatcher
@@ -100,9 +100,58 @@ def _schedule(is_moe: bool, mode: OverlapMode) -> Schedule:
     return moe_layer_schedule(mode, "mixed") if is_moe else dense_layer_schedule("mixed")
 
 
+class SharedHead(nn.Module):
+    """The MTP layer's output head: its own norm, then the vocabulary projection (held by a DP group's
+    leader only; the main model's ``lm_head`` itself when the checkpoint's copies are equal)."""
+
+    def __init__(self, config: ModelConfig, vocab_rows: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Parameter(torch.empty(vocab_rows, config.hidden_size))
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token prediction module, as published (``model.layers.{L}`` in the
+    checkpoint): ``eh_proj(concat(enorm(embed(t[i+1])), hnorm(h[i])))`` through one full decoder layer
+    (MLA on its own cache layer, MoE through the same dispatcher and expert layout), predicting token
+    ``i + 2`` with ``shared_head``. ``embed_tokens`` is the main model's when the checkpoint's copies
+    are equal (the loader decides)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module, tp: TensorParallel, fp8: bool,
+                 vocab_rows: int) -> None:
+        super().__init__(config, layer_idx, mlp, tp, fp8)
+        h = config.hidden_size
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, h))
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = Linear(2 * h, h)  # published unquantized (FP8 checkpoints keep it in bf16)
+        self.shared_head = SharedHead(config, vocab_rows)
+
+    def combine(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's input for tokens ``input_ids`` [T] (each the token after its position) and the
+        previous depth's hidden states [T, H] (the main model's final, normed ones at depth 1)."""
+        e = self.enorm(F.embedding(input_ids, self.embed_tokens))
+        return self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
+
+
 def _run_layers(layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, mode: OverlapMode) -> Stages[torch.Tensor]:
     for layer in layers:
         x = yield from layer.forward(x, mb, mode)
+    return x
+
+
+def _run_segment(layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, overlap: OverlapMode) -> torch.Tensor:
+    """Consecutive layers of one kind: MoE layers as two interleaved micro-batches under ``microbatch``,
+    everything else straight through."""
+    if layers[0].is_moe and overlap == "microbatch":
+        a, b = mb.split()
+        cut = a.batch.num_tokens
+        offset = layers[0].schedule(overlap).micro_batch_offset
+        xa, xb = run_interleaved(_run_layers(layers, x[:cut], a, overlap), _run_layers(layers, x[cut:], b, overlap),
+                                 offset)
+        return torch.cat([xa, xb])
+    for layer in layers:
+        x = layer.forward_straight(x, mb, overlap)
     return x
 
 
@@ -118,6 +167,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         placement: ExpertPlacement,
         ctx: ParallelContext,
         fp8: bool = False,
+        mtp: bool = False,
     ) -> None:
         super().__init__()
         self.config = config
@@ -134,7 +184,15 @@ class DeepseekV3ForCausalLM(nn.Module):
             layers.append(DecoderLayer(config, i, mlp, tp, fp8))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Parameter(torch.empty(config.vocab_size if ctx.is_leader else 0, config.hidden_size))
+        head_rows = config.vocab_size if ctx.is_leader else 0
+        self.lm_head = nn.Parameter(torch.empty(head_rows, config.hidden_size))
+        # The MTP layer (speculative decoding only): layer index L, so its latent cache is kv_caches[L].
+        self.mtp = nn.ModuleList()
+        if mtp:
+            n = config.num_hidden_layers
+            mlp = (MoE(config, dispatcher, placement, ctx.rank, fp8) if config.n_routed_experts
+                   else GatedMLP(config.hidden_size, config.intermediate_size, fp8))
+            self.mtp.append(MTPLayer(config, n, mlp, tp, fp8, head_rows))
         # Runs of consecutive layers of one kind: micro-batching applies to MoE runs only.
         self.segments: list[tuple[bool, list[DecoderLayer]]] = []
         for layer in self.layers:
@@ -151,31 +209,39 @@ class DeepseekV3ForCausalLM(nn.Module):
         dense layers run the whole batch)."""
         x = F.embedding(batch.input_ids, self.embed_tokens)
         mb = MicroBatch(batch, self.rotary.lookup(batch.positions, x.dtype), kv_caches)
-        for is_moe, layers in self.segments:
-            if is_moe and overlap == "microbatch":
-                a, b = mb.split()
-                cut = a.batch.num_tokens
-                offset = layers[0].schedule(overlap).micro_batch_offset
-                xa, xb = run_interleaved(_run_layers(layers, x[:cut], a, overlap),
-                                         _run_layers(layers, x[cut:], b, overlap), offset)
-                x = torch.cat([xa, xb])
-            else:
-                for layer in layers:
-                    x = layer.forward_straight(x, mb, overlap)
+        for _, layers in self.segments:
+            x = _run_segment(layers, x, mb, overlap)
         return self.norm(x)
+
+    def forward_mtp(
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], hidden: torch.Tensor, overlap: OverlapMode = "dispatch"
+    ) -> torch.Tensor:
+        """One pass of the MTP layer over the flat batch, writing its latent KV to ``kv_caches[L]``:
+        ``batch.input_ids`` holds, at each position, the token after it; ``hidden`` [T, H] the previous
+        depth's hidden states at those positions (this model's ``forward`` output at depth 1, this
+        method's own output when chained). Returns the layer's output [T, H] (before the head's norm)."""
+        layer = self.mtp[0]
+        x = layer.combine(batch.input_ids, hidden)
+        mb = MicroBatch(batch, self.rotary.lookup(batch.positions, x.dtype), kv_caches)
+        return _run_segment([layer], x, mb, overlap)
+
+    def compute_mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP output [S, H] -> draft logits [S, V] in fp32."""
+        head = self.mtp[0].shared_head
+        return linear(head.norm(hidden), head.head).float()
 
     def init_buffers(self, device: torch.device) -> None:
         """Compute the buffers that are derived, not loaded (the rotary tables, the expert slot
         tables), on ``device``: after building the model on the meta device."""
         with torch.device(device):
             self.rotary = RotaryEmbedding(self.config)
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             if layer.is_moe:
                 layer.mlp.init_buffers()
 
     def set_op_hook(self, hook: OpHook | None) -> None:
         """Run every layer op through ``hook`` (e.g. the per-op profiler), or stop (None)."""
-        for layer in self.layers:
+        for layer in [*self.layers, *self.mtp]:
             layer.op_hook = hook
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ _KEEP_FP32 = ("_scale_inv", "router.weight", "e_score_correction_bias", "kv_scal
 _ABSORBED = ("self_attn.w_uk", "self_attn.w_uv_t")
 _DERIVED = (*_ABSORBED, "rotary.cos", "rotary.sin", "logical_to_physical")  # computed after loading
 _OPTIONAL = ("kv_scale",)  # 1.0 unless the checkpoint has one
+_MTP_VOCAB = {"embed_tokens": "embed_tokens", "shared_head.head": "lm_head"}  # MTP tensor -> the main model's twin
 
 
 class Piece(NamedTuple):
@@ -81,6 +82,12 @@ def _pieces(
     config: ModelConfig, name: str, shape: tuple[int, ...], local_experts: tuple[int, ...], ctx: ParallelContext
 ) -> list[Piece]:
     """Where our tensor ``name`` (``shape``) comes from in the checkpoint."""
+    if name.startswith("mtp."):  # MTP layer j is the checkpoint's layer L + j
+        j, _, rest = name.removeprefix("mtp.").partition(".")
+        layer = config.num_hidden_layers + int(j)
+        if rest in _MTP_VOCAB:
+            return [Piece(f"model.layers.{layer}.{rest}.weight")] if shape[0] else []
+        name = f"layers.{layer}.{rest}"
     if name == "embed_tokens":
         return [Piece("model.embed_tokens.weight")]
     if name == "lm_head":
@@ -119,6 +126,7 @@ def _pieces(
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """Every parameter and buffer (one the MTP layer shares with the main model appears twice)."""
     for mod_name, module in model.named_modules():
         for attr, t in [*module._parameters.items(), *module._buffers.items()]:
             if t is not None:
@@ -145,11 +153,14 @@ def build_on_meta(
     ctx: ParallelContext,
     placement: ExpertPlacement,
     dispatcher: Dispatcher | None = None,
+    mtp: bool = False,
 ) -> DeepseekV3ForCausalLM:
     """The model of rank ``ctx.rank`` on the meta device, every tensor in its runtime dtype: the loader's
-    plan (shapes and bytes) before any weight is read."""
+    plan (shapes and bytes) before any weight is read. ``mtp``: with the MTP layer (its embedding and
+    head counted apart: whether they are shared is known only once the checkpoint is read)."""
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config, dispatcher or LocalDispatcher(placement.num_local_slots), placement, ctx, fp8)
+        model = DeepseekV3ForCausalLM(config, dispatcher or LocalDispatcher(placement.num_local_slots), placement, ctx,
+                                      fp8, mtp)
     keep = _KEEP_FP32 if fp8 else (*_KEEP_FP32, *_ABSORBED)
     for name, module, attr, t in _named_tensors(model):
         if t.dtype == torch.float32 and not name.endswith(keep):
@@ -158,8 +169,11 @@ def build_on_meta(
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer (what a rank holds for the model, meta or materialized)."""
-    return sum(t.numel() * t.element_size() for _, _, _, t in _named_tensors(model))
+    """Bytes of every parameter and buffer (what a rank holds for the model, meta or materialized); a
+    materialized tensor that two modules share (the MTP layer's embedding and head) once."""
+    tensors = [t for _, _, _, t in _named_tensors(model)]
+    unique = {(t.device, t.data_ptr()): t for t in tensors if t.device.type != "meta"}
+    return sum(t.numel() * t.element_size() for t in [*unique.values(), *(t for t in tensors if t.is_meta)])
 
 
 def plan_weight_bytes(
@@ -235,6 +249,21 @@ def _fill(reader: CheckpointReader, name: str, target: torch.Tensor, scale: torc
                 _scale_view(scale, piece).copy_(q.scale_inv)
 
 
+def _equal_to(reader: CheckpointReader, pieces: list[Piece], main: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether the checkpoint tensor of ``pieces`` (one whole tensor, or none on a rank without a head)
+    equals ``main`` in its runtime dtype, compared ``rows`` at a time (no second full copy)."""
+    if not pieces:
+        return main.shape[0] == 0
+    source = pieces[0].source
+    if reader.shape(source) != tuple(main.shape) or reader.is_fp8(source):
+        return False
+    for lo in range(0, main.shape[0], rows):
+        hi = min(lo + rows, main.shape[0])
+        if not torch.equal(reader.get_raw(source, rows=(lo, hi)).to(main.device, main.dtype), main[lo:hi]):
+            return False
+    return True
+
+
 def _scale_view(scale: torch.Tensor, piece: Piece) -> torch.Tensor:
     s = scale[piece.index] if piece.index else scale
     rows = piece.scaled().dst_rows
@@ -255,20 +284,34 @@ def load_model(
     placement: ExpertPlacement,
     ctx: ParallelContext,
     fp8: bool = False,
+    mtp: bool = False,
 ) -> DeepseekV3ForCausalLM:
     """Build on the meta device, then materialize every tensor on ``device`` from the checkpoint at
-    ``path`` (this rank's experts and heads only); ``fp8``: keep FP8 block-scaled weights."""
+    ``path`` (this rank's experts and heads only); ``fp8``: keep FP8 block-scaled weights; ``mtp``: load
+    the MTP layer too (speculative decoding), sharing the main model's embedding and head where the
+    checkpoint's copies are equal."""
     start = time.perf_counter()
     reader = CheckpointReader(path)
-    model = build_on_meta(config, dtype, fp8, ctx, placement, dispatcher)
-    if config.num_nextn_predict_layers and reader.has(f"model.layers.{config.num_hidden_layers}.eh_proj.weight"):
-        logger.info("checkpoint has %d MTP layer(s); not used by this engine yet", config.num_nextn_predict_layers)
+    mtp_layer = f"model.layers.{config.num_hidden_layers}"
+    if mtp and not reader.has(f"{mtp_layer}.eh_proj.weight"):
+        raise CheckpointError(f"speculative decoding with MTP needs the MTP layer's tensors ({mtp_layer}.*); "
+                              f"the checkpoint at {path} has none")
+    model = build_on_meta(config, dtype, fp8, ctx, placement, dispatcher, mtp)
     local_experts = placement.local_logical_experts(ctx.rank)
     tensors = {name: (module, attr, t) for name, module, attr, t in _named_tensors(model)}
+    shared = []
     for name in iter_with_progress(list(tensors), desc="Loading weights", disable=ctx.rank != 0):
         module, attr, meta = tensors[name]
         if name.endswith(SCALE_SUFFIX) or name.endswith(_DERIVED):
             continue  # scales are filled with their weight; derived tensors computed below
+        twin = _MTP_VOCAB.get(name.partition(".")[2].partition(".")[2]) if name.startswith("mtp.") else None
+        if twin is not None:
+            main = getattr(model, twin)
+            pieces = _pieces(config, name, tuple(meta.shape), local_experts, ctx)
+            if _equal_to(reader, pieces, main):
+                _set(module, attr, main)
+                shared.append(name)
+                continue
         target = _empty(meta, device)
         scale = None
         if target.dtype == FP8_DTYPE:
@@ -283,6 +326,8 @@ def load_model(
                 _fill(reader, name, target, scale, pieces)
         _set(module, attr, target)
     reader.close()
+    if shared:
+        logger.info("MTP layer shares the main model's %s (equal in the checkpoint)", " and ".join(shared))
     for name, module, attr, meta in _named_tensors(model):  # derived tensors: allocated, then computed
         if meta.device.type == "meta" and name.endswith(_ABSORBED):
             _set(module, attr, _empty(meta, device))

@@ -90,6 +90,10 @@ class EngineLoad:
     generation_tokens_total: int
     num_preemptions_total: int
     draining: bool
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # empty: no speculative decoding
 
 
 class Frontend(Protocol):
@@ -135,6 +139,7 @@ class EngineLoop:
         scheduler = self.engine.scheduler
         assert scheduler is not None
         kv = scheduler.kv_manager
+        spec = self.engine.runner.speculative_stats() or {}
         return EngineLoad(
             dp_rank=self.ctx.dp_rank,
             num_running=scheduler.num_running,
@@ -148,6 +153,10 @@ class EngineLoop:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions_total=scheduler.num_preemptions_total,
             draining=self.draining,
+            spec_num_drafts=spec.get("num_drafts", 0),  # type: ignore[arg-type]
+            spec_num_draft_tokens=spec.get("num_draft_tokens", 0),  # type: ignore[arg-type]
+            spec_num_accepted_tokens=spec.get("num_accepted_tokens", 0),  # type: ignore[arg-type]
+            spec_accepted_per_position=tuple(spec.get("accepted_per_position", ())),  # type: ignore[arg-type]
         )
 
     # ---- the loop's thread ---------------------------------------------------------------------

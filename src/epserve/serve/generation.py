@@ -130,18 +130,28 @@ class Generation:
                                 metrics.itl.observe((now - last) / n)
                         last = now
                     choice.num_cached = msg.num_cached_tokens
-                    choice.num_output = msg.num_output_tokens
                     finish = msg.finish_reason or None
-                    text = detok.add(msg.token_ids) if detok is not None else ""
-                    if finish and detok is not None:
-                        text += detok.flush()
-                    emit, stopped = stopper.feed(text)
+                    # Token by token: a message may carry several (accepted speculative drafts), and a stop
+                    # string cuts them exactly where one token per message would have stopped.
+                    emit, stopped, used = "", False, n
+                    for i, token in enumerate(msg.token_ids if detok is not None else ()):
+                        text = detok.add([token])
+                        if finish and i == n - 1:
+                            text += detok.flush()
+                        part, stopped = stopper.feed(text)
+                        emit += part
+                        if stopped:
+                            used = i + 1
+                            break
+                    if not n and finish and detok is not None:
+                        emit, stopped = stopper.feed(detok.flush())
+                    choice.num_output = msg.num_output_tokens - (n - used)
                     if stopped:
                         finish = "stop"
                     elif finish:
                         emit += stopper.flush()
-                    lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs]
-                    delta = Delta(emit, list(msg.token_ids), lps, finish)
+                    lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs[:used]]
+                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish)
                     choice.text.append(emit)
                     choice.token_ids.extend(delta.token_ids)
                     choice.logprobs.extend(lps)

@@ -55,6 +55,15 @@ class _EngineCollector:
                                            labels=labels),
             "routed": CounterMetricFamily("epserve:router_requests", "Requests the router sent to the engine",
                                           labels=labels),
+            "drafts": CounterMetricFamily("epserve:spec_decode_num_drafts",
+                                          "Decode steps that verified speculative drafts", labels=labels),
+            "draft_tokens": CounterMetricFamily("epserve:spec_decode_num_draft_tokens",
+                                                "Draft tokens proposed (MTP)", labels=labels),
+            "accepted": CounterMetricFamily("epserve:spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted by verification", labels=labels),
+            "accepted_pos": CounterMetricFamily("epserve:spec_decode_num_accepted_tokens_per_pos",
+                                                "Draft tokens accepted, by draft position",
+                                                labels=[*labels, "position"]),
         }
         for inst in self.router.instances:
             values = [self.model_name, str(inst.index)]
@@ -71,6 +80,12 @@ class _EngineCollector:
             fams["hits"].add_metric(values, load.prefix_hit_tokens)
             fams["preempt"].add_metric(values, load.num_preemptions_total)
             fams["imbalance"].add_metric(values, load.expert_imbalance)
+            if load.spec_accepted_per_position:  # speculative decoding is on
+                fams["drafts"].add_metric(values, load.spec_num_drafts)
+                fams["draft_tokens"].add_metric(values, load.spec_num_draft_tokens)
+                fams["accepted"].add_metric(values, load.spec_num_accepted_tokens)
+                for pos, n in enumerate(load.spec_accepted_per_position):
+                    fams["accepted_pos"].add_metric([*values, str(pos)], n)
         yield from fams.values()
         decisions = CounterMetricFamily(
             "epserve:router_decisions", "Routing decisions by kind (cache_aware: cache_hit, least_load, "

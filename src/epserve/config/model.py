@@ -1,16 +1,14 @@
-"""Frozen configuration dataclasses, built once.
-
-``ModelConfig.from_hf(dir)`` is the only place that reads a Hugging Face ``config.json``; model code
-reads paper-named fields and derived properties from here and never touches the raw dict.
-"""
+"""The checkpoint's model: ``ModelConfig.from_hf(dir)`` is the only place that reads a Hugging Face
+``config.json``; model code reads paper-named fields and derived properties from here and never
+touches the raw dict."""
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 SUPPORTED_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -241,160 +239,3 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         mscale=float(params.get("mscale") or 1.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         truncate=bool(params.get("truncate", True)),
     )
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    """Paged latent KV cache. ``num_blocks=None`` sizes the pool from ``memory_budget_bytes`` or,
-    if that is also None, from free memory (``memory_utilization`` of it)."""
-
-    block_size: int = 16
-    num_blocks: int | None = None
-    memory_budget_bytes: int | None = None
-    memory_utilization: float = 0.5
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: KvCacheDtype = "auto"  # auto: the model dtype; fp8: e4m3 with a per-layer scale
-
-    def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {KV_CACHE_DTYPES}")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Continuous batching limits: at most ``max_num_seqs`` running requests and
-    ``max_num_batched_tokens`` tokens per step (prefill chunks share this budget with decodes)."""
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-
-
-# The modes of the parallel layout, declared once (the engine, the planner and the CLI take them from here).
-OverlapMode = Literal["none", "dispatch", "microbatch"]  # a step's schedule (parallel/stages.py)
-OverlapSetting = Literal["none", "dispatch", "microbatch", "auto"]  # auto: micro-batches above a threshold
-DispatchBackend = Literal["auto", "local", "all_to_all", "padded"]  # auto: local for EP 1, else all_to_all
-OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
-OVERLAP_CHOICES: tuple[str, ...] = get_args(OverlapSetting)
-DISPATCH_BACKENDS: tuple[str, ...] = get_args(DispatchBackend)
-MULTI_RANK_DISPATCH: tuple[str, ...] = ("all_to_all", "padded")  # the backends that exchange tokens between ranks
-Quantization = Literal["auto", "fp8", None]  # weights: fp8 kept, None dequantized at load, auto: fp8 on CUDA
-QUANTIZATIONS: tuple[str | None, ...] = get_args(Quantization)
-KvCacheDtype = Literal["auto", "fp8"]  # the latent KV cache: the model dtype, or e4m3 with a per-layer scale
-KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """Data-parallel attention groups × tensor-parallel ranks = expert-parallel world.
-
-    ``dispatch``: the MoE token exchange (``auto`` = ``local`` for EP 1, else ``all_to_all``).
-    ``overlap``: ``none``, ``dispatch`` (shared expert while the dispatch is in flight),
-    ``microbatch`` (two interleaved micro-batches) or ``auto`` (micro-batches once every rank's FFN
-    half has at least ``microbatch_threshold`` tokens; default: 256 on CUDA, never on CPU, where the
-    collectives run on the cores the compute needs and micro-batching measured slower at every batch
-    size, docs/benchmarks.md). ``nnodes``/``node_rank``/``master_addr``/``master_port``: a world spread
-    over hosts, each running ``dp*tp/nnodes`` ranks."""
-
-    dp: int = 1
-    tp: int = 1
-    dispatch: DispatchBackend = "auto"
-    overlap: OverlapSetting = "auto"
-    microbatch_threshold: int | None = None
-    num_redundant_experts: int = 0
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None
-    timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        for name in ("dp", "tp", "nnodes", "microbatch_threshold"):
-            value = getattr(self, name)
-            if (value is not None or name != "microbatch_threshold") and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.dispatch not in DISPATCH_BACKENDS:
-            raise ConfigError(f"unknown dispatch backend {self.dispatch!r}; choose from {DISPATCH_BACKENDS}")
-        if self.dispatch == "local" and self.world_size > 1:
-            raise ConfigError(f"dispatch 'local' needs EP = 1; dp*tp = {self.world_size}")
-        if self.overlap not in OVERLAP_CHOICES:
-            raise ConfigError(f"unknown overlap mode {self.overlap!r}; choose from {OVERLAP_CHOICES}")
-        if self.num_redundant_experts < 0:
-            raise ConfigError("num_redundant_experts must be >= 0")
-        if self.world_size % self.nnodes:
-            raise ConfigError(f"dp*tp = {self.world_size} ranks do not divide over {self.nnodes} nodes")
-        if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"node_rank {self.node_rank} is outside [0, {self.nnodes})")
-        if self.nnodes > 1 and self.master_port is None:
-            raise ConfigError("a multi-node launch needs master_port (and master_addr of node 0)")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout_s must be > 0")
-
-    @property
-    def fixed_shape_dispatch(self) -> bool:
-        """Whether the MoE exchange never syncs with the host (EP 1, or ``padded``): decode can be captured."""
-        return self.world_size == 1 or self.dispatch == "padded"
-
-    @property
-    def ep(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp
-
-    @property
-    def local_world_size(self) -> int:
-        """Ranks on each host."""
-        return self.world_size // self.nnodes
-
-    def check_model(self, model: ModelConfig) -> None:
-        """The layout must split the model evenly: heads over TP, experts over EP."""
-        if model.num_attention_heads % self.tp:
-            raise ConfigError(f"tp={self.tp} does not divide the model's {model.num_attention_heads} attention heads")
-        experts = model.n_routed_experts + self.num_redundant_experts
-        if model.n_routed_experts and experts % self.ep:
-            raise ConfigError(
-                f"EP = dp*tp = {self.ep} does not divide the {experts} routed experts "
-                f"({model.n_routed_experts} + {self.num_redundant_experts} redundant)"
-            )
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: ModelConfig
-    model_path: str
-    dtype: str = "bfloat16"
-    device: str = "cpu"
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    quantization: Quantization = "auto"
-    cuda_graph: bool | None = None  # decode captured per batch bucket (engine/graphs.py); compile: on the CPU
-    compile: bool = False
-    cuda_graph_max_bs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"unknown quantization {self.quantization!r}; choose from {QUANTIZATIONS}")
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
-            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
-        if self.compile and self.device.startswith("cuda"):
-            raise ConfigError("compile=True is the CPU's captured decode; on CUDA it is cuda_graph")
-        if self.cuda_graph and not self.device.startswith("cuda"):
-            raise ConfigError("cuda_graph=True needs a CUDA device; on the CPU use compile=True")
-        if (self.compile or self.cuda_graph) and not self.parallel.fixed_shape_dispatch:
-            raise ConfigError("compile / cuda_graph with EP > 1 need a fixed-shape dispatch='padded' (--dispatch padded)")
-
-    @property
-    def capture_mode(self) -> str | None:
-        """``cuda_graph``, ``compile`` or None (every step eager; also with the all_to_all dispatcher)."""
-        if not self.parallel.fixed_shape_dispatch:
-            return None
-        if self.device.startswith("cuda"):
-            return None if self.cuda_graph is False else "cuda_graph"
-        return "compile" if self.compile else None
-
-    @property
-    def max_model_len(self) -> int:
-        return self.scheduler.max_model_len or self.model.max_position_embeddings

@@ -1,0 +1,38 @@
+"""Frozen configuration dataclasses, built once: the checkpoint's model (``model``) and how the engine
+runs it (``engine``), with the mode types declared once."""
+
+from epserve.config.engine import (
+    DISPATCH_BACKENDS,
+    KV_CACHE_DTYPES,
+    MULTI_RANK_DISPATCH,
+    OVERLAP_CHOICES,
+    OVERLAP_MODES,
+    QUANTIZATIONS,
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    DispatchBackend,
+    EngineConfig,
+    KvCacheDtype,
+    OverlapMode,
+    OverlapSetting,
+    ParallelConfig,
+    Quantization,
+    SchedulerConfig,
+    SpeculativeMethod,
+)
+from epserve.config.model import (
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_SCORING,
+    SUPPORTED_TOPK_METHODS,
+    ConfigError,
+    ModelConfig,
+    RopeScaling,
+    yarn_get_mscale,
+)
+
+__all__ = [
+    "DISPATCH_BACKENDS", "KV_CACHE_DTYPES", "MULTI_RANK_DISPATCH", "OVERLAP_CHOICES", "OVERLAP_MODES", "QUANTIZATIONS",
+    "SPECULATIVE_METHODS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SCORING", "SUPPORTED_TOPK_METHODS", "CacheConfig",
+    "ConfigError", "DispatchBackend", "EngineConfig", "KvCacheDtype", "ModelConfig", "OverlapMode", "OverlapSetting",
+    "ParallelConfig", "Quantization", "RopeScaling", "SchedulerConfig", "SpeculativeMethod", "yarn_get_mscale",
+]

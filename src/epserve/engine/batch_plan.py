@@ -1,0 +1,90 @@
+"""One step's batch on the host (``BatchPlan``, what a leader broadcasts to its TP peers) and what the
+leader sampled from it (``StepResult``); ``BatchPlan.to_batch`` makes the forward's tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epserve.engine.sampler import TokenLogprobs
+from epserve.engine.scheduler import ScheduledChunk
+from epserve.model.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the leader sampled: one token per request, or with speculative decoding the accepted drafts
+    then the token after them (and one logprobs entry per token)."""
+
+    sampled: dict[str, int | tuple[int, ...]]
+    logprobs: dict[str, TokenLogprobs | tuple[TokenLogprobs, ...]]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One step's batch on the host, as the leader broadcasts it to its TP peers (see ForwardBatch
+    for the fields). An idle DP group runs the empty plan."""
+
+    input_ids: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
+    slot_mapping: tuple[int, ...] = ()
+    seq_lens: tuple[int, ...] = ()
+    block_tables: tuple[tuple[int, ...], ...] = ()
+    logits_indices: tuple[int, ...] = ()
+    query_start_loc: tuple[int, ...] = (0,)
+    num_decode_seqs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def from_chunks(cls, chunks: list[ScheduledChunk], block_size: int) -> BatchPlan:
+        """``chunks`` as the scheduler orders them: decodes (``ScheduledChunk.is_decode``) first. A decode
+        with drafts becomes one decode row per token, each attending to the cache up to its own position
+        (causal inside the query), all of them sampled (the target rows that verify the drafts)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        logits_idx: list[int] = []
+        row_chunks: list[ScheduledChunk] = []  # the chunk of each sequence row
+        num_decode = 0
+        for chunk in chunks:
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.end))
+            slots.extend(chunk.slot_ids(block_size))
+            rows = chunk.num_tokens if chunk.drafts else 1
+            for j in range(rows):
+                query_start.append(query_start[-1] + (1 if chunk.drafts else chunk.num_tokens))
+                seq_lens.append(chunk.start + j + 1 if chunk.drafts else chunk.end)
+                row_chunks.append(chunk)
+                if chunk.needs_sample:
+                    logits_idx.append(query_start[-1] - 1)
+            num_decode += rows if chunk.is_decode else 0
+        max_blocks = max((-(-n // block_size) for n in seq_lens), default=0)
+        tables = tuple(
+            (*ids, *(0,) * (max_blocks - len(ids))) for ids in (c.request.block_ids[:max_blocks] for c in row_chunks)
+        )
+        return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(seq_lens), tables, tuple(logits_idx),
+                   tuple(query_start), num_decode)
+
+    def to_batch(self, device: torch.device, block_size: int) -> ForwardBatch:
+        def t(values: object) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        tables = t(self.block_tables) if self.block_tables else torch.zeros(0, 0, dtype=torch.long, device=device)
+        return ForwardBatch(
+            input_ids=t(self.input_ids),
+            positions=t(self.positions),
+            slot_mapping=t(self.slot_mapping),
+            seq_lens=t(self.seq_lens),
+            block_tables=tables,
+            logits_indices=t(self.logits_indices),
+            num_decode_seqs=self.num_decode_seqs,
+            seq_lens_cpu=self.seq_lens,
+            query_start_loc_cpu=self.query_start_loc,
+            block_size=block_size,
+        )

@@ -1,0 +1,198 @@
+"""The draft side of MTP speculative decoding: after every step's target forward, ``k`` passes of the
+checkpoint's MTP layer on every rank of the EP group (its MoE runs through the same dispatcher, so every
+rank runs exactly ``k`` passes each step, possibly empty ones, in lockstep).
+
+Pass 1 runs over the step's own positions and slots: at each position the token after it (the next
+prompt token, or what the step accepted and sampled) and the target's final hidden state there. It
+writes the MTP layer's latent KV for every position whose target KV the step computed (so the MTP cache
+always covers the same positions as the target's, which the prefix cache relies on), and the row of
+each request's last accepted position drafts its first token. Pass ``j > 1`` chains the layer on its own
+output: one row per request still drafting, at the next position, fed the previous draft and the
+previous pass's hidden state (as vLLM and SGLang chain one MTP module for ``k > 1``). Rows of rejected
+drafts and chained positions write KV past the request's computed tokens; the next step overwrites it,
+and the scheduler frees the blocks it no longer needs (``KVCacheManager.trim``).
+
+A DP group's leader builds each pass and broadcasts it to its TP peers (``DraftPass``); only the leader
+holds the head, so only it draws drafts (``spec_decode.draft_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from epserve.engine.batch_plan import BatchPlan, StepResult
+from epserve.engine.request import Request
+from epserve.engine.scheduler import ScheduledChunk
+from epserve.engine.spec_decode import SpecStats, draft_tokens
+from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+from epserve.moe.dispatch.base import Dispatcher
+from epserve.parallel.comm import broadcast_from_leader
+from epserve.parallel.context import ParallelContext
+
+
+@dataclass(frozen=True)
+class DraftPass:
+    """One pass of the MTP layer, as a leader broadcasts it: the batch (``input_ids``: the token after
+    each position; ``logits_indices``: the rows that draft, one per drafting request) and, for a chained
+    pass, the row of the previous pass's output feeding each token (None: the target's hidden states,
+    row for row)."""
+
+    plan: BatchPlan
+    hidden_rows: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class _Drafting:
+    """A request drafting this step: how many drafts, and the position of the token sampled last."""
+
+    request: Request
+    num_drafts: int
+    next_position: int
+
+
+class MTPProposer:
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        kv_caches: list[torch.Tensor],
+        dispatcher: Dispatcher,
+        ctx: ParallelContext,
+        block_size: int,
+        num_spec: int,
+        max_model_len: int,
+        generator_for: Callable[[Request], torch.Generator | None],
+        default_generator: torch.Generator,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.dispatcher = dispatcher
+        self.ctx = ctx
+        self.block_size = block_size
+        self.num_spec = num_spec
+        self.max_model_len = max_model_len
+        self.generator_for = generator_for
+        self.default_generator = default_generator
+        self.stats = SpecStats(num_spec)
+        self._probs: dict[str, list[torch.Tensor | None]] = {}  # the draft distributions of sampled requests
+
+    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
+        """[num_drafts, V]: the distributions the request's pending drafts were drawn from (None if greedy)."""
+        probs = self._probs.get(request_id)
+        if not probs or probs[0] is None:
+            return None
+        return torch.stack(probs[:num_drafts])  # type: ignore[arg-type]
+
+    def release(self, request_id: str) -> None:
+        self._probs.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose(
+        self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, hidden: torch.Tensor,
+        max_tokens_per_rank: int, overlap: str,
+    ) -> dict[str, list[int]]:
+        """Every rank, after the step's forward (``hidden``: its final hidden states, every row) and the
+        leader's sampling (``result``). Returns the leader's drafts per request (empty elsewhere)."""
+        leader = self.ctx.is_leader
+        drafting: list[_Drafting] = []
+        first = None
+        if leader:
+            first, drafting = self._first_pass(chunks, plan, result)
+        step = self._share(first)
+        h = self._run(step, hidden, max_tokens_per_rank, overlap)
+        drafts: dict[str, list[int]] = {d.request.request_id: [] for d in drafting}
+        probs: dict[str, list[torch.Tensor | None]] = {d.request.request_id: [] for d in drafting}
+        rows, active = step.plan.logits_indices, drafting
+        for depth in range(self.num_spec):
+            if active:
+                params = [d.request.sampling_params for d in active]
+                gens = [self.generator_for(d.request) for d in active]
+                logits = self.model.compute_mtp_logits(h[torch.tensor(rows, dtype=torch.long, device=h.device)])
+                ids, q = draft_tokens(logits, params, gens, self.default_generator)
+                for d, t, qq in zip(active, ids.tolist(), q):
+                    drafts[d.request.request_id].append(t)
+                    probs[d.request.request_id].append(qq)
+            if depth == self.num_spec - 1:
+                break
+            chained = None
+            if leader:
+                keep = [i for i, d in enumerate(active) if d.num_drafts > depth + 1]
+                chained = self._chained_pass([active[i] for i in keep], [rows[i] for i in keep], drafts, depth + 1)
+                active = [active[i] for i in keep]
+            step = self._share(chained)
+            h = self._run(step, h, max_tokens_per_rank, overlap)
+            rows = step.plan.logits_indices
+        for request_id in [r for r in self._probs if r not in probs]:
+            del self._probs[request_id]  # drafted nothing this step (finishing, or at its limits)
+        self._probs.update(probs)
+        return drafts
+
+    # ---- building the passes (a DP group's leader) ---------------------------------------------
+    def _first_pass(
+        self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None
+    ) -> tuple[DraftPass, list[_Drafting]]:
+        ids: list[int] = []
+        draft_rows: list[int] = []
+        drafting: list[_Drafting] = []
+        row = 0
+        for chunk in chunks:
+            request = chunk.request
+            known = request.all_token_ids
+            if chunk.needs_sample:
+                got = result.sampled[request.request_id] if result is not None else ()
+                got = (got,) if isinstance(got, int) else tuple(got)
+                if chunk.drafts:  # verification rows: what was accepted, then filler for rejected rows
+                    tokens = [*got, *[got[-1]] * (chunk.num_tokens - len(got))]
+                    last = row + len(got) - 1
+                else:
+                    tokens = [*known[chunk.start + 1 : chunk.end], got[0]]
+                    last = row + chunk.num_tokens - 1
+                params = request.sampling_params
+                n = min(self.num_spec, params.max_tokens - request.num_output_tokens - len(got) - 1,
+                        self.max_model_len - request.num_tokens - len(got) - 1)
+                if n > 0:
+                    draft_rows.append(last)
+                    drafting.append(_Drafting(request, n, chunk.start + chunk.num_known + len(got) - 1))
+            else:  # a prompt chunk short of the end: the token after its last position is a prompt token
+                tokens = known[chunk.start + 1 : chunk.end + 1]
+            ids.extend(tokens)
+            row += chunk.num_tokens
+        return DraftPass(replace(plan, input_ids=tuple(ids), logits_indices=tuple(draft_rows))), drafting
+
+    def _chained_pass(
+        self, active: list[_Drafting], hidden_rows: list[int], drafts: dict[str, list[int]], depth: int
+    ) -> DraftPass:
+        """Depth ``depth`` (>= 1): each request's last draft at the position after the previous pass's."""
+        bs = self.block_size
+        positions = [d.next_position - 1 + depth for d in active]
+        width = max((p // bs + 1 for p in positions), default=0)
+        tables = tuple((*d.request.block_ids[:width], *(0,) * (width - len(d.request.block_ids[:width])))
+                       for d in active)
+        plan = BatchPlan(
+            input_ids=tuple(drafts[d.request.request_id][-1] for d in active),
+            positions=tuple(positions),
+            slot_mapping=tuple(d.request.block_ids[p // bs] * bs + p % bs for d, p in zip(active, positions)),
+            seq_lens=tuple(p + 1 for p in positions),
+            block_tables=tables,
+            logits_indices=tuple(range(len(active))),
+            query_start_loc=tuple(range(len(active) + 1)),
+            num_decode_seqs=len(active),
+        )
+        return DraftPass(plan, tuple(hidden_rows))
+
+    # ---- every rank ------------------------------------------------------------------------------
+    def _share(self, step: DraftPass | None) -> DraftPass:
+        """The leader's pass on every TP rank of its DP group."""
+        if self.ctx.tp > 1:
+            step = broadcast_from_leader(step, self.ctx)  # type: ignore[assignment]
+        assert step is not None
+        return step
+
+    def _run(self, step: DraftPass, hidden: torch.Tensor, max_tokens_per_rank: int, overlap: str) -> torch.Tensor:
+        self.dispatcher.begin_step(max_tokens_per_rank)
+        batch = step.plan.to_batch(hidden.device, self.block_size)
+        if step.hidden_rows is not None:
+            hidden = hidden[torch.tensor(step.hidden_rows, dtype=torch.long, device=hidden.device)]
+        return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]

@@ -1,0 +1,178 @@
+"""Speculative decoding's sampling side: drafting from the MTP layer's logits, verifying drafts against
+the target model's logits, and the acceptance statistics.
+
+A decode that verifies ``d`` drafts runs ``d + 1`` target rows: row ``j`` holds the target's
+distribution after the known token and the first ``j`` drafts. Greedy requests accept a draft while it
+equals the target's argmax. Sampled requests use speculative rejection sampling (Leviathan et al.,
+Chen et al.): draft ``j`` was drawn from the draft distribution ``q_j``; it is accepted with probability
+``min(1, p_j / q_j)``; at the first rejection the next token is drawn from ``normalize(max(0, p_j -
+q_j))``, and when every draft is accepted a bonus token is drawn from ``p_d``. ``p`` and ``q`` both pass
+through the request's temperature, top-k, top-p and min-p (``sampler.filter_logits``), so the output
+follows exactly the distribution plain sampling draws from. Every random draw of a request comes from
+its own generator (seeded requests stay reproducible, independent of the batch), in a fixed order per
+step. Everything runs on the logits' device; the host gets one transfer per verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from epserve.engine.request import SamplingParams
+from epserve.engine.sampler import TokenLogprobs, filter_logits
+
+
+@dataclass(frozen=True)
+class VerifyGroup:
+    """One request's rows in the verification batch: ``first_row`` and the ``len(drafts) + 1`` rows after
+    it; ``draft_probs`` [d, V]: the filtered draft distributions the drafts were drawn from (None for
+    greedy requests, whose drafts are the draft model's argmax)."""
+
+    first_row: int
+    drafts: tuple[int, ...]
+    draft_probs: torch.Tensor | None
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.drafts) + 1
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """The tokens a request gets this step (the accepted drafts, then the token sampled after them), the
+    target's logprobs of each when asked, and how many drafts were accepted."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None
+    num_accepted: int
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counters of one engine (vLLM's ``spec_decode`` metrics)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0  # decodes that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if not num_drafts:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+def merge_stats(stats: list[dict[str, object]]) -> dict[str, object]:
+    """The counters of several engines (DP groups) as one."""
+    total = SpecStats(max((len(s["accepted_per_position"]) for s in stats), default=0))  # type: ignore[arg-type]
+    for s in stats:
+        total.num_drafts += s["num_drafts"]  # type: ignore[operator]
+        total.num_draft_tokens += s["num_draft_tokens"]  # type: ignore[operator]
+        total.num_accepted_tokens += s["num_accepted_tokens"]  # type: ignore[operator]
+        for j, n in enumerate(s["accepted_per_position"]):  # type: ignore[arg-type]
+            total.accepted_per_position[j] += n
+    return total.as_dict()
+
+
+def _race(probs: torch.Tensor, generator: torch.Generator | None, default: torch.Generator) -> torch.Tensor:
+    """One token per row of ``probs`` [n, V] (an exponential race: ``argmax(p / Exp(1))`` samples ``p``)."""
+    noise = torch.empty_like(probs).exponential_(generator=generator or default)
+    return (probs / noise).argmax(dim=-1)
+
+
+def draft_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+    default: torch.Generator,
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Draft one token per row of the draft model's ``logits`` [D, V]: the argmax for greedy requests,
+    a draw from the filtered distribution ``q`` otherwise. Returns the ids [D] (on the device) and each
+    sampled row's ``q`` [V] (None for greedy rows), which verification needs."""
+    ids = logits.argmax(dim=-1)
+    probs: list[torch.Tensor | None] = [None] * len(params)
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if sampled:
+        q = filter_logits(logits[sampled], [params[i] for i in sampled]).softmax(-1)
+        for row, i in enumerate(sampled):
+            ids[i] = _race(q[row : row + 1], generators[i], default)[0]
+            probs[i] = q[row]
+    return ids, probs
+
+
+def verify(
+    logits: torch.Tensor, groups: list[VerifyGroup], default: torch.Generator
+) -> list[VerifyOutcome]:
+    """Verify every group's drafts against the target ``logits`` [R, V] (fp32) and sample the token after
+    the accepted ones (see the module docstring)."""
+    device = logits.device
+    argmax = logits.argmax(dim=-1)
+    candidate = argmax.clone()  # the token each row emits if verification stops there
+    accept = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
+    for g in groups:
+        rows = slice(g.first_row, g.first_row + g.num_rows)
+        drafts = torch.tensor(g.drafts, dtype=torch.long, device=device)
+        if g.params.is_greedy:
+            accept[g.first_row : g.first_row + len(g.drafts)] = argmax[rows][:-1] == drafts
+            continue
+        p = filter_logits(logits[rows], [g.params] * g.num_rows).softmax(-1)  # [d + 1, V]
+        q = torch.zeros_like(p)
+        if g.drafts:
+            if g.draft_probs is None:
+                raise ValueError("a sampled request's drafts need the draft distributions they were drawn from")
+            q[:-1] = g.draft_probs
+            j = torch.arange(len(g.drafts), device=device)
+            u = torch.rand(len(g.drafts), generator=g.generator or default, device=device)
+            accept[g.first_row : g.first_row + len(g.drafts)] = u * q[j, drafts] < p[j, drafts]
+        residual = (p - q).clamp_(min=0)  # the bonus row: q = 0, so p itself
+        empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: the residual is p
+        candidate[rows] = _race(torch.where(empty, p, residual), g.generator, default)
+    wanted = [g for g in groups if g.params.logprobs is not None]
+    packed = [argmax.new_tensor([])]
+    k = max((g.params.logprobs or 0 for g in wanted), default=0)
+    if wanted:
+        lp_rows = torch.cat([torch.arange(g.first_row, g.first_row + g.num_rows, device=device) for g in wanted])
+        lp = torch.log_softmax(logits[lp_rows], dim=-1)
+        nxt = torch.cat([torch.tensor((*g.drafts, 0), dtype=torch.long, device=device) for g in wanted])
+        top = torch.topk(lp, k, dim=-1)
+        packed = [lp.gather(1, nxt[:, None]).flatten(), lp.gather(1, candidate[lp_rows, None]).flatten(),
+                  top.values.flatten(), top.indices.double().flatten()]
+    flat = torch.cat([candidate.double(), accept.double(), *(t.double() for t in packed)]).tolist()  # one transfer
+    n = logits.shape[0]
+    cand, acc, rest = flat[:n], flat[n : 2 * n], flat[2 * n :]
+    m = sum(g.num_rows for g in wanted)
+    lp_draft, lp_cand, top_v, top_i = rest[:m], rest[m : 2 * m], rest[2 * m : 2 * m + m * k], rest[2 * m + m * k :]
+    outcomes, lp_row = [], 0
+    for g in groups:
+        a = next((j for j in range(len(g.drafts)) if not acc[g.first_row + j]), len(g.drafts))
+        tokens = (*g.drafts[:a], int(cand[g.first_row + a]))
+        lps = None
+        if g.params.logprobs is not None:
+            want = g.params.logprobs
+            lps = tuple(
+                TokenLogprobs(t, (lp_draft if j < a else lp_cand)[lp_row + j],
+                              tuple((int(i), v) for i, v in zip(top_i[(lp_row + j) * k : (lp_row + j) * k + want],
+                                                                 top_v[(lp_row + j) * k : (lp_row + j) * k + want])))
+                for j, t in enumerate(tokens)
+            )
+            lp_row += g.num_rows
+        outcomes.append(VerifyOutcome(tokens, lps, a))
+    return outcomes
