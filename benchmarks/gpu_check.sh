@@ -8,7 +8,10 @@
 #           at M = 1, 16, 128, 4096; grouped expert GEMM).
 #   decode: the decode step eager vs captured as CUDA graphs at batch 1, 16, 64 (small preset), and the
 #           FP8 runtime against the dequantized model in the engine.
-# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|all]   (default all; each < 10 min)
+#   mtp: MTP speculative decoding with the engine on CUDA (greedy = plain decoding with accepted and
+#           rejected drafts, CUDA graphs for the verification rows, sampling, rollback), then acceptance
+#           and tokens/s with and without MTP on a briefly trained checkpoint.
+# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|all]   (default all; each < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -38,4 +41,12 @@ if [ "$PART" = decode ] || [ "$PART" = all ]; then
     2>&1 | tail -20 | tee "$OUT/decode_capture.txt"
   timeout 150 python3 benchmarks/fp8_engine.py --device cuda --memory-budget-gb 4 --json "$OUT/fp8_engine.json" \
     2>&1 | tail -10 | tee "$OUT/fp8_engine.txt"
+fi
+if [ "$PART" = mtp ] || [ "$PART" = all ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_mtp_engine.py tests/test_spec_decode.py \
+    2>&1 | tail -25 | tee "$OUT/mtp_tests.txt"
+  timeout 120 python3 -m epserve.cli make-checkpoint "$OUT/trained" --train --train-seconds 90 --dtype bfloat16 \
+    2>&1 | tail -3 | tee "$OUT/mtp_train.txt"
+  timeout 150 python3 benchmarks/mtp_decode.py --model "$OUT/trained" --dtype bfloat16 --device cuda \
+    --json "$OUT/mtp_decode.json" 2>&1 | tail -20 | tee "$OUT/mtp_decode.txt"
 fi

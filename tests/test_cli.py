@@ -88,3 +88,20 @@ def test_serving_commands_refuse_bad_options_before_starting(tmp_path):
     for (args, message), r in zip(cases, results):
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_make_checkpoint_train_then_generate_with_mtp(tmp_path):
+    """``make-checkpoint --train`` (the very small ``test`` shape, three steps) writes a checkpoint with an
+    MTP layer that ``generate --speculative mtp`` serves; a shape it cannot train is one clear line."""
+    ckpt = tmp_path / "trained"
+    made = run_cli("make-checkpoint", str(ckpt), "--preset", "test", "--train", "--train-steps", "3",
+                   "--dtype", "float32", env={"EPSERVE_NO_PROGRESS": "1"})
+    assert made.returncode == 0, made.stderr
+    assert json.loads((ckpt / "training.json").read_text())["steps"] == 3
+    assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    gen = run_cli("generate", str(ckpt), "--prompt", "The value of", "--max-tokens", "6", "--ignore-eos",
+                  "--dtype", "float32", "--speculative", "mtp", "--num-speculative-tokens", "2")
+    assert gen.returncode == 0, gen.stderr
+    assert "(length)" in gen.stdout
+    out = run_cli("make-checkpoint", str(tmp_path / "x"), "--preset", "small", "--train")
+    assert out.returncode == 2 and "--train trains" in out.stderr and "Traceback" not in out.stderr

@@ -1,6 +1,9 @@
-"""CPU decode kernels against torch's bf16 path (skipped where the CPU lacks AVX512-BF16)."""
+"""CPU decode kernels against torch: bf16 (skipped where the CPU lacks AVX512-BF16) and fp32 (skipped
+without AVX2 and FMA)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -8,26 +11,36 @@ import torch.nn.functional as F
 
 from epserve.kernels import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="CPU kernels need AVX512-BF16 and a C compiler")
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not cpu.available(torch.bfloat16),
+                                                         reason="bf16 kernels need AVX512-BF16 and a C compiler")),
+    pytest.param(torch.float32, marks=pytest.mark.skipif(not cpu.available(torch.float32),
+                                                        reason="fp32 kernels need AVX2, FMA and a C compiler")),
+]
+TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_linear_matches_torch(m):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 3, 16])
+def test_linear_matches_torch(m, dtype):
     g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 256, generator=g).bfloat16()
-    w = (torch.randn(96, 256, generator=g) * 0.05).bfloat16()
+    x = torch.randn(m, 256, generator=g).to(dtype)
+    w = (torch.randn(98, 256, generator=g) * 0.05).to(dtype)  # not a multiple of the kernel's 4-row groups
     ours = cpu.linear(x, w)
-    ref = x.float() @ w.float().T
-    assert ours.dtype == torch.bfloat16 and ours.shape == (m, 96)
-    assert torch.allclose(ours.float(), ref, rtol=1e-2, atol=1e-2)
+    ref = x.double() @ w.double().T
+    assert ours.dtype == dtype and ours.shape == (m, 98)
+    assert torch.allclose(ours.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def test_linear_falls_back_outside_its_domain():
-    x = torch.randn(17, 64).bfloat16()  # too many rows for one weight pass
-    w = torch.randn(8, 64).bfloat16()
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_falls_back_outside_its_domain(dtype):
+    x = torch.randn(17, 64).to(dtype)  # too many rows for one weight pass
+    w = torch.randn(8, 64).to(dtype)
     assert torch.equal(cpu.linear(x, w), F.linear(x, w))
-    x32, w32 = x.float(), w.float()  # fp32 is torch's
-    assert torch.equal(cpu.linear(x32, w32), F.linear(x32, w32))
+    x, w = torch.randn(2, 40).to(dtype), torch.randn(8, 40).to(dtype)  # K not a multiple of 32
+    assert torch.equal(cpu.linear(x, w), F.linear(x, w))
+    x16, w16 = x.half(), w.half()  # no kernel for fp16
+    assert torch.equal(cpu.linear(x16, w16), F.linear(x16, w16))
 
 
 def per_expert_torch(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -39,38 +52,61 @@ def per_expert_torch(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: 
     return torch.cat(rows)
 
 
-def test_moe_swiglu_matches_per_expert_torch():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_swiglu_matches_per_expert_torch(dtype):
     g = torch.Generator().manual_seed(0)
     num_experts, hidden, inter = 6, 128, 64
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).bfloat16()
-    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).bfloat16()
+    tol = 2 * TOL[dtype]
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).to(dtype)
     counts = [2, 0, 5, 1, 0, 3]
-    x = torch.randn(sum(counts), hidden, generator=g).bfloat16()
+    x = torch.randn(sum(counts), hidden, generator=g).to(dtype)
     ours = cpu.moe_swiglu(x, counts, w13, w2)
     ref = per_expert_torch(x, counts, w13, w2)
-    assert ours is not None and ours.shape == ref.shape
-    assert torch.allclose(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert ours is not None and ours.shape == ref.shape and ours.dtype == dtype
+    assert torch.allclose(ours.float(), ref.float(), rtol=tol, atol=tol)
     # One skewed expert past the kernel's row tile runs through torch inside the call.
     skew = [17, 5, 3, 6, 4, 2]
-    xs = torch.randn(sum(skew), hidden, generator=g).bfloat16()
+    xs = torch.randn(sum(skew), hidden, generator=g).to(dtype)
     got = cpu.moe_swiglu(xs, skew, w13, w2)
     ref = per_expert_torch(xs, skew, w13, w2)
-    assert got is not None and torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert got is not None and torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
     assert cpu.moe_swiglu(xs, [24], w13[:1], w2[:1]) is None  # mostly large groups: the grouped GEMM
 
 
-def test_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+def test_a_few_rows_cost_about_one_row(dtype):
+    """The point of the kernel: the weight is streamed once, so four rows take well under four times
+    one row's time (BLAS's small-M GEMM took about twice one row for two rows on a two-core AVX2
+    machine). A loose bound: a busy machine must not fail it."""
+    w = torch.randn(2048, 1024, dtype=dtype)  # 8 MiB: beyond the caches
+
+    def seconds(m: int) -> float:
+        x = torch.randn(m, 1024, dtype=dtype)
+        cpu.linear(x, w)
+        start = time.perf_counter()
+        for _ in range(20):
+            cpu.linear(x, w)
+        return time.perf_counter() - start
+
+    one, four = min(seconds(1) for _ in range(3)), min(seconds(4) for _ in range(3))
+    assert four < 2.5 * one, (one, four)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch, dtype):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(blocker))  # the kernels' folder cannot be created
-    source = cpu._SOURCE.read_bytes() + b"\n/* rebuild */\n"
-    monkeypatch.setattr(cpu, "_SOURCE", tmp_path / "cpu_bf16.c")
-    (tmp_path / "cpu_bf16.c").write_bytes(source)  # a new hash, so nothing cached is reused
+    attr = "_SOURCE" if dtype == torch.bfloat16 else "_SOURCE_F32"
+    source = getattr(cpu, attr).read_bytes() + b"\n/* rebuild */\n"
+    monkeypatch.setattr(cpu, attr, tmp_path / "kernels.c")
+    (tmp_path / "kernels.c").write_bytes(source)  # a new hash, so nothing cached is reused
     cpu._library.cache_clear()
-    monkeypatch.setattr(cpu, "_available", None)
+    monkeypatch.setattr(cpu, "_available", {})
     try:
-        assert not cpu.available()
-        x, w = torch.randn(2, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+        assert not cpu.available(dtype)
+        x, w = torch.randn(2, 64).to(dtype), torch.randn(8, 64).to(dtype)
         assert torch.equal(cpu.linear(x, w), F.linear(x, w))
     finally:
         cpu._library.cache_clear()

@@ -109,3 +109,17 @@ def test_long_prompt_beyond_yarn_original_context_in_chunks(make_ckpt, device):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert out.token_ids == ref
+
+
+def test_mtp_speculative_greedy_matches_transformers(variant, device):
+    """Greedy tokens with MTP drafting (random weights: drafts verified and mostly rejected) equal the
+    oracle's on every parity config."""
+    path, hf, _ = variant
+    llm = LLM(path, dtype="float32", num_blocks=256, device=device, speculative="mtp", num_speculative_tokens=2)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(PROMPTS[:3], llm.generate(PROMPTS[:3], params)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
+    assert llm.speculative_stats()["num_draft_tokens"] > 0

@@ -5,6 +5,7 @@ leave the KV pool consistent, and a checkpoint without MTP is refused at start."
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from epserve.model.loader import model_bytes
 PROMPTS = ["The object", "In the following example, the", "A class definition", "If the", "Names",
            "The value of the expression is"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-ENGINE = dict(dtype="float32", num_blocks=256, block_size=8)
+ENGINE = dict(dtype="float32", num_blocks=256, block_size=8, device=os.environ.get("EPSERVE_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +92,8 @@ def test_prefix_cache_hits_keep_the_draft_layers_cache_right(counter_ckpt, refer
 
 
 def test_preemption_under_speculation_gives_the_same_tokens(counter_ckpt, reference):
-    llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=3, dtype="float32", num_blocks=24,
-              block_size=8, enable_prefix_caching=False)
+    llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=3, **{**ENGINE, "num_blocks": 24},
+              enable_prefix_caching=False)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.engine.scheduler.num_preemptions_total > 0
 
@@ -119,8 +120,8 @@ def test_sampling_keeps_the_target_distribution(counter_ckpt, plain):
     frequency of each (second, third) output token agrees within 5 sigma of the two sample sizes."""
     n = 1500
     prompt = plain.tokenizer.encode("The")
-    llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, dtype="float32", num_blocks=1024,
-              block_size=4, max_num_seqs=256)
+    llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **{**ENGINE, "num_blocks": 1024},
+              max_num_seqs=256)
     counts = []
     for engine in (plain, llm):
         params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)]
@@ -169,3 +170,29 @@ def test_mtp_shares_the_embedding_and_head_when_equal(counter_ckpt, make_ckpt):
     random = LLM(make_ckpt("tiny"), speculative="mtp", dtype="float32", num_blocks=64).engine.runner.model
     assert random.mtp[0].embed_tokens.data_ptr() == random.embed_tokens.data_ptr()
     assert random.mtp[0].shared_head.head.data_ptr() == random.lm_head.data_ptr()
+
+
+def test_accepted_drafts_give_the_oracles_tokens(counter_ckpt, reference):
+    """transformers' DeepseekV3ForCausalLM (which ignores the MTP layer) continues the prompts with the
+    tokens MTP decoding produced while accepting drafts."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(counter_ckpt), dtype=torch.float32).eval()
+    from epserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(counter_ckpt)
+    for prompt, ref in list(zip(PROMPTS, reference))[:3]:
+        ids = tok.encode(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert out == ref
+
+
+def test_captured_decode_with_mtp(counter_ckpt, reference, monkeypatch):
+    """``compile=True`` (CUDA graphs on a GPU): verification rows run through the captured decode forward
+    (one graph per row bucket), the MTP passes eagerly; the tokens stay plain decoding's."""
+    monkeypatch.setenv("EPSERVE_COMPILE_BACKEND", "aot_eager")  # the capture, without inductor's code generation
+    capture = {"compile": True} if ENGINE["device"] == "cpu" else {"cuda_graph": True}
+    llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **capture, **ENGINE)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+    assert llm.speculative_stats()["num_accepted_tokens"] > 0

@@ -140,3 +140,22 @@ def test_calibrate_quick_writes_a_usable_hardware_file(tmp_path: Path, capsys: p
     plan = _json(capsys, ["--model", str(tmp_path), "--gpu", str(out), "--ep", "2", "--batch", "4",
                           "--weight-dtype", "bf16", "--kv-len", "256"])
     assert plan["fits"] and plan["step_time_us"] > 0
+
+
+@pytest.mark.slow
+def test_calibrate_records_the_engines_mtp_acceptance(counter_ckpt, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``calibrate --mtp-model`` measures the draft acceptance on this engine; ``plan --gpu FILE`` then
+    prices MTP with it unless ``--mtp-accept`` says otherwise."""
+    out = tmp_path / "local.json"
+    assert main(["plan", "calibrate", "--quick", "--no-engine", "--world-size", "0", "--mtp-model",
+                 str(counter_ckpt), "--out", str(out)]) == 0
+    assert "MTP acceptance" in capsys.readouterr().out
+    accept = load_hardware(out).mtp_accept
+    assert accept is not None and 0.3 < accept < 0.9  # the counter's MTP is right about 2 times in 3
+    plan = _json(capsys, ["--model", str(counter_ckpt), "--gpu", str(out), "--ep", "1", "--batch", "1",
+                          "--weight-dtype", "bf16", "--kv-len", "64"])
+    assert plan["deployment"]["mtp_draft"] == 1 and plan["deployment"]["mtp_accept"] == accept
+    plan = _json(capsys, ["--model", str(counter_ckpt), "--gpu", str(out), "--ep", "1", "--batch", "1",
+                          "--weight-dtype", "bf16", "--kv-len", "64", "--mtp-accept", "0.5"])
+    assert plan["deployment"]["mtp_accept"] == 0.5

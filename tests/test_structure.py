@@ -20,7 +20,7 @@ RANKS = {
     "moe": 2, "presets": 2,
     "model": 3,
     "engine": 4,
-    "serve": 5, "planner": 5, "bench": 5,
+    "serve": 5, "planner": 5, "bench": 5, "training": 5,
     "cli": 6, "__init__": 7,
 }
 TOP_LEVEL_NAMES = {"LLM": "engine", "SamplingParams": "engine"}  # what `from epserve import X` reaches

@@ -199,6 +199,16 @@ def _generate(llm, args: argparse.Namespace) -> int:
 
 
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    if args.train:
+        from epserve.training import TRAIN_PRESETS, train_checkpoint
+
+        if args.preset not in TRAIN_PRESETS or args.fp8:
+            raise ValueError(f"--train trains the {' or '.join(TRAIN_PRESETS)} shape in bfloat16/float32 (no --fp8); "
+                             f"got --preset {args.preset}{' --fp8' if args.fp8 else ''}")
+        path = train_checkpoint(args.dir, preset=args.preset, steps=args.train_steps, max_seconds=args.train_seconds,
+                                seed=args.seed, dtype=args.dtype, progress=not env.progress_disabled())
+        print(f"wrote trained {args.preset} checkpoint (with its MTP layer) to {path}; summary in {path}/training.json")
+        return 0
     from epserve.presets import make_checkpoint
 
     path = make_checkpoint(args.dir, preset=args.preset, fp8=args.fp8, seed=args.seed, dtype=args.dtype)
@@ -238,9 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_args(rt)
     rt.set_defaults(func=_cmd_router)
 
-    mk = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint in the HF DeepSeek-V3 format")
+    mk = sub.add_parser("make-checkpoint", help="write a random-weight (or --train: trained) checkpoint in the HF "
+                        "DeepSeek-V3 format")
     mk.add_argument("dir")
-    mk.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    mk.add_argument("--preset", default="tiny", choices=["tiny", "small", "test"],
+                    help="random weights: tiny or small; --train: tiny (or test, a very small shape)")
+    mk.add_argument("--train", action="store_true",
+                    help="train the model and its MTP layer on the built-in English corpus (Python's reference "
+                    "help topics) instead of random weights, retraining the tokenizer: minutes on a CPU")
+    mk.add_argument("--train-seconds", type=float, default=540.0, help="--train: wall-clock budget (default 540)")
+    mk.add_argument("--train-steps", type=int, default=None, help="--train: a fixed number of steps instead")
     mk.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights with 128x128 block scales")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

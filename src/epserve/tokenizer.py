@@ -168,11 +168,14 @@ def tokenizer_config(model_max_length: int) -> dict[str, Any]:
     }
 
 
-def write_tokenizer_files(path: str | Path, vocab_size: int, model_max_length: int) -> Path:
-    """Train the built-in tokenizer (at most ``vocab_size`` tokens) and write its two files."""
+def write_tokenizer_files(
+    path: str | Path, vocab_size: int, model_max_length: int, corpus: str | None = None
+) -> Path:
+    """Train the tokenizer (at most ``vocab_size`` tokens) on ``corpus`` (default: the built-in
+    ``CORPUS``) and write its two files."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(vocab_size) if corpus is None else build_tokenizer(vocab_size, corpus)
     (path / TOKENIZER_FILE).write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     cfg = tokenizer_config(model_max_length)
     (path / TOKENIZER_CONFIG_FILE).write_text(

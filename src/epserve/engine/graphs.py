@@ -115,7 +115,8 @@ class DecodeGraphs:
         if mode == "compile":
             import torch._dynamo
 
-            cpu_kernels.available()  # decided before tracing (the forward's GEMMs ask it)
+            for dtype in (torch.bfloat16, torch.float32):  # decided before tracing (the forward's GEMMs ask it)
+                cpu_kernels.available(dtype)
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
             self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=env.compile_backend())

@@ -2,14 +2,15 @@
 checkpoint's MTP layer on every rank of the EP group (its MoE runs through the same dispatcher, so every
 rank runs exactly ``k`` passes each step, possibly empty ones, in lockstep).
 
-Pass 1 runs over the step's own positions and slots: at each position the token after it (the next
-prompt token, or what the step accepted and sampled) and the target's final hidden state there. It
-writes the MTP layer's latent KV for every position whose target KV the step computed (so the MTP cache
-always covers the same positions as the target's, which the prefix cache relies on), and the row of
-each request's last accepted position drafts its first token. Pass ``j > 1`` chains the layer on its own
+Pass 1 runs over the step's own positions and slots whose target KV the step keeps (a verification's
+accepted rows; rejected rows are left out): at each position the token after it (the next prompt
+token, or what the step accepted and sampled) and the target's final hidden state there. It writes the
+MTP layer's latent KV for every position whose target KV the step computed (so the MTP cache always
+covers the same positions as the target's, which the prefix cache relies on), and the row of each
+request's last accepted position drafts its first token. Pass ``j > 1`` chains the layer on its own
 output: one row per request still drafting, at the next position, fed the previous draft and the
-previous pass's hidden state (as vLLM and SGLang chain one MTP module for ``k > 1``). Rows of rejected
-drafts and chained positions write KV past the request's computed tokens; the next step overwrites it,
+previous pass's hidden state (as vLLM and SGLang chain one MTP module for ``k > 1``). Chained passes
+write KV past the request's computed tokens; the next step overwrites it,
 and the scheduler frees the blocks it no longer needs (``KVCacheManager.trim``).
 
 A DP group's leader builds each pass and broadcasts it to its TP peers (``DraftPass``); only the leader
@@ -19,7 +20,7 @@ holds the head, so only it draws drafts (``spec_decode.draft_tokens``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -36,12 +37,12 @@ from epserve.parallel.context import ParallelContext
 @dataclass(frozen=True)
 class DraftPass:
     """One pass of the MTP layer, as a leader broadcasts it: the batch (``input_ids``: the token after
-    each position; ``logits_indices``: the rows that draft, one per drafting request) and, for a chained
-    pass, the row of the previous pass's output feeding each token (None: the target's hidden states,
-    row for row)."""
+    each position; ``logits_indices``: the rows that draft, one per drafting request) and the row of the
+    previous depth's hidden states feeding each token (the target's at depth 1, the previous pass's
+    output when chained)."""
 
     plan: BatchPlan
-    hidden_rows: tuple[int, ...] | None = None
+    hidden_rows: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -133,33 +134,56 @@ class MTPProposer:
     def _first_pass(
         self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None
     ) -> tuple[DraftPass, list[_Drafting]]:
+        """The plan's rows whose target KV the step keeps (a verification's accepted rows only: the
+        rejected ones' KV rolls back anyway), each fed the token after its position."""
         ids: list[int] = []
+        keep: list[int] = []  # token rows of the plan (and of the target's hidden states) kept
+        seqs: list[int] = []  # sequence rows of the plan kept (a decode row is a sequence of its own)
+        query_start = [0]
         draft_rows: list[int] = []
         drafting: list[_Drafting] = []
-        row = 0
+        token, seq = 0, 0
         for chunk in chunks:
             request = chunk.request
             known = request.all_token_ids
             if chunk.needs_sample:
                 got = result.sampled[request.request_id] if result is not None else ()
                 got = (got,) if isinstance(got, int) else tuple(got)
-                if chunk.drafts:  # verification rows: what was accepted, then filler for rejected rows
-                    tokens = [*got, *[got[-1]] * (chunk.num_tokens - len(got))]
-                    last = row + len(got) - 1
-                else:
-                    tokens = [*known[chunk.start + 1 : chunk.end], got[0]]
-                    last = row + chunk.num_tokens - 1
+                tokens = [*known[chunk.start + 1 : chunk.start + chunk.num_known], *got]
+            else:  # a prompt chunk short of the end: the token after its last position is a prompt token
+                tokens = known[chunk.start + 1 : chunk.end + 1]
+            if chunk.drafts:  # one decode row per verified position: keep the accepted ones
+                rows = len(tokens)
+                keep.extend(range(token, token + rows))
+                seqs.extend(range(seq, seq + rows))
+                query_start.extend(range(query_start[-1] + 1, query_start[-1] + rows + 1))
+                seq += chunk.num_tokens
+            else:
+                rows = chunk.num_tokens
+                keep.extend(range(token, token + rows))
+                seqs.append(seq)
+                query_start.append(query_start[-1] + rows)
+                seq += 1
+            ids.extend(tokens[:rows])
+            token += chunk.num_tokens
+            if chunk.needs_sample:
                 params = request.sampling_params
                 n = min(self.num_spec, params.max_tokens - request.num_output_tokens - len(got) - 1,
                         self.max_model_len - request.num_tokens - len(got) - 1)
                 if n > 0:
-                    draft_rows.append(last)
+                    draft_rows.append(len(ids) - 1)
                     drafting.append(_Drafting(request, n, chunk.start + chunk.num_known + len(got) - 1))
-            else:  # a prompt chunk short of the end: the token after its last position is a prompt token
-                tokens = known[chunk.start + 1 : chunk.end + 1]
-            ids.extend(tokens)
-            row += chunk.num_tokens
-        return DraftPass(replace(plan, input_ids=tuple(ids), logits_indices=tuple(draft_rows))), drafting
+        first = BatchPlan(
+            input_ids=tuple(ids),
+            positions=tuple(plan.positions[i] for i in keep),
+            slot_mapping=tuple(plan.slot_mapping[i] for i in keep),
+            seq_lens=tuple(plan.seq_lens[i] for i in seqs),
+            block_tables=tuple(plan.block_tables[i] for i in seqs),
+            logits_indices=tuple(draft_rows),
+            query_start_loc=tuple(query_start),
+            num_decode_seqs=sum(1 for i in seqs if i < plan.num_decode_seqs),
+        )
+        return DraftPass(first, tuple(keep)), drafting
 
     def _chained_pass(
         self, active: list[_Drafting], hidden_rows: list[int], drafts: dict[str, list[int]], depth: int
@@ -193,6 +217,5 @@ class MTPProposer:
     def _run(self, step: DraftPass, hidden: torch.Tensor, max_tokens_per_rank: int, overlap: str) -> torch.Tensor:
         self.dispatcher.begin_step(max_tokens_per_rank)
         batch = step.plan.to_batch(hidden.device, self.block_size)
-        if step.hidden_rows is not None:
-            hidden = hidden[torch.tensor(step.hidden_rows, dtype=torch.long, device=hidden.device)]
+        hidden = hidden[torch.tensor(step.hidden_rows, dtype=torch.long, device=hidden.device)]
         return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]

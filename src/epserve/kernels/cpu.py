@@ -1,8 +1,12 @@
-"""CPU decode kernels (AVX512-BF16), compiled with the system C compiler on first use.
+"""CPU decode kernels, compiled with the system C compiler on first use: bf16 (``cpu_bf16.c``,
+AVX512-BF16) and fp32 (``cpu_f32.c``, AVX2 + FMA). Both stream each weight once for up to ``TILE_M``
+token rows, so a decode step with a few rows per request (speculative verification) costs about what
+one row does; BLAS's small-M GEMM does not stream (two fp32 rows cost about twice one on AVX2).
 
-``linear(x, w)`` and ``moe_swiglu(x, counts, w13, w2)`` take the kernel path only for bf16 CPU tensors
-with few rows (decode), and fall back to torch otherwise, or when the CPU lacks AVX512-BF16, no C
-compiler is found, or ``EPSERVE_CPU_KERNELS=0``. Results match torch's bf16 path up to summation order.
+``linear(x, w)`` and ``moe_swiglu(x, counts, w13, w2)`` take the kernel path only for bf16 or fp32 CPU
+tensors with few rows (decode), and fall back to torch otherwise, or when the CPU lacks the
+instructions, no C compiler is found, or ``EPSERVE_CPU_KERNELS=0``. Results match torch's path up to
+summation order.
 """
 
 from __future__ import annotations
@@ -25,24 +29,33 @@ from epserve.kernels.ops import tracing
 
 logger = logging.getLogger(__name__)
 
-TILE_M = 16  # rows per weight pass; must match the C source
+TILE_M = 16  # rows per weight pass; must match the C sources
 _SOURCE = Path(__file__).with_name("cpu_bf16.c")
+_SOURCE_F32 = Path(__file__).with_name("cpu_f32.c")
+# per element type: the source, the compiler flags, the CPU flags it needs, its kernels' names
+_KINDS = {
+    torch.bfloat16: ("_SOURCE", ["-mavx512f", "-mavx512bf16"], ("avx512f", "avx512_bf16"), "bf16"),
+    torch.float32: ("_SOURCE_F32", ["-mavx2", "-mfma"], ("avx2", "fma"), "f32"),
+}
+
+
+def _cpu_has(*flags: str) -> bool:
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return all(f in words for f in flags)
 
 
 def _cpu_has_avx512_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags and "avx512f" in flags
+    return _cpu_has("avx512f", "avx512_bf16")
 
 
-def _build(cc: str, lib_path: Path) -> None:
+def _build(cc: str, lib_path: Path, source: Path, flags: list[str]) -> None:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         tmp_lib = Path(tmp) / lib_path.name
-        cmd = [cc, "-O3", "-mavx512f", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC",
-               str(_SOURCE), "-o", str(tmp_lib), "-lm"]
+        cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(tmp_lib), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=proc.stderr)
@@ -50,52 +63,74 @@ def _build(cc: str, lib_path: Path) -> None:
 
 
 @cache
-def _library() -> ctypes.CDLL | None:
-    if not env.cpu_kernels_enabled() or not _cpu_has_avx512_bf16():
+def _library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+    source_attr, cflags, cpu_flags, name = _KINDS[dtype]
+    if not env.cpu_kernels_enabled() or not _cpu_has(*cpu_flags):
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source).hexdigest()[:16]
-
-    lib_path = env.cache_dir() / "kernels" / f"cpu_bf16-{tag}.so"
+    source_path: Path = globals()[source_attr]
+    tag = hashlib.sha256(source_path.read_bytes()).hexdigest()[:16]
+    lib_path = env.cache_dir() / "kernels" / f"cpu_{name}-{tag}.so"
     try:
         if not lib_path.exists():
-            _build(cc, lib_path)
+            _build(cc, lib_path, source_path, cflags)
         lib = ctypes.CDLL(str(lib_path))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        logger.warning("CPU kernels unavailable (%s); using torch", detail.strip()[:200])
+        logger.warning("CPU %s kernels unavailable (%s); using torch", name, detail.strip()[:200])
         return None
     p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.epserve_linear_bf16.argtypes = [p, i64, p, i64, i64, p, c_int]
-    lib.epserve_moe_swiglu_bf16.argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
-    logger.info("CPU bf16 decode kernels loaded from %s", lib_path)
+    getattr(lib, f"epserve_linear_{name}").argtypes = [p, i64, p, i64, i64, p, c_int]
+    getattr(lib, f"epserve_moe_swiglu_{name}").argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
+    logger.info("CPU %s decode kernels loaded from %s", name, lib_path)
     return lib
 
 
-_available: bool | None = None  # available()'s answer, once asked: a constant to torch.compile
+_available: dict[torch.dtype, bool] = {}  # available()'s answers, once asked: constants to torch.compile
 
 
-def available() -> bool:
-    """Whether the kernels load here (built on first ask). Ask once before compiling a forward that may
-    call them (``engine/graphs.py`` does), so torch.compile reads a constant instead of tracing the build."""
-    global _available
-    if _available is None:
-        _available = _library() is not None
-    return _available
+def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the ``dtype`` kernels load here (built on first ask). Ask once before compiling a forward
+    that may call them (``engine/graphs.py`` does), so torch.compile reads a constant instead of tracing
+    the build."""
+    if dtype not in _available:
+        _available[dtype] = dtype in _KINDS and _library(dtype) is not None
+    return _available[dtype]
 
 
 def _eligible(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.bfloat16 and t.is_contiguous() for t in tensors)
+    dtype = tensors[0].dtype
+    return dtype in _KINDS and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T; the kernel streams ``w`` once when M <= TILE_M."""
-    if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w) and available():
+    if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w) and available(x.dtype):
+        if x.dtype == torch.float32:
+            return linear_f32(x, w) if tracing() else _linear_f32(x, w)
         return linear_bf16(x, w) if tracing() else _linear_bf16(x, w)
     return F.linear(x, w)
+
+
+def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The AVX2 fp32 decode GEMM (as a custom op below: one opaque call to ``torch.compile``)."""
+    lib = _library(torch.float32)
+    assert lib is not None, "linear_f32 needs the CPU kernels (kernels.cpu.available(torch.float32))"
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    lib.epserve_linear_f32(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(),
+                           torch.get_num_threads())
+    return out
+
+
+linear_f32 = torch.library.custom_op("epserve::linear_f32", _linear_f32, mutates_args=())
+
+
+@linear_f32.register_fake
+def _(x, w):  # noqa: ANN001
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def _linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -127,13 +162,14 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
     big = [e for e, n in enumerate(counts) if n > TILE_M]
     if sum(counts[e] for e in big) * 2 > len(x):
         return None
-    lib = _library()
+    lib = _library(x.dtype)
     if lib is None:
         return None
     offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
-    out = torch.empty(x.shape[0], hidden, dtype=torch.bfloat16)
-    lib.epserve_moe_swiglu_bf16(x.data_ptr(), offsets.data_ptr(), len(counts), w13.data_ptr(), w2.data_ptr(),
-                                hidden, inter, out.data_ptr(), torch.get_num_threads())
+    out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
+    kernel = lib.epserve_moe_swiglu_f32 if x.dtype == torch.float32 else lib.epserve_moe_swiglu_bf16
+    kernel(x.data_ptr(), offsets.data_ptr(), len(counts), w13.data_ptr(), w2.data_ptr(), hidden, inter,
+           out.data_ptr(), torch.get_num_threads())
     for e in big:
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         gate, up = F.linear(x[lo:hi], w13[e]).chunk(2, dim=-1)

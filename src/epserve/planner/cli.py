@@ -41,7 +41,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--batch", type=int, help="requests per GPU")
     p.add_argument("--kv-len", type=int, default=5000, help="KV length per request (default 5000)")
     p.add_argument("--mtp-draft", type=int, help="MTP draft tokens per step (default 1 if the model has MTP)")
-    p.add_argument("--mtp-accept", type=float, default=0.6, help="acceptance rate per draft token (0.6)")
+    p.add_argument("--mtp-accept", type=float, default=None,
+                   help="acceptance rate per draft token (default: the --gpu file's measured figure, else 0.6)")
     p.add_argument("--overlap", choices=OVERLAP_CHOICES, default="auto",
                    help="communication overlap; auto = the faster of dispatch and microbatch")
     p.add_argument("--dispatch", choices=DISPATCH_CHOICES, default="all_to_all",
@@ -69,6 +70,9 @@ def add_parser(subparsers: Any) -> None:
     c.add_argument("--base", help="datasheet entry to express fractions against (default: by device name)")
     c.add_argument("--no-engine", action="store_true",
                    help="skip timing the engine's own steps (host overheads stay the base entry's)")
+    c.add_argument("--mtp-model", default=None,
+                   help="a checkpoint with an MTP layer: measure its draft acceptance on this engine (greedy, one "
+                        "draft token) and record it as the planner's default --mtp-accept")
     p.set_defaults(func=run)
 
 
@@ -94,6 +98,14 @@ def _calibrate(args: argparse.Namespace) -> int:
     else:
         spec = calibrate(quick=args.quick, device=args.device, world_size=args.world_size, base=base,
                          engine=not args.no_engine)
+    if args.mtp_model:
+        import torch
+
+        from epserve.planner.calibrate_engine import measure_mtp_acceptance
+
+        stats = measure_mtp_acceptance(args.mtp_model, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        spec = replace(spec, mtp_accept=round(float(stats["acceptance_rate"]), 4))  # type: ignore[arg-type]
+        print(f"MTP acceptance of {args.mtp_model}: {spec.mtp_accept:.3f} over {stats['num_draft_tokens']} drafts")
     path = save_hardware(spec, args.out)
     fr = ", ".join(f"{k} {e.compute:.0%}/{e.memory:.0%}" for k, e in spec.efficiency.items())
     bw = "; ".join(f"{k} {size / 2**20:.3g} MiB " + " ".join(f"{r:.3g}:{f * spec.memory_bandwidth / 1e9:.0f}"
@@ -114,7 +126,8 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _deployment(args: argparse.Namespace, model: Any, hw: Any) -> Deployment:
     mtp = args.mtp_draft if args.mtp_draft is not None else (1 if model.num_nextn_predict_layers else 0)
-    base = Deployment(ep=1, kv_len=args.kv_len, mtp_draft=mtp, mtp_accept=args.mtp_accept, overlap=args.overlap,
+    accept = args.mtp_accept if args.mtp_accept is not None else (hw.mtp_accept if hw.mtp_accept is not None else 0.6)
+    base = Deployment(ep=1, kv_len=args.kv_len, mtp_draft=mtp, mtp_accept=accept, overlap=args.overlap,
                       num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype, dispatch=args.dispatch,
                       kv_dtype=args.kv_dtype, gpus_per_node=args.gpus_per_node or hw.gpus_per_node)
     return replace(base, ep=default_eps(model, base)[0] if args.ep is None else args.ep,

@@ -102,6 +102,8 @@ class HardwareSpec:
     memory_by_rows: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
     source: str = "datasheet"
     points: tuple[MeasuredPoint, ...] = ()
+    # The MTP draft acceptance rate this engine measured (``calibrate --mtp-model``): the planner's default.
+    mtp_accept: float | None = None
 
     def compute_dtype(self, dtype: str) -> str:
         """The tensor-core dtype that runs ``dtype`` data: itself if native, else the next wider one."""

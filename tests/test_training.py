@@ -1,0 +1,141 @@
+"""Training a checkpoint on the corpus: the corpus is clean prose, the training network is the published
+format (transformers and the engine compute the same logits and greedy tokens from what it writes),
+and a short run lowers both losses, deterministically."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from epserve import LLM, SamplingParams
+from epserve.training import TRAIN_PRESETS, train_checkpoint
+from epserve.training.corpus import clean_topic, load_corpus
+from epserve.training.train import build_model, corpus_tokens, model_config, train_model, write_trained
+
+SETUP = TRAIN_PRESETS["test"]
+SEQS = [[0, 5, 17, 99, 3, 250, 42], [0] + list(range(10, 60)), [0, 7], [0] + [(i * 37) % 500 + 4 for i in range(30)]]
+
+
+def test_corpus_is_english_prose_and_deterministic():
+    corpus = load_corpus()
+    assert len(corpus.text) > 200_000
+    assert corpus.heldout and 0.01 < len(corpus.heldout) / (len(corpus.train) + len(corpus.heldout)) < 0.05
+    assert not set(corpus.train) & set(corpus.heldout)
+    lines = corpus.text.splitlines()
+    assert not any(s.lstrip().startswith((">>>", "...")) or "::=" in s for s in lines)
+    assert all(s == s.strip() and "  " not in s for s in lines)
+    words = re.findall(r"[a-z]+", corpus.text.lower())
+    assert words.count("the") / len(words) > 0.04  # English: "the" is ~5% of words
+    assert load_corpus.__wrapped__() == corpus  # recomputed from scratch: the same paragraphs
+
+
+def test_clean_topic_drops_code_blocks_and_keeps_prose():
+    topic = (
+        "The \"for\" statement\n*******************\n\nIt loops over an iterable, as in this\nexample:\n\n"
+        "   for i in range(3):\n       print(i)\n\n>>> print(1)\n1\n\n   for_stmt ::= \"for\" target_list\n\n"
+        "Note:\n\n   Changing the sequence while looping is\n   not a good idea.\n"
+    )
+    assert clean_topic(topic) == [
+        'The "for" statement',
+        "It loops over an iterable, as in this example:",
+        "Changing the sequence while looping is not a good idea.",
+    ]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """A randomly initialised ``test``-shape training model (non-zero routing biases) and the fp32
+    checkpoint written from it."""
+    tok, _, _ = corpus_tokens(SETUP.vocab_size)
+    config = model_config(SETUP, tok.get_vocab_size(), "float32")
+    model = build_model(config, seed=3)
+    model.init_weights(torch.Generator().manual_seed(3), std=0.1)  # larger weights: sharper logits
+    gen = torch.Generator().manual_seed(4)
+    for moe in model.moe_layers():
+        moe.e_score_correction_bias.normal_(0.0, 0.05, generator=gen)
+    path = write_trained(tmp_path_factory.mktemp("trained"), model, config, load_corpus().text, SETUP.vocab_size,
+                         "float32")
+    return model.eval(), path
+
+
+def test_transformers_reads_the_same_main_model(written):
+    transformers = pytest.importorskip("transformers")
+    model, path = written
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for seq in SEQS:
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            ref = hf(ids).logits[0]
+            ours = model(ids)[0][0]
+        assert ref.std() > 0.3
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_checkpoint_layout(written):
+    model, path = written
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["tie_word_embeddings"] is False
+    assert config["vocab_size"] == json.loads((path / "tokenizer.json").read_text())["model"]["vocab"].__len__()
+    mtp = f"model.layers.{config['num_hidden_layers']}"
+    tensors = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            tensors |= {k: st.get_tensor(k) for k in st.keys()}
+    assert torch.equal(tensors[f"{mtp}.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    assert torch.equal(tensors[f"{mtp}.shared_head.head.weight"], tensors["lm_head.weight"])
+    assert not torch.equal(tensors["model.embed_tokens.weight"], tensors["lm_head.weight"])
+    assert torch.equal(tensors[f"{mtp}.eh_proj.weight"], model.mtp.eh_proj.weight)
+    assert tensors[f"{mtp}.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    gate_up = model.mtp.layer.mlp.w_gate_up[5]
+    assert torch.equal(torch.cat([tensors[f"{mtp}.mlp.experts.5.gate_proj.weight"],
+                                  tensors[f"{mtp}.mlp.experts.5.up_proj.weight"]]), gate_up)
+
+
+def test_engine_greedy_matches_training_model(written):
+    model, path = written
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64)
+    prompts = [seq[1:] for seq in SEQS[1:]]  # the engine's tokenizer adds bos; token-id prompts do not
+    outs = llm.generate([[0, *p] for p in prompts], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = [0, *prompt]
+        with torch.no_grad():
+            for _ in range(8):
+                ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+        assert out.token_ids == ids[len(prompt) + 1 :]
+
+
+def _short_run(steps: int = 25) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    tok, train_ids, _ = corpus_tokens(SETUP.vocab_size)
+    model = build_model(model_config(SETUP, tok.get_vocab_size(), "float32"), seed=0)
+    result = train_model(model, train_ids, SETUP, steps=steps, max_seconds=1e9, seed=0, progress=False)
+    return result.losses, result.mtp_losses, model.state_dict()
+
+
+def test_short_training_lowers_both_losses_deterministically():
+    losses, mtp_losses, weights = _short_run()
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.7
+    assert sum(mtp_losses[-5:]) / 5 < mtp_losses[0] - 0.7
+    losses2, mtp_losses2, weights2 = _short_run()
+    assert losses2 == losses and mtp_losses2 == mtp_losses
+    assert all(torch.equal(weights[k], weights2[k]) for k in weights)
+    biases = [v for k, v in weights.items() if k.endswith("e_score_correction_bias")]
+    assert biases and all(b.abs().sum() > 0 for b in biases)  # the aux-loss-free balancing moved them
+
+
+@pytest.mark.slow
+def test_train_checkpoint_writes_a_loadable_checkpoint(tmp_path):
+    path = train_checkpoint(tmp_path / "ckpt", "test", steps=3, progress=False, dtype="bfloat16")
+    summary = json.loads((path / "training.json").read_text())
+    assert summary["steps"] == 3 and len(summary["loss_curve"]) == 3
+    assert {"loss", "mtp_loss", "mtp_accuracy", "mtp_agreement"} <= set(summary["final_heldout"])
+    assert "PSF" in summary["corpus_license"]
+    assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] == 2048
+    out = LLM(str(path), dtype="bfloat16", device="cpu", num_blocks=32).generate(
+        "The for statement", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="unknown training preset"):
+        train_checkpoint(tmp_path / "x", "nope")
