@@ -54,7 +54,7 @@ def test_generate_across_ranks_matches_one_process(make_ckpt):
     ckpt = str(make_ckpt("tiny", dtype="float32"))
     args = ["generate", ckpt, "--prompt", "hello there", "--prompt", "abc", "--max-tokens", "6", "--dtype", "float32"]
     one = run_cli(*args)
-    ep = run_cli(*args, "--dp", "2", "--tp", "2", "--dispatch", "padded", "--overlap", "microbatch")
+    ep = run_cli(*args, "--dp", "2", "--dispatch", "padded", "--overlap", "microbatch")  # (TP: test_parallel)
     assert one.returncode == 0 and ep.returncode == 0, ep.stderr
     tokens = [line for line in one.stdout.splitlines() if line.startswith("tokens:")]
     assert len(tokens) == 2 and tokens == [line for line in ep.stdout.splitlines() if line.startswith("tokens:")]
@@ -73,18 +73,18 @@ def test_serving_commands_refuse_bad_options_before_starting(tmp_path):
 
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        for args in (["serve", "--port", str(port)], ["router", "--engine", "127.0.0.1:1", "--port", str(port)]):
-            r = run_cli(*args)
-            assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in r.stderr
-    cases = [
-        (["router", "--engine", "nonsense"], "engine address 'nonsense' is not HOST:PORT"),
-        (["router", "--engine", "h:1", "--cache-threshold", "2"], "cache_threshold"),
-        (["router", str(tmp_path / "missing"), "--engine", "h:1"], "does not exist"),
-        (["serve", "--engine-port", "70000"], "--engine-port"),
-        (["serve", "--nnodes", "2"], "serve runs on one host"),
-    ]
-    with ThreadPoolExecutor(len(cases)) as pool:  # independent processes: run them side by side
-        results = list(pool.map(lambda case: run_cli(*case[0]), cases))
+        in_use = f"cannot listen on 127.0.0.1:{port}: Address already in use"
+        cases = [
+            (["serve", "--port", str(port)], in_use),
+            (["router", "--engine", "127.0.0.1:1", "--port", str(port)], in_use),
+            (["router", "--engine", "nonsense"], "engine address 'nonsense' is not HOST:PORT"),
+            (["router", "--engine", "h:1", "--cache-threshold", "2"], "cache_threshold"),
+            (["router", str(tmp_path / "missing"), "--engine", "h:1"], "does not exist"),
+            (["serve", "--engine-port", "70000"], "--engine-port"),
+            (["serve", "--nnodes", "2"], "serve runs on one host"),
+        ]
+        with ThreadPoolExecutor(len(cases)) as pool:  # independent processes: run them side by side
+            results = list(pool.map(lambda case: run_cli(*case[0]), cases))
     for (args, message), r in zip(cases, results):
         assert r.returncode == 2, (args, r.stderr)
         assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
@@ -99,9 +99,12 @@ def test_make_checkpoint_train_then_generate_with_mtp(tmp_path):
     assert made.returncode == 0, made.stderr
     assert json.loads((ckpt / "training.json").read_text())["steps"] == 3
     assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    gen = run_cli("generate", str(ckpt), "--prompt", "The value of", "--max-tokens", "6", "--ignore-eos",
-                  "--dtype", "float32", "--speculative", "mtp", "--num-speculative-tokens", "2")
+    with ThreadPoolExecutor(2) as pool:
+        gen, out = pool.map(lambda args: run_cli(*args), [
+            ["generate", str(ckpt), "--prompt", "The value of", "--max-tokens", "6", "--ignore-eos", "--dtype",
+             "float32", "--speculative", "mtp", "--num-speculative-tokens", "2"],
+            ["make-checkpoint", str(tmp_path / "x"), "--preset", "small", "--train"],
+        ])
     assert gen.returncode == 0, gen.stderr
     assert "(length)" in gen.stdout
-    out = run_cli("make-checkpoint", str(tmp_path / "x"), "--preset", "small", "--train")
     assert out.returncode == 2 and "--train trains" in out.stderr and "Traceback" not in out.stderr

@@ -196,3 +196,16 @@ def test_captured_decode_with_mtp(counter_ckpt, reference, monkeypatch):
     llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **capture, **ENGINE)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.speculative_stats()["num_accepted_tokens"] > 0
+
+
+def test_sampled_requests_waiting_for_budget_keep_their_drafts(counter_ckpt):
+    """A tight step budget leaves some decodes out of a step: their pending drafts (and the draft
+    distributions rejection sampling needs) wait for the next one; a seeded request gives the same
+    tokens again, with prefix-cache hits, and alone."""
+    llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, max_num_batched_tokens=4, **ENGINE)
+    params = [SamplingParams(temperature=1.5, top_k=8, max_tokens=24, ignore_eos=True, seed=s) for s in range(4)]
+    first = [o.token_ids for o in llm.generate(PROMPTS[:4], params)]
+    assert all(len(t) == 24 for t in first)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:4], params)] == first  # with prefix-cache hits now
+    assert llm.generate(PROMPTS[2], params[2])[0].token_ids == first[2]  # alone
+    assert llm.speculative_stats()["num_accepted_tokens"] > 0

@@ -155,7 +155,7 @@ def test_calibrate_records_the_engines_mtp_acceptance(counter_ckpt, tmp_path: Pa
     assert accept is not None and 0.3 < accept < 0.9  # the counter's MTP is right about 2 times in 3
     plan = _json(capsys, ["--model", str(counter_ckpt), "--gpu", str(out), "--ep", "1", "--batch", "1",
                           "--weight-dtype", "bf16", "--kv-len", "64"])
-    assert plan["deployment"]["mtp_draft"] == 1 and plan["deployment"]["mtp_accept"] == accept
+    assert plan["mtp_draft"] == 1 and plan["mtp_accept"] == accept
     plan = _json(capsys, ["--model", str(counter_ckpt), "--gpu", str(out), "--ep", "1", "--batch", "1",
                           "--weight-dtype", "bf16", "--kv-len", "64", "--mtp-accept", "0.5"])
-    assert plan["deployment"]["mtp_accept"] == 0.5
+    assert plan["mtp_accept"] == 0.5

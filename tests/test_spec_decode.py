@@ -13,7 +13,7 @@ from epserve.config import CacheConfig, SchedulerConfig
 from epserve.engine.request import Request, SamplingParams
 from epserve.engine.sampler import filter_logits
 from epserve.engine.scheduler import Scheduler
-from epserve.engine.spec_decode import SpecStats, VerifyGroup, draft_tokens, merge_stats, verify
+from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, draft_tokens, merge_stats, verify
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
@@ -26,23 +26,23 @@ def _logits_with_argmax(argmaxes: list[int], vocab: int = 8) -> torch.Tensor:
 
 
 def test_greedy_accepts_the_drafts_that_match_then_takes_the_target_token():
-    gen = torch.Generator().manual_seed(0)
+    noise = Noise(torch.Generator().manual_seed(0))
     # request A: drafts (3, 4, 5) against target argmax (3, 4, 1, 6): two accepted, then 1
     # request B: no drafts: plain argmax; request C: every draft accepted, then the bonus row
     logits = _logits_with_argmax([3, 4, 1, 6, 2, 7, 7, 0])
-    groups = [VerifyGroup(0, (3, 4, 5), None, GREEDY, None), VerifyGroup(4, (), None, GREEDY, None),
-              VerifyGroup(5, (7, 7), None, GREEDY, None)]
-    out = verify(logits, groups, gen)
+    groups = [VerifyGroup(0, (3, 4, 5), None, GREEDY, 10), VerifyGroup(4, (), None, GREEDY, 3),
+              VerifyGroup(5, (7, 7), None, GREEDY, 7)]
+    out = verify(logits, groups, noise)
     assert [o.token_ids for o in out] == [(3, 4, 1), (2,), (7, 7, 0)]
     assert [o.num_accepted for o in out] == [2, 0, 2]
 
 
 def test_logprobs_are_the_targets_for_every_emitted_token():
-    gen = torch.Generator().manual_seed(0)
+    noise = Noise(torch.Generator().manual_seed(0))
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
     target = logits.argmax(-1).tolist()
     params = SamplingParams(temperature=0.0, logprobs=2)
-    out = verify(logits, [VerifyGroup(0, (target[0], (target[1] + 1) % 10), None, params, None)], gen)[0]
+    out = verify(logits, [VerifyGroup(0, (target[0], (target[1] + 1) % 10), None, params, 5)], noise)[0]
     lp = torch.log_softmax(logits, -1)
     assert out.token_ids == (target[0], target[1])
     assert out.logprobs is not None and len(out.logprobs) == 2
@@ -65,7 +65,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     emitted token follows the filtered p, within a 5-sigma band of the sample size; the second one
     (after an accepted draft) too."""
     vocab, n = 6, 6000
-    gen = torch.Generator().manual_seed(1234)
+    noise = Noise(torch.Generator().manual_seed(1234))
     target = torch.tensor([[1.0, 0.5, 0.2, -0.3, 0.8, -1.0], [0.1, 0.9, -0.5, 0.4, 0.0, 0.3]])
     draft = torch.tensor([0.2, 1.2, -0.2, 0.6, -0.5, 0.9])  # the draft model's logits, unlike the target's
     p0 = filter_logits(target[:1], [params]).softmax(-1)[0].double()
@@ -73,10 +73,10 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     firsts, seconds, accepted = [], [], 0
     batch = 500
     for _ in range(n // batch):
-        ids, probs = draft_tokens(draft.expand(batch, vocab), [params] * batch, [None] * batch, gen)
+        ids, probs = draft_tokens(draft.expand(batch, vocab), [params] * batch, [6] * batch, noise)
         d = ids.tolist()
-        groups = [VerifyGroup(0 + 2 * i, (d[i],), probs[i][None], params, None) for i in range(batch)]
-        outs = verify(target.repeat(batch, 1), groups, gen)
+        groups = [VerifyGroup(0 + 2 * i, (d[i],), probs[i][None], params, 6) for i in range(batch)]
+        outs = verify(target.repeat(batch, 1), groups, noise)
         for o in outs:
             firsts.append(o.token_ids[0])
             if o.num_accepted:
@@ -94,21 +94,24 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     assert ((freq1 - p1).abs() <= 5 * sigma1 + 1e-9).all(), (freq1, p1)
 
 
-def test_seeded_requests_draw_the_same_whatever_the_batch():
-    params = SamplingParams(temperature=1.0, seed=7, max_tokens=10)
+def test_seeded_requests_draw_by_position_whatever_the_batch():
+    """A seeded request's draws are keyed by the position they decide: the same drafts and tokens alone
+    or behind other requests, and its other seeds differ."""
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
     draft = torch.randn(50, generator=torch.Generator().manual_seed(4))
 
-    def run(extra: int) -> tuple[int, ...]:
-        g = torch.Generator().manual_seed(7)
-        default = torch.Generator().manual_seed(99)
-        ids, probs = draft_tokens(draft[None], [params], [g], default)
-        groups = [VerifyGroup(2 * extra, (int(ids[0]),), probs[0][None], params, g)]
-        pad = [VerifyGroup(2 * i, (1,), torch.full((1, 50), 1 / 50), SamplingParams(temperature=1.0), None)
+    def run(extra: int, seed: int = 7) -> tuple[int, ...]:
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=10)
+        noise = Noise(torch.Generator().manual_seed(99 + extra))  # unseeded draws differ between the runs
+        pad = [VerifyGroup(2 * i, (1,), torch.full((1, 50), 1 / 50), SamplingParams(temperature=1.0), 20)
                for i in range(extra)]
-        return verify(torch.cat([logits] * (extra + 1)), pad + groups, default)[-1].token_ids
+        ids, probs = draft_tokens(draft.expand(extra + 1, 50), [SamplingParams(temperature=1.0)] * extra + [params],
+                                  [21] * extra + [12], noise)
+        group = VerifyGroup(2 * extra, (int(ids[-1]),), probs[-1][None], params, 12)
+        return verify(torch.cat([logits] * (extra + 1)), pad + [group], noise)[-1].token_ids
 
     assert run(0) == run(3)
+    assert len({run(0, seed) for seed in range(8)}) > 1
 
 
 def test_stats_count_drafts_acceptance_and_positions():

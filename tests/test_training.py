@@ -1,6 +1,7 @@
 """Training a checkpoint on the corpus: the corpus is clean prose, the training network is the published
-format (transformers and the engine compute the same logits and greedy tokens from what it writes),
-and a short run lowers both losses, deterministically."""
+format (transformers and the engine compute the same logits and greedy tokens from what it writes, the
+engine's MTP layer the same next-next-token logits), and a short run lowers both losses,
+deterministically."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import torch
 from safetensors import safe_open
 
 from epserve import LLM, SamplingParams
+from epserve.engine.request import Request
+from epserve.engine.runner import BatchPlan
+from epserve.engine.scheduler import ScheduledChunk
 from epserve.training import TRAIN_PRESETS, train_checkpoint
 from epserve.training.corpus import clean_topic, load_corpus
 from epserve.training.train import build_model, corpus_tokens, model_config, train_model, write_trained
@@ -139,3 +143,29 @@ def test_train_checkpoint_writes_a_loadable_checkpoint(tmp_path):
     assert len(out.token_ids) == 4
     with pytest.raises(ValueError, match="unknown training preset"):
         train_checkpoint(tmp_path / "x", "nope")
+
+
+def test_engine_mtp_layer_matches_training_model(written):
+    """The engine's MTP pass (``forward_mtp`` + ``compute_mtp_logits``, the MTP layer on its own cache
+    layer) gives the training model's next-next-token logits at every position of a prefill."""
+    model, path = written
+    llm = LLM(str(path), dtype="float32", device="cpu", num_blocks=64, speculative="mtp")
+    runner = llm.engine.runner
+    for seq in SEQS:
+        n = len(seq)
+        with torch.no_grad():
+            _, ref = model(torch.tensor([seq]))
+        blocks = list(range(-(-n // runner.block_size)))
+
+        def batch(tokens: list[int], blocks: list[int] = blocks):
+            request = Request("probe", tokens, SamplingParams(max_tokens=1))
+            request.block_ids = list(blocks)
+            chunk = ScheduledChunk(request=request, start=0, num_tokens=len(tokens))
+            return BatchPlan.from_chunks([chunk], runner.block_size).to_batch(runner.device, runner.block_size)
+
+        with torch.inference_mode():
+            hidden = runner.model(batch(seq), runner.kv_caches)  # writes the main layers' cache
+            out = runner.model.forward_mtp(batch(seq[1:]), runner.kv_caches, hidden[: n - 1])
+            ours = runner.model.compute_mtp_logits(out)
+        assert ref is not None and ref.std() > 0.3
+        torch.testing.assert_close(ours, ref[0], atol=1e-4, rtol=1e-4)

@@ -19,7 +19,6 @@ holds the head, so only it draws drafts (``spec_decode.draft_tokens``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ import torch
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.request import Request
 from epserve.engine.scheduler import ScheduledChunk
-from epserve.engine.spec_decode import SpecStats, draft_tokens
+from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.parallel.comm import broadcast_from_leader
@@ -64,8 +63,7 @@ class MTPProposer:
         block_size: int,
         num_spec: int,
         max_model_len: int,
-        generator_for: Callable[[Request], torch.Generator | None],
-        default_generator: torch.Generator,
+        noise: Noise,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -74,8 +72,7 @@ class MTPProposer:
         self.block_size = block_size
         self.num_spec = num_spec
         self.max_model_len = max_model_len
-        self.generator_for = generator_for
-        self.default_generator = default_generator
+        self.noise = noise
         self.stats = SpecStats(num_spec)
         self._probs: dict[str, list[torch.Tensor | None]] = {}  # the draft distributions of sampled requests
 
@@ -109,9 +106,9 @@ class MTPProposer:
         for depth in range(self.num_spec):
             if active:
                 params = [d.request.sampling_params for d in active]
-                gens = [self.generator_for(d.request) for d in active]
+                positions = [d.next_position + 1 + depth for d in active]  # where each draft would sit
                 logits = self.model.compute_mtp_logits(h[torch.tensor(rows, dtype=torch.long, device=h.device)])
-                ids, q = draft_tokens(logits, params, gens, self.default_generator)
+                ids, q = draft_tokens(logits, params, positions, self.noise)
                 for d, t, qq in zip(active, ids.tolist(), q):
                     drafts[d.request.request_id].append(t)
                     probs[d.request.request_id].append(qq)
@@ -125,9 +122,10 @@ class MTPProposer:
             step = self._share(chained)
             h = self._run(step, h, max_tokens_per_rank, overlap)
             rows = step.plan.logits_indices
-        for request_id in [r for r in self._probs if r not in probs]:
-            del self._probs[request_id]  # drafted nothing this step (finishing, or at its limits)
-        self._probs.update(probs)
+        for chunk in chunks:  # stepped without drafting (finishing, or at its limits): nothing pending
+            if chunk.needs_sample and chunk.request.request_id not in probs:
+                self._probs.pop(chunk.request.request_id, None)
+        self._probs.update(probs)  # (a request this step did not run keeps its pending drafts' distributions)
         return drafts
 
     # ---- building the passes (a DP group's leader) ---------------------------------------------

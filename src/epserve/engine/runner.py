@@ -16,7 +16,7 @@ from epserve.engine.profiler import OpProfiler
 from epserve.engine.proposer import MTPProposer
 from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
-from epserve.engine.spec_decode import VerifyGroup, verify
+from epserve.engine.spec_decode import Noise, VerifyGroup, verify
 from epserve.model.batch import ForwardBatch
 from epserve.model.loader import load_model, model_bytes
 from epserve.model.quantization import resolve_fp8_weights
@@ -97,15 +97,17 @@ class ModelRunner:
         self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
+        self.noise = Noise(self.sampler.default_generator)  # speculative decoding's draws
         self.proposer = None if not self.num_spec else MTPProposer(
             self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
-            lambda r: self._generator(r.request_id, r.sampling_params.seed), self.sampler.default_generator)
+            self.noise)
         self.profiler: OpProfiler | None = None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         mode = config.capture_mode  # None with all_to_all: its count exchange syncs with the host
         if mode is not None:
-            max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs, 256)
+            # rows: one per decode, 1 + k with speculative decoding (each verified draft is a decode row)
+            max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs * (1 + self.num_spec), 256)
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_batch, mode,  # type: ignore[arg-type]
                                               on_bucket=lambda b: self.dispatcher.begin_step(-(-b // ctx.tp)))
             logger.info("decode steps: %s for batch buckets %s", mode, self.decode_graphs.buckets)
@@ -197,9 +199,9 @@ class ModelRunner:
         for c in sampling:
             rid, params = c.request.request_id, c.request.sampling_params
             probs = self.proposer.draft_probs(rid, len(c.drafts)) if c.drafts and not params.is_greedy else None
-            groups.append(VerifyGroup(row, c.drafts, probs, params, self._generator(rid, params.seed)))
+            groups.append(VerifyGroup(row, c.drafts, probs, params, c.start + c.num_known))
             row += len(c.drafts) + 1
-        outcomes = verify(logits, groups, self.sampler.default_generator)
+        outcomes = verify(logits, groups, self.noise)
         sampled, logprobs = {}, {}
         for c, out in zip(sampling, outcomes):
             self.proposer.stats.record(len(c.drafts), out.num_accepted)

@@ -212,7 +212,10 @@ class Scheduler:
             if not decodes_at(request, request.num_computed_tokens):
                 i += 1
                 continue
-            drafts = self._drafts(request, budget)
+            drafts = self._drafts(request)
+            if 1 + len(drafts) > budget:  # all or nothing: its drafts wait for a step with room
+                i += 1
+                continue
             while not self.kv_manager.allocate_slots(request, self._allocation(request, 1 + len(drafts))):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -339,10 +342,12 @@ class Scheduler:
     def _make_chunk(request: Request, num_tokens: int) -> ScheduledChunk:
         return ScheduledChunk(request, request.num_computed_tokens, num_tokens)
 
-    def _drafts(self, request: Request, budget: int) -> tuple[int, ...]:
-        """The drafts a decode verifies: no more than the budget leaves, nor past ``max_tokens`` or the
-        context (the token sampled after them counts too)."""
-        room = min(budget, request.sampling_params.max_tokens - request.num_output_tokens,
+    def _drafts(self, request: Request) -> tuple[int, ...]:
+        """The drafts a decode verifies: all it has, within a step's token budget and neither past
+        ``max_tokens`` nor the context (the token sampled after them counts too). Only the request's own
+        state decides, never what else runs (a decode waits rather than verify fewer), so how a seeded
+        request's positions group into steps, and so what it draws, is its own."""
+        room = min(self.config.max_num_batched_tokens, request.sampling_params.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens) - 1
         return tuple(request.draft_token_ids[: max(room, 0)])
 

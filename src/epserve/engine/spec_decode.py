@@ -8,9 +8,11 @@ Chen et al.): draft ``j`` was drawn from the draft distribution ``q_j``; it is a
 ``min(1, p_j / q_j)``; at the first rejection the next token is drawn from ``normalize(max(0, p_j -
 q_j))``, and when every draft is accepted a bonus token is drawn from ``p_d``. ``p`` and ``q`` both pass
 through the request's temperature, top-k, top-p and min-p (``sampler.filter_logits``), so the output
-follows exactly the distribution plain sampling draws from. Every random draw of a request comes from
-its own generator (seeded requests stay reproducible, independent of the batch), in a fixed order per
-step. Everything runs on the logits' device; the host gets one transfer per verification.
+follows exactly the distribution plain sampling draws from. A seeded request's draws are keyed by
+(seed, position of the token they decide, role) (``Noise``), not taken in turn from one generator: how
+the steps group its positions (drafts cut short, other requests, prefix-cache hits, preemption) does
+not change what it draws, so it stays reproducible. Everything runs on the logits' device; the host
+gets one transfer per verification.
 """
 
 from __future__ import annotations
@@ -22,18 +24,36 @@ import torch
 from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import TokenLogprobs, filter_logits
 
+DRAFT, ACCEPT, SAMPLE = 1, 2, 3  # the roles of a position's draws
+
+
+class Noise:
+    """Where a request's random draws come from: for a seeded request, a generator per (seed, position,
+    role), the same however steps group positions; unseeded requests share the engine's generator."""
+
+    def __init__(self, default: torch.Generator) -> None:
+        self.default = default
+        self.device = default.device
+
+    def generator(self, seed: int | None, position: int, role: int) -> torch.Generator:
+        if seed is None:
+            return self.default
+        key = ((seed % 2**61) * 1_000_003 + position * 7 + role) % 2**63
+        return torch.Generator(device=self.device).manual_seed(key)
+
 
 @dataclass(frozen=True)
 class VerifyGroup:
     """One request's rows in the verification batch: ``first_row`` and the ``len(drafts) + 1`` rows after
-    it; ``draft_probs`` [d, V]: the filtered draft distributions the drafts were drawn from (None for
-    greedy requests, whose drafts are the draft model's argmax)."""
+    it, deciding the tokens at ``first_position`` onwards; ``draft_probs`` [d, V]: the filtered draft
+    distributions the drafts were drawn from (None for greedy requests, whose drafts are the draft
+    model's argmax)."""
 
     first_row: int
     drafts: tuple[int, ...]
     draft_probs: torch.Tensor | None
     params: SamplingParams
-    generator: torch.Generator | None
+    first_position: int
 
     @property
     def num_rows(self) -> int:
@@ -94,33 +114,40 @@ def merge_stats(stats: list[dict[str, object]]) -> dict[str, object]:
     return total.as_dict()
 
 
-def _race(probs: torch.Tensor, generator: torch.Generator | None, default: torch.Generator) -> torch.Tensor:
+def _race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``probs`` [n, V] (an exponential race: ``argmax(p / Exp(1))`` samples ``p``)."""
-    noise = torch.empty_like(probs).exponential_(generator=generator or default)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
 
 
+def _race_rows(probs: torch.Tensor, seed: int | None, first_position: int, noise: Noise) -> torch.Tensor:
+    """Row ``j`` of ``probs`` decides the token at ``first_position + j``: a seeded request draws it from
+    that position's own generator."""
+    if seed is None:
+        return _race(probs, noise.default)
+    return torch.cat([_race(probs[j : j + 1], noise.generator(seed, first_position + j, SAMPLE))
+                      for j in range(probs.shape[0])])
+
+
 def draft_tokens(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-    default: torch.Generator,
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int], noise: Noise
 ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    """Draft one token per row of the draft model's ``logits`` [D, V]: the argmax for greedy requests,
-    a draw from the filtered distribution ``q`` otherwise. Returns the ids [D] (on the device) and each
-    sampled row's ``q`` [V] (None for greedy rows), which verification needs."""
+    """Draft one token per row of the draft model's ``logits`` [D, V] (row ``i`` proposes the token at
+    ``positions[i]``): the argmax for greedy requests, a draw from the filtered distribution ``q``
+    otherwise. Returns the ids [D] (on the device) and each sampled row's ``q`` [V] (None for greedy
+    rows), which verification needs."""
     ids = logits.argmax(dim=-1)
     probs: list[torch.Tensor | None] = [None] * len(params)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     if sampled:
         q = filter_logits(logits[sampled], [params[i] for i in sampled]).softmax(-1)
         for row, i in enumerate(sampled):
-            ids[i] = _race(q[row : row + 1], generators[i], default)[0]
+            ids[i] = _race(q[row : row + 1], noise.generator(params[i].seed, positions[i], DRAFT))[0]
             probs[i] = q[row]
     return ids, probs
 
 
-def verify(
-    logits: torch.Tensor, groups: list[VerifyGroup], default: torch.Generator
-) -> list[VerifyOutcome]:
+def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise) -> list[VerifyOutcome]:
     """Verify every group's drafts against the target ``logits`` [R, V] (fp32) and sample the token after
     the accepted ones (see the module docstring)."""
     device = logits.device
@@ -140,11 +167,14 @@ def verify(
                 raise ValueError("a sampled request's drafts need the draft distributions they were drawn from")
             q[:-1] = g.draft_probs
             j = torch.arange(len(g.drafts), device=device)
-            u = torch.rand(len(g.drafts), generator=g.generator or default, device=device)
+            seed, pos = g.params.seed, g.first_position
+            u = (torch.rand(len(g.drafts), generator=noise.default, device=device) if seed is None else
+                 torch.cat([torch.rand(1, generator=noise.generator(seed, pos + i, ACCEPT), device=device)
+                            for i in range(len(g.drafts))]))
             accept[g.first_row : g.first_row + len(g.drafts)] = u * q[j, drafts] < p[j, drafts]
         residual = (p - q).clamp_(min=0)  # the bonus row: q = 0, so p itself
         empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: the residual is p
-        candidate[rows] = _race(torch.where(empty, p, residual), g.generator, default)
+        candidate[rows] = _race_rows(torch.where(empty, p, residual), g.params.seed, g.first_position, noise)
     wanted = [g for g in groups if g.params.logprobs is not None]
     packed = [argmax.new_tensor([])]
     k = max((g.params.logprobs or 0 for g in wanted), default=0)

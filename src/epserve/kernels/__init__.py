@@ -2,8 +2,8 @@
 
 The model calls these instead of ``F.linear`` so the choice is made in one place, per call, from
 the tensors' device, dtype and shape (never from the parallel layout): FP8 block-scaled weights go to
-``kernels.fp8`` (Triton or ``torch._scaled_mm`` on CUDA, a torch reference on the CPU), bf16 decode
-GEMMs on an AVX512-BF16 CPU to ``kernels.cpu``.
+``kernels.fp8`` (Triton or ``torch._scaled_mm`` on CUDA, a torch reference on the CPU), bf16 and fp32
+decode GEMMs on a CPU with AVX512-BF16 / AVX2 to ``kernels.cpu``.
 """
 
 from __future__ import annotations
