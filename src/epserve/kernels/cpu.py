@@ -108,46 +108,26 @@ def _eligible(*tensors: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T; the kernel streams ``w`` once when M <= TILE_M."""
     if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w) and available(x.dtype):
-        if x.dtype == torch.float32:
-            return linear_f32(x, w) if tracing() else _linear_f32(x, w)
-        return linear_bf16(x, w) if tracing() else _linear_bf16(x, w)
+        return linear_kernel(x, w) if tracing() else _linear_kernel(x, w)
     return F.linear(x, w)
 
 
-def _linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The AVX2 fp32 decode GEMM (as a custom op below: one opaque call to ``torch.compile``)."""
-    lib = _library(torch.float32)
-    assert lib is not None, "linear_f32 needs the CPU kernels (kernels.cpu.available(torch.float32))"
+def _linear_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The decode GEMM of ``x``'s dtype, bf16 or fp32 (as a custom op below: one opaque call to
+    ``torch.compile``)."""
+    lib = _library(x.dtype)
+    assert lib is not None, f"the CPU {x.dtype} kernels are not available (kernels.cpu.available)"
     x = x.contiguous()
-    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-    lib.epserve_linear_f32(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(),
-                           torch.get_num_threads())
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    kernel = lib.epserve_linear_f32 if x.dtype == torch.float32 else lib.epserve_linear_bf16
+    kernel(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
 
 
-linear_f32 = torch.library.custom_op("epserve::linear_f32", _linear_f32, mutates_args=())
+linear_kernel = torch.library.custom_op("epserve::cpu_linear", _linear_kernel, mutates_args=())
 
 
-@linear_f32.register_fake
-def _(x, w):  # noqa: ANN001
-    return x.new_empty(x.shape[0], w.shape[0])
-
-
-def _linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The AVX512-BF16 decode GEMM (as a custom op below: one opaque call to ``torch.compile``)."""
-    lib = _library()
-    assert lib is not None, "linear_bf16 needs the CPU kernels (kernels.cpu.available())"
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
-    lib.epserve_linear_bf16(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(),
-                            torch.get_num_threads())
-    return out
-
-
-linear_bf16 = torch.library.custom_op("epserve::linear_bf16", _linear_bf16, mutates_args=())
-
-
-@linear_bf16.register_fake
+@linear_kernel.register_fake
 def _(x, w):  # noqa: ANN001
     return x.new_empty(x.shape[0], w.shape[0])
 
