@@ -119,9 +119,9 @@ def test_compiled_decode_matches_eager_over_two_ranks_with_the_padded_dispatcher
     # test above compiles with inductor): what is tested here is the trace over ranks and collectives.
     monkeypatch.setenv("EPSERVE_COMPILE_BACKEND", "aot_eager")
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
+    # eager over two ranks = one process (test_parallel): one process is the reference
+    eager = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2).generate(PROMPTS, params)
     kw = dict(dtype="float32", num_blocks=64, max_num_seqs=2, dp=2, dispatch="padded")
-    with LLM(ckpt, **kw) as llm:
-        eager = llm.generate(PROMPTS, params)
     with LLM(ckpt, compile=True, **kw) as llm:
         compiled = llm.generate(PROMPTS, params)
     for a, b in zip(eager, compiled):
