@@ -30,8 +30,8 @@ def test_greedy_accepts_the_drafts_that_match_then_takes_the_target_token():
     # request A: drafts (3, 4, 5) against target argmax (3, 4, 1, 6): two accepted, then 1
     # request B: no drafts: plain argmax; request C: every draft accepted, then the bonus row
     logits = _logits_with_argmax([3, 4, 1, 6, 2, 7, 7, 0])
-    groups = [VerifyGroup(0, (3, 4, 5), None, GREEDY, 10), VerifyGroup(4, (), None, GREEDY, 3),
-              VerifyGroup(5, (7, 7), None, GREEDY, 7)]
+    groups = [VerifyGroup((3, 4, 5), None, GREEDY, 10), VerifyGroup((), None, GREEDY, 3),
+              VerifyGroup((7, 7), None, GREEDY, 7)]
     out = verify(logits, groups, noise)
     assert [o.token_ids for o in out] == [(3, 4, 1), (2,), (7, 7, 0)]
     assert [o.num_accepted for o in out] == [2, 0, 2]
@@ -42,7 +42,7 @@ def test_logprobs_are_the_targets_for_every_emitted_token():
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
     target = logits.argmax(-1).tolist()
     params = SamplingParams(temperature=0.0, logprobs=2)
-    out = verify(logits, [VerifyGroup(0, (target[0], (target[1] + 1) % 10), None, params, 5)], noise)[0]
+    out = verify(logits, [VerifyGroup((target[0], (target[1] + 1) % 10), None, params, 5)], noise)[0]
     lp = torch.log_softmax(logits, -1)
     assert out.token_ids == (target[0], target[1])
     assert out.logprobs is not None and len(out.logprobs) == 2
@@ -75,7 +75,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     for _ in range(n // batch):
         ids, probs = draft_tokens(draft.expand(batch, vocab), [params] * batch, [6] * batch, noise)
         d = ids.tolist()
-        groups = [VerifyGroup(0 + 2 * i, (d[i],), probs[i][None], params, 6) for i in range(batch)]
+        groups = [VerifyGroup((d[i],), probs[i][None], params, 6) for i in range(batch)]
         outs = verify(target.repeat(batch, 1), groups, noise)
         for o in outs:
             firsts.append(o.token_ids[0])
@@ -103,11 +103,11 @@ def test_seeded_requests_draw_by_position_whatever_the_batch():
     def run(extra: int, seed: int = 7) -> tuple[int, ...]:
         params = SamplingParams(temperature=1.0, seed=seed, max_tokens=10)
         noise = Noise(torch.Generator().manual_seed(99 + extra))  # unseeded draws differ between the runs
-        pad = [VerifyGroup(2 * i, (1,), torch.full((1, 50), 1 / 50), SamplingParams(temperature=1.0), 20)
+        pad = [VerifyGroup((1,), torch.full((1, 50), 1 / 50), SamplingParams(temperature=1.0), 20)
                for i in range(extra)]
         ids, probs = draft_tokens(draft.expand(extra + 1, 50), [SamplingParams(temperature=1.0)] * extra + [params],
                                   [21] * extra + [12], noise)
-        group = VerifyGroup(2 * extra, (int(ids[-1]),), probs[-1][None], params, 12)
+        group = VerifyGroup((int(ids[-1]),), probs[-1][None], params, 12)
         return verify(torch.cat([logits] * (extra + 1)), pad + [group], noise)[-1].token_ids
 
     assert run(0) == run(3)

@@ -21,6 +21,12 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs | tuple[TokenLogprobs, ...]]
 
 
+def block_tables(block_ids: list[list[int]], seq_lens: list[int], block_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each sequence's blocks, as many as the longest context needs, padded with 0 to one width."""
+    width = max((-(-n // block_size) for n in seq_lens), default=0)
+    return tuple((*ids[:width], *(0,) * (width - len(ids[:width]))) for ids in block_ids)
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """One step's batch on the host, as the leader broadcasts it to its TP peers (see ForwardBatch
@@ -64,10 +70,7 @@ class BatchPlan:
                 if chunk.needs_sample:
                     logits_idx.append(query_start[-1] - 1)
             num_decode += rows if chunk.is_decode else 0
-        max_blocks = max((-(-n // block_size) for n in seq_lens), default=0)
-        tables = tuple(
-            (*ids, *(0,) * (max_blocks - len(ids))) for ids in (c.request.block_ids[:max_blocks] for c in row_chunks)
-        )
+        tables = block_tables([c.request.block_ids for c in row_chunks], seq_lens, block_size)
         return cls(tuple(input_ids), tuple(positions), tuple(slots), tuple(seq_lens), tables, tuple(logits_idx),
                    tuple(query_start), num_decode)
 

@@ -75,7 +75,7 @@ class KVCacheManager:
             return ComputedBlocks([], 0)
         self._update_block_hashes(request)
         num_matchable = (request.num_tokens - 1) // self.block_size
-        block_ids = self.prefix_cache.match_hashes(request.block_hashes[: min(num_matchable, len(request.block_hashes))])
+        block_ids = self.prefix_cache.match_hashes(request.block_hashes[:num_matchable])
         return ComputedBlocks(block_ids, len(block_ids) * self.block_size)
 
     def allocate_slots(

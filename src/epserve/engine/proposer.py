@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.engine.batch_plan import BatchPlan, StepResult
+from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
 from epserve.engine.request import Request
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
@@ -144,10 +144,9 @@ class MTPProposer:
         for chunk in chunks:
             request = chunk.request
             known = request.all_token_ids
-            if chunk.needs_sample:
-                got = result.sampled[request.request_id] if result is not None else ()
-                got = (got,) if isinstance(got, int) else tuple(got)
-                tokens = [*known[chunk.start + 1 : chunk.start + chunk.num_known], *got]
+            if chunk.needs_sample:  # (a leader with chunks has sampled them: ``result`` is set)
+                got = result.sampled[request.request_id]  # type: ignore[union-attr]  # a tuple with drafts on
+                tokens = [*known[chunk.start + 1 : chunk.start + chunk.num_known], *got]  # type: ignore[misc]
             else:  # a prompt chunk short of the end: the token after its last position is a prompt token
                 tokens = known[chunk.start + 1 : chunk.end + 1]
             if chunk.drafts:  # one decode row per verified position: keep the accepted ones
@@ -189,15 +188,13 @@ class MTPProposer:
         """Depth ``depth`` (>= 1): each request's last draft at the position after the previous pass's."""
         bs = self.block_size
         positions = [d.next_position - 1 + depth for d in active]
-        width = max((p // bs + 1 for p in positions), default=0)
-        tables = tuple((*d.request.block_ids[:width], *(0,) * (width - len(d.request.block_ids[:width])))
-                       for d in active)
+        seq_lens = [p + 1 for p in positions]
         plan = BatchPlan(
             input_ids=tuple(drafts[d.request.request_id][-1] for d in active),
             positions=tuple(positions),
             slot_mapping=tuple(d.request.block_ids[p // bs] * bs + p % bs for d, p in zip(active, positions)),
-            seq_lens=tuple(p + 1 for p in positions),
-            block_tables=tables,
+            seq_lens=tuple(seq_lens),
+            block_tables=block_tables([d.request.block_ids for d in active], seq_lens, bs),
             logits_indices=tuple(range(len(active))),
             query_start_loc=tuple(range(len(active) + 1)),
             num_decode_seqs=len(active),

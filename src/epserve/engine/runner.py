@@ -135,8 +135,7 @@ class ModelRunner:
         token, ``[plan.num_tokens, H]``. ``global_max_tokens``: the most tokens
         any DP group runs this step, ``all_decode``: whether every DP group's batch is pure decode (from
         the step's all-reduce; then every rank can run the same captured bucket)."""
-        per_rank = -(-global_max_tokens // self.ctx.tp)
-        overlap = choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
+        per_rank, overlap = self._step_shape(global_max_tokens)
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(global_max_tokens) if graphs is not None and all_decode else None
         if bucket is not None and overlap != "microbatch" and self.profiler is None:
@@ -150,6 +149,11 @@ class ModelRunner:
         num_seqs = len(plan.seq_lens)
         self.profiler.begin_step(plan.num_tokens, num_seqs, plan.num_decode_seqs == num_seqs, overlap)
         return self.profiler.timed("forward", self._forward, batch, overlap)  # type: ignore[return-value]
+
+    def _step_shape(self, global_max_tokens: int) -> tuple[int, str]:
+        """The most tokens a rank feeds one MoE layer this step, and the overlap schedule it runs."""
+        per_rank = -(-global_max_tokens // self.ctx.tp)
+        return per_rank, choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
 
     def _forward(self, batch: ForwardBatch, overlap: str) -> torch.Tensor:
         return self.model(batch, self.kv_caches, overlap)
@@ -167,9 +171,7 @@ class ModelRunner:
         """Every rank, after :meth:`sample` when speculative decoding is on: the MTP layer's passes
         (``engine/proposer.py``); the leader's drafts per request."""
         assert self.proposer is not None
-        per_rank = -(-global_max_tokens // self.ctx.tp)
-        overlap = choose_overlap(self.overlap, per_rank, self.microbatch_threshold)
-        args = (chunks, plan, result, hidden, per_rank, overlap)
+        args = (chunks, plan, result, hidden, *self._step_shape(global_max_tokens))
         if self.profiler is None:
             return self.proposer.propose(*args)
         return self.profiler.timed("mtp_draft", self.proposer.propose, *args)  # type: ignore[return-value]
@@ -195,12 +197,11 @@ class ModelRunner:
 
     def _verify(self, sampling: list[ScheduledChunk], logits: torch.Tensor) -> StepResult:
         assert self.proposer is not None
-        groups, row = [], 0
+        groups = []
         for c in sampling:
             rid, params = c.request.request_id, c.request.sampling_params
             probs = self.proposer.draft_probs(rid, len(c.drafts)) if c.drafts and not params.is_greedy else None
-            groups.append(VerifyGroup(row, c.drafts, probs, params, c.start + c.num_known))
-            row += len(c.drafts) + 1
+            groups.append(VerifyGroup(c.drafts, probs, params, c.start + c.num_known))
         outcomes = verify(logits, groups, self.noise)
         sampled, logprobs = {}, {}
         for c, out in zip(sampling, outcomes):

@@ -44,12 +44,11 @@ class Noise:
 
 @dataclass(frozen=True)
 class VerifyGroup:
-    """One request's rows in the verification batch: ``first_row`` and the ``len(drafts) + 1`` rows after
-    it, deciding the tokens at ``first_position`` onwards; ``draft_probs`` [d, V]: the filtered draft
+    """One request's ``len(drafts) + 1`` rows in the verification batch (the groups tile the batch in
+    order), deciding the tokens at ``first_position`` onwards; ``draft_probs`` [d, V]: the filtered draft
     distributions the drafts were drawn from (None for greedy requests, whose drafts are the draft
     model's argmax)."""
 
-    first_row: int
     drafts: tuple[int, ...]
     draft_probs: torch.Tensor | None
     params: SamplingParams
@@ -148,52 +147,55 @@ def draft_tokens(
 
 
 def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise) -> list[VerifyOutcome]:
-    """Verify every group's drafts against the target ``logits`` [R, V] (fp32) and sample the token after
-    the accepted ones (see the module docstring)."""
+    """Verify every group's drafts against the target ``logits`` [R, V] (fp32; the groups' rows in order)
+    and sample the token after the accepted ones (see the module docstring)."""
     device = logits.device
-    argmax = logits.argmax(dim=-1)
-    candidate = argmax.clone()  # the token each row emits if verification stops there
-    accept = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)
+    firsts = [0]
     for g in groups:
-        rows = slice(g.first_row, g.first_row + g.num_rows)
-        drafts = torch.tensor(g.drafts, dtype=torch.long, device=device)
+        firsts.append(firsts[-1] + g.num_rows)
+    if firsts[-1] != logits.shape[0]:
+        raise ValueError(f"the groups have {firsts[-1]} rows, the logits {logits.shape[0]}")
+    argmax = logits.argmax(dim=-1)
+    nxt = torch.tensor([t for g in groups for t in (*g.drafts, -1)], dtype=torch.long, device=device)  # -1: bonus
+    accept = argmax == nxt  # greedy rows; sampled rows are decided below
+    candidate = argmax.clone()  # the token each row emits if verification stops there
+    for g, first in zip(groups, firsts):
         if g.params.is_greedy:
-            accept[g.first_row : g.first_row + len(g.drafts)] = argmax[rows][:-1] == drafts
             continue
+        rows = slice(first, first + g.num_rows)
         p = filter_logits(logits[rows], [g.params] * g.num_rows).softmax(-1)  # [d + 1, V]
         q = torch.zeros_like(p)
         if g.drafts:
             if g.draft_probs is None:
                 raise ValueError("a sampled request's drafts need the draft distributions they were drawn from")
             q[:-1] = g.draft_probs
-            j = torch.arange(len(g.drafts), device=device)
+            j, drafts = torch.arange(len(g.drafts), device=device), nxt[first : first + len(g.drafts)]
             seed, pos = g.params.seed, g.first_position
             u = (torch.rand(len(g.drafts), generator=noise.default, device=device) if seed is None else
                  torch.cat([torch.rand(1, generator=noise.generator(seed, pos + i, ACCEPT), device=device)
                             for i in range(len(g.drafts))]))
-            accept[g.first_row : g.first_row + len(g.drafts)] = u * q[j, drafts] < p[j, drafts]
+            accept[first : first + len(g.drafts)] = u * q[j, drafts] < p[j, drafts]
         residual = (p - q).clamp_(min=0)  # the bonus row: q = 0, so p itself
         empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: the residual is p
         candidate[rows] = _race_rows(torch.where(empty, p, residual), g.params.seed, g.first_position, noise)
-    wanted = [g for g in groups if g.params.logprobs is not None]
+    wanted = [(g, first) for g, first in zip(groups, firsts) if g.params.logprobs is not None]
     packed = [argmax.new_tensor([])]
-    k = max((g.params.logprobs or 0 for g in wanted), default=0)
+    k = max((g.params.logprobs or 0 for g, _ in wanted), default=0)
     if wanted:
-        lp_rows = torch.cat([torch.arange(g.first_row, g.first_row + g.num_rows, device=device) for g in wanted])
+        lp_rows = torch.cat([torch.arange(first, first + g.num_rows, device=device) for g, first in wanted])
         lp = torch.log_softmax(logits[lp_rows], dim=-1)
-        nxt = torch.cat([torch.tensor((*g.drafts, 0), dtype=torch.long, device=device) for g in wanted])
         top = torch.topk(lp, k, dim=-1)
-        packed = [lp.gather(1, nxt[:, None]).flatten(), lp.gather(1, candidate[lp_rows, None]).flatten(),
+        packed = [lp.gather(1, nxt[lp_rows, None].clamp(min=0)).flatten(), lp.gather(1, candidate[lp_rows, None]).flatten(),
                   top.values.flatten(), top.indices.double().flatten()]
     flat = torch.cat([candidate.double(), accept.double(), *(t.double() for t in packed)]).tolist()  # one transfer
     n = logits.shape[0]
     cand, acc, rest = flat[:n], flat[n : 2 * n], flat[2 * n :]
-    m = sum(g.num_rows for g in wanted)
+    m = sum(g.num_rows for g, _ in wanted)
     lp_draft, lp_cand, top_v, top_i = rest[:m], rest[m : 2 * m], rest[2 * m : 2 * m + m * k], rest[2 * m + m * k :]
     outcomes, lp_row = [], 0
-    for g in groups:
-        a = next((j for j in range(len(g.drafts)) if not acc[g.first_row + j]), len(g.drafts))
-        tokens = (*g.drafts[:a], int(cand[g.first_row + a]))
+    for g, first in zip(groups, firsts):
+        a = next((j for j in range(len(g.drafts)) if not acc[first + j]), len(g.drafts))
+        tokens = (*g.drafts[:a], int(cand[first + a]))
         lps = None
         if g.params.logprobs is not None:
             want = g.params.logprobs

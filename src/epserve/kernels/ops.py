@@ -34,21 +34,11 @@ def mla_decode(
     return fn(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale)
 
 
-@torch.library.custom_op("epserve::paged_mla_decode", mutates_args=())
-def paged_mla_decode_op(
-    q_latent: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    softmax_scale: float,
-    kv_lora_rank: int,
-    kv_scale: torch.Tensor | None,
-) -> torch.Tensor:
-    """``kernels.mla_decode.paged_mla_decode``: [B, h, r + rope] queries over the paged latent cache ->
-    [B, h, r] fp32."""
-    return paged_mla_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale)
+# ``kernels.mla_decode.paged_mla_decode`` as the op: [B, h, r + rope] queries over the paged latent cache ->
+# [B, h, r] fp32.
+paged_mla_decode_op = torch.library.custom_op("epserve::paged_mla_decode", paged_mla_decode, mutates_args=())
 
 
 @paged_mla_decode_op.register_fake
-def _(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale):  # noqa: ANN001
+def _(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale=None, num_splits=None):  # noqa: ANN001
     return q_latent.new_empty(q_latent.shape[0], q_latent.shape[1], kv_lora_rank, dtype=torch.float32)

@@ -20,19 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
-
-
-class TrainRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+from epserve.model.layers import RMSNorm  # the engine's: the same normalisation, trainable
 
 
 def rotary_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,10 +54,10 @@ class TrainMLA(nn.Module):
             self.q_proj = nn.Linear(h, heads * cfg.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
-            self.q_a_layernorm = TrainRMSNorm(cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
-        self.kv_a_layernorm = TrainRMSNorm(cfg.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
 
@@ -164,9 +152,9 @@ class TrainMoE(nn.Module):
 class TrainDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, is_moe: bool) -> None:
         super().__init__()
-        self.input_layernorm = TrainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = TrainMLA(cfg)
-        self.post_attention_layernorm = TrainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = TrainMoE(cfg) if is_moe else TrainMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -180,11 +168,11 @@ class TrainMTP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
-        self.enorm = TrainRMSNorm(h, cfg.rms_norm_eps)
-        self.hnorm = TrainRMSNorm(h, cfg.rms_norm_eps)
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.layer = TrainDecoderLayer(cfg, cfg.n_routed_experts > 0)
-        self.shared_head_norm = TrainRMSNorm(h, cfg.rms_norm_eps)
+        self.shared_head_norm = RMSNorm(h, cfg.rms_norm_eps)
 
 
 class TrainModel(nn.Module):
@@ -199,7 +187,7 @@ class TrainModel(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(TrainDecoderLayer(cfg, cfg.is_moe_layer(i)) for i in range(cfg.num_hidden_layers))
-        self.norm = TrainRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = TrainMTP(cfg) if cfg.num_nextn_predict_layers else None
         cos, sin = rotary_tables(cfg)
