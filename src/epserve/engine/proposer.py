@@ -25,7 +25,7 @@ import torch
 
 from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
 from epserve.engine.request import Request
-from epserve.engine.scheduler import ScheduledChunk
+from epserve.engine.scheduler import ScheduledChunk, draft_room
 from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
@@ -164,9 +164,7 @@ class MTPProposer:
             ids.extend(tokens[:rows])
             token += chunk.num_tokens
             if chunk.needs_sample:
-                params = request.sampling_params
-                n = min(self.num_spec, params.max_tokens - request.num_output_tokens - len(got) - 1,
-                        self.max_model_len - request.num_tokens - len(got) - 1)
+                n = min(self.num_spec, draft_room(request, self.max_model_len, len(got)))
                 if n > 0:
                     draft_rows.append(len(ids) - 1)
                     drafting.append(_Drafting(request, n, chunk.start + chunk.num_known + len(got) - 1))

@@ -99,6 +99,13 @@ class RequestUpdate:
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
 
 
+def draft_room(request: Request, max_model_len: int, num_new: int = 0) -> int:
+    """How many drafts the request could still use once ``num_new`` more tokens are appended: neither
+    past ``max_tokens`` nor the context, the token sampled after them included."""
+    return min(request.sampling_params.max_tokens - request.num_output_tokens,
+               max_model_len - request.num_tokens) - num_new - 1
+
+
 def check_prompt(
     request_id: str, num_prompt: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
     num_speculative_tokens: int = 0,
@@ -347,8 +354,7 @@ class Scheduler:
         ``max_tokens`` nor the context (the token sampled after them counts too). Only the request's own
         state decides, never what else runs (a decode waits rather than verify fewer), so how a seeded
         request's positions group into steps, and so what it draws, is its own."""
-        room = min(self.config.max_num_batched_tokens, request.sampling_params.max_tokens - request.num_output_tokens,
-                   self.max_model_len - request.num_tokens) - 1
+        room = min(self.config.max_num_batched_tokens - 1, draft_room(request, self.max_model_len))
         return tuple(request.draft_token_ids[: max(room, 0)])
 
     def _allocation(self, request: Request, num_new: int, start: int | None = None) -> int:
