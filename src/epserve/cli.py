@@ -7,7 +7,7 @@ import logging
 import sys
 
 from epserve import env
-from epserve.config import DISPATCH_BACKENDS, KV_CACHE_DTYPES, OVERLAP_CHOICES
+from epserve.config import DISPATCH_BACKENDS, KV_CACHE_DTYPES, OVERLAP_CHOICES, SPECULATIVE_METHODS
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="largest decode batch captured (CUDA graphs) or compiled (--compile); default max-num-seqs")
     p.add_argument("--compile", action="store_true",
                    help="CPU: decode steps through torch.compile(fullgraph=True), one graph per batch bucket")
-    p.add_argument("--speculative", default=None, choices=["mtp"],
+    p.add_argument("--speculative", default=None, choices=[m for m in SPECULATIVE_METHODS if m],
                    help="speculative decoding: mtp drafts with the checkpoint's multi-token prediction layer")
     p.add_argument("--num-speculative-tokens", type=int, default=1,
                    help="draft tokens per decode step with --speculative (the MTP layer chained on itself)")
