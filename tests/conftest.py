@@ -63,3 +63,14 @@ def counter_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.spec_toys import counter_checkpoint
 
     return counter_checkpoint(tmp_path_factory.mktemp("counter"))
+
+
+# Experts 4 and 5 (group 1; rank 1 at EP 4, rank 0 at EP 2; not among the start-up replicas 0..R-1) win
+# nearly every token.
+SKEWED_HOT_EXPERTS = {4: 1.0, 5: 1.0}
+
+
+@pytest.fixture(scope="session")
+def skewed_ckpt(make_ckpt: CkptFactory) -> Path:
+    """``tiny`` with a large correction bias on experts 4 and 5 (a skewed expert load), clear logit margins."""
+    return make_ckpt("tiny", hot_experts=SKEWED_HOT_EXPERTS, logit_margin=4.0)

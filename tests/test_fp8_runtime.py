@@ -59,7 +59,7 @@ def test_fp8_weights_are_kept_as_stored(fp8_ckpt):
                        reader.get_raw("model.layers.1.self_attn.kv_a_proj_with_mqa.weight_scale_inv")])
     assert torch.equal(attn.fused_qkv_a_proj.weight_scale_inv, fused)
     experts = model.layers[1].mlp.experts
-    for slot, e in enumerate(model.layers[1].mlp.local_logical_experts[:3]):
+    for slot, e in enumerate(model.layers[1].mlp.slot_experts[:3].tolist()):
         up = reader.get_raw(f"model.layers.1.mlp.experts.{e}.up_proj.weight")
         assert torch.equal(experts.w13[slot, 128:].view(torch.uint8), up.view(torch.uint8))
         assert torch.equal(experts.w2_scale_inv[slot],

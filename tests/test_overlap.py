@@ -11,7 +11,6 @@ from epserve import LLM, SamplingParams
 from epserve.config import ConfigError, ModelConfig, ParallelConfig
 from epserve.engine.runner import BatchPlan
 from epserve.model.batch import MicroBatch
-from epserve.moe.placement import ExpertPlacement
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.overlap import choose_overlap, run_in_order, run_interleaved
 from epserve.parallel.stages import OVERLAP_MODES, Schedule, dense_layer_schedule, moe_layer_schedule
@@ -184,14 +183,16 @@ def test_layout_must_divide_the_model(make_ckpt):
     ParallelConfig(tp=2).check_model(ModelConfig.from_hf(path))
 
 
-def test_expert_load_folds_replicas_and_ranks():
-    placement = ExpertPlacement.build(4, ep_size=2, num_redundant=2)  # slots: 0 1 2 | 3 0 1
-    loads = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5, 6]])]
-    load = ExpertLoad.from_ranks((3,), loads, placement)
+def test_expert_load_sums_ranks():
+    # slots 0 1 2 | 3 0 1: rank 1 received expert 3's copies and those of its replicas of 0 and 1
+    loads = [torch.tensor([[1, 2, 3, 0]]), torch.tensor([[5, 6, 0, 4]])]
+    load = ExpertLoad.from_ranks((3,), loads)
     assert load.per_expert.tolist() == [[1 + 5, 2 + 6, 3, 4]]
     assert load.per_rank.tolist() == [[6, 15]]
     assert load.imbalance == pytest.approx(15 / 10.5)
     assert load.summary()["tokens_per_rank"] == [6, 15]
+    assert load.since(ExpertLoad.from_ranks((3,), [torch.tensor([[1, 0, 0, 0]]), torch.zeros(1, 4, dtype=torch.long)])
+                      ).per_rank.tolist() == [[5, 15]]
 
 
 def test_set_overlap_refuses_bad_values(make_ckpt):

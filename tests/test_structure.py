@@ -17,6 +17,7 @@ PACKAGE = ROOT / "src" / "epserve"
 RANKS = {
     "env": 0, "config": 0,
     "kernels": 1, "parallel": 1, "checkpoint": 1, "tokenizer": 1,
+    "eplb": 1,
     "moe": 2, "presets": 2,
     "model": 3,
     "engine": 4,

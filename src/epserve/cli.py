@@ -7,7 +7,14 @@ import logging
 import sys
 
 from epserve import env
-from epserve.config import DISPATCH_BACKENDS, KV_CACHE_DTYPES, OVERLAP_CHOICES, SPECULATIVE_METHODS
+from epserve.config import (
+    DISPATCH_BACKENDS,
+    KV_CACHE_DTYPES,
+    OVERLAP_CHOICES,
+    REPLICA_SELECTIONS,
+    SPECULATIVE_METHODS,
+    EplbConfig,
+)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +51,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--microbatch-threshold", type=int, default=None,
                      help="auto overlap: tokens per rank from which two micro-batches run (default: 256 on "
                      "CUDA, never on CPU)")
+    eplb = p.add_argument_group("expert load balancing (EPLB)")
+    eplb.add_argument("--num-redundant-experts", type=int, default=0,
+                      help="extra expert slots holding replicas that share a busy expert's tokens")
+    eplb.add_argument("--enable-eplb", action="store_true",
+                      help="place experts (and replicas) by the recent load while serving, moving weights between steps")
+    eplb.add_argument("--eplb-window-size", type=int, default=EplbConfig.window_size,
+                      help="steps of expert load a rebalance looks at")
+    eplb.add_argument("--eplb-step-interval", type=int, default=EplbConfig.step_interval,
+                      help="steps between rebalances")
+    eplb.add_argument("--eplb-replica-selection", default=EplbConfig.replica_selection, choices=REPLICA_SELECTIONS,
+                      help="position: a token's replica by its row (even shares); local: the sender's rank, then "
+                      "node first")
     par.add_argument("--nnodes", type=int, default=1, help="hosts of the world; run the same command on each")
     par.add_argument("--node-rank", type=int, default=0)
     par.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous)")
@@ -111,6 +130,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
         quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph=False if args.no_cuda_graph else None, compile=args.compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        num_redundant_experts=args.num_redundant_experts, enable_eplb=args.enable_eplb,
+        eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
+        eplb_replica_selection=args.eplb_replica_selection,
     )
 
 

@@ -276,7 +276,8 @@ def _init_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
 
 
 def random_weights(
-    config: dict[str, Any], seed: int = 0, dtype: str = "bfloat16", logit_margin: float = 0.0
+    config: dict[str, Any], seed: int = 0, dtype: str = "bfloat16", logit_margin: float = 0.0,
+    hot_experts: dict[int, float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors for ``config`` (a ``config.json`` dict), in file order.
 
@@ -284,6 +285,9 @@ def random_weights(
     fixed permutation of the vocabulary: the current token's embedding, strong in the final hidden
     state, then lifts one next token clear of the rest (clear logit margins, for comparing numerics
     that differ slightly, such as FP8 against bf16, by their greedy tokens).
+
+    ``hot_experts`` ({expert: bias}) adds ``bias`` to those experts' correction bias in every MoE layer:
+    the router then picks them far more often (a skewed load, for expert load balancing).
 
     FP8 (when ``config`` has a ``quantization_config``): quantizable linears become float8_e4m3fn
     plus a float32 ``weight_scale_inv``. The correction bias is always float32; everything else is
@@ -305,6 +309,8 @@ def random_weights(
             perm = torch.randperm(len(emb), generator=torch.Generator().manual_seed(seed))
             w = w + logit_margin * emb[perm] / emb[perm].norm(dim=1, keepdim=True)
         if spec.kind == "bias":
+            for e, b in (hot_experts or {}).items():
+                w[e] += b
             out[spec.name] = w
         elif cfg.fp8_block_size is not None and spec.is_quantizable:
             out[spec.name], out[spec.name + SCALE_SUFFIX] = fp8_block_quantize(w, cfg.fp8_block_size)
@@ -322,14 +328,15 @@ def make_checkpoint(
     dtype: str = "bfloat16",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     logit_margin: float = 0.0,
+    hot_experts: dict[int, float] | None = None,
 ) -> Path:
     """Write a random-weight DeepSeek-V3 checkpoint plus tokenizer files into ``path``
-    (``logit_margin``: see :func:`random_weights`).
+    (``logit_margin``, ``hot_experts``: see :func:`random_weights`).
 
     Deterministic: the same arguments give byte-identical tensors and tokenizer files.
     """
     config = build_config(preset, fp8=fp8, overrides=overrides, dtype=dtype)
-    tensors = random_weights(config, seed=seed, dtype=dtype, logit_margin=logit_margin)
+    tensors = random_weights(config, seed=seed, dtype=dtype, logit_margin=logit_margin, hot_experts=hot_experts)
     path = save_checkpoint(path, config, tensors, max_shard_bytes=max_shard_bytes)
     write_tokenizer_files(
         path, vocab_size=config["vocab_size"], model_max_length=config["max_position_embeddings"]

@@ -8,15 +8,18 @@ from epserve.config.engine import (
     OVERLAP_CHOICES,
     OVERLAP_MODES,
     QUANTIZATIONS,
+    REPLICA_SELECTIONS,
     SPECULATIVE_METHODS,
     CacheConfig,
     DispatchBackend,
     EngineConfig,
+    EplbConfig,
     KvCacheDtype,
     OverlapMode,
     OverlapSetting,
     ParallelConfig,
     Quantization,
+    ReplicaSelection,
     SchedulerConfig,
     SpeculativeMethod,
 )
@@ -32,7 +35,7 @@ from epserve.config.model import (
 
 __all__ = [
     "DISPATCH_BACKENDS", "KV_CACHE_DTYPES", "MULTI_RANK_DISPATCH", "OVERLAP_CHOICES", "OVERLAP_MODES", "QUANTIZATIONS",
-    "SPECULATIVE_METHODS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SCORING", "SUPPORTED_TOPK_METHODS", "CacheConfig",
-    "ConfigError", "DispatchBackend", "EngineConfig", "KvCacheDtype", "ModelConfig", "OverlapMode", "OverlapSetting",
-    "ParallelConfig", "Quantization", "RopeScaling", "SchedulerConfig", "SpeculativeMethod", "yarn_get_mscale",
+    "REPLICA_SELECTIONS", "SPECULATIVE_METHODS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SCORING", "SUPPORTED_TOPK_METHODS", "CacheConfig",
+    "ConfigError", "DispatchBackend", "EngineConfig", "EplbConfig", "KvCacheDtype", "ModelConfig", "OverlapMode", "OverlapSetting",
+    "ParallelConfig", "Quantization", "ReplicaSelection", "RopeScaling", "SchedulerConfig", "SpeculativeMethod", "yarn_get_mscale",
 ]

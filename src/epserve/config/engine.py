@@ -52,6 +52,32 @@ SpeculativeMethod = Literal["mtp", None]  # mtp: the checkpoint's multi-token pr
 SPECULATIVE_METHODS: tuple[str | None, ...] = get_args(SpeculativeMethod)
 
 
+ReplicaSelection = Literal["position", "local"]  # how a token picks among an expert's replicas (moe/placement.py)
+REPLICA_SELECTIONS: tuple[str, ...] = get_args(ReplicaSelection)
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """Expert-parallel load balancing (vLLM's names). ``enabled``: every ``step_interval`` forward steps
+    the ranks sum the expert load of the last ``window_size`` steps, place the experts (and the
+    redundant slots' replicas) by it and move the weights that change place. ``replica_selection``:
+    ``position`` spreads an expert's tokens evenly over its replicas, ``local`` prefers the sender's
+    own rank, then node."""
+
+    enabled: bool = False
+    window_size: int = 1000
+    step_interval: int = 3000
+    replica_selection: ReplicaSelection = "position"
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "step_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"eplb {name} must be a positive integer, got {value!r}")
+        if self.replica_selection not in REPLICA_SELECTIONS:
+            raise ConfigError(f"unknown replica selection {self.replica_selection!r}; choose from {REPLICA_SELECTIONS}")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Data-parallel attention groups × tensor-parallel ranks = expert-parallel world.
@@ -62,7 +88,8 @@ class ParallelConfig:
     half has at least ``microbatch_threshold`` tokens; default: 256 on CUDA, never on CPU, where the
     collectives run on the cores the compute needs and micro-batching measured slower at every batch
     size, docs/benchmarks.md). ``nnodes``/``node_rank``/``master_addr``/``master_port``: a world spread
-    over hosts, each running ``dp*tp/nnodes`` ranks."""
+    over hosts, each running ``dp*tp/nnodes`` ranks. ``num_redundant_experts``: extra expert slots
+    holding replicas of the busiest experts (placed by load when ``eplb`` rebalances)."""
 
     dp: int = 1
     tp: int = 1
@@ -70,6 +97,7 @@ class ParallelConfig:
     overlap: OverlapSetting = "auto"
     microbatch_threshold: int | None = None
     num_redundant_experts: int = 0
+    eplb: EplbConfig = field(default_factory=EplbConfig)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -87,8 +115,8 @@ class ParallelConfig:
             raise ConfigError(f"dispatch 'local' needs EP = 1; dp*tp = {self.world_size}")
         if self.overlap not in OVERLAP_CHOICES:
             raise ConfigError(f"unknown overlap mode {self.overlap!r}; choose from {OVERLAP_CHOICES}")
-        if self.num_redundant_experts < 0:
-            raise ConfigError("num_redundant_experts must be >= 0")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ConfigError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
         if self.world_size % self.nnodes:
             raise ConfigError(f"dp*tp = {self.world_size} ranks do not divide over {self.nnodes} nodes")
         if not 0 <= self.node_rank < self.nnodes:
@@ -121,6 +149,9 @@ class ParallelConfig:
         if model.num_attention_heads % self.tp:
             raise ConfigError(f"tp={self.tp} does not divide the model's {model.num_attention_heads} attention heads")
         experts = model.n_routed_experts + self.num_redundant_experts
+        if not model.n_routed_experts and (self.eplb.enabled or self.num_redundant_experts):
+            raise ConfigError("expert load balancing (enable_eplb, num_redundant_experts) needs routed experts; "
+                              "the model has none")
         if model.n_routed_experts and experts % self.ep:
             raise ConfigError(
                 f"EP = dp*tp = {self.ep} does not divide the {experts} routed experts "

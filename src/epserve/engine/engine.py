@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 
 from epserve.config import EngineConfig
+from epserve.engine.balancer import RebalanceReport
 from epserve.engine.request import Request, SamplingParams
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.scheduler import RequestUpdate, Scheduler, check_prompt
-from epserve.parallel.comm import all_reduce_max, broadcast_from_leader
+from epserve.moe.stats import ExpertLoad
+from epserve.parallel.comm import all_reduce_max, broadcast_from_leader, gather_objects
 from epserve.parallel.context import ParallelContext
 from epserve.parallel.launch import CommandRefused
 
@@ -77,6 +79,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
+    def expert_load(self, since_rebalance: bool = False) -> ExpertLoad:
+        """Token copies per (MoE layer, logical expert) and per rank over the whole EP group since
+        start-up or the last reset (``since_rebalance``: since the last rebalance); a collective."""
+        layers, load = self.runner.expert_load(since_rebalance)
+        return ExpertLoad.from_ranks(layers, gather_objects(load, self.ctx))  # type: ignore[arg-type]
+
+    def rebalance_experts(self) -> RebalanceReport | None:
+        """Place the experts by the recorded load now (a collective, between steps); None without
+        routed experts."""
+        return self.runner.balancer.rebalance() if self.runner.balancer is not None else None
+
+    def reset_expert_load(self) -> None:
+        if self.runner.balancer is not None:
+            self.runner.balancer.reset()
+
     def step(self, stopping: bool = False) -> list[RequestUpdate]:
         """One lockstep step; every rank must call it. Returns the leader's request updates.
         ``stopping`` is this rank's vote to drain and stop; the step's all-reduce tells every rank
@@ -109,6 +126,9 @@ class LLMEngine:
                 result = self.runner.sample(chunks, hidden, plan)
             if self.runner.proposer is not None:  # every rank: the MTP layer's passes, in lockstep
                 drafts = self.runner.propose(chunks, plan, result, hidden, max_tokens)
+            balancer = self.runner.balancer
+            if balancer is not None and balancer.record_step():  # every rank at the same step
+                balancer.rebalance()
         if scheduler is None:
             return []
         updates = scheduler.update(output, result.sampled if result else {}, result.logprobs if result else None,

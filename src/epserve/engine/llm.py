@@ -18,14 +18,17 @@ from epserve.config import (
     CacheConfig,
     DispatchBackend,
     EngineConfig,
+    EplbConfig,
     KvCacheDtype,
     ModelConfig,
     OverlapSetting,
     ParallelConfig,
     Quantization,
+    ReplicaSelection,
     SchedulerConfig,
     SpeculativeMethod,
 )
+from epserve.engine.balancer import RebalanceReport
 from epserve.engine.engine import LLMEngine
 from epserve.engine.profiler import StepRecord
 from epserve.engine.request import SamplingParams
@@ -39,7 +42,9 @@ from epserve.engine.worker import (
     GetProfile,
     GetSpeculativeStats,
     OfflineRequest,
+    RebalanceExperts,
     ResetCommStats,
+    ResetExpertLoad,
     SetOverlap,
     SetProfiling,
     WorkerCommand,
@@ -166,6 +171,16 @@ class LLM:
         """Tokens per (MoE layer, logical expert) and per rank since start-up, and the imbalance."""
         return self._call(GetExpertLoad())
 
+    def rebalance_experts(self) -> RebalanceReport | None:
+        """Place the experts by the load recorded so far (the EPLB window with ``enable_eplb``, else
+        since start-up or :meth:`reset_expert_load`), moving the weights that change rank; what moved
+        and the imbalance before and after. None for a model without routed experts."""
+        return self._call(RebalanceExperts())
+
+    def reset_expert_load(self) -> None:
+        """Clear the expert-load statistics (and the EPLB window)."""
+        self._call(ResetExpertLoad())
+
     def set_overlap(self, mode: OverlapSetting, microbatch_threshold: int | None = None) -> None:
         """Switch the overlap mode (``none``, ``dispatch``, ``microbatch``, ``auto``) between calls."""
         threshold = self.config.parallel.microbatch_threshold if microbatch_threshold is None else microbatch_threshold
@@ -230,6 +245,10 @@ def build_engine_config(
     overlap: OverlapSetting = "auto",
     microbatch_threshold: int | None = None,
     num_redundant_experts: int = 0,
+    enable_eplb: bool = False,
+    eplb_window_size: int = 1000,
+    eplb_step_interval: int = 3000,
+    eplb_replica_selection: ReplicaSelection = "position",
     nnodes: int = 1,
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
@@ -251,7 +270,9 @@ def build_engine_config(
     steps run one captured CUDA graph / one ``torch.compile(fullgraph=True)`` forward per batch bucket up
     to ``cuda_graph_max_bs`` (default: ``max_num_seqs``, at most 256). ``speculative="mtp"``: decode with
     the checkpoint's MTP layer drafting ``num_speculative_tokens`` tokens per step, verified by the model
-    in one forward (the output distribution is unchanged)."""
+    in one forward (the output distribution is unchanged). ``num_redundant_experts`` extra expert slots
+    hold replicas that share their expert's tokens; ``enable_eplb``: every ``eplb_step_interval`` steps
+    the experts are placed by the load of the last ``eplb_window_size`` steps (``config.EplbConfig``)."""
     if model is None:
         from epserve.presets import default_model_path
 
@@ -264,7 +285,8 @@ def build_engine_config(
         )
     parallel = ParallelConfig(
         dp=dp, tp=tp, dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
-        num_redundant_experts=num_redundant_experts, nnodes=nnodes, node_rank=node_rank,
+        num_redundant_experts=num_redundant_experts, nnodes=nnodes,
+        eplb=EplbConfig(enable_eplb, eplb_window_size, eplb_step_interval, eplb_replica_selection), node_rank=node_rank,
         master_addr=master_addr, master_port=master_port,
     )
     parallel.check_model(model_config)

@@ -9,6 +9,7 @@ import torch
 
 from epserve.checkpoint import as_torch_dtype
 from epserve.config import EngineConfig
+from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.graphs import DecodeGraphs, pad_decode
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
@@ -66,12 +67,15 @@ class ModelRunner:
         self.dtype = as_torch_dtype(config.dtype)
         mc = config.model
         pc = config.parallel
-        self.placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ctx.ep_size, pc.num_redundant_experts)
+        self.placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ctx.ep_size, pc.num_redundant_experts,
+                                               pc.eplb.replica_selection, pc.local_world_size)
         self.dispatcher = build_dispatcher(pc.dispatch, self.placement.num_local_slots, ctx)
         self.fp8_weights = resolve_fp8_weights(config.quantization, mc, ctx.tp, self.device.type)
         self.num_spec = config.num_spec_tokens  # draft tokens per decode (speculative decoding with MTP)
         self.model = load_model(mc, config.model_path, self.dtype, self.device, self.dispatcher, self.placement, ctx,
                                 self.fp8_weights, mtp=self.num_spec > 0)
+        moes = self.model.moe_layers()
+        self.balancer = ExpertBalancer(moes, ctx, pc.eplb, pc.nnodes, mc.n_group) if moes else None
         self.num_cache_layers = mc.num_hidden_layers + (1 if self.num_spec else 0)  # the MTP layer's own cache
         self.weight_bytes = weight_bytes = model_bytes(self.model)
         self.block_size = config.cache.block_size
@@ -225,7 +229,9 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.release(request_id)
 
-    def expert_load(self) -> torch.Tensor:
-        """Tokens received per (MoE layer, local slot) since start-up: [num_moe_layers, num_local_slots]."""
-        loads = [layer.mlp.expert_load.cpu() for layer in self.model.layers if layer.is_moe]
-        return torch.stack(loads) if loads else torch.zeros(0, self.placement.num_local_slots, dtype=torch.long)
+    def expert_load(self, since_rebalance: bool = False) -> tuple[tuple[int, ...], torch.Tensor]:
+        """The MoE layers (the MTP layer's too) and the token copies this rank received per (layer,
+        logical expert) since start-up or the last reset (or rebalance): ``[layers, n_logical]``."""
+        if self.balancer is None:
+            return (), torch.zeros(0, self.placement.num_logical_experts, dtype=torch.long)
+        return self.balancer.layers, self.balancer.counters(since_rebalance).cpu()

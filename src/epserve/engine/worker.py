@@ -29,7 +29,6 @@ from epserve.engine.runner import resolve_device
 from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.spec_decode import merge_stats
 from epserve.env import pinning_enabled
-from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
 from epserve.parallel.launch import (
@@ -81,6 +80,16 @@ class GetCommBytes:
 
 
 @dataclass(frozen=True)
+class RebalanceExperts:
+    pass
+
+
+@dataclass(frozen=True)
+class ResetExpertLoad:
+    pass
+
+
+@dataclass(frozen=True)
 class SetProfiling:
     enabled: bool
 
@@ -101,8 +110,8 @@ class GetSpeculativeStats:
 
 
 WorkerCommand = (
-    Generate | GetExpertLoad | SetOverlap | ResetCommStats | GetCommBytes | SetProfiling | GetProfile | GetCacheInfo
-    | GetSpeculativeStats
+    Generate | GetExpertLoad | RebalanceExperts | ResetExpertLoad | SetOverlap | ResetCommStats | GetCommBytes
+    | SetProfiling | GetProfile | GetCacheInfo | GetSpeculativeStats
 )
 
 
@@ -142,7 +151,11 @@ class EngineWorker:
             case Generate(requests, use_tqdm):
                 return self.generate(list(requests), use_tqdm)
             case GetExpertLoad():
-                return self.expert_load()
+                return self.engine.expert_load()
+            case RebalanceExperts():
+                return self.engine.rebalance_experts()
+            case ResetExpertLoad():
+                return self.engine.reset_expert_load()
             case SetOverlap(mode, threshold):
                 return self.set_overlap(mode, threshold)
             case ResetCommStats():
@@ -200,12 +213,6 @@ class EngineWorker:
         for part in gather_objects(results, self.ctx):
             merged.update(part)  # type: ignore[arg-type]
         return merged
-
-    def expert_load(self) -> ExpertLoad:
-        """Tokens per (MoE layer, logical expert) over the whole EP group (a collective)."""
-        runner = self.engine.runner
-        loads = gather_objects(runner.expert_load(), self.ctx)
-        return ExpertLoad.from_ranks(self.engine.config.model.moe_layer_ids, loads, runner.placement)  # type: ignore[arg-type]
 
     def speculative_stats(self) -> dict[str, object] | None:
         """Draft acceptance summed over the DP groups (a collective); None without speculative decoding."""

@@ -239,6 +239,10 @@ class DeepseekV3ForCausalLM(nn.Module):
             if layer.is_moe:
                 layer.mlp.init_buffers()
 
+    def moe_layers(self) -> dict[int, MoE]:
+        """The MoE of every layer that has one (the MTP layer's too), by layer index, in order."""
+        return {layer.layer_idx: layer.mlp for layer in [*self.layers, *self.mtp] if layer.is_moe}
+
     def set_op_hook(self, hook: OpHook | None) -> None:
         """Run every layer op through ``hook`` (e.g. the per-op profiler), or stop (None)."""
         for layer in [*self.layers, *self.mtp]:

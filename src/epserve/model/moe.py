@@ -16,7 +16,7 @@ from epserve.config import ModelConfig
 from epserve.model.layers import GatedMLP
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.experts import GroupedExperts
-from epserve.moe.placement import ExpertPlacement
+from epserve.moe.placement import ExpertPlacement, select_replicas
 from epserve.moe.router import ExpertRouter
 from epserve.parallel.overlap import straight
 from epserve.parallel.stages import (
@@ -44,12 +44,17 @@ class MoE(nn.Module):
         super().__init__()
         self.router = ExpertRouter(config)
         self.dispatcher = dispatcher
+        self.ep_rank = ep_rank
         self.placement = placement
-        self.local_logical_experts = placement.local_logical_experts(ep_rank)
         self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size, fp8)
-        self.register_buffer("logical_to_physical", placement.logical_to_physical_table(), persistent=False)
-        # Tokens received by each local slot since start-up, counted on the device (no sync per layer).
-        self.expert_load = torch.zeros(placement.num_local_slots, dtype=torch.long)
+        # Routing state, replaced in place by a rebalance (a captured graph keeps reading the same storage).
+        table, count = placement.replica_table(ep_rank)
+        self.register_buffer("replica_table", table, persistent=False)  # [E, max_replicas] candidate slots
+        self.register_buffer("replica_count", count, persistent=False)  # [E] candidates to spread over
+        self.register_buffer("slot_experts", torch.tensor(placement.local_logical_experts(ep_rank)), persistent=False)
+        # Token copies this rank's slots received per logical expert since start-up (or the last reset),
+        # counted on the device (no sync per layer); a placement change does not disturb it.
+        self.expert_load = torch.zeros(placement.num_logical_experts, dtype=torch.long)
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, fp8)
             if config.n_shared_experts
@@ -80,20 +85,35 @@ class MoE(nn.Module):
     forward_straight = straight(forward)  # the same, run start to finish (parallel/overlap.py)
 
     def init_buffers(self) -> None:
-        """The slot table, computed (not loaded): after building on the meta device."""
+        """The routing tables, computed (not loaded): after building on the meta device."""
         device = self.router.weight.device
-        self.logical_to_physical = self.placement.logical_to_physical_table().to(device)
+        table, count = self.placement.replica_table(self.ep_rank)
+        self.replica_table, self.replica_count = table.to(device), count.to(device)
+        self.slot_experts = torch.tensor(self.placement.local_logical_experts(self.ep_rank), device=device)
         self.expert_load = torch.zeros(self.expert_load.shape, dtype=torch.long, device=device)
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Route by ``placement`` from now on (its weights already in :attr:`experts`): the tables are
+        overwritten in place, so captured graphs see the change."""
+        table, count = placement.replica_table(self.ep_rank)
+        self.replica_table.copy_(table)
+        self.replica_count.copy_(count)
+        self.slot_experts.copy_(torch.tensor(placement.local_logical_experts(self.ep_rank)))
+        self.placement = placement
 
     def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
-        routing = self.router(x, self.logical_to_physical)
-        return routing.topk_ids, routing.topk_weights
+        if self.replica_table.shape[1] == 1:  # one slot per expert: the fused gate maps ids itself
+            routing = self.router(x, self.replica_table[:, 0])
+            return routing.topk_ids, routing.topk_weights
+        routing = self.router(x)
+        slots = select_replicas(routing.topk_ids, self.replica_table, self.replica_count, self.ep_rank)
+        return slots, routing.topk_weights
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(x) if self.shared_experts is not None else None
 
     def _dispatch_recv(self, sent: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
         expert_input, route = self.dispatcher.dispatch_recv(sent)
-        self.expert_load += expert_input.num_tokens_per_expert  # both on the device: no sync
+        self.expert_load.index_add_(0, self.slot_experts, expert_input.num_tokens_per_expert)  # on the device
         return expert_input, route

@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.moe.placement import ExpertPlacement
-
 
 @dataclass(frozen=True)
 class ExpertLoad:
@@ -23,16 +21,16 @@ class ExpertLoad:
     per_rank: torch.Tensor
 
     @classmethod
-    def from_ranks(
-        cls, layers: tuple[int, ...], slot_loads: list[torch.Tensor], placement: ExpertPlacement
-    ) -> ExpertLoad:
-        """``slot_loads[r]``: rank r's ``[layers, num_local_slots]`` counts."""
-        physical = torch.cat(slot_loads, dim=1) if slot_loads else torch.zeros(len(layers), 0, dtype=torch.long)
-        per_expert = torch.zeros(len(layers), placement.num_logical_experts, dtype=torch.long)
-        index = torch.tensor(placement.physical_to_logical, dtype=torch.long)
-        per_expert.index_add_(1, index, physical)
-        per_rank = torch.stack([s.sum(dim=1) for s in slot_loads], dim=1) if slot_loads else per_expert[:, :0]
+    def from_ranks(cls, layers: tuple[int, ...], rank_loads: list[torch.Tensor]) -> ExpertLoad:
+        """``rank_loads[r]``: ``[layers, n_logical]`` token copies rank r's slots received per logical
+        expert (the experts' replicas on that rank summed)."""
+        per_expert = torch.stack(rank_loads).sum(dim=0)
+        per_rank = torch.stack([r.sum(dim=1) for r in rank_loads], dim=1)
         return cls(layers, per_expert, per_rank)
+
+    def since(self, earlier: ExpertLoad) -> ExpertLoad:
+        """The load between ``earlier`` (a snapshot of the same counters) and this one."""
+        return ExpertLoad(self.layers, self.per_expert - earlier.per_expert, self.per_rank - earlier.per_rank)
 
     @property
     def rank_totals(self) -> torch.Tensor:
@@ -55,6 +53,8 @@ class ExpertLoad:
             "tokens_per_rank": self.rank_totals.tolist(),
             "imbalance": round(self.imbalance, 4),
             "layer_imbalance": [round(v, 4) for v in self.layer_imbalance],
+            "per_rank": self.per_rank.tolist(),
+            "per_expert": self.per_expert.tolist(),
         }
 
 

@@ -26,7 +26,6 @@ from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.scheduler import RequestUpdate
 from epserve.engine.worker import EngineWorker
 from epserve.moe.stats import ExpertLoad
-from epserve.parallel.comm import gather_objects
 from epserve.parallel.doorbell import Doorbell, LocalDoorbell
 
 logger = logging.getLogger(__name__)
@@ -94,6 +93,9 @@ class EngineLoad:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()  # empty: no speculative decoding
+    expert_layers: tuple[int, ...] = ()  # MoE layers, and each one's imbalance since the last rebalance
+    expert_layer_imbalance: tuple[float, ...] = ()
+    eplb_rebalances_total: int = 0
 
 
 class Frontend(Protocol):
@@ -119,6 +121,7 @@ class EngineLoop:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.expert_imbalance = 1.0
+        self.expert_load: ExpertLoad | None = None  # since the last rebalance, from the last gather
         self._stats_at = 0
         self._drain_deadline: float | None = None
         self._frontend: Frontend | None = None
@@ -140,6 +143,7 @@ class EngineLoop:
         assert scheduler is not None
         kv = scheduler.kv_manager
         spec = self.engine.runner.speculative_stats() or {}
+        balancer = self.engine.runner.balancer
         return EngineLoad(
             dp_rank=self.ctx.dp_rank,
             num_running=scheduler.num_running,
@@ -157,6 +161,9 @@ class EngineLoop:
             spec_num_draft_tokens=spec.get("num_draft_tokens", 0),  # type: ignore[arg-type]
             spec_num_accepted_tokens=spec.get("num_accepted_tokens", 0),  # type: ignore[arg-type]
             spec_accepted_per_position=tuple(spec.get("accepted_per_position", ())),  # type: ignore[arg-type]
+            expert_layers=self.expert_load.layers if self.expert_load is not None else (),
+            expert_layer_imbalance=tuple(self.expert_load.layer_imbalance) if self.expert_load is not None else (),
+            eplb_rebalances_total=balancer.num_rebalances if balancer is not None else 0,
         )
 
     # ---- the loop's thread ---------------------------------------------------------------------
@@ -261,8 +268,6 @@ class EngineLoop:
 
     def _gather_stats(self) -> None:
         """Expert load over the whole EP group (a collective: every rank calls it at the same step)."""
-        runner = self.engine.runner
-        loads = gather_objects(runner.expert_load(), self.ctx)
-        moe_layers = self.engine.config.model.moe_layer_ids
-        self.expert_imbalance = ExpertLoad.from_ranks(moe_layers, loads, runner.placement).imbalance  # type: ignore[arg-type]
+        self.expert_load = self.engine.expert_load(since_rebalance=True)
+        self.expert_imbalance = self.expert_load.imbalance
         self._stats_at = self.engine.num_forwards

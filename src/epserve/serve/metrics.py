@@ -46,8 +46,13 @@ class _EngineCollector:
             "preempt": CounterMetricFamily("epserve:num_preemptions", "Requests preempted by the scheduler",
                                            labels=labels),
             "imbalance": GaugeMetricFamily("epserve:expert_load_imbalance",
-                                           "Max over mean routed tokens per EP rank since start-up (1 = even)",
-                                           labels=labels),
+                                           "Max over mean routed tokens per EP rank since the last expert "
+                                           "rebalance (1 = even)", labels=labels),
+            "layer_imbalance": GaugeMetricFamily("epserve:expert_load_layer_imbalance",
+                                                 "The same for one MoE layer (what its busiest rank costs)",
+                                                 labels=[*labels, "layer"]),
+            "rebalances": CounterMetricFamily("epserve:eplb_rebalances",
+                                              "Expert placements recomputed from the load (EPLB)", labels=labels),
             "healthy": GaugeMetricFamily("epserve:engine_healthy", "1 if the router sends requests to the engine",
                                          labels=labels),
             "in_flight": GaugeMetricFamily("epserve:engine_load",
@@ -80,6 +85,9 @@ class _EngineCollector:
             fams["hits"].add_metric(values, load.prefix_hit_tokens)
             fams["preempt"].add_metric(values, load.num_preemptions_total)
             fams["imbalance"].add_metric(values, load.expert_imbalance)
+            for layer, value in zip(load.expert_layers, load.expert_layer_imbalance):
+                fams["layer_imbalance"].add_metric([*values, str(layer)], value)
+            fams["rebalances"].add_metric(values, load.eplb_rebalances_total)
             if load.spec_accepted_per_position:  # speculative decoding is on
                 fams["drafts"].add_metric(values, load.spec_num_drafts)
                 fams["draft_tokens"].add_metric(values, load.spec_num_draft_tokens)
