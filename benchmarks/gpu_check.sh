@@ -11,7 +11,10 @@
 #   mtp: MTP speculative decoding with the engine on CUDA (greedy = plain decoding with accepted and
 #           rejected drafts, CUDA graphs for the verification rows, sampling, rollback), then acceptance
 #           and tokens/s with and without MTP on a briefly trained checkpoint.
-# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|all]   (default all; each < 10 min)
+#   eplb: expert load balancing with the engine on CUDA: replicas routed inside captured CUDA graphs,
+#           rebalances rewriting the expert weights and routing tables in place every few steps (tokens
+#           and logprobs = the CPU reference). Moves between ranks (NCCL point-to-point) need two GPUs.
+# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|all]   (default all; each < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -49,4 +52,8 @@ if [ "$PART" = mtp ] || [ "$PART" = all ]; then
     2>&1 | tail -3 | tee "$OUT/mtp_train.txt"
   timeout 150 python3 benchmarks/mtp_decode.py --model "$OUT/trained" --dtype bfloat16 --device cuda \
     --json "$OUT/mtp_decode.json" 2>&1 | tail -20 | tee "$OUT/mtp_decode.txt"
+fi
+if [ "$PART" = eplb ] || [ "$PART" = all ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_eplb.py tests/test_eplb_policy.py \
+    2>&1 | tail -25 | tee "$OUT/eplb_tests.txt"
 fi

@@ -17,24 +17,24 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
 from tests.serve_harness import Proc, metric, wait_http_ok
+from tests.test_eplb import assert_same, outputs
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[i + 1, i * 3 % 50 + 2, 7, 9, 11 + i] for i in range(8)]
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 ENGINE = {"dtype": "float32", "num_blocks": 64, "enable_prefix_caching": False}
 
 
 @pytest.fixture(scope="module")
 def single(skewed_ckpt):
     llm = LLM(skewed_ckpt, **ENGINE)
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.expert_load()
+    return outputs(llm, PROMPTS, 12), llm.expert_load()
 
 
 def test_rebalance_at_dp4_balances_and_keeps_tokens(skewed_ckpt, single):
     reference, ref_load = single
     with LLM(skewed_ckpt, dp=4, num_redundant_experts=4, **ENGINE) as llm:
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+        assert_same(outputs(llm, PROMPTS, 12), reference)
         before = llm.expert_load()
         assert torch.equal(before.per_expert, ref_load.per_expert)  # the replicas take tokens, routing is unchanged
         assert before.imbalance > 1.3
@@ -44,7 +44,7 @@ def test_rebalance_at_dp4_balances_and_keeps_tokens(skewed_ckpt, single):
         for mode in ("none", "dispatch", "microbatch"):
             llm.reset_expert_load()
             llm.set_overlap(mode)
-            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference, mode
+            assert_same(outputs(llm, PROMPTS, 12), reference)
             after = llm.expert_load()
             assert torch.equal(after.per_expert, ref_load.per_expert)
             assert after.imbalance <= 1.15, (mode, after.summary())
@@ -54,8 +54,8 @@ def test_rebalancing_every_few_steps_keeps_tokens(skewed_ckpt, single):
     reference, _ = single
     with LLM(skewed_ckpt, dp=2, num_redundant_experts=2, dispatch="padded", enable_eplb=True, eplb_window_size=4,
              eplb_step_interval=3, eplb_replica_selection="local", **ENGINE) as llm:
-        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
-        assert [o.token_ids for o in llm.generate(PROMPTS[::-1], GREEDY)] == reference[::-1]
+        assert_same(outputs(llm, PROMPTS, 12), reference)
+        assert_same(outputs(llm, PROMPTS[::-1], 12), reference[::-1])
         report = llm.rebalance_experts()  # the balancer's own state survived every automatic rebalance
         assert report.imbalance_after <= report.imbalance_before + 1e-9
 
@@ -73,10 +73,13 @@ def test_server_rebalances_under_load(skewed_ckpt, tmp_path):
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             outs = list(pool.map(lambda p: client.completions.create(
-                model=str(skewed_ckpt), prompt=p, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}),
-                prompts))
-        want = plain.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-        assert [o.choices[0].text for o in outs] == [w.text for w in want]
+                model=str(skewed_ckpt), prompt=p, max_tokens=16, temperature=0, logprobs=1,
+                extra_body={"ignore_eos": True}), prompts))
+        want = plain.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1))
+        for out, w in zip(outs, want):
+            assert out.choices[0].text == w.text
+            got = out.choices[0].logprobs.token_logprobs
+            assert max(abs(a - b.logprob) for a, b in zip(got, w.logprobs, strict=True)) < 1e-4
         deadline = time.monotonic() + 30
         while True:  # the router refreshes each instance's load figures every few seconds
             text = httpx.get(f"{url}/metrics", timeout=10).text
