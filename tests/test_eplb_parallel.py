@@ -89,6 +89,11 @@ def test_server_rebalances_under_load(skewed_ckpt, tmp_path):
             time.sleep(0.5)
         assert min(rebalances) >= 2, rebalances  # both DP groups' leaders report the world's rebalances
         assert 1.0 <= metric(text, "epserve:expert_load_layer_imbalance", engine="0", layer="1") < 4.0
+        stats = httpx.get(f"{url}/expert_load", timeout=10).json()["instances"]
+        assert len(stats) == 1  # one world: its DP groups' leaders report the same load
+        per_expert = torch.tensor(stats[0]["per_expert"])
+        assert stats[0]["layers"] == [1, 2] and per_expert.shape == (2, 16)
+        assert (per_expert[:, 4:6].min(dim=1).values > 3 * per_expert.float().mean(dim=1)).all()
     finally:
         proc.kill_all()
     assert "EPLB rebalance" in (tmp_path / "serve.log").read_text()

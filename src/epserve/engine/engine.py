@@ -79,11 +79,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
-    def expert_load(self, since_rebalance: bool = False) -> ExpertLoad:
+    def expert_loads(self) -> tuple[ExpertLoad, ExpertLoad]:
         """Token copies per (MoE layer, logical expert) and per rank over the whole EP group since
-        start-up or the last reset (``since_rebalance``: since the last rebalance); a collective."""
-        layers, load = self.runner.expert_load(since_rebalance)
-        return ExpertLoad.from_ranks(layers, gather_objects(load, self.ctx))  # type: ignore[arg-type]
+        start-up (or the last reset), and since the last rebalance (what the placement in use saw); one
+        collective."""
+        layers, total = self.runner.expert_load()
+        _, recent = self.runner.expert_load(since_rebalance=True)
+        parts: list = gather_objects((total, recent), self.ctx)
+        return (ExpertLoad.from_ranks(layers, [p[0] for p in parts]),
+                ExpertLoad.from_ranks(layers, [p[1] for p in parts]))
 
     def rebalance_experts(self) -> RebalanceReport | None:
         """Place the experts by the recorded load now (a collective, between steps); None without

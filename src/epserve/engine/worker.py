@@ -151,7 +151,7 @@ class EngineWorker:
             case Generate(requests, use_tqdm):
                 return self.generate(list(requests), use_tqdm)
             case GetExpertLoad():
-                return self.engine.expert_load()
+                return self.engine.expert_loads()[0]
             case RebalanceExperts():
                 return self.engine.rebalance_experts()
             case ResetExpertLoad():

@@ -73,6 +73,9 @@ class EngineClient:
     async def get_info(self, timeout: float = 2.0) -> pb.GetInfoResponse:
         return await self._unary("GetInfo", pb.GetInfoRequest(), timeout)
 
+    async def get_expert_load(self, timeout: float = 10.0) -> pb.GetExpertLoadResponse:
+        return await self._unary("GetExpertLoad", pb.GetExpertLoadRequest(), timeout)
+
     async def is_serving(self, timeout: float = 2.0) -> bool:
         """The standard grpc.health.v1 check of the engine service."""
         try:

@@ -122,6 +122,7 @@ class EngineLoop:
         self.generation_tokens_total = 0
         self.expert_imbalance = 1.0
         self.expert_load: ExpertLoad | None = None  # since the last rebalance, from the last gather
+        self.expert_load_total: ExpertLoad | None = None  # since start-up, from the same gather
         self._stats_at = 0
         self._drain_deadline: float | None = None
         self._frontend: Frontend | None = None
@@ -268,6 +269,6 @@ class EngineLoop:
 
     def _gather_stats(self) -> None:
         """Expert load over the whole EP group (a collective: every rank calls it at the same step)."""
-        self.expert_load = self.engine.expert_load(since_rebalance=True)
+        self.expert_load_total, self.expert_load = self.engine.expert_loads()
         self.expert_imbalance = self.expert_load.imbalance
         self._stats_at = self.engine.num_forwards

@@ -41,7 +41,7 @@ from epserve.serve.engine_loop import (
 )
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.proto import engine_pb2_grpc as pb_grpc
-from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME, sampling_from_proto
+from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME, expert_load_to_proto, sampling_from_proto
 from epserve.serve.signals import SignalWatcher
 
 __all__ = ["EngineServer", "ServeOptions", "Serve", "serving_rank"]
@@ -184,6 +184,11 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:  # noqa: N802
         return pb.GetLoadResponse(**dataclasses.asdict(self.engine_loop.load()))
+
+    async def GetExpertLoad(self, request: pb.GetExpertLoadRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> pb.GetExpertLoadResponse:
+        load = self.engine_loop.expert_load_total
+        return expert_load_to_proto(load) if load is not None else pb.GetExpertLoadResponse()
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:  # noqa: N802
         engine, ctx = self.engine_loop.engine, self.engine_loop.ctx

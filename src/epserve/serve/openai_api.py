@@ -78,6 +78,7 @@ class OpenAIServer:
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics_endpoint)
+        app.get("/expert_load")(self.expert_load)
         return app
 
     def _error(self, exc: APIError) -> JSONResponse:
@@ -102,6 +103,10 @@ class OpenAIServer:
     async def metrics_endpoint(self) -> Response:
         await self.router.refresh()
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def expert_load(self) -> dict[str, Any]:
+        """Each engine world's expert load since start-up (``epserve plan --expert-load`` reads it)."""
+        return {"instances": [load.summary() for load in await self.router.expert_loads()]}
 
     # ---- generation endpoints -------------------------------------------------------------------
     async def completions(self, raw: Request) -> Response:

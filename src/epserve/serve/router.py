@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 
 from epserve.engine.request import SamplingParams
+from epserve.moe.stats import ExpertLoad
 from epserve.serve.engine_client import EngineClient, EngineUnavailable
 from epserve.serve.policy import NoInstanceError, Policy
 from epserve.serve.proto import engine_pb2 as pb
+from epserve.serve.rpc import expert_load_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +120,15 @@ class Router:
     def info(self) -> pb.GetInfoResponse | None:
         """Model facts from any instance that answered (they all serve the same model)."""
         return next((inst.info for inst in self.instances if inst.info is not None), None)
+
+    async def expert_loads(self) -> list[ExpertLoad]:
+        """The expert load of each EP group behind the router: every DP group's leader reports its whole
+        world's, so only the first DP group of each world is asked (instances that do not answer are
+        left out)."""
+        leaders = [inst for inst in self.healthy if inst.info is not None and inst.info.dp_rank == 0]
+        replies = await asyncio.gather(*(inst.client.get_expert_load() for inst in leaders), return_exceptions=True)
+        return [expert_load_from_proto(r) for r in replies
+                if isinstance(r, pb.GetExpertLoadResponse) and r.layers]
 
     # ---- requests ----------------------------------------------------------------------------
     def choose(self, token_ids: list[int], exclude: Collection[int] = ()) -> Instance:

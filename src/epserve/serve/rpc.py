@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+
 from epserve.engine.request import SamplingParams
+from epserve.moe.stats import ExpertLoad
 from epserve.serve.proto import engine_pb2 as pb
 
 SERVICE_NAME = "epserve.engine.v1.Engine"
@@ -43,3 +46,17 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
+
+
+def expert_load_to_proto(load: ExpertLoad) -> pb.GetExpertLoadResponse:
+    return pb.GetExpertLoadResponse(
+        layers=list(load.layers), num_experts=load.per_expert.shape[1], num_ranks=load.per_rank.shape[1],
+        per_expert=load.per_expert.flatten().tolist(), per_rank=load.per_rank.flatten().tolist(),
+    )
+
+
+def expert_load_from_proto(msg: pb.GetExpertLoadResponse) -> ExpertLoad:
+    layers = len(msg.layers)
+    per_expert = torch.tensor(list(msg.per_expert), dtype=torch.long).view(layers, msg.num_experts)
+    per_rank = torch.tensor(list(msg.per_rank), dtype=torch.long).view(layers, msg.num_ranks)
+    return ExpertLoad(tuple(msg.layers), per_expert, per_rank)

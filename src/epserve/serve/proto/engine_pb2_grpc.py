@@ -54,6 +54,11 @@ class EngineStub:
                 request_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetInfoResponse.FromString,
                 _registered_method=True)
+        self.GetExpertLoad = channel.unary_unary(
+                '/epserve.engine.v1.Engine/GetExpertLoad',
+                request_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadRequest.SerializeToString,
+                response_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -88,6 +93,14 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetExpertLoad(self, request, context):
+        """Token copies per (MoE layer, logical expert) and per (layer, EP rank) over the whole EP group
+        since start-up (as of the engine's last statistics gather): what `epserve plan --expert-load` reads.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +123,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetInfoRequest.FromString,
                     response_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetInfoResponse.SerializeToString,
+            ),
+            'GetExpertLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetExpertLoad,
+                    request_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadRequest.FromString,
+                    response_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +238,33 @@ class Engine:
             '/epserve.engine.v1.Engine/GetInfo',
             epserve_dot_serve_dot_proto_dot_engine__pb2.GetInfoRequest.SerializeToString,
             epserve_dot_serve_dot_proto_dot_engine__pb2.GetInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetExpertLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epserve.engine.v1.Engine/GetExpertLoad',
+            epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadRequest.SerializeToString,
+            epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
