@@ -86,12 +86,16 @@ def test_memory_caps_the_single_node_batch(h200_rows: list[SweepRow]) -> None:
     assert refused and all(not r.plan.fits and not r.pareto for r in refused)
 
 
-def test_batch_beyond_memory_is_refused_not_priced() -> None:
+def test_batch_beyond_memory_is_priced_and_says_what_does_not_fit() -> None:
     plan = plan_decode(V3, H200, replace(MTP, ep=8, batch=128))
-    assert not plan.fits and plan.step is None
-    assert "at most" in (plan.refusal or "")
+    assert not plan.fits
+    assert plan.step.step_time_us > plan_decode(V3, H200, replace(MTP, ep=8, batch=64)).step.step_time_us
+    reason = plan.fits_reason or ""
+    assert reason.startswith("KV needs 42.6 GiB per GPU, 29.2 GiB free after 97.7 GiB of weights (13.4 GiB short)")
+    assert reason.endswith(f"at most {plan.memory.max_requests_per_dp_group} requests per DP group fit")
     row = plan.to_json()
-    assert row["fits"] is False and row["step_time_us"] is None and row["breakdown_us"] is None
+    assert row["fits"] is False and row["fits_reason"] == reason
+    assert row["step_time_us"] == plan.step.step_time_us and sum(row["breakdown_us"].values()) > 0
 
 
 def test_microbatching_loses_small_and_wins_large() -> None:

@@ -42,7 +42,7 @@ def test_sweep_json_rows_and_fixed_axes(capsys: pytest.CaptureFixture[str]) -> N
     assert all("pareto" in r and "meets_slo" in r for r in rows)
     assert any(r["pareto"] for r in rows)
     assert all(r["fits"] or not r["pareto"] for r in rows)
-    assert any(not r["fits"] and r["step_time_us"] is None for r in rows)  # batch 256 is beyond memory
+    assert any(not r["fits"] and r["fits_reason"] and r["step_time_us"] > 0 for r in rows)  # batch 256: priced
     best = out["best"]
     assert best["output_tokens_per_s_per_request"] >= 30
     assert best["throughput_tokens_per_s_per_node"] == max(
@@ -57,9 +57,10 @@ def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert "best at >= 25 tok/s per request" in capsys.readouterr().out
 
 
-def test_refused_plan_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_beyond_memory_is_priced_and_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--gpu", "h200", "--ep", "8", "--batch", "200"]) == 1
-    assert "REFUSED" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "DOES NOT FIT: KV needs" in text and "GiB short" in text and "tok/s per node" in text
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,10 @@ imports torch, only when used.
     name, model = load_model("deepseek-v3")
     plan = plan_decode(model, load_hardware("h100"), Deployment(ep=128, batch=64, mtp_draft=1), name)
     plan.output_tokens_per_s_per_request, plan.throughput_tokens_per_s_per_node
+    load = load_expert_load("load.json", model)  # a measured skew (LLM.expert_load().summary())
+    plan_decode(model, load_hardware("h200"), Deployment(ep=32, num_redundant_experts=32, eplb=True), name, load)
+
+Plans that do not fit in memory are priced all the same (``plan.fits``, ``plan.fits_reason``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from epserve.planner.hardware import BUILTIN, HardwareSpec, load_hardware, save_
 from epserve.planner.memory import MemoryEstimate, estimate_memory, kv_bytes_per_token
 from epserve.planner.models import load_model
 from epserve.planner.prefill import PrefillPlan, plan_prefill
+from epserve.planner.skew import ExpertLoadFile, load_expert_load
 from epserve.planner.step import DecodePlan, StepEstimate, plan_decode
 from epserve.planner.sweep import SweepRow, best_plan, microbatch_crossover, sweep
 
@@ -26,6 +31,7 @@ __all__ = [
     "BUILTIN",
     "DecodePlan",
     "Deployment",
+    "ExpertLoadFile",
     "HardwareSpec",
     "MemoryEstimate",
     "PlanError",
@@ -36,6 +42,7 @@ __all__ = [
     "check_deployment",
     "estimate_memory",
     "kv_bytes_per_token",
+    "load_expert_load",
     "load_hardware",
     "load_model",
     "microbatch_crossover",

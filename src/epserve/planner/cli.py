@@ -15,13 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from epserve.config import ConfigError
-from epserve.planner.deployment import DISPATCH_CHOICES, KV_DTYPES, OVERLAP_CHOICES, WEIGHT_DTYPES, Deployment
+from epserve.planner.deployment import (
+    DISPATCH_CHOICES,
+    KV_DTYPES,
+    OVERLAP_CHOICES,
+    WEIGHT_DTYPES,
+    Deployment,
+    batch_per_gpu,
+)
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import DEFAULT_LOCAL_FILE, GPU_CHOICES, load_hardware, save_hardware
 from epserve.planner.models import load_model
 from epserve.planner.prefill import plan_prefill
 from epserve.planner.report import format_plan, format_sweep
-from epserve.planner.step import plan_decode
+from epserve.planner.skew import ExpertLoadFile, load_expert_load
+from epserve.planner.step import DecodePlan, plan_decode
 from epserve.planner.sweep import best_plan, default_eps, microbatch_crossover, sweep
 
 BUSY_FLOOR_US = 500.0  # a kernel floor above this is a measurement taken on a busy machine
@@ -32,13 +40,18 @@ def add_parser(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "plan", help="predict throughput and latency of a deployment before buying the GPUs",
         description="Price a deployment of an MoE model (EP/TP/batch) with a roofline model, sweep the "
-        "design space, or calibrate this device (`epserve plan calibrate`).")
+        "design space, or calibrate this device (`epserve plan calibrate`). A plan that does not fit in memory "
+        "is priced all the same (fits: false, fits_reason) and exits 1; bad input exits 2.")
     p.add_argument("--model", default="deepseek-v3", help="config.json, checkpoint directory or 'deepseek-v3'")
     p.add_argument("--gpu", default="h200", help=f"{'|'.join(GPU_CHOICES)} or a hardware JSON file")
     p.add_argument("--gpus-per-node", type=int, help="GPUs per NVLink domain (default 8; 72 for gb200)")
     p.add_argument("--ep", type=int, help="expert-parallel size = DP x TP (fixed in a sweep if given)")
     p.add_argument("--tp", type=int, help="tensor-parallel size inside a DP group")
-    p.add_argument("--batch", type=int, help="requests per GPU")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--batch", type=int, help="requests per GPU (default 32; a DP group serves batch x TP)")
+    batch.add_argument("--requests", type=int, metavar="N",
+                       help="requests per DP group (one engine instance of TP GPUs) instead of --batch: "
+                            "--tp 8 --requests 1 is one request on 8 GPUs (batch 1/8 per GPU)")
     p.add_argument("--kv-len", type=int, default=5000, help="KV length per request (default 5000)")
     p.add_argument("--mtp-draft", type=int, help="MTP draft tokens per step (default 1 if the model has MTP)")
     p.add_argument("--mtp-accept", type=float, default=None,
@@ -47,7 +60,15 @@ def add_parser(subparsers: Any) -> None:
                    help="communication overlap; auto = the faster of dispatch and microbatch")
     p.add_argument("--dispatch", choices=DISPATCH_CHOICES, default="all_to_all",
                    help="dispatcher backend: all_to_all (exact rows) or padded (fixed buffers)")
-    p.add_argument("--num-redundant-experts", type=int, default=0)
+    p.add_argument("--num-redundant-experts", type=int, default=0,
+                   help="extra expert slots (EP divides the slots); with --expert-load, where EPLB puts replicas")
+    p.add_argument("--expert-load", metavar="FILE",
+                   help="JSON of LLM.expert_load().summary() or the server's statistics ({\"per_expert\": [[tokens per expert] "
+                        "per MoE layer]}, or {\"instances\": [...]}): price routing with this skew instead of "
+                        "uniform; the output compares uniform routing, the engine's start-up placement and EPLB")
+    p.add_argument("--eplb", action="store_true",
+                   help="with --expert-load: price the plan with EPLB's placement (experts + "
+                        "--num-redundant-experts slots) instead of the engine's start-up placement")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="fp8")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
     p.add_argument("--prompt-len", type=int, default=4096, help="prompt length for the prefill estimate")
@@ -127,31 +148,62 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _deployment(args: argparse.Namespace, model: Any, hw: Any) -> Deployment:
     mtp = args.mtp_draft if args.mtp_draft is not None else (1 if model.num_nextn_predict_layers else 0)
     accept = args.mtp_accept if args.mtp_accept is not None else (hw.mtp_accept if hw.mtp_accept is not None else 0.6)
+    if args.requests is not None and args.requests < 1:
+        raise PlanError(f"--requests must be at least 1 (requests per DP group), got {args.requests}")
+    if args.eplb and not args.expert_load:
+        raise PlanError("--eplb places experts by a measured load: give it with --expert-load FILE")
     base = Deployment(ep=1, kv_len=args.kv_len, mtp_draft=mtp, mtp_accept=accept, overlap=args.overlap,
                       num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype, dispatch=args.dispatch,
-                      kv_dtype=args.kv_dtype, gpus_per_node=args.gpus_per_node or hw.gpus_per_node)
-    return replace(base, ep=default_eps(model, base)[0] if args.ep is None else args.ep,
-                   tp=1 if args.tp is None else args.tp, batch=32 if args.batch is None else args.batch)
+                      kv_dtype=args.kv_dtype, gpus_per_node=args.gpus_per_node or hw.gpus_per_node, eplb=args.eplb)
+    tp = 1 if args.tp is None else args.tp
+    batch: float = 32 if args.batch is None else args.batch
+    if args.requests is not None:
+        batch = batch_per_gpu(args.requests, tp)
+    return replace(base, ep=default_eps(model, base)[0] if args.ep is None else args.ep, tp=tp, batch=batch)
 
 
 def _emit(args: argparse.Namespace, text: str) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout)
 
 
+def _placements(model: Any, hw: Any, plan: DecodePlan, load: ExpertLoadFile) -> dict[str, DecodePlan]:
+    """The plan under uniform routing, the engine's start-up placement and EPLB (one of them is ``plan``)."""
+    d, name = plan.deployment, plan.model_name
+    other = plan_decode(model, hw, replace(d, eplb=not d.eplb), name, load)
+    return {"uniform": plan_decode(model, hw, replace(d, eplb=False), name),
+            "without_eplb": other if d.eplb else plan, "with_eplb": plan if d.eplb else other}
+
+
+def _load_json(placements: dict[str, DecodePlan], num_moe: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"model_moe_layers": num_moe}
+    for key in ("without_eplb", "with_eplb"):
+        report = placements[key].expert_load
+        assert report is not None
+        out[f"imbalance_{key}"] = report.imbalance
+        out[f"max_layer_imbalance_{key}"] = max(report.layer_imbalance)
+        out[f"layer_imbalance_{key}"] = list(report.layer_imbalance)
+    out.update({key: p.timings() for key, p in placements.items()})
+    return out
+
+
 def _plan(args: argparse.Namespace) -> int:
     name, model = load_model(args.model)
     hw = load_hardware(args.gpu)
     d = _deployment(args, model, hw)
+    load = load_expert_load(args.expert_load, model) if args.expert_load else None
     if args.sweep:
-        return _sweep(args, name, model, hw, d)
-    plan = plan_decode(model, hw, d, name)
-    crossover = microbatch_crossover(model, hw, d) if plan.fits else None
+        return _sweep(args, name, model, hw, d, load)
+    plan = plan_decode(model, hw, d, name, load)
+    placements = _placements(model, hw, plan, load) if load is not None else None
+    crossover = microbatch_crossover(model, hw, d, load=load)
     try:
         prefill = plan_prefill(model, hw, d, args.prompt_len)
     except PlanError:
         prefill = None
     if args.json:
         out = plan.to_json()
+        if placements is not None:
+            out["expert_load"].update(_load_json(placements, len(model.moe_layer_ids)))
         out["microbatch_crossover_batch"] = crossover
         out["prefill"] = prefill and {"prompt_len": prefill.prompt_len, "prompts_per_gpu": prefill.prompts_per_gpu,
                                       "tokens_per_s_per_gpu": prefill.tokens_per_s_per_gpu}
@@ -159,7 +211,7 @@ def _plan(args: argparse.Namespace) -> int:
             out["meets_slo"] = plan.fits and plan.output_tokens_per_s_per_request >= args.slo_speed
         print(json.dumps(out, indent=1))
     else:
-        print(format_plan(plan, crossover, prefill))
+        print(format_plan(plan, crossover, prefill, placements))
     if args.plot:
         from epserve.planner.plots import plot_roofline
 
@@ -168,11 +220,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _sweep(args: argparse.Namespace, name: str, model: Any, hw: Any, d: Deployment) -> int:
+def _sweep(args: argparse.Namespace, name: str, model: Any, hw: Any, d: Deployment, load: ExpertLoadFile | None) -> int:
     def fixed(value: int | None) -> list[int] | None:
         return None if value is None else [value]
 
-    rows = sweep(model, hw, d, eps=fixed(args.ep), tps=fixed(args.tp), batches=fixed(args.batch), model_name=name)
+    rows = sweep(model, hw, d, eps=fixed(args.ep), tps=fixed(args.tp), batches=fixed(args.batch),
+                 requests=args.requests, model_name=name, load=load)
     if args.json:
         out: dict[str, Any] = {"rows": [r.to_json(args.slo_speed) for r in rows]}
         if args.slo_speed is not None:

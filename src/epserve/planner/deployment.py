@@ -23,11 +23,13 @@ KV_BYTES = {"bf16": 2, "fp8": 1}
 @dataclass(frozen=True)
 class Deployment:
     """One point of the design space. ``batch`` is requests per GPU; a DP group of ``tp`` GPUs
-    serves ``batch * tp`` requests. ``overlap='auto'`` is resolved per batch by the step model."""
+    serves ``batch * tp`` requests, a whole number, so ``batch`` may be a fraction (one request on TP 8
+    is ``batch=1/8``). ``overlap='auto'`` is resolved per batch by the step model. ``eplb``: with a
+    measured expert load, experts placed by EPLB instead of the engine's start-up placement."""
 
     ep: int
     tp: int = 1
-    batch: int = 1
+    batch: float = 1
     kv_len: int = 5000
     mtp_draft: int = 0
     mtp_accept: float = 0.6
@@ -37,10 +39,16 @@ class Deployment:
     kv_dtype: str = "bf16"
     gpus_per_node: int = 8
     dispatch: str = "all_to_all"
+    eplb: bool = False
 
     @property
     def dp(self) -> int:
         return self.ep // self.tp
+
+    @property
+    def requests_per_dp_group(self) -> int:
+        """Requests one DP group (one engine instance of ``tp`` GPUs) serves per step."""
+        return round(self.batch * self.tp)
 
     @property
     def num_nodes(self) -> int:
@@ -57,6 +65,11 @@ class Deployment:
         return sum(self.mtp_accept**i for i in range(self.mtp_draft + 1))
 
 
+def batch_per_gpu(requests: int, tp: int) -> float:
+    """``requests`` per DP group of ``tp`` GPUs as requests per GPU (an int when TP divides them)."""
+    return requests // tp if requests % tp == 0 else requests / tp
+
+
 def num_expert_slots(model: ModelConfig, d: Deployment) -> int:
     return model.n_routed_experts + d.num_redundant_experts
 
@@ -65,9 +78,14 @@ def check_deployment(model: ModelConfig, hw: HardwareSpec, d: Deployment) -> Non
     """Raise ``PlanError`` naming the first thing that makes ``d`` impossible for this model."""
     if model.n_routed_experts == 0:
         raise PlanError("the model has no routed experts; the planner prices MoE models")
-    for name, value in (("EP", d.ep), ("TP", d.tp), ("batch", d.batch), ("kv-len", d.kv_len)):
+    for name, value in (("EP", d.ep), ("TP", d.tp), ("kv-len", d.kv_len)):
         if value < 1:
             raise PlanError(f"{name} must be at least 1, got {value}")
+    group = d.batch * d.tp
+    if group < 1 - 1e-9:
+        raise PlanError(f"batch must be at least 1 request per DP group, got {d.batch:g} per GPU x TP {d.tp}")
+    if abs(group - round(group)) > 1e-9:
+        raise PlanError(f"batch {d.batch:g} per GPU x TP {d.tp} = {group:g} requests per DP group, not a whole number")
     if d.gpus_per_node < 1:
         raise PlanError(f"gpus-per-node must be at least 1, got {d.gpus_per_node}")
     if d.num_redundant_experts < 0:

@@ -21,6 +21,7 @@ from epserve.config import ModelConfig
 from epserve.planner.deployment import KV_BYTES, WEIGHT_BYTES, Deployment, num_expert_slots
 from epserve.planner.hardware import HardwareSpec
 
+GIB = 2**30
 TILE = 128  # FP8 weights carry one fp32 scale per TILE x TILE tile of each matrix (edge tiles whole)
 RUNTIME_BYTES = 2  # the engine's runtime dtype (bf16): embedding, LM head, norms
 # Per element of a linear layer's weight, and per tile of its scales. FP4 (NVFP4; the engine has no
@@ -39,7 +40,7 @@ class WeightCounts:
     absorbed: int = 0  # MLA's absorbed w_uk and w_uv_t: bf16 next to quantized weights, fp32 next to bf16 ones
     router: int = 0  # the router's gate weight and correction bias: fp32
     fp32: int = 0  # derived fp32 tensors: the rotary cos/sin tables, each layer's KV scale
-    int64: int = 0  # the MoE layers' logical-to-physical slot tables
+    int64: int = 0  # the MoE layers' routing tables (each expert's replica slots and count, each slot's expert)
 
     def __add__(self, other: WeightCounts) -> WeightCounts:
         return WeightCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -69,10 +70,28 @@ class MemoryEstimate:
     capacity_bytes: int
     kv_bytes_per_token: int  # per request, all layers, on one GPU
     max_batch_per_gpu: int  # requests per GPU the KV capacity holds at this KV length (0: weights do not fit)
+    max_requests_per_dp_group: int = 0  # the same for a DP group (each of its GPUs holds all its requests' KV)
 
     @property
     def weights_fit(self) -> bool:
         return self.weights_bytes + self.reserved_bytes <= self.capacity_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.weights_bytes + self.kv_bytes + self.reserved_bytes <= self.capacity_bytes
+
+    def shortfall(self) -> str | None:
+        """What does not fit in one GPU's memory and by how much (None: everything fits)."""
+        usable = self.capacity_bytes - self.reserved_bytes
+        if not self.weights_fit:
+            return (f"weights need {self.weights_bytes / GIB:.1f} GiB per GPU, more than the {usable / GIB:.1f} GiB "
+                    f"usable ({(self.weights_bytes - usable) / GIB:.1f} GiB short)")
+        if not self.fits:
+            free = usable - self.weights_bytes
+            return (f"KV needs {self.kv_bytes / GIB:.1f} GiB per GPU, {free / GIB:.1f} GiB free after "
+                    f"{self.weights_bytes / GIB:.1f} GiB of weights ({(self.kv_bytes - free) / GIB:.1f} GiB short); "
+                    f"at most {self.max_requests_per_dp_group} requests per DP group fit")
+        return None
 
 
 def linear_counts(in_features: int, out_features: int, count: int = 1) -> WeightCounts:
@@ -105,12 +124,14 @@ def expert_counts(model: ModelConfig) -> WeightCounts:
     return gated_mlp_counts(model.hidden_size, model.moe_intermediate_size)
 
 
-def moe_counts(model: ModelConfig, slots_per_rank: int) -> WeightCounts:
-    """One MoE layer on one rank (``model/moe.py``): router, slot table, local experts, shared expert."""
+def moe_counts(model: ModelConfig, slots_per_rank: int, num_slots: int) -> WeightCounts:
+    """One MoE layer on one rank (``model/moe.py``): router, routing tables (``replica_table [E, R + 1]``,
+    ``replica_count [E]``, ``slot_experts [slots per rank]``), local experts, shared expert."""
     n = model.n_routed_experts
     bias = n if model.topk_method == "noaux_tc" else 0  # the router registers it for noaux_tc only
     shared = gated_mlp_counts(model.hidden_size, model.moe_intermediate_size * model.n_shared_experts)
-    return (WeightCounts(router=n * model.hidden_size + bias, int64=n) + slots_per_rank * expert_counts(model)
+    tables = n * (num_slots - n + 1) + n + slots_per_rank
+    return (WeightCounts(router=n * model.hidden_size + bias, int64=tables) + slots_per_rank * expert_counts(model)
             + (shared if model.n_shared_experts else WeightCounts()))
 
 
@@ -118,7 +139,8 @@ def weight_counts(model: ModelConfig, d: Deployment) -> WeightCounts:
     """What the most loaded GPU (a DP group's leader) holds."""
     h = model.hidden_size
     attn = attention_counts(model, d.tp) + WeightCounts(runtime=2 * h)  # with the layer's two norms
-    moe = moe_counts(model, num_expert_slots(model, d) // d.ep)
+    slots = num_expert_slots(model, d)
+    moe = moe_counts(model, slots // d.ep, slots)
     num_moe = len(model.moe_layer_ids)
     num_dense = model.num_hidden_layers - num_moe
     total = (model.num_hidden_layers * attn + num_moe * moe + num_dense * gated_mlp_counts(h, model.intermediate_size)
@@ -143,9 +165,10 @@ def estimate_memory(model: ModelConfig, hw: HardwareSpec, d: Deployment) -> Memo
     free = hw.memory_bytes - reserved - weights
     return MemoryEstimate(
         weights_bytes=weights,
-        kv_bytes=d.batch * per_request_on_gpu,
+        kv_bytes=d.requests_per_dp_group * d.kv_len * per_token,  # every request of the DP group, on each GPU
         reserved_bytes=reserved,
         capacity_bytes=hw.memory_bytes,
         kv_bytes_per_token=per_token,
         max_batch_per_gpu=max(0, free // per_request_on_gpu),
+        max_requests_per_dp_group=max(0, free // (d.kv_len * per_token)),
     )

@@ -1,11 +1,15 @@
 """Price every named operation of ``epserve.parallel.stages`` for one (micro-)batch on one GPU.
 
 Token counts per GPU (BRIEF.md, "Parallelism"): attention runs all ``T_attn = requests * tp * q``
-tokens of the DP group with ``heads / tp`` heads; after the reduce-scatter each TP rank owns
-``T_moe = requests * q`` tokens, which it routes, dispatches and runs through the FFNs.
-Routing is assumed uniform: each GPU sends and receives ``T_moe * top_k`` (token, expert) pairs on
-average; the experts op is priced for the busiest rank (``cost.busiest_rank_load``), which every
-rank waits for at the layer's collectives.
+tokens of the DP group (``requests * tp``, a whole number, even when ``requests`` per GPU is a
+fraction) with ``heads / tp`` heads; after the reduce-scatter each TP rank owns a contiguous
+``ceil(T_attn / tp)`` of them (the engine's chunk; the last ranks fewer), priced for the rank that owns
+the most: ``T_moe``, which it routes, dispatches and runs through the FFNs. Routing is uniform unless
+a measured load (``skew.LayerLoad``) is given: the mean rank receives ``T_attn * dp * top_k / ep``
+(token, expert) copies (``T_moe * top_k`` when the batch per GPU is whole); the experts op is priced
+for the busiest rank (``cost.busiest_rank_load``; times the load's busiest-rank share, its active
+experts from the load), which every rank waits for at the layer's collectives, and so are the
+transfers a measured load skews (the busiest rank receives and sends back the most).
 
 An op that runs (has a kernel or a collective) also holds the stream for the host's cost of issuing
 it, ``op_overhead_us + op_overhead_per_token_us x tokens`` (``T_attn`` for the attention half and
@@ -34,6 +38,7 @@ from epserve.planner.cost import (
 )
 from epserve.planner.deployment import ACT_BYTES, KV_BYTES, WEIGHT_BYTES, Deployment, num_expert_slots
 from epserve.planner.hardware import HardwareSpec
+from epserve.planner.skew import LayerLoad
 
 
 @dataclass(frozen=True)
@@ -70,13 +75,20 @@ class _Price:
 class _Ctx:
     """Dimensions shared by the pricers of one batch shape."""
 
-    def __init__(self, model: ModelConfig, hw: HardwareSpec, d: Deployment, shape: BatchShape) -> None:
-        self.model, self.hw, self.d, self.shape = model, hw, d, shape
+    def __init__(
+        self, model: ModelConfig, hw: HardwareSpec, d: Deployment, shape: BatchShape, load: LayerLoad | None = None
+    ) -> None:
+        self.model, self.hw, self.d, self.shape, self.load = model, hw, d, shape, load
         self.h = model.hidden_size
         self.heads = model.num_attention_heads // d.tp
-        self.t_attn = shape.requests * d.tp * shape.query_len
-        self.t_moe = shape.requests * shape.query_len
-        self.pairs = self.t_moe * model.num_experts_per_tok
+        k = model.num_experts_per_tok
+        self.group = round(shape.requests * d.tp)  # the DP group's requests in this (micro-)batch
+        self.t_attn = self.group * shape.query_len
+        self.t_moe = -(-self.t_attn // d.tp)  # the TP rank that owns the most after the reduce-scatter
+        self.pairs = self.t_moe * k  # (token, expert) copies it sends
+        self.global_tokens = self.t_attn * d.dp  # tokens of the whole EP group in the MoE layer
+        self.recv_x = load.imbalance if load is not None else 1.0  # busiest rank's copies / mean, measured
+        self.recv_pairs = self.global_tokens * k / d.ep * self.recv_x  # copies the busiest rank receives
         self.compute_dtype = hw.compute_dtype(d.weight_dtype)
         self.w = WEIGHT_BYTES[d.weight_dtype]
         self.a = ACT_BYTES[self.compute_dtype]
@@ -140,14 +152,14 @@ def _kv_b_proj(c: _Ctx) -> _Price:  # prefill: latent -> per-head K_nope and V
 def _attention_core(c: _Ctx) -> _Price:
     m, s = c.model, c.shape
     if s.phase == "decode":  # absorbed MLA = MQA over the latent cache, read once per request
-        requests = s.requests * c.d.tp
+        requests = c.group
         flops = 2 * c.t_attn * c.heads * s.kv_len * (m.kv_cache_dim + m.kv_lora_rank)
         cache = requests * s.kv_len * m.kv_cache_dim * KV_BYTES[c.d.kv_dtype]
         io = c.t_attn * c.heads * (m.kv_cache_dim + m.kv_lora_rank) * 2
         return _Price((Kernel("attention", Work(flops, cache + io)),))
     # prefill: causal MHA, QK^T over qk_head_dim and PV over v_head_dim, half the square each
     per_head = s.query_len * s.query_len * (m.qk_head_dim + m.v_head_dim)
-    flops = s.requests * c.d.tp * c.heads * per_head
+    flops = c.group * c.heads * per_head
     io = c.t_attn * c.heads * (3 * m.qk_head_dim + m.v_head_dim) * 2
     return _Price((Kernel("attention", Work(flops, io)),))
 
@@ -156,8 +168,8 @@ def _o_proj(c: _Ctx) -> _Price:
     return _Price((c.gemm(c.t_attn, c.heads * c.model.v_head_dim, c.h),))
 
 
-def _attn_reduce_scatter(c: _Ctx) -> _Price:
-    return _Price(sync_us=tp_collective_time_us(c.hw, c.d.tp, c.t_attn * c.h * 2 * (c.d.tp - 1) / c.d.tp))
+def _attn_reduce_scatter(c: _Ctx) -> _Price:  # the tokens padded to TP chunks of T_moe
+    return _Price(sync_us=tp_collective_time_us(c.hw, c.d.tp, c.t_moe * c.h * 2 * (c.d.tp - 1)))
 
 
 def _ffn_all_gather(c: _Ctx) -> _Price:
@@ -178,12 +190,15 @@ def _gate(c: _Ctx) -> _Price:  # BF16 router GEMM, then sigmoid/softmax, group-l
 def _all_to_all(c: _Ctx, bytes_per_copy: float) -> Transfer:
     """``all_to_all`` sends each (token, expert) copy; ``padded`` sends every other rank a fixed buffer
     of ``tokens x min(top_k, slots per rank)`` rows whatever the routing (capacity from the step's
-    maximum, here the balanced mean): as if each token had ``EP x min(top_k, slots per rank)`` copies."""
+    maximum, here the balanced mean): as if each token had ``EP x min(top_k, slots per rank)`` copies.
+    ``all_to_all`` moves what the busiest rank sends or receives, whichever is more (the mean rank
+    receives what a rank sends unless a measured load is skewed or the batch per GPU is a fraction)."""
     k = c.model.num_experts_per_tok
     if c.d.dispatch == "padded":
         copies_per_token = c.d.ep * min(k, c.slots // c.d.ep)
         return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, c.t_moe, copies_per_token, bytes_per_copy)
-    return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, c.t_moe, k, bytes_per_copy, c.shape.phase == "prefill")
+    tokens = max(c.t_moe, c.recv_pairs / k)
+    return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, tokens, k, bytes_per_copy, c.shape.phase == "prefill")
 
 
 def _dispatch_send(c: _Ctx) -> _Price:
@@ -206,18 +221,22 @@ def _shared_expert(c: _Ctx) -> _Price:
 
 
 def _experts(c: _Ctx) -> _Price:
-    """The busiest rank's GroupGEMM: the mean rank's copies and active experts scaled by the expected
-    excess of the busiest rank under uniform routing (the layer's collectives wait for it)."""
+    """The busiest rank's GroupGEMM: the mean rank's copies and active experts (or, with a measured
+    load, the busiest rank's share of the copies and its expected active experts) scaled by the
+    expected excess of the busiest rank under uniform routing (the layer's collectives wait for it)."""
     m, d = c.model, c.d
-    global_tokens = c.t_moe * d.ep
-    groups = activated_experts(c.slots // d.ep, c.slots, m.num_experts_per_tok, global_tokens)
-    copies_x, active_x = busiest_rank_load(d.ep, c.slots, m.num_experts_per_tok, global_tokens)
-    groups = min(groups * active_x, c.slots // d.ep)
-    return _Price(c.swiglu(c.pairs * copies_x, c.h, m.moe_intermediate_size, groups=groups, cls="group_gemm"))
+    k, per_rank = m.num_experts_per_tok, c.slots // d.ep
+    if c.load is None:
+        groups = activated_experts(per_rank, c.slots, k, c.global_tokens)
+    else:
+        groups = c.load.busiest_active(k, c.global_tokens)
+    copies_x, active_x = busiest_rank_load(d.ep, c.slots, k, c.global_tokens)
+    groups = min(groups * active_x, per_rank)
+    return _Price(c.swiglu(c.recv_pairs * copies_x, c.h, m.moe_intermediate_size, groups=groups, cls="group_gemm"))
 
 
 def _combine_send(c: _Ctx) -> _Price:  # BF16 expert outputs back to their tokens' ranks
-    return _Price((c.elementwise(c.pairs * c.h * 2),), transfer=_all_to_all(c, c.h * 2))
+    return _Price((c.elementwise(c.recv_pairs * c.h * 2),), transfer=_all_to_all(c, c.h * 2))
 
 
 def _combine_recv(c: _Ctx) -> _Price:  # weighted sum of the top-k results per token
@@ -237,7 +256,7 @@ def _final_norm(c: _Ctx) -> _Price:
 
 
 def _lm_head_tokens(c: _Ctx) -> int:  # prefill only needs logits at each prompt's last position
-    return c.t_attn if c.shape.phase == "decode" else c.shape.requests * c.d.tp
+    return c.t_attn if c.shape.phase == "decode" else c.group
 
 
 def _lm_head(c: _Ctx) -> _Price:  # vocabulary-parallel over TP, BF16
@@ -255,6 +274,7 @@ def _eh_proj(c: _Ctx) -> _Price:  # MTP: enorm, hnorm, concat, [2H] -> [H]
 
 
 FFN_OPS = ffn_op_names()  # ops on the T_moe tokens a TP rank owns after the reduce-scatter
+LOAD_OPS = ("dispatch_send", "experts", "combine_send")  # the ops a measured expert load changes
 
 PRICERS: dict[str, Callable[[_Ctx], _Price]] = {
     "input_norm": _input_norm,
@@ -291,10 +311,12 @@ def op_kernels(model: ModelConfig, hw: HardwareSpec, d: Deployment, shape: Batch
 
 
 def price_ops(
-    model: ModelConfig, hw: HardwareSpec, d: Deployment, shape: BatchShape, ops: Iterable[Op]
+    model: ModelConfig, hw: HardwareSpec, d: Deployment, shape: BatchShape, ops: Iterable[Op],
+    load: LayerLoad | None = None,
 ) -> dict[str, PricedOp]:
-    """Time each op of ``ops`` (taken from a stage list) for this batch shape on one GPU."""
-    ctx = _Ctx(model, hw, d, shape)
+    """Time each op of ``ops`` (taken from a stage list) for this batch shape on one GPU; ``load``: the
+    layer's measured expert load (None: uniform routing)."""
+    ctx = _Ctx(model, hw, d, shape, load)
     priced: dict[str, PricedOp] = {}
     for op in ops:
         if op.name in priced:

@@ -15,11 +15,30 @@ def _layout(plan: DecodePlan) -> str:
     d = plan.deployment
     nodes = f"{d.num_nodes} node{'s' if d.num_nodes > 1 else ''}"
     mtp = f"MTP {d.mtp_draft} draft @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
+    group = f" ({d.requests_per_dp_group} per DP group)" if d.tp > 1 else ""
     return (f"{plan.model_name} on {d.ep} x {plan.hardware} ({nodes}): EP{d.ep} = DP{d.dp} x TP{d.tp}, "
-            f"{d.batch} requests/GPU, KV {d.kv_len} tokens ({d.kv_dtype}), weights {d.weight_dtype}, {mtp}")
+            f"{d.batch:g} requests/GPU{group}, KV {d.kv_len} tokens ({d.kv_dtype}), weights {d.weight_dtype}, {mtp}")
 
 
-def format_plan(plan: DecodePlan, crossover: int | None = None, prefill: PrefillPlan | None = None) -> str:
+def _placement_lines(placements: dict[str, DecodePlan], plan: DecodePlan) -> list[str]:
+    """The plan under uniform routing, the engine's start-up placement and EPLB, side by side."""
+    report = plan.expert_load
+    assert report is not None
+    lines = [f"expert load {report.file} ({len(report.layer_imbalance)} MoE layers, "
+             f"{plan.deployment.num_redundant_experts} redundant experts): busiest EP rank / mean, mean (max) over layers"]
+    names = {"uniform": "uniform routing", "without_eplb": "start-up placement", "with_eplb": "EPLB"}
+    for key, p in placements.items():
+        r = p.expert_load
+        skew = f"{r.imbalance:.2f} ({max(r.layer_imbalance):.2f})" if r else "1"
+        mark = "  <- this plan" if p is plan else ""
+        lines.append(f"  {names[key]:<20}{skew:<14}step {p.step.step_time_us / 1e3:.2f} ms, "
+                     f"{p.output_tokens_per_s_per_request:.1f} tok/s per request, "
+                     f"{p.throughput_tokens_per_s_per_node:,.0f} tok/s per node{mark}")
+    return lines
+
+
+def format_plan(plan: DecodePlan, crossover: int | None = None, prefill: PrefillPlan | None = None,
+                placements: dict[str, DecodePlan] | None = None) -> str:
     mem, d = plan.memory, plan.deployment
     lines = [
         _layout(plan),
@@ -27,10 +46,9 @@ def format_plan(plan: DecodePlan, crossover: int | None = None, prefill: Prefill
         f"(+ {mem.reserved_bytes / GIB:.1f} GiB reserved) of {mem.capacity_bytes / GIB:.1f} GiB; "
         f"KV {mem.kv_bytes_per_token:,} B/token; max batch {mem.max_batch_per_gpu}/GPU",
     ]
+    if not plan.fits:
+        lines.append(f"DOES NOT FIT: {plan.fits_reason} (priced all the same)")
     step = plan.step
-    if step is None:
-        lines.append(f"REFUSED: {plan.refusal}")
-        return "\n".join(lines)
     lines += [
         f"step {step.step_time_us / 1e3:.2f} ms (overlap {step.overlap}): MoE layer {step.moe_layer_time_us:.0f} us, "
         f"dense layer {step.dense_layer_time_us:.0f} us, head {step.head_time_us:.0f} us, "
@@ -41,6 +59,8 @@ def format_plan(plan: DecodePlan, crossover: int | None = None, prefill: Prefill
         f"({d.accepted_tokens_per_step:.2f} tokens/step), {plan.throughput_tokens_per_s_per_gpu:,.0f} tok/s per GPU, "
         f"{plan.throughput_tokens_per_s_per_node:,.0f} tok/s per node",
     ]
+    if placements is not None:
+        lines += _placement_lines(placements, plan)
     if crossover is not None:
         lines.append(f"two micro-batches beat dispatch overlap from batch {crossover}/GPU at this EP/TP")
     else:
@@ -61,8 +81,7 @@ def format_plan(plan: DecodePlan, crossover: int | None = None, prefill: Prefill
 
 def _sweep_line(p: DecodePlan) -> str:
     q, step = p.deployment, p.step
-    assert step is not None
-    return (f"  {q.ep:>4}{q.tp:>4}{q.dp:>5}{q.batch:>7}  {step.overlap:<11}"
+    return (f"  {q.ep:>4}{q.tp:>4}{q.dp:>5}{q.batch:>7g}  {step.overlap:<11}"
             f"{p.output_tokens_per_s_per_request:>10.1f}{p.throughput_tokens_per_s_per_gpu:>11,.0f}"
             f"{p.throughput_tokens_per_s_per_node:>12,.0f}{step.step_time_us / 1e3:>9.2f}")
 
@@ -73,6 +92,9 @@ def format_sweep(rows: Sequence[SweepRow], slo_speed: float | None = None) -> st
     d = first.deployment
     refused = sum(not p.fits for p in plans)
     mtp = f"MTP {d.mtp_draft} @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
+    load = first.expert_load
+    if load is not None:
+        mtp += f", expert load {load.file} ({'EPLB' if load.eplb else 'start-up placement'})"
     lines = [f"{first.model_name} on {first.hardware}, KV {d.kv_len} tokens, {mtp}, weights {d.weight_dtype}: "
              f"{len(plans)} plans, {refused} beyond memory",
              "Pareto frontier of each EP:",
@@ -88,7 +110,7 @@ def format_sweep(rows: Sequence[SweepRow], slo_speed: float | None = None) -> st
             lines.append(f"no plan reaches {slo_speed:g} tok/s per request")
         else:
             q = best.deployment
-            lines.append(f"best at >= {slo_speed:g} tok/s per request: EP{q.ep} TP{q.tp} batch {q.batch}: "
+            lines.append(f"best at >= {slo_speed:g} tok/s per request: EP{q.ep} TP{q.tp} batch {q.batch:g}: "
                          f"{best.output_tokens_per_s_per_request:.1f} tok/s, "
                          f"{best.throughput_tokens_per_s_per_node:,.0f} tok/s per node")
             per_ep = []

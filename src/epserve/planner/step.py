@@ -2,11 +2,14 @@
 
 ``step = dense layers + MoE layers (schedule) + embed/norm/LM head/sample + drafts x (MTP layer
 + head) + step overhead (+ the DP groups' metadata all-reduce)``; every op that runs adds the hardware's per-op host overhead. Output speed per request is the expected accepted tokens per step
-(``1 + a + a^2 + ... + a^drafts``) over the step time.
+(``1 + a + a^2 + ... + a^drafts``) over the step time. With a measured expert load
+(``skew.ExpertLoadFile``) each MoE layer's load-dependent ops are priced with its own layer of the
+file; the MTP layer with a layer at their mean (its own load is not in the file).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,7 +27,8 @@ from epserve.parallel.stages import (
 from epserve.planner.deployment import Deployment, check_deployment
 from epserve.planner.hardware import HardwareSpec
 from epserve.planner.memory import MemoryEstimate, estimate_memory
-from epserve.planner.ops import BatchShape, PricedOp, price_ops
+from epserve.planner.ops import LOAD_OPS, BatchShape, PricedOp, price_ops
+from epserve.planner.skew import ExpertLoadFile, LayerLoad, LoadReport
 from epserve.planner.timeline import EMPTY, Timeline, run_schedule
 
 BREAKDOWN_KEYS = ("gemm", "group_gemm", "attention", "dispatch", "combine", "other", "overhead")
@@ -49,16 +53,22 @@ class DecodePlan:
     hardware: str
     deployment: Deployment
     memory: MemoryEstimate
-    step: StepEstimate | None  # None: refused
-    refusal: str | None = None
+    step: StepEstimate  # priced whether or not it fits in memory
+    fits_reason: str | None = None  # what does not fit in a GPU's memory, by how much (None: it fits)
+    expert_load: LoadReport | None = None  # priced with a measured expert load (None: uniform routing)
 
     @property
     def fits(self) -> bool:
-        return self.step is not None
+        return self.fits_reason is None
+
+    @property
+    def refusal(self) -> str | None:
+        """``fits_reason`` by its former name (``benchmarks/planner_validation.py``)."""
+        return self.fits_reason
 
     @property
     def output_tokens_per_s_per_request(self) -> float:
-        return 0.0 if self.step is None else self.deployment.accepted_tokens_per_step / self.step.step_time_us * 1e6
+        return self.deployment.accepted_tokens_per_step / self.step.step_time_us * 1e6
 
     @property
     def throughput_tokens_per_s_per_gpu(self) -> float:
@@ -78,20 +88,22 @@ class DecodePlan:
             "tp": d.tp,
             "dp": d.dp,
             "batch": d.batch,
+            "requests_per_dp_group": d.requests_per_dp_group,
             "num_nodes": d.num_nodes,
             "gpus_per_node": d.gpus_per_node,
             "kv_len": d.kv_len,
             "mtp_draft": d.mtp_draft,
             "mtp_accept": d.mtp_accept,
-            "overlap": step.overlap if step else d.overlap,
             "dispatch": d.dispatch,
             "num_redundant_experts": d.num_redundant_experts,
+            "eplb": d.eplb,
             "weight_dtype": d.weight_dtype,
             "kv_dtype": d.kv_dtype,
             "fits": self.fits,
-            "refusal": self.refusal,
+            "fits_reason": self.fits_reason,
             "kv_bytes_per_token": mem.kv_bytes_per_token,
             "max_batch_per_gpu": mem.max_batch_per_gpu,
+            "max_requests_per_dp_group": mem.max_requests_per_dp_group,
             "memory_per_gpu_bytes": {
                 "weights": mem.weights_bytes,
                 "kv": mem.kv_bytes,
@@ -99,31 +111,47 @@ class DecodePlan:
                 "capacity": mem.capacity_bytes,
             },
             "accepted_tokens_per_step": d.accepted_tokens_per_step,
+            "expert_load": self.expert_load and self.expert_load.to_json(),
         }
-        timing = ("moe_layer_time_us", "step_time_us", "output_tokens_per_s_per_request",
-                  "throughput_tokens_per_s_per_gpu", "throughput_tokens_per_s_per_node")
-        if step is None:
-            out.update(dict.fromkeys(timing))
-            out["breakdown_us"] = None
-            return out
-        out["moe_layer_time_us"] = step.moe_layer_time_us
-        out["step_time_us"] = step.step_time_us
+        out.update(self.timings())
         out["breakdown_us"] = dict(step.breakdown_us)
         out["exposed_comm_us"] = step.exposed_comm_us
-        out["output_tokens_per_s_per_request"] = self.output_tokens_per_s_per_request
-        out["throughput_tokens_per_s_per_gpu"] = self.throughput_tokens_per_s_per_gpu
-        out["throughput_tokens_per_s_per_node"] = self.throughput_tokens_per_s_per_node
         return out
+
+    def timings(self) -> dict[str, Any]:
+        """The step and what it delivers (JSON)."""
+        return {
+            "overlap": self.step.overlap,
+            "moe_layer_time_us": self.step.moe_layer_time_us,
+            "step_time_us": self.step.step_time_us,
+            "output_tokens_per_s_per_request": self.output_tokens_per_s_per_request,
+            "throughput_tokens_per_s_per_gpu": self.throughput_tokens_per_s_per_gpu,
+            "throughput_tokens_per_s_per_node": self.throughput_tokens_per_s_per_node,
+        }
 
 
 def _run_layers(
-    model: ModelConfig, hw: HardwareSpec, d: Deployment, schedule: Schedule, shape: BatchShape, num_layers: int
+    model: ModelConfig, hw: HardwareSpec, d: Deployment, schedule: Schedule, shape: BatchShape, num_layers: int,
+    loads: Sequence[LayerLoad] | None = None,
 ) -> tuple[Timeline, dict[str, PricedOp]]:
-    """Split ``shape`` over the schedule's micro-batches, price its ops, run ``num_layers`` layers."""
+    """Split the DP group's requests of ``shape`` over the schedule's micro-batches (as the engine
+    splits its batch), price its ops, run ``num_layers`` layers (layer ``l`` under ``loads[l]``, if
+    given: only ``LOAD_OPS`` are priced again per load). Returns the first layer's ops."""
     n = schedule.num_micro_batches
-    sizes = [shape.requests // n + (1 if i < shape.requests % n else 0) for i in range(n)]
-    costs = [price_ops(model, hw, d, replace(shape, requests=r), schedule.ops) for r in sizes]
-    return run_schedule(schedule, costs, num_layers), costs[0]
+    group = round(shape.requests * d.tp)
+    shapes = [replace(shape, requests=(group // n + (1 if i < group % n else 0)) / d.tp) for i in range(n)]
+    if loads is None:
+        costs = [price_ops(model, hw, d, s, schedule.ops) for s in shapes]
+        return run_schedule(schedule, costs, num_layers), costs[0]
+    skewed = [op for op in schedule.ops if op.name in LOAD_OPS]
+    layers_of: dict[BatchShape, list[dict[str, PricedOp]]] = {}  # equal halves are priced once
+    for s in shapes:
+        if s not in layers_of:
+            base = price_ops(model, hw, d, s, schedule.ops)
+            priced = {load: {**base, **price_ops(model, hw, d, s, skewed, load)} for load in dict.fromkeys(loads)}
+            layers_of[s] = [priced[load] for load in loads]
+    per_layer = [layers_of[s] for s in shapes]
+    return run_schedule(schedule, per_layer, num_layers), per_layer[0][0]
 
 
 def _run_ops(model: ModelConfig, hw: HardwareSpec, d: Deployment, shape: BatchShape, ops: tuple[Op, ...]) -> Timeline:
@@ -132,19 +160,23 @@ def _run_ops(model: ModelConfig, hw: HardwareSpec, d: Deployment, shape: BatchSh
 
 
 def estimate_step(
-    model: ModelConfig, hw: HardwareSpec, d: Deployment, mode: OverlapMode, shape: BatchShape | None = None
+    model: ModelConfig, hw: HardwareSpec, d: Deployment, mode: OverlapMode, shape: BatchShape | None = None,
+    load: ExpertLoadFile | None = None,
 ) -> StepEstimate:
-    """Time one decode step (or, with a prefill ``shape``, one prefill forward) under ``mode``."""
+    """Time one decode step (or, with a prefill ``shape``, one prefill forward) under ``mode``, with
+    uniform routing or the measured expert ``load`` (placed as ``d.eplb`` says)."""
     shape = shape or BatchShape(d.batch, d.query_len, d.kv_len)
     num_moe = len(model.moe_layer_ids)
+    loads = load.model_layers(model, d) if load is not None and num_moe else None
     dense, _ = _run_layers(model, hw, d, dense_layer_schedule(shape.phase), shape,
                            model.num_hidden_layers - num_moe)
-    moe, moe_ops = _run_layers(model, hw, d, moe_layer_schedule(mode, shape.phase), shape, num_moe)
+    moe, moe_ops = _run_layers(model, hw, d, moe_layer_schedule(mode, shape.phase), shape, num_moe, loads)
     head = _run_ops(model, hw, d, shape, HEAD_OPS)
     mtp = EMPTY
     if shape.phase == "decode" and d.mtp_draft:
         draft = replace(shape, query_len=1)
-        layer, _ = _run_layers(model, hw, d, moe_layer_schedule("dispatch"), draft, 1)
+        mean = None if load is None or not num_moe else (load.mean_layer(model, d),)
+        layer, _ = _run_layers(model, hw, d, moe_layer_schedule("dispatch"), draft, 1, mean)
         mtp = (layer + _run_ops(model, hw, d, draft, MTP_DRAFT_OPS)).scaled(d.mtp_draft)
     total = dense + moe + head + mtp
     sync = hw.step_sync_us if d.dp > 1 else 0.0  # the step's metadata all-reduce over the DP groups
@@ -169,19 +201,15 @@ def overlap_modes(d: Deployment) -> tuple[OverlapMode, ...]:
     return ("dispatch", "microbatch") if d.overlap == "auto" else (d.overlap,)  # type: ignore[return-value]
 
 
-def plan_decode(model: ModelConfig, hw: HardwareSpec, d: Deployment, model_name: str = "model") -> DecodePlan:
-    """Memory first (a batch beyond it is refused, not priced), then the step under the overlap
-    mode; ``auto`` keeps the faster of ``dispatch`` and ``microbatch`` as the engine would."""
+def plan_decode(
+    model: ModelConfig, hw: HardwareSpec, d: Deployment, model_name: str = "model", load: ExpertLoadFile | None = None
+) -> DecodePlan:
+    """Memory (what does not fit is said in ``fits_reason``, and priced all the same), then the step
+    under the overlap mode; ``auto`` keeps the faster of ``dispatch`` and ``microbatch`` as the engine
+    would. ``load``: a measured expert load, placed as ``d.eplb`` says (None: uniform routing)."""
     check_deployment(model, hw, d)
     memory = estimate_memory(model, hw, d)
-    refusal = None
-    if not memory.weights_fit:
-        refusal = (f"weights need {memory.weights_bytes / 2**30:.1f} GiB per GPU, more than the "
-                   f"{(memory.capacity_bytes - memory.reserved_bytes) / 2**30:.1f} GiB usable")
-    elif d.batch > memory.max_batch_per_gpu:
-        refusal = (f"batch {d.batch} needs {memory.kv_bytes / 2**30:.1f} GiB of KV per GPU; "
-                   f"at most {memory.max_batch_per_gpu} requests of {d.kv_len} tokens fit")
-    if refusal:
-        return DecodePlan(model_name, hw.name, d, memory, None, refusal)
-    steps = [estimate_step(model, hw, d, mode) for mode in overlap_modes(d)]
-    return DecodePlan(model_name, hw.name, d, memory, min(steps, key=lambda s: s.step_time_us))
+    steps = [estimate_step(model, hw, d, mode, load=load) for mode in overlap_modes(d)]
+    report = load.report(model, d) if load is not None else None
+    return DecodePlan(model_name, hw.name, d, memory, min(steps, key=lambda s: s.step_time_us), memory.shortfall(),
+                      report)

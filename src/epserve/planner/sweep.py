@@ -8,9 +8,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from epserve.config import ModelConfig
-from epserve.planner.deployment import Deployment, check_deployment, num_expert_slots
+from epserve.planner.deployment import Deployment, batch_per_gpu, check_deployment, num_expert_slots
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import HardwareSpec
+from epserve.planner.skew import ExpertLoadFile
 from epserve.planner.step import DecodePlan, estimate_step, plan_decode
 
 SWEEP_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -59,24 +60,28 @@ def sweep(
     *,
     eps: Iterable[int] | None = None,
     tps: Iterable[int] | None = None,
-    batches: Iterable[int] | None = None,
+    batches: Iterable[float] | None = None,
+    requests: int | None = None,
     model_name: str = "model",
+    load: ExpertLoadFile | None = None,
 ) -> list[SweepRow]:
     """Every valid (EP, TP, batch) around ``base``; combinations the layout forbids are skipped,
-    batches beyond memory are kept as refused rows."""
+    batches beyond memory are kept, priced, as rows that do not fit (never on a frontier).
+    ``requests``: instead of batches per GPU, this many requests per DP group at every TP.
+    ``load``: a measured expert load priced at every point (placed as ``base.eplb`` says)."""
     eps, tps, batches = list(eps or default_eps(model, base)), list(tps or SWEEP_TPS), list(batches or SWEEP_BATCHES)
     plans: list[DecodePlan] = []
     first_error: PlanError | None = None
     for ep in eps:
         for tp in tps:
-            for batch in batches:
+            for batch in [batch_per_gpu(requests, tp)] if requests is not None else batches:
                 d = replace(base, ep=ep, tp=tp, batch=batch)
                 try:
                     check_deployment(model, hw, d)
                 except PlanError as e:
                     first_error = first_error or e
                     continue
-                plans.append(plan_decode(model, hw, d, model_name))
+                plans.append(plan_decode(model, hw, d, model_name, load))
     if not plans:
         raise first_error or PlanError("nothing to sweep")
     per_ep = [False] * len(plans)
@@ -95,15 +100,17 @@ def best_plan(rows: Iterable[SweepRow], min_speed: float, ep: int | None = None)
     return max(ok, key=lambda p: p.throughput_tokens_per_s_per_node, default=None)
 
 
-def microbatch_crossover(model: ModelConfig, hw: HardwareSpec, d: Deployment, max_batch: int = 256) -> int | None:
+def microbatch_crossover(
+    model: ModelConfig, hw: HardwareSpec, d: Deployment, max_batch: int = 256, load: ExpertLoadFile | None = None
+) -> int | None:
     """Smallest batch per GPU from which two micro-batches are faster than dispatch overlap for
     every larger batch up to ``max_batch`` (memory not applied); None if they never are."""
     check_deployment(model, hw, d)
     crossover = None
     for batch in range(max_batch, 0, -1):
         d_b = replace(d, batch=batch)
-        micro = estimate_step(model, hw, d_b, "microbatch").step_time_us
-        if micro >= estimate_step(model, hw, d_b, "dispatch").step_time_us:
+        micro = estimate_step(model, hw, d_b, "microbatch", load=load).step_time_us
+        if micro >= estimate_step(model, hw, d_b, "dispatch", load=load).step_time_us:
             break
         crossover = batch
     return crossover

@@ -18,6 +18,7 @@ from epserve.parallel.stages import OP_KINDS, Schedule, Stage
 from epserve.planner.ops import PricedOp
 
 BUCKETS: tuple[str, ...] = (*OP_KINDS, "overhead")  # op kinds, plus the host time spent issuing ops
+LayerCosts = dict[str, PricedOp] | Sequence[dict[str, PricedOp]]  # one layer's priced ops, or each layer's
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,15 @@ def stage_order(schedule: Schedule, num_layers: int) -> list[tuple[int, Stage]]:
     return order
 
 
-def run_schedule(schedule: Schedule, costs: Sequence[dict[str, PricedOp]], num_layers: int) -> Timeline:
-    """Elapsed time of ``num_layers`` layers under ``schedule``; ``costs[i]`` prices micro-batch i."""
+def run_schedule(schedule: Schedule, costs: Sequence[LayerCosts], num_layers: int) -> Timeline:
+    """Elapsed time of ``num_layers`` layers under ``schedule``; ``costs[i]`` prices micro-batch i,
+    the same for every layer or, as a sequence, layer by layer (layer ``l`` priced by ``costs[i][l]``)."""
     if len(costs) != schedule.num_micro_batches:
         raise ValueError(f"schedule {schedule.name!r} runs {schedule.num_micro_batches} micro-batches, got {len(costs)}")
+    per_layer = [[c] * num_layers if isinstance(c, dict) else list(c) for c in costs]
+    if any(len(c) != num_layers for c in per_layer):
+        raise ValueError(f"{num_layers} layers, but per-layer costs for {[len(c) for c in per_layer]}")
+    stages_run = [0] * len(costs)  # stages each micro-batch has run: its layer is this // stages per layer
     now = 0.0
     link_free = 0.0
     transfer_total = 0.0
@@ -75,8 +81,10 @@ def run_schedule(schedule: Schedule, costs: Sequence[dict[str, PricedOp]], num_l
     landed: dict[tuple[int, str], float] = {}
     by_kind: dict[str, float] = defaultdict(float)
     for mb, stage in stage_order(schedule, num_layers):
+        layer_costs = per_layer[mb][stages_run[mb] // len(schedule.stages)]
+        stages_run[mb] += 1
         for op in stage.ops:
-            cost = costs[mb][op.name]
+            cost = layer_costs[op.name]
             if op.comm == "recv":
                 wait = max(0.0, landed.pop((mb, op.kind), now) - now)
                 now += wait
