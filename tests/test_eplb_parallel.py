@@ -48,6 +48,8 @@ def test_rebalance_at_dp4_balances_and_keeps_tokens(skewed_ckpt, single):
             after = llm.expert_load()
             assert torch.equal(after.per_expert, ref_load.per_expert)
             assert after.imbalance <= 1.15, (mode, after.summary())
+        again = llm.rebalance_experts()  # the same load again: the same placement, nothing moves
+        assert again.experts_moved == 0 and again.bytes_moved == 0 and again.layers_changed == 0
 
 
 def test_rebalancing_every_few_steps_keeps_tokens(skewed_ckpt, single):
