@@ -59,7 +59,8 @@ def assert_same(outputs, reference, label: str) -> None:
 @pytest.mark.parametrize(("dp", "tp", "dispatch"), [
     (2, 1, "all_to_all"), (2, 1, "padded"), (1, 2, "all_to_all"), (1, 2, "padded"), (2, 2, "all_to_all"),
     (2, 2, "padded"),
-    (4, 1, "padded"),  # four ranks on this 2-core machine: one dispatcher (all_to_all at 4 ranks: test_dispatch)
+    # dp 4 (four ranks on this 2-core machine): with the padded dispatcher and every overlap mode in
+    # test_eplb_parallel (with redundant experts, before and after a rebalance); all_to_all: test_dispatch
 ])
 def test_layouts_match_one_process(ckpt, reference, dp, tp, dispatch):
     with LLM(ckpt, dp=dp, tp=tp, dispatch=dispatch, **ENGINE) as llm:

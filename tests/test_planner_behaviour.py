@@ -24,14 +24,17 @@ H100, H200 = load_hardware("h100"), load_hardware("h200")
 MTP = Deployment(ep=8, kv_len=5000, mtp_draft=1, mtp_accept=0.6)
 
 
+EPS = (8, 128)  # one node and 16 nodes: the two the tests compare (frontiers are per EP)
+
+
 @pytest.fixture(scope="module")
 def h200_rows() -> list[SweepRow]:
-    return sweep(V3, H200, MTP, model_name=NAME)
+    return sweep(V3, H200, MTP, eps=EPS, model_name=NAME)
 
 
 @pytest.fixture(scope="module")
 def h200_rows_no_mtp() -> list[SweepRow]:
-    return sweep(V3, H200, replace(MTP, mtp_draft=0), model_name=NAME)
+    return sweep(V3, H200, replace(MTP, mtp_draft=0), eps=EPS, model_name=NAME)
 
 
 def _node_throughput(rows: list[SweepRow], speed: float, ep: int) -> float:
