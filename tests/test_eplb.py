@@ -158,3 +158,14 @@ def test_rebalancing_reaches_the_captured_decode(skewed_ckpt, reference, device,
     assert llm.engine.runner.decode_graphs is not None
     assert_same(outputs(llm), reference)
     assert llm.engine.runner.balancer.num_rebalances >= 3
+
+
+def test_fp8_experts_move_with_their_scales(make_ckpt):
+    """FP8 weights and their tile scales move together (as bytes): the same logprobs after a rebalance."""
+    path = make_ckpt("tiny128", fp8=True, dtype="bfloat16", hot_experts={4: 1.0, 5: 1.0}, logit_margin=4.0)
+    kw = {"quantization": "fp8", "num_blocks": 64}
+    want = outputs(LLM(path, **kw), PROMPTS[:3], 6)
+    llm = LLM(path, num_redundant_experts=4, **kw)
+    outputs(llm, PROMPTS[:3], 6)
+    assert llm.rebalance_experts().layers_changed > 0
+    assert_same(outputs(llm, PROMPTS[:3], 6), want)

@@ -91,6 +91,7 @@ def move_expert_weights(
     """Rewrite this rank's stacked expert tensors (each ``[num_local_slots, ...]``) from ``old``'s slot
     contents to ``new``'s, exchanging the experts that change rank with the other ranks (every rank
     calls it with the same placements). Returns the bytes this rank received."""
+    tensors = [t.view(torch.uint8) for t in tensors]  # bytes on the wire: FP8 weights too, on any backend
     width = old.num_local_slots
     lo = rank * width
     old_local = old.local_logical_experts(rank)
@@ -114,4 +115,4 @@ def move_expert_weights(
             work.wait()
     for t, s in zip(tensors, staged):
         t.copy_(s)
-    return sum(t[0].numel() * t.element_size() for t in tensors) * len(incoming)
+    return sum(t[0].numel() for t in tensors) * len(incoming)
