@@ -36,6 +36,7 @@ from epserve.config import ModelConfig
 from epserve.kernels.fp8 import BLOCK
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.model.mla import MLAttention
+from epserve.model.moe import ROUTING_BUFFERS
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.moe.placement import ExpertPlacement
@@ -49,8 +50,7 @@ Span = tuple[int, int]  # [lo, hi)
 # flip), the KV scale and the rotary tables. MLA's absorbed weights too, unless the weights are FP8.
 _KEEP_FP32 = ("_scale_inv", "router.weight", "e_score_correction_bias", "kv_scale", "rotary.cos", "rotary.sin")
 _ABSORBED = ("self_attn.w_uk", "self_attn.w_uv_t")
-_DERIVED = (*_ABSORBED, "rotary.cos", "rotary.sin", "replica_table", "replica_count",
-            "slot_experts")  # computed after loading
+_DERIVED = (*_ABSORBED, "rotary.cos", "rotary.sin", *ROUTING_BUFFERS)  # computed after loading
 _OPTIONAL = ("kv_scale",)  # 1.0 unless the checkpoint has one
 _MTP_VOCAB = {"embed_tokens": "embed_tokens", "shared_head.head": "lm_head"}  # MTP tensor -> the main model's twin
 

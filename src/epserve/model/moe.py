@@ -31,6 +31,8 @@ from epserve.parallel.stages import (
     run_op,
 )
 
+ROUTING_BUFFERS = ("replica_table", "replica_count", "slot_experts")  # the buffers a placement determines
+
 
 class MoE(nn.Module):
     def __init__(
@@ -47,11 +49,11 @@ class MoE(nn.Module):
         self.ep_rank = ep_rank
         self.placement = placement
         self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size, fp8)
-        # Routing state, replaced in place by a rebalance (a captured graph keeps reading the same storage).
-        table, count = placement.replica_table(ep_rank)
-        self.register_buffer("replica_table", table, persistent=False)  # [E, max_replicas] candidate slots
-        self.register_buffer("replica_count", count, persistent=False)  # [E] candidates to spread over
-        self.register_buffer("slot_experts", torch.tensor(placement.local_logical_experts(ep_rank)), persistent=False)
+        # Routing state, replaced in place by a rebalance (a captured graph keeps reading the same storage):
+        # replica_table [E, max_replicas] candidate slots, replica_count [E] candidates to spread over,
+        # slot_experts [local slots] the logical expert of each.
+        for name, t in zip(ROUTING_BUFFERS, self._routing(placement)):
+            self.register_buffer(name, t, persistent=False)
         # Token copies this rank's slots received per logical expert since start-up (or the last reset),
         # counted on the device (no sync per layer); a placement change does not disturb it.
         self.expert_load = torch.zeros(placement.num_logical_experts, dtype=torch.long)
@@ -87,19 +89,20 @@ class MoE(nn.Module):
     def init_buffers(self) -> None:
         """The routing tables, computed (not loaded): after building on the meta device."""
         device = self.router.weight.device
-        table, count = self.placement.replica_table(self.ep_rank)
-        self.replica_table, self.replica_count = table.to(device), count.to(device)
-        self.slot_experts = torch.tensor(self.placement.local_logical_experts(self.ep_rank), device=device)
+        for name, t in zip(ROUTING_BUFFERS, self._routing(self.placement)):
+            setattr(self, name, t.to(device))
         self.expert_load = torch.zeros(self.expert_load.shape, dtype=torch.long, device=device)
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Route by ``placement`` from now on (its weights already in :attr:`experts`): the tables are
         overwritten in place, so captured graphs see the change."""
-        table, count = placement.replica_table(self.ep_rank)
-        self.replica_table.copy_(table)
-        self.replica_count.copy_(count)
-        self.slot_experts.copy_(torch.tensor(placement.local_logical_experts(self.ep_rank)))
+        for name, t in zip(ROUTING_BUFFERS, self._routing(placement)):
+            getattr(self, name).copy_(t)
         self.placement = placement
+
+    def _routing(self, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        table, count = placement.replica_table(self.ep_rank)
+        return table, count, torch.tensor(placement.local_logical_experts(self.ep_rank))
 
     def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
