@@ -141,9 +141,10 @@ def test_online_rebalancing_while_generating(skewed_ckpt, reference):
     llm = LLM(skewed_ckpt, num_redundant_experts=4, enable_eplb=True, eplb_window_size=3, eplb_step_interval=2, **ENGINE)
     assert_same(outputs(llm), reference)
     balancer = llm.engine.runner.balancer
-    assert balancer.num_rebalances >= 4 and balancer.last_report.imbalance_after <= 1.0 + 1e-9
-    seen = {m.placement.physical_to_logical for m in balancer.moes.values()}
-    assert all(p != ExpertPlacement.build(16, 1, 4).physical_to_logical for p in seen)
+    assert balancer.num_rebalances >= 4
+    for moe in balancer.moes.values():  # the window's hot experts hold the redundant slots now
+        assert moe.placement.physical_to_logical != ExpertPlacement.build(16, 1, 4).physical_to_logical
+        assert moe.replica_count[4:6].min() >= 2
 
 
 def test_rebalancing_reaches_the_captured_decode(skewed_ckpt, reference, device, monkeypatch):
