@@ -98,9 +98,10 @@ def _move_on_ranks(rank: int, world: int, seed: int) -> list[bool]:
         # each slot's rows hold its logical expert id (a 3-D and a 2-D tensor, like w13 and a scale)
         w = torch.tensor(old.local_logical_experts(rank), dtype=torch.float32)
         tensors = [w[:, None, None].repeat(1, 2, 3).contiguous(), w[:, None].repeat(1, 5).contiguous()]
-        received = move_expert_weights(tensors, old, new, rank, None)
+        moves = plan_moves(old, new)
+        received = move_expert_weights(tensors, old, new, moves, rank, None)
         want = torch.tensor(new.local_logical_experts(rank), dtype=torch.float32)
-        incoming = sum(new.rank_of(m.dst) == rank for m in plan_moves(old, new))
+        incoming = sum(new.rank_of(m.dst) == rank for m in moves)
         ok.append(bool(torch.equal(tensors[0][:, 0, 0], want) and torch.equal(tensors[1][:, 0], want)
                        and received == incoming * (6 + 5) * 4))
         old = new

@@ -42,10 +42,10 @@ class RebalanceReport:
     imbalance_after: float
 
 
-def _rank_imbalance(weight: torch.Tensor, placements: list[ExpertPlacement], ep: int) -> float:
+def _rank_imbalance(weight: torch.Tensor, placements: list[ExpertPlacement]) -> float:
     phy2log = torch.tensor([p.physical_to_logical for p in placements], dtype=torch.long)
     logcnt = torch.zeros_like(weight, dtype=torch.long).scatter_add_(1, phy2log, torch.ones_like(phy2log))
-    return float(imbalance(gpu_loads(weight, phy2log, logcnt, ep)).mean())
+    return float(imbalance(gpu_loads(weight, phy2log, logcnt, placements[0].ep_size)).mean())
 
 
 class ExpertBalancer:
@@ -64,6 +64,10 @@ class ExpertBalancer:
         first = next(iter(moes.values()))
         shape = (len(moes), first.placement.num_logical_experts)
         device = first.expert_load.device
+        # Every layer's counter is a row of one tensor: a step's counts are read without stacking them.
+        self._counts = torch.zeros(shape, dtype=torch.long, device=device)
+        for row, moe in zip(self._counts, moes.values()):
+            moe.expert_load = row
         self.window = torch.zeros(config.window_size, *shape, dtype=torch.int32, device=device) if config.enabled else None
         self._last = torch.zeros(shape, dtype=torch.long, device=device)
         self._at_rebalance = torch.zeros(shape, dtype=torch.long, device=device)  # the counters then
@@ -75,24 +79,21 @@ class ExpertBalancer:
     def counters(self, since_rebalance: bool = False) -> torch.Tensor:
         """``[layers, n_logical]`` token copies this rank received per logical expert since start-up (or
         the last reset); ``since_rebalance``: since the last rebalance (what the placement in use saw)."""
-        now = torch.stack([m.expert_load for m in self.moes.values()])
-        return now - self._at_rebalance if since_rebalance else now
+        return self._counts - self._at_rebalance if since_rebalance else self._counts.clone()
 
     def record_step(self) -> bool:
         """After every forward step (every rank): keep its counts in the window; whether a rebalance is
         due now (EPLB enabled and ``step_interval`` steps since start-up or the last one)."""
         if self.window is None:
             return False
-        now = self.counters()
-        self.window[self.num_steps % self.config.window_size] = now - self._last
-        self._last = now
+        self.window[self.num_steps % self.config.window_size] = self._counts - self._last
+        self._last.copy_(self._counts)
         self.num_steps += 1
         return self.num_steps % self.config.step_interval == 0
 
     def reset(self) -> None:
         """Forget every count (the start-up counters and the window)."""
-        for moe in self.moes.values():
-            moe.expert_load.zero_()
+        self._counts.zero_()
         self._last.zero_()
         self._at_rebalance.zero_()
         if self.window is not None:
@@ -127,23 +128,19 @@ class ExpertBalancer:
         for moe, before, after in zip(moes, old, new):
             if after.physical_to_logical == before.physical_to_logical:
                 continue
-            changed += 1
-            moved += len(plan_moves(before, after))
-            tensors = list(moe.experts.parameters())
-            received += move_expert_weights(tensors, before, after, ctx.rank, ctx.ep_group if ctx.distributed else None)
+            moves = plan_moves(before, after)
+            changed, moved = changed + 1, moved + len(moves)
+            received += move_expert_weights(list(moe.experts.parameters()), before, after, moves, ctx.rank,
+                                            ctx.ep_group if ctx.distributed else None)
             moe.set_placement(after)
-        self._at_rebalance = self.counters()
+        self._at_rebalance.copy_(self._counts)
         if ctx.device.type == "cuda":
             torch.cuda.synchronize(ctx.device)
         total = torch.tensor([received], dtype=torch.long)
         if ctx.distributed:
             dist.all_reduce(total, group=ctx.meta_group)
         report = RebalanceReport(changed, moved, int(total), time.perf_counter() - start,
-                                 _rank_imbalance(weight.double(), old, first.ep_size),
-                                 _rank_imbalance(weight.double(), new, first.ep_size))
-        return self._finish(report)
-
-    def _finish(self, report: RebalanceReport) -> RebalanceReport:
+                                 _rank_imbalance(weight.double(), old), _rank_imbalance(weight.double(), new))
         self.num_rebalances += 1
         self.last_report = report
         if self.ctx.rank == 0:

@@ -85,17 +85,17 @@ def plan_moves(old: ExpertPlacement, new: ExpertPlacement) -> list[ExpertMove]:
 
 
 def move_expert_weights(
-    tensors: list[torch.Tensor], old: ExpertPlacement, new: ExpertPlacement, rank: int,
+    tensors: list[torch.Tensor], old: ExpertPlacement, new: ExpertPlacement, moves: list[ExpertMove], rank: int,
     group: dist.ProcessGroup | None,
 ) -> int:
     """Rewrite this rank's stacked expert tensors (each ``[num_local_slots, ...]``) from ``old``'s slot
-    contents to ``new``'s, exchanging the experts that change rank with the other ranks (every rank
-    calls it with the same placements). Returns the bytes this rank received."""
+    contents to ``new``'s, exchanging the experts that change rank with the other ranks by ``moves``
+    (:func:`plan_moves`; every rank calls it with the same placements). Returns the bytes this rank
+    received."""
     tensors = [t.view(torch.uint8) for t in tensors]  # bytes on the wire: FP8 weights too, on any backend
     width = old.num_local_slots
     lo = rank * width
     old_local = old.local_logical_experts(rank)
-    moves = plan_moves(old, new)
     incoming = {m.dst - lo for m in moves if new.rank_of(m.dst) == rank}
     # Slots filled from this rank's own old slots (0 for the incoming ones: overwritten by the receive).
     gather = torch.tensor([0 if s in incoming else old_local.index(new.physical_to_logical[lo + s])

@@ -28,10 +28,6 @@ class ExpertLoad:
         per_rank = torch.stack([r.sum(dim=1) for r in rank_loads], dim=1)
         return cls(layers, per_expert, per_rank)
 
-    def since(self, earlier: ExpertLoad) -> ExpertLoad:
-        """The load between ``earlier`` (a snapshot of the same counters) and this one."""
-        return ExpertLoad(self.layers, self.per_expert - earlier.per_expert, self.per_rank - earlier.per_rank)
-
     @property
     def rank_totals(self) -> torch.Tensor:
         """[ep] tokens per rank over all layers."""
