@@ -77,6 +77,18 @@ def test_fp8_zero_block_and_bad_scale_shape():
         fp8_block_quantize(torch.ones(2, 2, 2))
 
 
+def test_fp8_dequantize_into_a_bf16_view_matches_the_full_product():
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(1))
+    w_fp8, scale_inv = fp8_block_quantize(w)
+    full = w_fp8.float() * scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200]
+    target = torch.zeros(2, 300, 200, dtype=torch.bfloat16)
+    got = fp8_block_dequantize(w_fp8, scale_inv, out=target[1])
+    assert got.data_ptr() == target[1].data_ptr() and torch.equal(target[1], full.bfloat16())
+    assert not target[0].any()
+    with pytest.raises(ValueError, match="out has shape"):
+        fp8_block_dequantize(w_fp8, scale_inv, out=torch.empty(300, 199))
+
+
 # ---- save / read ----------------------------------------------------------------------------
 
 

@@ -52,9 +52,14 @@ def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) 
 
 
 def fp8_block_dequantize(
-    w_fp8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK
+    w_fp8: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int] = DEFAULT_BLOCK,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of ``fp8_block_quantize``: float32 ``[out, in]`` = ``w_fp8`` times its tile's scale."""
+    """Inverse of ``fp8_block_quantize``: ``[out, in]`` = ``w_fp8`` times its tile's scale, float32
+    unless ``out`` (any float dtype, same shape) is given. One row of tiles at a time, so the only
+    temporary is ``b0 × in`` float32, however large the weight."""
     b0, b1 = _check_block(w_fp8.shape, block)
     out_dim, in_dim = w_fp8.shape
     expected = (math.ceil(out_dim / b0), math.ceil(in_dim / b1))
@@ -63,7 +68,12 @@ def fp8_block_dequantize(
             f"scale_inv shape {tuple(scale_inv.shape)} does not match weight {tuple(w_fp8.shape)} "
             f"with block {(b0, b1)}: expected {expected}"
         )
-    scale = scale_inv.float().repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
-    return w_fp8.float() * scale[:out_dim, :in_dim]
-
-
+    if out is None:
+        out = torch.empty(out_dim, in_dim, dtype=torch.float32, device=w_fp8.device)
+    elif tuple(out.shape) != (out_dim, in_dim):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(out_dim, in_dim)}")
+    scales = scale_inv.float().repeat_interleave(b1, dim=1)[:, :in_dim]  # [n0, in]
+    for i in range(expected[0]):
+        rows = slice(i * b0, min((i + 1) * b0, out_dim))
+        out[rows] = w_fp8[rows].float() * scales[i]
+    return out

@@ -208,6 +208,23 @@ def _read(reader: CheckpointReader, piece: Piece) -> torch.Tensor:
     return t if piece.cols is None else t[:, piece.cols[0] : piece.cols[1]]
 
 
+def _whole_tiles(reader: CheckpointReader, piece: Piece) -> bool:
+    """Whether ``piece`` takes every column and its rows start on a tile (it reads whole tile rows)."""
+    return piece.cols is None and (piece.rows is None or piece.rows[0] % reader.block_size[0] == 0)
+
+
+def _dequantize_into(reader: CheckpointReader, piece: Piece, dst: torch.Tensor, name: str) -> None:
+    """Dequantize an FP8 ``piece`` of whole tile rows straight into ``dst`` (no full-size temporary)."""
+    rows = piece.rows
+    _check(piece, _rows_shape(reader, piece), tuple(dst.shape), name)
+    w = reader.get_raw(piece.source, rows=rows)
+    scale = reader.get_raw(piece.source + SCALE_SUFFIX, rows=piece.scaled().rows if rows else None)
+    try:
+        fp8_block_dequantize(w, scale, reader.block_size, out=dst)
+    except ValueError as e:
+        raise CheckpointError(f"cannot dequantize {piece.source!r}: {e}") from None
+
+
 def _check(piece: Piece, got: tuple[int, ...], want: tuple[int, ...], name: str) -> None:
     if got != want:
         raise CheckpointError(f"checkpoint tensor {piece.source!r} (for {name}) has shape {got}, expected {want}")
@@ -239,7 +256,9 @@ def _fill(reader: CheckpointReader, name: str, target: torch.Tensor, scale: torc
             _copy_stored(reader, piece.scaled(), _scale_view(scale, piece), name)
         elif scale is None and not stored_fp8:  # as stored, cast to the runtime dtype
             _copy_stored(reader, piece, dst, name)
-        else:  # FP8 dequantized, or a higher-precision checkpoint quantized at load (tile-aligned pieces)
+        elif scale is None and _whole_tiles(reader, piece):  # FP8 dequantized straight into the target
+            _dequantize_into(reader, piece, dst, name)
+        else:  # FP8 dequantized through a temporary, or a higher-precision checkpoint quantized at load
             t = _read(reader, piece)
             _check(piece, tuple(t.shape), tuple(dst.shape), name)
             if scale is None:
