@@ -14,7 +14,9 @@
 #   eplb: expert load balancing with the engine on CUDA: replicas routed inside captured CUDA graphs,
 #           rebalances rewriting the expert weights and routing tables in place every few steps (tokens
 #           and logprobs = the CPU reference). Moves between ranks (NCCL point-to-point) need two GPUs.
-# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|all]   (default all; each < 10 min)
+#   recovery: `epserve serve --device cuda` with its one rank SIGKILLed and SIGSTOPped mid-stream: detected,
+#           restarted (a fresh CUDA process), served again; SIGTERM exits 0 (benchmarks/recovery.py).
+# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|recovery|all]   (default all; each < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -56,4 +58,10 @@ fi
 if [ "$PART" = eplb ] || [ "$PART" = all ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_eplb.py tests/test_eplb_policy.py \
     2>&1 | tail -25 | tee "$OUT/eplb_tests.txt"
+fi
+if [ "$PART" = recovery ] || [ "$PART" = all ]; then
+  # One GPU: one rank (dp 1). SIGKILL and SIGSTOP of the CUDA rank with a stream in flight: detected,
+  # the group torn down and started again (spawned, CUDA), served again; then SIGTERM exits 0.
+  timeout 300 python3 benchmarks/recovery.py --device cuda --dp 1 --step-timeout 5 --repeats 1 \
+    --json "$OUT/recovery.json" 2>&1 | tail -10 | tee "$OUT/recovery.txt"
 fi

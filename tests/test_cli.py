@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+
+from epserve.cli import main
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -60,17 +64,20 @@ def test_generate_across_ranks_matches_one_process(make_ckpt):
     assert len(tokens) == 2 and tokens == [line for line in ep.stdout.splitlines() if line.startswith("tokens:")]
 
 
-def test_bad_layouts_are_one_line_errors(make_ckpt):
+def test_bad_layouts_are_one_line_errors(make_ckpt, capsys):
     ckpt = str(make_ckpt("tiny", dtype="float32"))
-    out = run_cli("generate", ckpt, "--tp", "3")
-    assert out.returncode == 2 and "tp=3 does not divide" in out.stderr and "Traceback" not in out.stderr
-    out = run_cli("generate", ckpt, "--dp", "2", "--nnodes", "2")
-    assert out.returncode == 2 and "master_port" in out.stderr
+    assert main(["generate", ckpt, "--tp", "3"]) == 2  # in this process: refused before any rank starts
+    err = capsys.readouterr().err
+    assert "tp=3 does not divide" in err and "Traceback" not in err
+    assert main(["generate", ckpt, "--dp", "2", "--nnodes", "2"]) == 2
+    assert "master_port" in capsys.readouterr().err
+    assert multiprocessing.active_children() == []
 
 
-def test_serving_commands_refuse_bad_options_before_starting(tmp_path):
+def test_serving_commands_refuse_bad_options_before_starting(tmp_path, capsys):
     import socket
 
+    threads = len(threading.enumerate())
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         in_use = f"cannot listen on 127.0.0.1:{port}: Address already in use"
@@ -83,11 +90,14 @@ def test_serving_commands_refuse_bad_options_before_starting(tmp_path):
             (["serve", "--engine-port", "70000"], "--engine-port"),
             (["serve", "--nnodes", "2"], "serve runs on one host"),
         ]
-        with ThreadPoolExecutor(len(cases)) as pool:  # independent processes: run them side by side
-            results = list(pool.map(lambda case: run_cli(*case[0]), cases))
-    for (args, message), r in zip(cases, results):
-        assert r.returncode == 2, (args, r.stderr)
-        assert message in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        results = []
+        for args, _ in cases:  # in this process: each refusal comes before anything starts
+            code = main(args)
+            results.append((code, capsys.readouterr().err))
+    for (args, message), (code, err) in zip(cases, results):
+        assert code == 2, (args, err)
+        assert message in err and "Traceback" not in err, (args, err)
+    assert len(threading.enumerate()) == threads and multiprocessing.active_children() == []  # nothing started
 
 
 def test_make_checkpoint_train_then_generate_with_mtp(tmp_path):

@@ -237,3 +237,29 @@ def test_drain_timeout_aborts_what_is_left(ckpt):
     assert rest[-1].finish_reason == "abort" and rest[-1].num_output_tokens < 1000
     thread.join(30)
     assert not thread.is_alive()
+
+
+def test_engine_token_is_required_but_health_stays_open(ckpt):
+    server, thread = start(ckpt, token="s3cret")
+
+    async def go():
+        anonymous, wrong, right = (EngineClient(0, server.address, token) for token in (None, "guess", "s3cret"))
+        refused = []
+        for client in (anonymous, wrong):
+            with pytest.raises(EngineUnavailable, match="engine token") as info:
+                await client.get_load()
+            refused.append(str(info.value))
+            with pytest.raises(EngineUnavailable, match="engine token"):
+                await collect(client, "x", [1, 2], GREEDY)
+        serving = await anonymous.is_serving()
+        load = await right.get_load()
+        out = await collect(right, "ok", [1, 2, 3], GREEDY)
+        for client in (anonymous, wrong, right):
+            await client.close()
+        return refused, serving, load, out
+
+    refused, serving, load, out = run(go())
+    assert serving and load.kv_blocks_total == 64 and not load.stalled and out[-1].finish_reason
+    server.request_stop()
+    thread.join(30)
+    assert not thread.is_alive()

@@ -20,11 +20,14 @@ from epserve.serve.errors import (
     unavailable,
     validation_error,
 )
+from epserve.serve.json_body import MAX_JSON_DEPTH, load_json_body
+from epserve.serve.openai_api import max_chars_per_token
 from epserve.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     check_request,
 )
+from epserve.tokenizer import CORPUS, Tokenizer, write_tokenizer_files
 
 # ---------------------------------------------------------------------------------------------- errors
 
@@ -223,6 +226,10 @@ def test_chat_content_parts() -> None:
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": 1.1}, "min_p"),
         ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_p": 1e-46}, "top_p"),  # 0 as the engine's float32
+        ({"stop_token_ids": [2**32]}, "stop_token_ids"),
         ({"stop": ["s"] * 17}, "stop"),
         ({"stop": ""}, "stop"),
         ({"stop": ["a", ""]}, "stop"),
@@ -245,6 +252,8 @@ def test_range_checks(kind: str, kw: dict[str, Any], param: str) -> None:
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -5}, "max_tokens"),
+        ({"max_tokens": 2**32}, "max_tokens"),
+        ({"logprobs": 2**32}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
         ({"echo": True}, "echo"),
@@ -265,6 +274,8 @@ def test_completion_checks(kw: dict[str, Any], param: str) -> None:
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"max_completion_tokens": 2**32}, "max_completion_tokens"),
+        ({"logprobs": True, "top_logprobs": 2**32}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
@@ -296,6 +307,7 @@ def test_nan_is_out_of_range() -> None:
         {},
         {"n": 16, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 1},
         {"temperature": 2, "top_p": 0.01, "top_k": -1, "min_p": 0, "seed": -(2**63)},
+        {"top_k": 2**31 - 1, "stop_token_ids": [2**32 - 1], "max_tokens": 2**32 - 1, "seed": 2**63 - 1},
         {"stop": ["s"] * 16, "stop_token_ids": [0, 1]},
         {"stream": True, "stream_options": {"include_usage": True}},
         {"logprobs": 0},
@@ -322,3 +334,63 @@ def test_valid_completion_requests_pass(kw: dict[str, Any]) -> None:
 )
 def test_valid_chat_requests_pass(kw: dict[str, Any]) -> None:
     check_request(chat(**kw))
+
+
+# ---------------------------------------------------------------------------------------------- body
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        (b'{"prompt": "a\\ud800"}', "prompt"),
+        (b'{"prompt": ["ok", "\\udfff"]}', "prompt[1]"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800x"}]}]}',
+         "messages[0].content[0].text"),
+        (b'{"prompt": "x", "stop": "\\uDBFF"}', "stop"),
+        (b'{"prompt": "x", "\\ud800": 1}', "\\ud800"),  # a key, shown escaped
+    ],
+)
+def test_lone_surrogates_are_refused_where_they_are(body: bytes, param: str) -> None:
+    e = api_error(load_json_body, body)
+    assert (e.status, e.code, e.param) == (400, "invalid_unicode", param)
+    json.dumps(e.body(), ensure_ascii=False).encode()  # the error itself is valid text
+
+
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        (b'{"prompt": ' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}", "invalid_json"),
+        (b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "invalid_json"),  # json's RecursionError
+        (b'{"n": ' + b"9" * 5000 + b"}", "invalid_json"),  # more digits than int() converts
+        (b"[1, 2]", "invalid_json"),
+        (b"\xff{}", "invalid_json"),
+    ],
+)
+def test_unparseable_bodies_are_400(body: bytes, code: str) -> None:
+    e = api_error(load_json_body, body)
+    assert e.status == 400 and e.code == code
+
+
+def test_valid_bodies_load() -> None:
+    assert load_json_body(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}  # a pair
+    deep = b'{"prompt": ' + b"[" * (MAX_JSON_DEPTH - 1) + b"]" * (MAX_JSON_DEPTH - 1) + b"}"
+    assert load_json_body(deep)
+    assert load_json_body(b'{"prompt": [' + b", ".join([b"7"] * 10_000) + b"]}")["prompt"][-1] == 7
+
+
+def test_json_schema_says_what_validation_does() -> None:
+    props = CompletionRequest.model_json_schema()["properties"]
+    assert {"type": "null"} in props["temperature"]["anyOf"] and props["temperature"]["maximum"] == 2
+    assert (props["top_k"]["minimum"], props["top_k"]["maximum"]) == (-1, 2**31 - 1)
+    assert props["logprobs"]["maximum"] == 20 and props["stop_token_ids"]["items"]["maximum"] == 2**32 - 1
+    chat_props = ChatCompletionRequest.model_json_schema()["properties"]
+    assert "maximum" not in chat_props["logprobs"]  # a flag there
+    assert chat_props["top_logprobs"]["maximum"] == 20
+
+
+def test_no_token_spans_more_characters_than_the_bound(tmp_path) -> None:
+    """What lets the router refuse a text that cannot fit before tokenizing it."""
+    tok = Tokenizer.from_dir(write_tokenizer_files(tmp_path, 512, 1024))
+    per_token = max_chars_per_token(tok)
+    texts = [CORPUS, "\U0001f600é中文" * 50, "aaaa" * 300, " " * 500, "<｜User｜>" * 20]
+    assert all(len(t) <= per_token * len(tok.encode(t, add_special_tokens=False)) for t in texts)

@@ -175,6 +175,19 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ({"model": "tiny", "prompt": [1, 2, 100000]}, 400, "vocabulary"),
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    # what the engine's gRPC fields cannot hold, lone surrogates, deep nesting: 400, never 500
+    ({"model": "tiny", "prompt": "x", "top_k": 2**31}, 400, "top_k"),
+    ({"model": "tiny", "prompt": "x", "stop_token_ids": [2**32]}, 400, "stop_token_ids"),
+    ({"model": "tiny", "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2**32}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2**32}, 400, "logprobs"),
+    (b'{"model": "tiny", "prompt": "a\\ud800"}', 400, "invalid_unicode"),
+    (b'{"model": "tiny", "prompt": ["ok", "\\udfff"]}', 400, '"prompt[1]"'),
+    (b'{"model": "tiny", "prompt": "x", "stop": ["\\ud800"]}', 400, '"stop[0]"'),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "invalid_json"),
+    (b'{"model": "tiny", "prompt": "x", "extra": ' + b"[" * 100 + b"]" * 100 + b"}", 400, "invalid_json"),
+    ({"model": "tiny", "prompt": ["x"] * 257}, 400, "too_many_choices"),
+    ({"model": "tiny", "prompt": "word " * 40_000}, 400, "context_length_exceeded"),  # refused untokenized
 ]
 
 
@@ -189,6 +202,8 @@ def test_bad_completion_requests(server, body, status, hint):
 
 
 @pytest.mark.parametrize("body,hint", [
+    (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', '"messages[0].content"'),
+    (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', "content[0].text"),
     ({"model": "tiny", "messages": []}, "messages"),
     ({"model": "tiny", "messages": "hello"}, "messages"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
@@ -197,9 +212,26 @@ def test_bad_completion_requests(server, body, status, hint):
      "context_length_exceeded"),
 ])
 def test_bad_chat_requests(server, body, hint):
-    r = server.http.post("/v1/chat/completions", json=body)
+    r = server.http.post("/v1/chat/completions", content=body if isinstance(body, bytes) else json.dumps(body))
     assert r.status_code == 400, r.text
     assert hint in json.dumps(r.json()["error"])
+
+
+def test_bad_input_keeps_the_connection(server):
+    """A 400 for inputs that once were 500s is an answer like any other: the connection stays open."""
+    with httpx.Client(base_url=server.url, headers=server.http.headers) as client:
+        addresses = set()
+        for body, status, _ in [*BAD[-8:], ({"model": MODEL, "prompt": "still here", "max_tokens": 2}, 200, "")]:
+            r = client.post("/v1/completions", content=body if isinstance(body, bytes) else json.dumps(body))
+            assert r.status_code == status, r.text
+            addresses.add(r.extensions["network_stream"].get_extra_info("client_addr"))
+        assert len(addresses) == 1
+
+
+def test_health_and_models_show_no_internal_details(server, ckpt):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "num_engines": 2, "num_healthy_engines": 2}
+    r = server.http.get("/v1/models")
+    assert r.json()["data"][0]["root"] == MODEL and str(ckpt) not in r.text
 
 
 def test_api_key_and_openai_errors(server):

@@ -3,6 +3,9 @@ and a separate ``epserve router``; an engine going down is routed around; none l
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -51,16 +54,21 @@ def _complete(url: str, prompt: str, max_tokens: int = 8) -> httpx.Response:
 
 def test_engines_on_two_hosts_behind_a_router(ckpt, tmp_path):
     """`epserve engine --nnodes 2` on each "host" (one EP world of 2 ranks = 2 instances), then
-    `epserve router --engine ... --engine ...`: same greedy text as one process; SIGTERM stops all."""
+    `epserve router --engine ... --engine ...`, all with one engine token: same greedy text as one
+    process. Then one host hangs (its rank SIGSTOPped) while a request runs on the other: both hosts'
+    `epserve engine` exit non-zero within the step timeout (for their own supervisors to restart them),
+    leaving nothing running, and the router still stops cleanly."""
     master, engine_port, http_port = free_port(), free_port(), free_port()
     common = ["engine", str(ckpt), *ENGINE_ARGS, "--dp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-              "--master-port", str(master), "--engine-port", str(engine_port)]
+              "--master-port", str(master), "--engine-port", str(engine_port), "--step-timeout", "3",
+              "--engine-token", "t0ken"]
     nodes = [Proc([*common, "--node-rank", str(i)], tmp_path / f"node{i}.log") for i in range(2)]
     procs = list(nodes)
     try:
         for i, node in enumerate(nodes):
             _wait_output(node, f"engine instance {i} listening on 127.0.0.1:{engine_port + i}")
         router = Proc(["router", str(ckpt), "--port", str(http_port), "--policy", "round_robin",
+                       "--engine-wait-timeout", "2", "--engine-token", "t0ken",
                        "--engine", f"127.0.0.1:{engine_port}", "--engine", f"127.0.0.1:{engine_port + 1}"],
                       tmp_path / "router.log")
         procs.append(router)
@@ -75,7 +83,24 @@ def test_engines_on_two_hosts_behind_a_router(ckpt, tmp_path):
         m = httpx.get(f"{url}/metrics").text
         assert metric(m, "epserve:router_requests_total", engine="0") >= 1
         assert metric(m, "epserve:router_requests_total", engine="1") >= 1
-        assert _stop(procs) == [0, 0, 0]
+        pids = {p for node in nodes for p in [node.pid, *descendants(node.pid)]}
+        rank1 = next(p for p in descendants(nodes[1].pid)
+                     if Path(f"/proc/{p}/comm").read_text().strip() == "epserve-rank1")
+        os.kill(rank1, signal.SIGSTOP)  # host 1's rank hangs
+        hung = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            late = pool.submit(_complete, url, "x", 50)  # its step waits on the hung host, then fails
+            codes = [node.wait(30) for node in nodes]
+            exited = time.monotonic() - hung
+            assert late.result().status_code == 503, late.result().text  # after --engine-wait-timeout
+        assert all(code != 0 for code in codes), codes
+        assert exited < 15, exited  # step timeout 3 s; generous for a loaded 2-core machine
+        assert "--max-restarts 0" in nodes[1].output() or "stalled" in nodes[1].output(), nodes[1].output()[-2000:]
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if alive(p)]
+        assert _stop([router]) == [0]
     finally:
         for proc in procs:
             if proc.proc.poll() is None:
@@ -97,6 +122,7 @@ def test_router_routes_around_a_dead_engine_and_503_when_none(ckpt, tmp_path):
             _wait_output(e, "listening on")
         http_port = free_port()
         router = Proc(["router", str(ckpt), "--port", str(http_port), "--policy", "round_robin",
+                       "--engine-wait-timeout", "2",  # none healthy: a request waits this long, then 503
                        *[a for p in ports for a in ("--engine", f"127.0.0.1:{p}")]], tmp_path / "router.log")
         procs.append(router)
         url = f"http://127.0.0.1:{http_port}"
@@ -110,7 +136,8 @@ def test_router_routes_around_a_dead_engine_and_503_when_none(ckpt, tmp_path):
         assert metric(m, "epserve:engine_healthy", engine="0") == 1
         assert metric(m, "epserve:engine_healthy", engine="1") == 0
         health = httpx.get(f"{url}/health").json()
-        assert health["healthy_engines"] == [f"127.0.0.1:{ports[0]}"]
+        assert (health["num_engines"], health["num_healthy_engines"]) == (2, 1)
+        assert str(ports[0]) not in json.dumps(health)  # no internal addresses
         engines[0].kill_all()
         start = time.monotonic()
         r = _complete(url, "nobody home")
@@ -143,8 +170,7 @@ def test_engine_under_torchrun(ckpt, tmp_path):
         procs.append(router)
         url = f"http://127.0.0.1:{http_port}"
         wait_http_ok(f"{url}/health", router)
-        assert httpx.get(f"{url}/health").json()["healthy_engines"] == [
-            f"127.0.0.1:{engine_port}", f"127.0.0.1:{engine_port + 1}"]
+        assert httpx.get(f"{url}/health").json()["num_healthy_engines"] == 2
         r = _complete(url, "torchrun")
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         _stop([router])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import secrets
 import sys
 
 from epserve import env
@@ -85,6 +87,20 @@ def _add_engine_serving_args(p: argparse.ArgumentParser) -> None:
                    help="the leader of DP group i listens on ENGINE_PORT + i (serve: any free port; engine: 50051)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after Ctrl-C/SIGTERM before they are aborted")
+    g.add_argument("--step-timeout", type=float, default=60.0,
+                   help="an instance whose step makes no progress this long (a rank hung or died) stops serving, "
+                   "fails its requests, and its group is restarted")
+    g.add_argument("--dist-timeout", type=float, default=None,
+                   help="while serving, collectives give up after this many seconds (default: --step-timeout)")
+    g.add_argument("--max-restarts", type=int, default=3,
+                   help="times the engine group is restarted after a rank dies or hangs (one host only)")
+    _add_engine_token_arg(g)
+
+
+def _add_engine_token_arg(g) -> None:
+    g.add_argument("--engine-token", default=None,
+                   help="engines require it as gRPC call metadata, routers send it (or set EPSERVE_ENGINE_TOKEN; "
+                   "default: the API key; serve: a random one)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -94,8 +110,11 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: the MODEL argument)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (or set EPSERVE_API_KEY)")
+    key = g.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 (or set EPSERVE_API_KEY)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="... with the key read from this file (keeps it off the command line)")
     g.add_argument("--policy", default="cache_aware", choices=POLICIES)
     g.add_argument("--cache-threshold", type=float, default=0.3,
                    help="cache_aware: route to the longest prefix match above this fraction of the prompt")
@@ -104,6 +123,19 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--balance-rel-threshold", type=float, default=1.5, help="... and max > this x min")
     g.add_argument("--max-tree-tokens", type=int, default=1 << 22,
                    help="cache_aware: prefix tokens remembered per instance (LRU beyond)")
+    g.add_argument("--engine-wait-timeout", type=float, default=20.0,
+                   help="seconds a request that has not started waits for a healthy engine instance (one being "
+                   "restarted) before a 503")
+    lim = p.add_argument_group("router limits (per HTTP request)")
+    lim.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413 (default 4 MiB)")
+    lim.add_argument("--max-choices-per-request", type=int, default=256,
+                     help="most generations one request may ask for (prompts x n)")
+    lim.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds for a request's headers to arrive, else the connection is closed")
+    lim.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds for a request's body to arrive after its headers, else 408")
+    lim.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                     help="seconds an idle kept-alive connection stays open")
 
 
 def _router_options(args: argparse.Namespace, engines: tuple[str, ...] = ()):
@@ -113,7 +145,10 @@ def _router_options(args: argparse.Namespace, engines: tuple[str, ...] = ()):
         model=args.model, engines=engines, host=args.host, port=args.port, policy=args.policy,
         served_model_name=args.served_model_name, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
-        max_tree_tokens=args.max_tree_tokens, log_level=args.log_level.upper(),
+        max_tree_tokens=args.max_tree_tokens, engine_wait_s=args.engine_wait_timeout, log_level=args.log_level.upper(),
+        max_request_bytes=args.max_request_bytes, max_choices_per_request=args.max_choices_per_request,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout, engine_token=_engine_token(args),
     )
 
 
@@ -150,13 +185,38 @@ def _serve_options(args: argparse.Namespace, default_port: int):
         raise ValueError(f"--engine-port must be in [0, 65535], got {port}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    return ServeOptions(host=args.engine_host, port=port, drain_timeout_s=args.drain_timeout)
+    if not args.step_timeout > 0:
+        raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
+    if args.dist_timeout is not None and not args.dist_timeout > 0:
+        raise ValueError(f"--dist-timeout must be > 0, got {args.dist_timeout}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    return ServeOptions(host=args.engine_host, port=port, drain_timeout_s=args.drain_timeout,
+                        token=_engine_token(args), step_timeout_s=args.step_timeout, dist_timeout_s=args.dist_timeout)
+
+
+def _engine_token(args: argparse.Namespace) -> str | None:
+    """--engine-token, else $EPSERVE_ENGINE_TOKEN, else the API key (--api-key or $EPSERVE_API_KEY)."""
+    return args.engine_token or env.engine_token() or getattr(args, "api_key", None) or env.api_key()
 
 
 def _set_api_key(args: argparse.Namespace) -> None:
+    """--api-key, or the key in --api-key-file, as $EPSERVE_API_KEY: how the router (process) finds it,
+    never on a command line. ValueError naming the file if it cannot be read or holds no key."""
+    key = args.api_key
+    if args.api_key_file is not None:
+        from pathlib import Path
 
-    if args.api_key:  # handed to the router process through its environment, not its command line
-        env.set_api_key(args.api_key)
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--api-key-file {args.api_key_file} is not UTF-8 text") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    if key:
+        env.set_api_key(key)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -165,20 +225,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.nnodes != 1:
         raise ValueError("serve runs on one host; across hosts run `epserve engine` per host and `epserve router`")
     _set_api_key(args)
-    return serve(_engine_config(args), _serve_options(args, 0), _router_options(args), args.log_level.upper())
+    options = _serve_options(args, 0)
+    if options.token is None:  # one host: the router and the engines share a random token
+        options = dataclasses.replace(options, token=secrets.token_urlsafe(24))
+    return serve(_engine_config(args), options, _router_options(args), args.log_level.upper(), args.max_restarts)
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
     from epserve.serve.launcher import run_engine
 
-    return run_engine(_engine_config(args), _serve_options(args, 50051))
+    return run_engine(_engine_config(args), _serve_options(args, 50051), args.max_restarts)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
 
     from epserve.serve.launcher import run_router
 
-    run_router(_router_options(args, tuple(args.engine)), args.api_key or env.api_key())
+    _set_api_key(args)
+    run_router(_router_options(args, tuple(args.engine)), env.api_key())
     return 0
 
 
@@ -268,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--engine", action="append", required=True, metavar="HOST:PORT",
                     help="an engine instance's gRPC address (repeat for each)")
     _add_router_args(rt)
+    _add_engine_token_arg(rt)
     rt.set_defaults(func=_cmd_router)
 
     mk = sub.add_parser("make-checkpoint", help="write a random-weight (or --train: trained) checkpoint in the HF "

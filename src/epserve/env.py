@@ -10,6 +10,7 @@ may use it.
 | ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
 | ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |
 | ``EPSERVE_API_KEY`` | the router's API key (how ``epserve serve`` hands it to the router process) | none |
+| ``EPSERVE_ENGINE_TOKEN`` | the token engines require as gRPC call metadata and routers send (``--engine-token``) | the API key, if any |
 | ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests use ``aot_eager``: the same fullgraph trace, no codegen) | ``inductor`` |
 | ``EPSERVE_FP8_BACKEND`` | FP8 kernels on CUDA: ``auto``, ``triton``, ``scaled_mm`` or ``torch`` | ``auto`` |
 """
@@ -27,6 +28,7 @@ PIN = "EPSERVE_PIN"
 API_KEY = "EPSERVE_API_KEY"
 FP8_BACKEND = "EPSERVE_FP8_BACKEND"
 COMPILE_BACKEND = "EPSERVE_COMPILE_BACKEND"
+ENGINE_TOKEN = "EPSERVE_ENGINE_TOKEN"
 FP8_BACKENDS = ("auto", "triton", "scaled_mm", "torch")
 
 
@@ -79,3 +81,15 @@ def api_key() -> str | None:
 def set_api_key(key: str) -> None:
     """Hand the API key to processes started from here (not on their command line)."""
     os.environ[API_KEY] = key
+
+
+def engine_token() -> str | None:
+    return os.environ.get(ENGINE_TOKEN) or None
+
+
+
+def collectives_on_loopback() -> None:
+    """Make gloo and NCCL listen on the loopback interface (a world on one host whose rendezvous is
+    loopback), unless the user chose interfaces with ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``."""
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(name, "lo")

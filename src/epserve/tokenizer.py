@@ -251,8 +251,10 @@ class Tokenizer:
 
     # -- text
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens``, bos first when the config says so."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        """Token ids of ``text``; with ``add_special_tokens``, bos first when the config says so.
+        Through ``encode_batch``, which releases the GIL while it works (``encode`` holds it: a long
+        prompt tokenized in the router's worker thread would still stall its event loop)."""
+        ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -112,6 +112,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._pool: tuple[int, int] | None = None  # the CUDA graphs' shared memory pool
+        self._warm: set[tuple[int, str]] = set()  # (bucket, overlap) run once: captured or compiled
+        self.warming_up = False  # a first run (capture or compile) is under way: a step may take minutes
         if mode == "compile":
             import torch._dynamo
 
@@ -147,6 +149,18 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
         """Hidden states [bucket, H] of a padded decode batch (callers keep the real rows)."""
+        key = (inputs.bucket, overlap)
+        if key in self._warm:
+            return self._run(inputs, overlap)
+        self.warming_up = True
+        try:
+            out = self._run(inputs, overlap)
+        finally:
+            self.warming_up = False
+        self._warm.add(key)
+        return out
+
+    def _run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
         self.on_bucket(inputs.bucket)
         if self._compiled is not None:
             return self._compiled(*inputs.tensors(), overlap)

@@ -28,9 +28,15 @@ from epserve.engine.request import SamplingParams
 from epserve.engine.runner import resolve_device
 from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.spec_decode import merge_stats
-from epserve.env import pinning_enabled
+from epserve.env import collectives_on_loopback, pinning_enabled
 from epserve.parallel.comm import gather_objects
-from epserve.parallel.context import ParallelContext, init_parallel, make_store, shutdown_parallel
+from epserve.parallel.context import (
+    ParallelContext,
+    init_parallel,
+    is_loopback,
+    make_store,
+    shutdown_parallel,
+)
 from epserve.parallel.launch import (
     RankHandler,
     RankInfo,
@@ -255,6 +261,8 @@ def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WA
         torch.set_num_threads(threads_per_rank(info.local_world_size))
         if pinning_enabled():
             pin_to_cores(info.local_rank, info.local_world_size)
+    if pc.nnodes == 1 and is_loopback(info.master_addr):
+        collectives_on_loopback()  # nothing of a one-host world listens beyond loopback
     store = make_store(info.master_addr, info.master_port, pc.world_size, info.rank, pc.timeout_s)
     ctx = init_parallel(pc.dp, pc.tp, info.rank, device, store, pc.timeout_s)
     return EngineWorker(config, ctx, (info.master_addr, info.master_port))

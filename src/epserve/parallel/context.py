@@ -9,8 +9,11 @@ CPU); small host-side metadata (the step's all-reduce, batch broadcasts) always 
 from __future__ import annotations
 
 import datetime
+import errno
+import ipaddress
 import logging
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -103,17 +106,51 @@ def init_parallel(
 
 def make_store(host: str, port: int, world_size: int, rank: int, timeout_s: float = 600.0) -> dist.Store:
     """The rendezvous store: under torchrun the agent already serves it, so every rank is a client;
-    otherwise rank 0 serves it."""
+    otherwise rank 0 serves it, listening on ``host`` only (loopback on a single host; the master
+    address across hosts), not on every interface."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    is_master = rank == 0 and not agent_store
+    listener = _listen_on(host, port) if is_master else None
     store = dist.TCPStore(
         host,
         port,
         world_size,
-        is_master=rank == 0 and not agent_store,
+        is_master=is_master,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listener.fileno() if listener is not None else None,
     )
+    if listener is not None:
+        _LISTENERS.append(listener)  # the store serves on this socket's descriptor for the process's life
     return dist.PrefixStore(_store_prefix(), store)
+
+
+_LISTENERS: list[socket.socket] = []
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (``localhost``, ``127.x``, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _listen_on(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``host:port`` for the store to serve on; None (the store then listens on
+    every interface, as torch does by default) when ``host`` is not an address of this machine, as
+    behind NAT or a container's service name."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        return socket.create_server(address[:2], family=family, backlog=1024)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise RuntimeError(f"rendezvous store: cannot listen on {host}:{port}: the port is in use") from None
+        logger.warning("rendezvous store: cannot listen on %s:%d only (%s); listening on every interface",
+                       host, port, e)
+        return None
 
 
 def store_client(host: str, port: int, timeout_s: float = 600.0) -> dist.Store:
@@ -125,6 +162,19 @@ def store_client(host: str, port: int, timeout_s: float = 600.0) -> dist.Store:
 
 def _store_prefix() -> str:
     return f"epserve/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def set_collective_timeout(ctx: ParallelContext, timeout_s: float) -> None:
+    """From now on a collective of this rank's groups that waits longer than ``timeout_s`` raises (a
+    peer hung or died). Start-up runs under the longer ``init_parallel`` timeout: loading may keep
+    one rank from a collective for minutes."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if not ctx.distributed or set_timeout is None:
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    groups = {id(g): g for g in (ctx.ep_group, ctx.meta_group, ctx.tp_group, ctx.tp_meta_group) if g is not None}
+    for group in groups.values():
+        set_timeout(timeout, group)
 
 
 def shutdown_parallel() -> None:

@@ -134,12 +134,22 @@ def die_with_parent() -> None:
         pass
 
 
+def name_process(name: str) -> None:
+    """This process's name as ``ps -o comm``, ``top`` and psutil show it (``epserve-rank3``), at most 15
+    characters (Linux; a no-op elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _rank_main(entry: Callable[..., RankHandler], info: RankInfo, conn: Connection, args: tuple,
                environ: dict[str, str]) -> None:
     """A spawned rank: build the handler, then run commands until Shutdown or the parent leaves.
     ``environ``: the parent's environment when it started the rank (a forkserver child has the server's)."""
     os.environ.clear()
     os.environ.update(environ)
+    name_process(f"epserve-rank{info.rank}")
     try:
         handler = entry(info, *args)
         conn.send(Reply())
@@ -277,11 +287,21 @@ class RankProcesses:
         if failures:
             message = _failure_message({self.ranks[i]: text for i, text in failures.items()})
             logger.error("%s; stopping the other ranks", message)
-            self.close(timeout=5.0)
+            self.kill()  # the world is broken: the others wait in collectives that cannot complete
             raise RankFailure(message)
         if refused is not None:
             raise ValueError(refused)
         return results.get(0)
+
+    def kill(self) -> None:
+        """Kill every rank at once (a broken world: nothing to drain, and a hung rank would not answer
+        a polite shutdown). Leaves no process behind."""
+        self._closed = True
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+        for proc in self._procs:
+            proc.join(5)
 
     def close(self, timeout: float = 30.0) -> None:
         """Shut every rank down: politely, then by signal. Leaves no process behind."""

@@ -10,11 +10,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epserve.engine.request import SamplingParams
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.proto import engine_pb2_grpc as pb_grpc
-from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME, sampling_to_proto
+from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME, auth_metadata, sampling_to_proto
 
 # Codes that say "this instance cannot take the request now" rather than "the request is bad".
+# UNAUTHENTICATED too: an engine that refuses our token cannot serve us (and the router says why).
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAUTHENTICATED}
 
 
 class EngineUnavailable(RuntimeError):
@@ -32,9 +33,12 @@ def _translate(e: grpc.aio.AioRpcError, address: str) -> Exception:
 
 
 class EngineClient:
-    def __init__(self, index: int, address: str) -> None:
+    """``token``: sent as call metadata to engines that require it (``--engine-token``)."""
+
+    def __init__(self, index: int, address: str, token: str | None = None) -> None:
         self.index = index
         self.address = address
+        self.metadata = auth_metadata(token)
         self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
         self.stub = pb_grpc.EngineStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -48,7 +52,7 @@ class EngineClient:
             pb.GenerateRequest(
                 request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_to_proto(params)
             ),
-            wait_for_ready=False,
+            wait_for_ready=False, metadata=self.metadata,
         )
         try:
             async for msg in call:
@@ -60,7 +64,7 @@ class EngineClient:
 
     async def _unary(self, method: str, request: object, timeout: float):
         try:
-            return await getattr(self.stub, method)(request, timeout=timeout)
+            return await getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, self.address) from None
 

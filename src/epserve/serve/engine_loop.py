@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
@@ -35,8 +35,22 @@ logger = logging.getLogger(__name__)
 class ServeOptions:
     host: str = "127.0.0.1"  # where leaders listen for gRPC
     port: int = 0  # the leader of DP group i listens on port + i; 0 = any free port
+    ports: tuple[int, ...] = ()  # if set, DP group i's leader listens on ports[i] (a restart's old ports)
     drain_timeout_s: float = 30.0  # after a stop, running requests get this long before they are aborted
     stats_every: int = 64  # forward steps between expert-load gathers (also gathered when going idle)
+    token: str | None = field(default=None, repr=False)  # required as gRPC call metadata (None: no check)
+    step_timeout_s: float = 60.0  # a leader whose loop makes no progress this long stops serving (watchdog)
+    dist_timeout_s: float | None = None  # collectives give up after this while serving (None: step_timeout_s)
+    restarts: int = 0  # times the supervisor restarted this group (reported in GetLoad)
+
+    def port_of(self, dp_rank: int) -> int:
+        if self.ports:
+            return self.ports[dp_rank]
+        return self.port + dp_rank if self.port else 0
+
+    @property
+    def collective_timeout_s(self) -> float:
+        return self.step_timeout_s if self.dist_timeout_s is None else self.dist_timeout_s
 
 
 # ---- the gRPC thread -> the step loop -------------------------------------------------------------
@@ -96,6 +110,8 @@ class EngineLoad:
     expert_layers: tuple[int, ...] = ()  # MoE layers, and each one's imbalance since the last rebalance
     expert_layer_imbalance: tuple[float, ...] = ()
     eplb_rebalances_total: int = 0
+    stalled: bool = False  # the loop has made no progress for the step timeout
+    restarts: int = 0
 
 
 class Frontend(Protocol):
@@ -126,11 +142,21 @@ class EngineLoop:
         self._stats_at = 0
         self._drain_deadline: float | None = None
         self._frontend: Frontend | None = None
+        self._busy_since: float | None = None  # start of the loop's current pass; None while asleep
 
     # ---- any thread ----------------------------------------------------------------------------
-    def submit(self, message: AddRequest | AbortRequest) -> None:
+    def submit(self, message: AddRequest | AbortRequest, ring: bool = True) -> None:
+        """Queue ``message`` for the loop; ``ring=False`` when the loop is known to be busy (a stalled
+        loop's store may not answer a ring)."""
         self.inbox.append(message)
-        self.doorbell.ring()
+        if ring:
+            self.doorbell.ring()
+
+    def stalled_for(self) -> float:
+        """Seconds the loop's current pass (a step, a statistics gather) has run; 0 while it sleeps
+        waiting for work. A pass past ``step_timeout_s`` means a rank hung or died."""
+        busy_since = self._busy_since
+        return 0.0 if busy_since is None else time.monotonic() - busy_since
 
     def request_stop(self) -> None:
         """Vote to drain and stop (signal handlers call this); wakes sleeping ranks."""
@@ -165,7 +191,17 @@ class EngineLoop:
             expert_layers=self.expert_load.layers if self.expert_load is not None else (),
             expert_layer_imbalance=tuple(self.expert_load.layer_imbalance) if self.expert_load is not None else (),
             eplb_rebalances_total=balancer.num_rebalances if balancer is not None else 0,
+            stalled=self.stalled,
+            restarts=self.options.restarts,
         )
+
+    @property
+    def stalled(self) -> bool:
+        """The current pass has run past the step timeout, and not because this rank is capturing or
+        compiling a decode graph for the first time (minutes, legitimately)."""
+        graphs = self.engine.runner.decode_graphs
+        warming_up = graphs is not None and graphs.warming_up
+        return self.stalled_for() > self.options.step_timeout_s and not warming_up
 
     # ---- the loop's thread ---------------------------------------------------------------------
     def run(self, frontend: Frontend | None = None) -> None:
@@ -179,13 +215,15 @@ class EngineLoop:
         except BaseException as e:
             logger.error("rank %d: step loop failed: %s", self.ctx.rank, e)
             pending = [*self.requests, *(m.request.request_id for m in list(self.inbox) if isinstance(m, AddRequest))]
-            self._deliver([RequestFailed(rid, "unavailable", f"engine failed: {e}") for rid in pending])
+            why = "the engine failed (a rank died, or a collective failed or timed out)"  # details: the log
+            self._deliver([RequestFailed(rid, "unavailable", why) for rid in pending])
             self.requests.clear()
             raise
 
     def _loop(self) -> None:
         engine, leader = self.engine, self.ctx.is_leader
         while True:
+            self._busy_since = time.monotonic()
             if leader:
                 self._take_inbox()
                 if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
@@ -202,6 +240,7 @@ class EngineLoop:
                     self._gather_stats()
                 if engine.anybody_stopping:
                     return
+                self._busy_since = None
                 self.doorbell.wait()
             elif engine.num_forwards - self._stats_at >= self.options.stats_every:
                 self._gather_stats()

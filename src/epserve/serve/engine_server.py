@@ -29,8 +29,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epserve.config import EngineConfig
 from epserve.engine.worker import EngineWorker, start_rank
-from epserve.parallel.context import store_client
+from epserve.parallel.context import set_collective_timeout, store_client
 from epserve.parallel.launch import RankInfo
+from epserve.serve.engine_auth import TokenCheck
 from epserve.serve.engine_loop import (
     AbortRequest,
     AddRequest,
@@ -135,6 +136,33 @@ class EngineService(pb_grpc.EngineServicer):
                 del self.streams[out.request_id]
             stream.push(_to_proto(out))
 
+    async def watch(self, step_timeout_s: float) -> None:
+        """The step watchdog: when the loop's current pass has run past ``step_timeout_s`` (a rank hung
+        or died, and the step waits on it in a collective), the instance reports NOT_SERVING (health,
+        ``GetLoad.stalled``), every stream in flight ends as unavailable, and new calls are refused,
+        until the loop moves again. Runs on the gRPC loop, which a stalled step loop does not block."""
+        loop, stalled = self.engine_loop, False
+        while True:
+            await asyncio.sleep(min(1.0, step_timeout_s / 4))
+            now = loop.stalled
+            if now and not stalled:
+                logger.error("engine instance %d: no step progress for %.0f s (a rank hung or died); not serving",
+                             loop.ctx.dp_rank, loop.stalled_for())
+                await self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                self._fail_all(f"the engine stalled: a step made no progress for {step_timeout_s:g} s")
+            elif stalled and not now:
+                logger.warning("engine instance %d: steps progress again", loop.ctx.dp_rank)
+                if not (loop.draining or loop.stop_requested):
+                    await self.set_health(health_pb2.HealthCheckResponse.SERVING)
+            stalled = now
+
+    def _fail_all(self, message: str) -> None:
+        """End every stream as unavailable; the loop aborts their requests when it moves again."""
+        for rid, stream in list(self.streams.items()):
+            del self.streams[rid]
+            stream.push(RequestFailed(rid, "unavailable", message))
+            self.engine_loop.submit(AbortRequest(rid), ring=False)  # the loop is busy: no ring needed
+
     async def set_health(self, status: int) -> None:
         """The standard health status of the server as a whole and of the engine service."""
         for name in ("", SERVICE_NAME):
@@ -144,6 +172,8 @@ class EngineService(pb_grpc.EngineServicer):
         loop = self.engine_loop
         if loop.draining or loop.stop_requested:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+        if loop.stalled:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is stalled (a rank hung or died)")
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
@@ -228,6 +258,7 @@ class EngineServer:
                 self._service = EngineService(self.loop)
                 self._start_grpc(self._service)
                 logger.info("engine instance %d serving gRPC on %s", self.ctx.dp_rank, self.address)
+            set_collective_timeout(self.ctx, self.options.collective_timeout_s)  # start-up had longer
             self.loop.run(self._service)
         finally:
             self._stop_grpc()
@@ -261,10 +292,11 @@ class EngineServer:
     async def _grpc_main(self, service: EngineService, ready: threading.Event) -> None:
         service.aio_loop = asyncio.get_running_loop()
         self._grpc_stop = asyncio.Event()
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        token = self.options.token
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[TokenCheck(token)] if token else None)
         pb_grpc.add_EngineServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
-        port = self.options.port + self.ctx.dp_rank if self.options.port else 0
+        port = self.options.port_of(self.ctx.dp_rank)
         try:
             bound = server.add_insecure_port(f"{self.options.host}:{port}")
         except RuntimeError as e:
@@ -272,8 +304,10 @@ class EngineServer:
         await server.start()
         await service.set_health(health_pb2.HealthCheckResponse.SERVING)
         self.address = f"{advertised_host(self.options.host)}:{bound}"
+        watchdog = asyncio.create_task(service.watch(self.options.step_timeout_s))
         ready.set()
         await self._grpc_stop.wait()
+        watchdog.cancel()
         await server.stop(grace=2.0)
 
     def _stop_grpc(self) -> None:

@@ -1,12 +1,15 @@
 """OpenAI-style API errors: ``APIError(...).body()`` is ``{"error": {"message", "type", "param", "code"}}``,
-with helpers for the usual ones and a readable 400 from a pydantic validation error."""
+with helpers for the usual ones and a readable 400 from a pydantic validation error.
+
+Messages never carry internal details (engine addresses, file paths, exception text): those go to the
+router's log."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 
 class APIError(Exception):
@@ -66,8 +69,56 @@ def unauthorized(message: str = "Incorrect API key provided.") -> APIError:
     return APIError(message, 401, "authentication_error", "invalid_api_key")
 
 
-def unavailable(message: str) -> APIError:
+NO_ENGINE = "No engine instance is available to serve this request; try again later"
+ENGINE_LOST = "The engine instance serving this request became unavailable; try again"
+ENGINE_ABORTED = "The engine stopped this request before it finished (it is shutting down or restarting); try again"
+
+
+def unavailable(message: str = NO_ENGINE) -> APIError:
     return APIError(message, 503, "service_unavailable_error", "engine_unavailable")
+
+
+def request_too_large(limit: int) -> APIError:
+    return APIError(f"The request body is larger than this server's limit of {limit} bytes", 413,
+                    "invalid_request_error", "request_too_large")
+
+
+def request_timeout(seconds: float) -> APIError:
+    return APIError(f"The request body did not arrive within {seconds:g} seconds", 408,
+                    "invalid_request_error", "request_timeout")
+
+
+def client_closed() -> APIError:
+    """499 (nginx's "client closed request"): counted in the metrics, never seen by the client."""
+    return APIError("client disconnected", 499, "invalid_request_error", "client_closed_request")
+
+
+def internal_error(error_id: str) -> APIError:
+    return APIError(f"Internal server error (id {error_id}; the server's log has the details)", 500,
+                    "internal_server_error", "internal_error")
+
+
+def prompt_too_many_chars(max_model_len: int, num_chars: int, max_token_chars: int, param: str) -> APIError:
+    """400 ``context_length_exceeded`` for a text that cannot fit, told by its length before tokenizing."""
+    return APIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your {param} is {num_chars} "
+        f"characters long and no token covers more than {max_token_chars}, so it cannot fit. "
+        "Please reduce the length of the prompt.",
+        400, "invalid_request_error", "context_length_exceeded", param,
+    )
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (the OpenAPI document's schema for 4xx and 5xx)."""
+
+    error: ErrorInfo
 
 
 def _loc_part_is_type_tag(part: str) -> bool:

@@ -3,13 +3,18 @@ stop strings, then shaped as an OpenAI response body or as Server-Sent Events.
 
 What a generation needs from the server that owns it (how to route a request, the tokenizer, the
 metrics, the model's name) comes in a :class:`GenerationContext`; this module knows nothing of the
-HTTP app itself. Requests arrive here already validated."""
+HTTP app itself. Requests arrive here already validated.
+
+The client sees only OpenAI's finish reasons (``stop``, ``length``): a request the engine aborted (it
+was draining or restarting) is a 503 error, or in a stream an error event, and an engine instance lost
+mid-request is told in general terms (its address and the details go to the log)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 from epserve.engine.request import SamplingParams
 from epserve.serve.detokenize import IncrementalDetokenizer, StopStringMatcher
 from epserve.serve.engine_client import EngineRequestError, EngineUnavailable
-from epserve.serve.errors import APIError, unavailable
+from epserve.serve.errors import ENGINE_ABORTED, ENGINE_LOST, APIError, unavailable
 from epserve.serve.logprobs import chat_logprobs, completion_logprobs
 from epserve.serve.protocol import ChatCompletionRequest, CompletionRequest, stop_strings
 
@@ -30,7 +35,10 @@ if TYPE_CHECKING:
     from epserve.serve.proto import engine_pb2 as pb
     from epserve.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 _DISCONNECT_POLL_S = 0.5
+ABORTED = "abort"  # the engine's finish reason for a request it stopped; never sent to the client
 
 
 @dataclass(frozen=True)
@@ -163,13 +171,13 @@ class Generation:
                         return  # leaving the stream early (a stop string) cancels the engine request
         finally:
             if choice.finish_reason is None and last is not None:  # cancelled (the client left) or cut off
-                choice.finish_reason = "abort"
+                choice.finish_reason = ABORTED
                 self._finished(choice)
 
     def _finished(self, choice: Choice) -> None:
         first = choice.first_of_prompt
         self.ctx.metrics.finished(
-            choice.finish_reason or "abort",
+            choice.finish_reason or ABORTED,
             len(choice.prompt_ids) if first else 0,
             choice.num_cached if first else 0,
             choice.num_output,
@@ -182,7 +190,10 @@ class Generation:
             async for _ in self.deltas(choice):
                 pass
 
-        await _gather_or_raise([drain(c) for c in self.choices])
+        await _gather_or_raise([drain(c) for c in self.choices], self.id)
+        if any(c.finish_reason == ABORTED for c in self.choices):
+            logger.warning("request %s: the engine aborted it", self.id)
+            raise unavailable(ENGINE_ABORTED)
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(c.prompt_ids) for c in self.choices if c.first_of_prompt)
@@ -234,7 +245,7 @@ class Generation:
 
         tasks = [asyncio.create_task(pump(c)) for c in self.choices]
         try:
-            await until_disconnect(raw, _gather_or_raise(first))
+            await until_disconnect(raw, _gather_or_raise(first, self.id))
         except BaseException:
             for t in tasks:
                 t.cancel()
@@ -244,7 +255,6 @@ class Generation:
     async def _events(
         self, queue: asyncio.Queue[ChoiceEvent], tasks: list[asyncio.Task], chat: bool
     ) -> AsyncIterator[str]:
-        tokenizer = self.ctx.tokenizer
         offsets = [0] * len(self.choices)
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -262,27 +272,19 @@ class Generation:
                     remaining -= 1
                     continue
                 if isinstance(event, ChoiceFailed):
-                    err = event.error
-                    error = unavailable(str(err)) if isinstance(err, EngineUnavailable) else APIError(str(err))
-                    yield _sse(error.body())
+                    yield _sse(_stream_error(event.error, self.id).body())
                     continue
                 choice, delta = event.choice, event.delta
+                if delta.finish_reason == ABORTED:
+                    logger.warning("request %s: the engine aborted choice %d", self.id, choice.index)
+                    delta = Delta(delta.text, delta.token_ids, delta.logprobs, None)
+                    if delta.text or delta.logprobs:
+                        yield self._chunk(head, choice, delta, offsets, include_usage, chat)
+                    yield _sse(unavailable(ENGINE_ABORTED).body())
+                    continue
                 if not delta.text and not delta.finish_reason and not delta.logprobs:
                     continue
-                logprobs = None
-                if choice.params.logprobs is not None and tokenizer is not None and delta.token_ids:
-                    if chat:
-                        logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)}
-                    else:
-                        logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[choice.index])
-                offsets[choice.index] += len(delta.text)
-                if chat:
-                    body = {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
-                            "logprobs": logprobs, "finish_reason": delta.finish_reason}
-                else:
-                    body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
-                            "finish_reason": delta.finish_reason}
-                yield _sse({**head, "choices": [body], **({"usage": None} if include_usage else {})})
+                yield self._chunk(head, choice, delta, offsets, include_usage, chat)
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": self.usage()})
             yield "data: [DONE]\n\n"
@@ -291,18 +293,50 @@ class Generation:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _chunk(self, head: dict[str, Any], choice: Choice, delta: Delta, offsets: list[int], include_usage: bool,
+               chat: bool) -> str:
+        """One choice's chunk event (``offsets``: text already sent per choice, for completions' logprobs)."""
+        tokenizer = self.ctx.tokenizer
+        logprobs = None
+        if choice.params.logprobs is not None and tokenizer is not None and delta.token_ids:
+            if chat:
+                logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)}
+            else:
+                logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[choice.index])
+        offsets[choice.index] += len(delta.text)
+        if chat:
+            body = {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        else:
+            body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason}
+        return _sse({**head, "choices": [body], **({"usage": None} if include_usage else {})})
+
+
+def _stream_error(err: Exception, request_id: str) -> APIError:
+    """The error event of a choice that failed mid-stream."""
+    if isinstance(err, EngineUnavailable):
+        logger.warning("request %s: %s", request_id, err)
+        return unavailable(ENGINE_LOST)
+    if isinstance(err, EngineRequestError):
+        return APIError(str(err))
+    logger.error("request %s failed mid-stream", request_id, exc_info=err)
+    return APIError("Internal server error (the server's log has the details)", 500, "internal_server_error",
+                    "internal_error")
+
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def _gather_or_raise(aws: list[Awaitable[Any]]) -> None:
+async def _gather_or_raise(aws: list[Awaitable[Any]], request_id: str) -> None:
     """Await all; the first failure cancels the rest and is raised as an APIError."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         await asyncio.gather(*tasks)
     except EngineUnavailable as e:
-        raise unavailable(str(e)) from None
+        logger.warning("request %s: %s", request_id, e)
+        raise unavailable() from None
     except EngineRequestError as e:
         raise APIError(str(e)) from None
     finally:

@@ -5,20 +5,22 @@ The supervisor (the process the user started) spawns the rank processes, asks ea
 the leaders' gRPC addresses from the rendezvous store, starts the router process, and then waits.
 SIGINT/SIGTERM (Ctrl-C) is passed on as SIGTERM: the router stops taking connections and finishes its
 responses, the ranks drain their running requests and stop together; a second Ctrl-C kills at once.
-If any process dies, the others are stopped and the command exits non-zero.
+A rank that dies or hangs gets the engine group torn down and started again (``supervisor``), up to
+``--max-restarts`` times, while the router keeps serving; the router dying stops everything, and the
+command exits non-zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import socket
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -26,15 +28,16 @@ import torch.multiprocessing as mp
 
 from epserve import env
 from epserve.config import EngineConfig
-from epserve.engine.worker import join_torchrun, spawn_ranks
-from epserve.parallel.context import store_client
+from epserve.engine.worker import join_torchrun
 from epserve.parallel.launch import (
     RankFailure,
     die_with_parent,
+    name_process,
     torchrun_rank,
 )
-from epserve.serve.engine_server import EngineServer, Serve, ServeOptions, serving_rank
+from epserve.serve.engine_server import EngineServer, ServeOptions
 from epserve.serve.signals import StopSignals
+from epserve.serve.supervisor import EngineSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +57,32 @@ class RouterOptions:
     balance_rel_threshold: float = 1.5
     max_tree_tokens: int = 1 << 22
     refresh_interval_s: float = 1.0
+    engine_wait_s: float = 20.0  # a request not yet started waits this long for a healthy instance
     log_level: str = "INFO"
+    max_request_bytes: int = 4 << 20
+    max_choices_per_request: int = 256
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    engine_token: str | None = field(default=None, repr=False)  # sent to the engines (None: the API key, if any)
+
+    def __post_init__(self) -> None:
+        _ = self.limits  # ValueError for bad limits, as soon as the options are made
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or (self.model if self.model is not None else BUILTIN_MODEL_NAME)
+
+    @property
+    def limits(self):
+        """The HTTP limits (an ``HTTPLimits``); ValueError for bad values."""
+        from epserve.serve.http_limits import HTTPLimits
+
+        return HTTPLimits(
+            max_request_bytes=self.max_request_bytes, max_choices_per_request=self.max_choices_per_request,
+            header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+            keep_alive_timeout_s=self.keep_alive_timeout_s,
+        )
 
 
 def router_parts(options: RouterOptions):
@@ -87,8 +111,9 @@ def build_router(options: RouterOptions, api_key: str | None = None):
     from epserve.serve.router import Router
 
     policy, tokenizer = router_parts(options)
-    router = Router(list(options.engines), policy, options.refresh_interval_s)
-    return OpenAIServer(router, tokenizer, options.model_name, api_key)
+    router = Router(list(options.engines), policy, options.refresh_interval_s,
+                    token=options.engine_token or api_key, engine_wait_s=options.engine_wait_s)
+    return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits)
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -108,8 +133,13 @@ def run_router(options: RouterOptions, api_key: str | None = None) -> None:
     server = build_router(options, api_key)
     logger.info("router on http://%s:%d/v1 (model %r, policy %s) over engines %s", options.host, options.port,
                 options.model_name, options.policy, ", ".join(options.engines))
+    from epserve.serve.http_limits import http_protocol
+
+    limits = server.limits
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level.lower(),
-                            access_log=False, timeout_graceful_shutdown=60, log_config=None)  # our log format
+                            access_log=False, timeout_graceful_shutdown=60, log_config=None,  # our log format
+                            http=http_protocol(limits.header_timeout_s), ws="none", server_header=False,
+                            timeout_keep_alive=limits.keep_alive_timeout_s)  # type: ignore[arg-type]
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found;
     # make that handler a no-op so a clean stop exits with code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -119,58 +149,9 @@ def run_router(options: RouterOptions, api_key: str | None = None) -> None:
 
 def _router_process(options: RouterOptions, log_level: str) -> None:
     die_with_parent()
+    name_process("epserve-router")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
     run_router(options, env.api_key())
-
-
-class EngineRanks:
-    """This host's engine ranks, serving in the background."""
-
-    def __init__(self, config: EngineConfig, options: ServeOptions) -> None:
-        self.ranks = spawn_ranks(config, serving_rank, (options,))
-        tp = config.parallel.tp
-        self.master_addr, self.master_port = self.ranks.infos[0].master_addr, self.ranks.infos[0].master_port
-        self.local_dp_ranks = sorted({info.rank // tp for info in self.ranks.infos if info.rank % tp == 0})
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name="ranks", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        try:
-            self.ranks.call(Serve())
-        except BaseException as e:
-            self.error = e
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def addresses(self, dp_ranks: list[int], timeout_s: float = 120.0) -> list[str]:
-        """The gRPC address of each listed DP group's leader, once it listens."""
-        store = store_client(self.master_addr, self.master_port, timeout_s)
-        keys = [f"engines/{i}" for i in dp_ranks]
-        deadline = time.monotonic() + timeout_s
-        while not store.check(keys):
-            if not self.running:
-                raise RankFailure(f"engine ranks stopped before serving: {self.error}")
-            if time.monotonic() > deadline:
-                raise RankFailure(f"engine instances did not start listening within {timeout_s:.0f} s")
-            time.sleep(0.05)
-        return [store.get(k).decode() for k in keys]
-
-    def stop(self) -> None:
-        """Ask every rank to drain and stop (SIGTERM)."""
-        for pid in self.ranks.pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-    def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
-
-    def close(self) -> None:
-        self.ranks.close(timeout=10.0)
 
 
 def _wait_http_ok(url: str, proc: mp.Process, timeout_s: float) -> None:
@@ -189,38 +170,40 @@ def _wait_http_ok(url: str, proc: mp.Process, timeout_s: float) -> None:
 
 
 def serve(config: EngineConfig, engine_options: ServeOptions, router_options: RouterOptions,
-          log_level: str = "INFO") -> int:
-    """``epserve serve``: engine ranks and the router on this host until Ctrl-C/SIGTERM."""
+          log_level: str = "INFO", max_restarts: int = 3) -> int:
+    """``epserve serve``: engine ranks and the router on this host until Ctrl-C/SIGTERM; the engine
+    group is restarted up to ``max_restarts`` times when a rank dies or hangs (the router stays)."""
     check_port_free(router_options.host, router_options.port)
     router_parts(router_options)  # the router process's checks, before the ranks load
     signals = StopSignals()
-    ranks = EngineRanks(config, engine_options)
+    engines = EngineSupervisor(config, engine_options, max_restarts)
     router = None
     try:
-        addresses = ranks.addresses(list(range(config.parallel.dp)))
-        options = RouterOptions(**{**router_options.__dict__, "engines": tuple(addresses)})
+        addresses = engines.wait_serving()
+        options = dataclasses.replace(router_options, engines=tuple(addresses), engine_token=engine_options.token)
         router = mp.get_context("spawn").Process(target=_router_process, args=(options, log_level),
                                                  name="epserve-router", daemon=True)
         router.start()
         _wait_http_ok(f"http://{options.host}:{options.port}/health", router, 120.0)
         logger.info("serving %r on http://%s:%d/v1 (engines: %s)", options.model_name, options.host,
                     options.port, ", ".join(addresses))
-        while not signals.event.is_set():
+        while not signals.stopping:
             wait([router.sentinel], timeout=0.5)
-            if signals.event.is_set():
+            if signals.stopping:
                 break
             if not router.is_alive():
                 raise RankFailure(f"the router exited with code {router.exitcode}")
-            if not ranks.running:
-                raise ranks.error or RankFailure("the engine ranks stopped")
+            engines.check()
     finally:
-        _shutdown(ranks, router, signals, engine_options.drain_timeout_s)
+        _shutdown(engines, router, signals, engine_options.drain_timeout_s)
     return 0
 
 
-def run_engine(config: EngineConfig, options: ServeOptions) -> int:
-    """``epserve engine``: this host's ranks of a multi-host deployment (or this process, as one rank
-    under torchrun), serving gRPC until SIGINT/SIGTERM."""
+def run_engine(config: EngineConfig, options: ServeOptions, max_restarts: int = 3) -> int:
+    """``epserve engine``: this host's ranks of a deployment (or this process, as one rank under
+    torchrun), serving gRPC until SIGINT/SIGTERM. One host's world is restarted up to
+    ``max_restarts`` times when a rank dies or hangs; a world over several hosts is not (one host
+    cannot restart it alone): the command exits non-zero for the host's own supervisor."""
     torchrun = torchrun_rank()
     if torchrun is not None:
         worker = join_torchrun(config, *torchrun)
@@ -230,21 +213,25 @@ def run_engine(config: EngineConfig, options: ServeOptions) -> int:
             worker.close()
         return 0
     signals = StopSignals()
-    ranks = EngineRanks(config, options)
+    engines = EngineSupervisor(config, options, max_restarts if config.parallel.nnodes == 1 else 0)
     try:
-        for i, address in zip(ranks.local_dp_ranks, ranks.addresses(ranks.local_dp_ranks)):
+        for i, address in zip(engines.local_dp_ranks, engines.wait_serving()):
             print(f"engine instance {i} listening on {address}", flush=True)
-        while not signals.event.is_set() and ranks.running:
-            signals.event.wait(0.5)
-        if not signals.event.is_set():
-            raise ranks.error or RankFailure("the engine ranks stopped")
+        while not signals.stopping:
+            time.sleep(0.5)
+            if not signals.stopping:
+                engines.check()
     finally:
-        _shutdown(ranks, None, signals, options.drain_timeout_s)
+        _shutdown(engines, None, signals, options.drain_timeout_s)
     return 0
 
 
-def _shutdown(ranks: EngineRanks, router: mp.Process | None, signals: StopSignals, drain_timeout_s: float) -> None:
+def _shutdown(engines: EngineSupervisor, router: mp.Process | None, signals: StopSignals,
+              drain_timeout_s: float) -> None:
     """Stop the router (it finishes open responses) and the ranks (they drain), then reap everything."""
+    if signals.stopping:
+        logger.info("stop requested: draining and stopping (again to stop at once)")
+    ranks = engines.ranks
     if router is not None and router.is_alive():
         router.terminate()
     ranks.stop()
@@ -257,6 +244,6 @@ def _shutdown(ranks: EngineRanks, router: mp.Process | None, signals: StopSignal
         if router.is_alive():
             router.kill()
         router.join(5.0)
-    ranks.close()
+    engines.close()
     if ranks.error is not None and not isinstance(ranks.error, RankFailure):
         logger.error("engine ranks failed: %s", ranks.error)

@@ -55,6 +55,9 @@ class _EngineCollector:
                                               "Expert placements recomputed from the load (EPLB)", labels=labels),
             "healthy": GaugeMetricFamily("epserve:engine_healthy", "1 if the router sends requests to the engine",
                                          labels=labels),
+            "restarts": CounterMetricFamily("epserve:engine_restarts",
+                                            "Times the engine's group was restarted after a rank died or hung",
+                                            labels=labels),
             "in_flight": GaugeMetricFamily("epserve:engine_load",
                                            "Requests in flight on the engine (the router's load signal)",
                                            labels=labels),
@@ -88,6 +91,7 @@ class _EngineCollector:
             for layer, value in zip(load.expert_layers, load.expert_layer_imbalance):
                 fams["layer_imbalance"].add_metric([*values, str(layer)], value)
             fams["rebalances"].add_metric(values, load.eplb_rebalances_total)
+            fams["restarts"].add_metric(values, load.restarts)
             if load.spec_accepted_per_position:  # speculative decoding is on
                 fams["drafts"].add_metric(values, load.spec_num_drafts)
                 fams["draft_tokens"].add_metric(values, load.spec_num_draft_tokens)

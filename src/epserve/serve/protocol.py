@@ -6,14 +6,18 @@ strict mode, so a value of the wrong JSON type (``"temperature": "hot"``, ``"n":
 error rather than being coerced; a JSON integer is still a valid float. ``null`` for a parameter
 that has a default means the default, as in OpenAI's API. Unknown fields are ignored.
 
-``check_request`` then checks value ranges and unsupported options, ``resolve_max_tokens`` fits the
-completion into the model's context, and ``to_sampling_params`` maps a request onto the engine's
-``SamplingParams``. Every problem is raised as an ``APIError`` whose ``body()`` is the OpenAI error
-JSON (``{"error": {"message", "type", "param", "code"}}``).
+``check_request`` then checks value ranges (also what the engine's gRPC fields can hold: ``top_k``
+int32, ``top_p`` float32, token ids and counts uint32, ``seed`` int64) and unsupported options,
+``resolve_max_tokens`` fits the completion into the model's context, and ``to_sampling_params`` maps a
+request onto the engine's ``SamplingParams``. Every problem is raised as an ``APIError`` whose
+``body()`` is the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``). The models'
+JSON schemas (the OpenAPI document) say the same: ``null`` allowed where it means the default, and
+the ranges ``check_request`` enforces.
 """
 
 from __future__ import annotations
 
+import struct
 import typing
 from types import NoneType, UnionType
 from typing import Any
@@ -21,6 +25,7 @@ from typing import Any
 from pydantic import (
     BaseModel,
     ConfigDict,
+    TypeAdapter,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
@@ -30,11 +35,36 @@ from pydantic_core import PydanticCustomError
 
 from epserve.engine.request import MAX_LOGPROBS, SamplingParams
 from epserve.serve.errors import bad_request, context_length_exceeded
+from epserve.tokenizer import ROLES
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_INT32_MAX, _UINT32_MAX = 2**31 - 1, 2**32 - 1
+
+# What check_request enforces, as JSON-schema keywords for the OpenAPI document (a keyword such as
+# `minimum` constrains numbers only, so it may sit next to the `null` that _null_means_default allows).
+_COUNT = {"minimum": 1, "maximum": _UINT32_MAX}
+_SCHEMA_BOUNDS: dict[str, dict[str, Any]] = {
+    "n": {"minimum": 1, "maximum": MAX_N},
+    "temperature": {"minimum": 0, "maximum": MAX_TEMPERATURE},
+    "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"minimum": -1, "maximum": _INT32_MAX},
+    "min_p": {"minimum": 0, "maximum": 1},
+    "seed": {"minimum": _INT64_MIN, "maximum": _INT64_MAX},
+    "stop": {"minLength": 1, "maxItems": MAX_STOP_STRINGS, "items": {"minLength": 1}},
+    "stop_token_ids": {"items": {"minimum": 0, "maximum": _UINT32_MAX}},
+    "presence_penalty": {"minimum": 0, "maximum": 0},
+    "frequency_penalty": {"minimum": 0, "maximum": 0},
+    "max_tokens": _COUNT,
+    "max_completion_tokens": _COUNT,
+    "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "prompt": {"minLength": 1, "minItems": 1},
+    "messages": {"minItems": 1},
+    "role": {"enum": list(ROLES)},
+    "type": {"enum": ["text"]},  # of a content part
+}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -47,8 +77,25 @@ def _admits_none(annotation: Any) -> bool:
     return (origin is typing.Union or origin is UnionType) and NoneType in typing.get_args(annotation)
 
 
+def _document_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The JSON schema says what validation does: null means the default, and the checked ranges."""
+    props = schema.get("properties", {})
+    for name, field in cls.model_fields.items():
+        prop = props.get(name)
+        if prop is None:
+            continue
+        if not field.is_required() and not _admits_none(field.annotation):
+            branch = {k: v for k, v in prop.items() if k not in ("default", "title")}
+            props[name] = prop = {"anyOf": [branch, {"type": "null"}], "default": prop.get("default")}
+        prop.pop("title", None)
+        if name == "logprobs":  # completions: a count; chat: a flag
+            prop.update({} if field.annotation is bool else {"minimum": 0, "maximum": MAX_LOGPROBS})
+        else:
+            prop.update(_SCHEMA_BOUNDS.get(name, {}))
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_document_schema)
 
     @model_validator(mode="before")
     @classmethod
@@ -67,6 +114,14 @@ class _Model(BaseModel):
             if drop:
                 data = {k: v for k, v in data.items() if k not in drop}
         return data
+
+
+_STRICT = ConfigDict(strict=True)
+_PROMPT_LISTS: dict[type, TypeAdapter] = {  # a prompt list's form, by its first item's type
+    int: TypeAdapter(list[int], config=_STRICT),
+    str: TypeAdapter(list[str], config=_STRICT),
+    list: TypeAdapter(list[list[int]], config=_STRICT),
+}
 
 
 def _union_error(value: Any, handler: ValidatorFunctionWrapHandler, expected: str) -> Any:
@@ -147,9 +202,16 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt", mode="wrap")
     @classmethod
     def _prompt_type(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        return _union_error(
-            value, handler, "a string, a list of strings, a list of token ids or a list of token id lists"
-        )
+        expected = "a string, a list of strings, a list of token ids or a list of token id lists"
+        # A list is validated as the one form its first item allows: trying the union's members in turn
+        # would build an error for every item of each member that fails (half a second for 1M token ids).
+        adapter = _PROMPT_LISTS.get(type(value[0])) if isinstance(value, list) and value else None
+        if adapter is None:
+            return _union_error(value, handler, expected)
+        try:
+            return adapter.validate_python(value)
+        except ValidationError:
+            raise PydanticCustomError("type_error", "Input should be {expected}", {"expected": expected}) from None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -182,8 +244,12 @@ def check_request(req: AnyRequest) -> None:
     _check_range(req.n, 1, MAX_N, "n")
     _check_range(req.temperature, 0, MAX_TEMPERATURE, "temperature")
     _check_range(req.top_p, 0, 1, "top_p", lo_open=True)
-    if req.top_k < -1:
-        raise bad_request(f"top_k must be -1 or 0 (disabled) or a positive integer, got {req.top_k}", "top_k")
+    if struct.unpack("f", struct.pack("f", req.top_p))[0] == 0:  # the engine's field is a float32
+        raise bad_request(f"top_p must be in (0, 1], got {req.top_p!r} (0 as a 32-bit float)", "top_p")
+    if not -1 <= req.top_k <= _INT32_MAX:
+        raise bad_request(
+            f"top_k must be -1 or 0 (disabled) or a positive integer up to {_INT32_MAX}, got {req.top_k}", "top_k"
+        )
     _check_range(req.min_p, 0, 1, "min_p")
     if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
         raise bad_request(f"seed must be a 64-bit signed integer, in [{_INT64_MIN}, {_INT64_MAX}]", "seed")
@@ -198,8 +264,8 @@ def check_request(req: AnyRequest) -> None:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
     if any(s == "" for s in stops):
         raise bad_request("stop strings must not be empty", "stop")
-    if req.stop_token_ids and any(t < 0 for t in req.stop_token_ids):
-        raise bad_request("stop_token_ids must be non-negative token ids", "stop_token_ids")
+    if req.stop_token_ids and any(not 0 <= t <= _UINT32_MAX for t in req.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be token ids in [0, {_UINT32_MAX}]", "stop_token_ids")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(req, CompletionRequest):
@@ -209,8 +275,8 @@ def check_request(req: AnyRequest) -> None:
 
 
 def _check_max_tokens(value: int | None, param: str) -> None:
-    if value is not None and value < 1:
-        raise bad_request(f"{param} must be at least 1, got {value}", param)
+    if value is not None and not 1 <= value <= _UINT32_MAX:
+        raise bad_request(f"{param} must be in [1, {_UINT32_MAX}], got {value}", param)
 
 
 def _check_completion(req: CompletionRequest) -> None:

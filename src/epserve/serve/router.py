@@ -5,7 +5,8 @@ instance for ``GetLoad``; an instance that does not answer, or is draining, is u
 new requests and the policy forgets what it knew of its cache. A request's load signal is the larger
 of the router's own in-flight count for the instance (exact and immediate) and the instance's
 running + waiting count (which also sees requests from other routers). A request that an instance
-refuses as unavailable before streaming anything is retried on another healthy instance.
+refuses as unavailable before streaming anything is retried on another healthy instance; when none is
+healthy (an engine group being restarted by its supervisor) it waits up to ``engine_wait_s`` for one.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class Instance:
 
 
 class Router:
-    def __init__(self, addresses: list[str], policy: Policy, refresh_interval_s: float = 1.0) -> None:
+    def __init__(self, addresses: list[str], policy: Policy, refresh_interval_s: float = 1.0,
+                 token: str | None = None, engine_wait_s: float = 20.0) -> None:
         if not addresses:
             raise ValueError("the router needs at least one engine address (--engine HOST:PORT)")
         for a in addresses:
@@ -62,12 +64,14 @@ class Router:
         self.addresses = addresses
         self.policy = policy
         self.refresh_interval_s = refresh_interval_s
+        self.token = token  # sent to the engines as call metadata
+        self.engine_wait_s = engine_wait_s
         self.instances: list[Instance] = []
         self.decisions: collections.Counter[str] = collections.Counter()  # why requests went where they went
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.instances = [Instance(EngineClient(i, a)) for i, a in enumerate(self.addresses)]
+        self.instances = [Instance(EngineClient(i, a, self.token)) for i, a in enumerate(self.addresses)]
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_forever())
 
@@ -91,8 +95,8 @@ class Router:
         except Exception as e:  # unreachable, or an answer we cannot use: either way not routable
             self._mark_down(inst, str(e))
             return
-        if inst.load.draining:
-            self._mark_down(inst, "draining")
+        if inst.load.draining or inst.load.stalled:
+            self._mark_down(inst, "draining" if inst.load.draining else "stalled (a rank hung or died)")
             return
         if not inst.healthy:
             logger.info("engine %d at %s is healthy", inst.index, inst.address)
@@ -141,6 +145,18 @@ class Router:
         self.decisions[getattr(self.policy, "last_decision", "") or self.policy.name] += 1
         return self.instances[index]
 
+    async def _choose_or_wait(self, token_ids: list[int], tried: set[int], deadline: float) -> Instance:
+        """An instance for a request that has not started: one not tried yet, else (none healthy) the
+        first to become healthy before ``deadline`` (loop time), tried or not (it may have restarted)."""
+        while True:
+            try:
+                return self.choose(token_ids, tried)
+            except EngineUnavailable:
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise
+            tried.clear()
+            await asyncio.sleep(min(0.25, self.refresh_interval_s))
+
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -148,8 +164,9 @@ class Router:
         EngineUnavailable (no instance could take it, or the serving one died mid-stream) or
         EngineRequestError (the instance refused the request)."""
         tried: set[int] = set()
+        deadline = asyncio.get_running_loop().time() + self.engine_wait_s
         while True:
-            inst = self.choose(token_ids, tried)
+            inst = await self._choose_or_wait(token_ids, tried, deadline)
             inst.in_flight += 1
             inst.requests_total += 1
             started = False

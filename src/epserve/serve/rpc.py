@@ -16,6 +16,14 @@ GRPC_OPTIONS = [
 ]
 
 
+AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata a router sends an engine that requires ``token`` (None: no token)."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else None
+
+
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         max_tokens=p.max_tokens,

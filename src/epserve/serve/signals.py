@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import socket
 import threading
 from collections.abc import Callable
-
-logger = logging.getLogger(__name__)
 
 
 class SignalWatcher:
@@ -48,16 +45,18 @@ class SignalWatcher:
 
 
 class StopSignals:
-    """First SIGINT/SIGTERM: stop gracefully; second: stop now."""
+    """First SIGINT/SIGTERM: stop gracefully; second: stop now. The handler only counts (it takes no
+    lock: a handler runs between two bytecodes of the main thread, which may hold any lock, and a
+    second signal may arrive inside the first's handler); the command's loop polls :attr:`stopping`."""
 
     def __init__(self) -> None:
         self.count = 0
-        self.event = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
+    @property
+    def stopping(self) -> bool:
+        return self.count > 0
+
     def _handle(self, signum: int, frame: object) -> None:
         self.count += 1
-        self.event.set()
-        if self.count == 1:
-            logger.info("%s: draining and stopping (again to stop at once)", signal.Signals(signum).name)
