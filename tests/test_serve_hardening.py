@@ -283,7 +283,12 @@ def test_a_request_the_engine_aborts_ends_as_an_error_not_as_abort(server):
         events.append(next(line for line in lines if line.startswith("data: {")))
         worker = threading.Thread(target=complete)
         worker.start()
-        time.sleep(0.3)  # the whole request is running too
+        deadline = time.monotonic() + 5  # the whole request's 4 choices run too (not a fixed sleep: 120
+        while time.monotonic() < deadline:  # tokens take well under a second on a fast machine)
+            running = metric(httpx.get(f"{server.url}/metrics", timeout=10).text, "epserve:num_requests_running")
+            if running >= 5:
+                break
+            time.sleep(0.01)
         server.proc.signal()
         events += [line for line in lines if line]
     worker.join(60)
