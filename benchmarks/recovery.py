@@ -26,15 +26,10 @@ from pathlib import Path
 import httpx
 import psutil
 
+from epserve.parallel.launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait(predicate, timeout: float, what: str, step: float = 0.05) -> float:

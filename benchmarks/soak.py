@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from epserve.parallel.launch import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 MB = 1 << 20
 
@@ -118,7 +120,7 @@ def main() -> int:
     args = p.parse_args()
     proc = None
     if args.url is None:
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "EPSERVE_THREADS_PER_RANK": "1", "EPSERVE_NO_PROGRESS": "1"}
         proc = subprocess.Popen([sys.executable, "-m", "epserve.cli", "serve", "--dp", "2", "--port", str(port),
                                  "--dtype", "float32", "--num-blocks", "128", "--max-model-len", "1024"],
@@ -151,13 +153,6 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
