@@ -9,66 +9,18 @@ import secrets
 import sys
 
 from epserve import env
-from epserve.config import (
-    DISPATCH_BACKENDS,
-    KV_CACHE_DTYPES,
-    OVERLAP_CHOICES,
-    REPLICA_SELECTIONS,
-    SPECULATIVE_METHODS,
-    EplbConfig,
+from epserve.engine.args import add_engine_args, engine_config, engine_options
+from epserve.serve.args import (
+    add_disaggregation_args,
+    add_engine_serving_args,
+    add_engine_token_arg,
+    add_role_arg,
+    add_router_args,
+    disaggregated_layouts,
+    router_options,
+    serve_options,
+    set_api_key,
 )
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--quantization", default="auto", choices=["auto", "fp8", "none"],
-                   help="weights: fp8 keeps FP8 block-scaled weights (quantizes a bf16 checkpoint at load), "
-                   "none dequantizes at load, auto = fp8 for an FP8 checkpoint on CUDA, none on CPU")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="latent KV cache: auto (the model dtype) or fp8 (e4m3, twice the blocks)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly, not as graphs")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest decode batch captured (CUDA graphs) or compiled (--compile); default max-num-seqs")
-    p.add_argument("--compile", action="store_true",
-                   help="CPU: decode steps through torch.compile(fullgraph=True), one graph per batch bucket")
-    p.add_argument("--speculative", default=None, choices=[m for m in SPECULATIVE_METHODS if m],
-                   help="speculative decoding: mtp drafts with the checkpoint's multi-token prediction layer")
-    p.add_argument("--num-speculative-tokens", type=int, default=1,
-                   help="draft tokens per decode step with --speculative (the MTP layer chained on itself)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
-    p.add_argument("--memory-budget-gb", type=float, default=None, help="memory for weights + KV cache")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    par = p.add_argument_group("parallelism (world = dp x tp = EP ranks)")
-    par.add_argument("--dp", type=int, default=1, help="data-parallel attention groups (engine instances)")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per DP group")
-    par.add_argument("--dispatch", default="auto", choices=DISPATCH_BACKENDS,
-                     help="MoE token exchange (auto: local for EP 1, else all_to_all)")
-    par.add_argument("--overlap", default="auto", choices=OVERLAP_CHOICES)
-    par.add_argument("--microbatch-threshold", type=int, default=None,
-                     help="auto overlap: tokens per rank from which two micro-batches run (default: 256 on "
-                     "CUDA, never on CPU)")
-    eplb = p.add_argument_group("expert load balancing (EPLB)")
-    eplb.add_argument("--num-redundant-experts", type=int, default=0,
-                      help="extra expert slots holding replicas that share a busy expert's tokens")
-    eplb.add_argument("--enable-eplb", action="store_true",
-                      help="place experts (and replicas) by the recent load while serving, moving weights between steps")
-    eplb.add_argument("--eplb-window-size", type=int, default=EplbConfig.window_size,
-                      help="steps of expert load a rebalance looks at")
-    eplb.add_argument("--eplb-step-interval", type=int, default=EplbConfig.step_interval,
-                      help="steps between rebalances")
-    eplb.add_argument("--eplb-replica-selection", default=EplbConfig.replica_selection, choices=REPLICA_SELECTIONS,
-                      help="position: a token's replica by its row (even shares); local: the sender's rank, then "
-                      "node first")
-    par.add_argument("--nnodes", type=int, default=1, help="hosts of the world; run the same command on each")
-    par.add_argument("--node-rank", type=int, default=0)
-    par.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 (rendezvous)")
-    par.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -80,176 +32,47 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
 
 
-def _add_engine_serving_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine instances (gRPC)")
-    g.add_argument("--engine-host", default="127.0.0.1", help="where DP-group leaders listen for gRPC")
-    g.add_argument("--engine-port", type=int, default=None,
-                   help="the leader of DP group i listens on ENGINE_PORT + i (serve: any free port; engine: 50051)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds running requests get to finish after Ctrl-C/SIGTERM before they are aborted")
-    g.add_argument("--step-timeout", type=float, default=60.0,
-                   help="an instance whose step makes no progress this long (a rank hung or died) stops serving, "
-                   "fails its requests, and its group is restarted")
-    g.add_argument("--dist-timeout", type=float, default=None,
-                   help="while serving, collectives give up after this many seconds (default: --step-timeout)")
-    g.add_argument("--max-restarts", type=int, default=3,
-                   help="times the engine group is restarted after a rank dies or hangs (one host only)")
-    _add_engine_token_arg(g)
-
-
-def _add_engine_token_arg(g) -> None:
-    g.add_argument("--engine-token", default=None,
-                   help="engines require it as gRPC call metadata, routers send it (or set EPSERVE_ENGINE_TOKEN; "
-                   "default: the API key; serve: a random one)")
-
-
-def _add_router_args(p: argparse.ArgumentParser) -> None:
-    from epserve.serve.policy import POLICIES
-
-    g = p.add_argument_group("router (OpenAI API)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the MODEL argument)")
-    key = g.add_mutually_exclusive_group()
-    key.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1 (or set EPSERVE_API_KEY)")
-    key.add_argument("--api-key-file", default=None, metavar="PATH",
-                     help="... with the key read from this file (keeps it off the command line)")
-    g.add_argument("--policy", default="cache_aware", choices=POLICIES)
-    g.add_argument("--cache-threshold", type=float, default=0.3,
-                   help="cache_aware: route to the longest prefix match above this fraction of the prompt")
-    g.add_argument("--balance-abs-threshold", type=int, default=32,
-                   help="cache_aware: load is imbalanced when max - min exceeds this ...")
-    g.add_argument("--balance-rel-threshold", type=float, default=1.5, help="... and max > this x min")
-    g.add_argument("--max-tree-tokens", type=int, default=1 << 22,
-                   help="cache_aware: prefix tokens remembered per instance (LRU beyond)")
-    g.add_argument("--engine-wait-timeout", type=float, default=20.0,
-                   help="seconds a request that has not started waits for a healthy engine instance (one being "
-                   "restarted) before a 503")
-    lim = p.add_argument_group("router limits (per HTTP request)")
-    lim.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413 (default 4 MiB)")
-    lim.add_argument("--max-choices-per-request", type=int, default=256,
-                     help="most generations one request may ask for (prompts x n)")
-    lim.add_argument("--header-timeout", type=float, default=10.0,
-                     help="seconds for a request's headers to arrive, else the connection is closed")
-    lim.add_argument("--body-timeout", type=float, default=30.0,
-                     help="seconds for a request's body to arrive after its headers, else 408")
-    lim.add_argument("--keep-alive-timeout", type=float, default=5.0,
-                     help="seconds an idle kept-alive connection stays open")
-
-
-def _router_options(args: argparse.Namespace, engines: tuple[str, ...] = ()):
-    from epserve.serve.launcher import RouterOptions
-
-    return RouterOptions(
-        model=args.model, engines=engines, host=args.host, port=args.port, policy=args.policy,
-        served_model_name=args.served_model_name, cache_threshold=args.cache_threshold,
-        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
-        max_tree_tokens=args.max_tree_tokens, engine_wait_s=args.engine_wait_timeout, log_level=args.log_level.upper(),
-        max_request_bytes=args.max_request_bytes, max_choices_per_request=args.max_choices_per_request,
-        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        keep_alive_timeout_s=args.keep_alive_timeout, engine_token=_engine_token(args),
-    )
-
-
-def _engine_options(args: argparse.Namespace) -> dict:
-    """The engine options of ``_add_engine_args`` as keywords of ``build_engine_config`` / ``LLM``."""
-    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
-    return dict(
-        dtype=args.dtype, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
-        memory_budget_bytes=budget, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
-        microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port,
-        quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        cuda_graph=False if args.no_cuda_graph else None, compile=args.compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-        num_redundant_experts=args.num_redundant_experts, enable_eplb=args.enable_eplb,
-        eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
-        eplb_replica_selection=args.eplb_replica_selection,
-    )
-
-
-def _engine_config(args: argparse.Namespace):
-    from epserve.engine.llm import build_engine_config
-
-    return build_engine_config(args.model, **_engine_options(args))
-
-
-def _serve_options(args: argparse.Namespace, default_port: int):
-    from epserve.serve.engine_server import ServeOptions
-
-    port = default_port if args.engine_port is None else args.engine_port
-    if not 0 <= port < 65536:
-        raise ValueError(f"--engine-port must be in [0, 65535], got {port}")
-    if args.drain_timeout < 0:
-        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    if not args.step_timeout > 0:
-        raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
-    if args.dist_timeout is not None and not args.dist_timeout > 0:
-        raise ValueError(f"--dist-timeout must be > 0, got {args.dist_timeout}")
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    return ServeOptions(host=args.engine_host, port=port, drain_timeout_s=args.drain_timeout,
-                        token=_engine_token(args), step_timeout_s=args.step_timeout, dist_timeout_s=args.dist_timeout)
-
-
-def _engine_token(args: argparse.Namespace) -> str | None:
-    """--engine-token, else $EPSERVE_ENGINE_TOKEN, else the API key (--api-key or $EPSERVE_API_KEY)."""
-    return args.engine_token or env.engine_token() or getattr(args, "api_key", None) or env.api_key()
-
-
-def _set_api_key(args: argparse.Namespace) -> None:
-    """--api-key, or the key in --api-key-file, as $EPSERVE_API_KEY: how the router (process) finds it,
-    never on a command line. ValueError naming the file if it cannot be read or holds no key."""
-    key = args.api_key
-    if args.api_key_file is not None:
-        from pathlib import Path
-
-        try:
-            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror or e})") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"--api-key-file {args.api_key_file} is not UTF-8 text") from None
-        if not key:
-            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
-    if key:
-        env.set_api_key(key)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from epserve.serve.launcher import serve
 
     if args.nnodes != 1:
         raise ValueError("serve runs on one host; across hosts run `epserve engine` per host and `epserve router`")
-    _set_api_key(args)
-    options = _serve_options(args, 0)
+    set_api_key(args)
+    options = serve_options(args, 0)
     if options.token is None:  # one host: the router and the engines share a random token
         options = dataclasses.replace(options, token=secrets.token_urlsafe(24))
-    return serve(_engine_config(args), options, _router_options(args), args.log_level.upper(), args.max_restarts)
+    layouts = disaggregated_layouts(args)
+    if layouts is None:
+        groups = [(engine_config(args), options)]
+    else:  # prefill instances first, then decode instances (ports in that order when --engine-port is given)
+        prefill_dp = layouts["prefill"]["dp"]
+        groups = [(engine_config(args, **layouts[role]),
+                   dataclasses.replace(options, role=role, port=options.port + prefill_dp if options.port and
+                                       role == "decode" else options.port))
+                  for role in ("prefill", "decode")]
+    return serve(groups, router_options(args), args.log_level.upper(), args.max_restarts)
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
     from epserve.serve.launcher import run_engine
 
-    return run_engine(_engine_config(args), _serve_options(args, 50051), args.max_restarts)
+    return run_engine(engine_config(args), serve_options(args, 50051), args.max_restarts)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
 
     from epserve.serve.launcher import run_router
 
-    _set_api_key(args)
-    run_router(_router_options(args, tuple(args.engine)), env.api_key())
+    set_api_key(args)
+    run_router(router_options(args, tuple(args.engine or ()), tuple(args.prefill or ()), tuple(args.decode or ())),
+               env.api_key())
     return 0
 
 
 def _build_llm(args: argparse.Namespace):
     from epserve import LLM
 
-    return LLM(args.model, **_engine_options(args))
+    return LLM(args.model, **engine_options(args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -310,29 +133,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text offline with the engine")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API: engine ranks and the router on this host")
-    _add_engine_args(srv)
-    _add_engine_serving_args(srv)
-    _add_router_args(srv)
+    add_engine_args(srv)
+    add_engine_serving_args(srv)
+    add_disaggregation_args(srv)
+    add_router_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
     eng = sub.add_parser("engine", help="this host's engine ranks (gRPC) of a multi-host deployment")
-    _add_engine_args(eng)
-    _add_engine_serving_args(eng)
+    add_engine_args(eng)
+    add_engine_serving_args(eng)
+    add_role_arg(eng)
     eng.set_defaults(func=_cmd_engine)
 
     rt = sub.add_parser("router", help="the OpenAI API router in front of running engine instances")
     rt.add_argument("model", nargs="?", default=None, help="checkpoint directory for the tokenizer (default: built-in)")
-    rt.add_argument("--engine", action="append", required=True, metavar="HOST:PORT",
+    rt.add_argument("--engine", action="append", metavar="HOST:PORT",
                     help="an engine instance's gRPC address (repeat for each)")
-    _add_router_args(rt)
-    _add_engine_token_arg(rt)
+    rt.add_argument("--prefill", action="append", metavar="HOST:PORT",
+                    help="disaggregation: a prefill instance (repeat; needs --decode instead of --engine)")
+    rt.add_argument("--decode", action="append", metavar="HOST:PORT",
+                    help="disaggregation: a decode instance (repeat; needs --prefill)")
+    add_router_args(rt)
+    add_engine_token_arg(rt)
     rt.set_defaults(func=_cmd_router)
 
     mk = sub.add_parser("make-checkpoint", help="write a random-weight (or --train: trained) checkpoint in the HF "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.model.batch import ForwardBatch
@@ -40,6 +41,7 @@ class BatchPlan:
     logits_indices: tuple[int, ...] = ()
     query_start_loc: tuple[int, ...] = (0,)
     num_decode_seqs: int = 0
+    kv_writes: tuple[KVWrite, ...] = ()  # KV arrived from a prefill instance, written before the forward
 
     @property
     def num_tokens(self) -> int:

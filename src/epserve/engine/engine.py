@@ -10,12 +10,14 @@ collective has all participants); leaders sample and update their requests.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from epserve.config import EngineConfig
 from epserve.engine.balancer import RebalanceReport
-from epserve.engine.request import Request, SamplingParams
+from epserve.engine.kv_handoff import KVArrival, KVExport, KVTransferRole, KVWanted, KVWrite
+from epserve.engine.request import Request, SamplingParams, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
-from epserve.engine.scheduler import RequestUpdate, Scheduler, check_prompt
+from epserve.engine.scheduler import RequestUpdate, Scheduler
 from epserve.moe.stats import ExpertLoad
 from epserve.parallel.comm import all_reduce_max, broadcast_from_leader, gather_objects
 from epserve.parallel.context import ParallelContext
@@ -43,12 +45,18 @@ class LLMEngine:
         )
         self.anybody_unfinished = False  # from the last step's all-reduce
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
+        self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
         self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
+        self._arrivals: list[KVArrival] = []  # decode side: KV from prefill instances, written next step
+        self.kv_wanted: list[KVWanted] = []  # decode side: allocated by the last steps, not taken yet
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     kv_transfer: KVTransferRole | None = None, kv_first_block: int = 0) -> Request:
         """The one check of a request, where it enters (the offline command on every rank, the gRPC
         call on a leader): RequestError for a prompt this engine cannot serve (the same answer on every
-        rank), else the request, ready for :meth:`enqueue`."""
+        rank), else the request, ready for :meth:`enqueue`. ``kv_transfer``: a prefill for a decode
+        instance (``"send"``: it stops after its first token) or a decode whose prompt KV comes from a
+        prefill instance (``"receive"``), see ``engine/kv_handoff.py``."""
         vocab = self.config.model.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
@@ -58,7 +66,12 @@ class LLMEngine:
                          self.config.cache.block_size, self.runner.num_blocks, self.config.num_spec_tokens)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.config.model.eos_token_ids)
+        if kv_transfer == "send":
+            if not 0 <= kv_first_block <= -(-len(prompt_token_ids) // self.config.cache.block_size):
+                raise RequestError(f"first KV block {kv_first_block} is past the prompt's blocks")
+            params = replace(params, max_tokens=1)  # the decode instance checks the stop conditions
+        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.config.model.eos_token_ids,
+                       kv_transfer=kv_transfer, kv_first_block=kv_first_block)
 
     def enqueue(self, request: Request) -> None:
         """Queue a request from :meth:`make_request` on this DP group (leader only). ValueError only
@@ -75,6 +88,49 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler is not None and self.scheduler.abort_request(request_id)
+
+    def receive_kv(self, arrival: KVArrival) -> None:
+        """Decode side (leader): a receiving request's KV and first token; written into its blocks at
+        the start of the next step, on every rank of the DP group, before the forward."""
+        self._arrivals.append(arrival)
+
+    def take_kv_wanted(self) -> list[KVWanted]:
+        """Decode side (leader): the requests whose blocks were allocated since the last call."""
+        wanted, self.kv_wanted = self.kv_wanted, []
+        return wanted
+
+    def export_kv(self, request_id: str) -> KVExport:
+        """Prefill side (leader, between steps): copy a finished prefill's blocks out and free them."""
+        assert self.scheduler is not None
+        request, block_ids = self.scheduler.handoff.export_blocks(request_id)
+        try:
+            data = self.runner.read_kv(block_ids)
+        finally:
+            self.scheduler.release_held(request_id)
+        logprobs = request.output_logprobs[0] if request.output_logprobs else None
+        return KVExport(request_id, request.kv_first_block, data, request.output_token_ids[0], logprobs,
+                        request.num_cached_tokens)
+
+    def _take_arrivals(self) -> tuple[list[KVWrite], list[RequestUpdate]]:
+        """The arrived KV as block writes for this step, and the first token's update of each."""
+        scheduler, writes, updates = self.scheduler, [], []
+        assert scheduler is not None
+        for arrival in self._arrivals:
+            request = scheduler.handoff.receiving.get(arrival.request_id)
+            if request is None:  # aborted while its KV travelled
+                continue
+            first = request.num_computed_tokens // self.runner.block_size
+            block_ids = tuple(request.block_ids[first:])
+            if arrival.data.shape[1] != len(block_ids):
+                raise ValueError(f"request {arrival.request_id!r}: {arrival.data.shape[1]} KV blocks arrived, "
+                                 f"{len(block_ids)} were allocated")
+            writes.append(KVWrite(block_ids, arrival.data))
+            update = scheduler.kv_arrived(arrival.request_id, arrival.first_token, arrival.logprobs,
+                                          arrival.num_cached_tokens)
+            if update is not None:
+                updates.append(update)
+        self._arrivals = []
+        return writes, updates
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
@@ -113,18 +169,30 @@ class LLMEngine:
 
     def _step(self, stopping: bool) -> list[RequestUpdate]:
         scheduler = self.scheduler
+        writes, arrived = self._take_arrivals() if self._arrivals else ([], [])
         output = scheduler.schedule() if scheduler is not None else None
         chunks = list(output.chunks) if output else []  # decodes first
+        if output is not None and output.kv_wanted:
+            self.kv_wanted.extend(output.kv_wanted)
         plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
+        if writes:
+            plan = replace(plan, kv_writes=tuple(writes))
         prefilling = plan.num_tokens > plan.num_decode_seqs
-        max_tokens, unfinished, stop, any_prefill = all_reduce_max(
-            [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping), int(prefilling)], self.ctx
+        receiving = scheduler.num_receiving if scheduler is not None else 0
+        max_tokens, unfinished, stop, any_prefill, any_writes, any_receiving = all_reduce_max(
+            [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping), int(prefilling), int(bool(writes)),
+             int(receiving > 0)], self.ctx
         )
         self.anybody_unfinished, self.anybody_stopping = bool(unfinished), bool(stop)
+        self.anybody_receiving = bool(any_receiving)
         result, drafts = None, None
+        if any_writes and not max_tokens:  # KV arrived for requests its first token finished: still cached
+            self.runner.write_kv(broadcast_from_leader(plan, self.ctx).kv_writes)  # type: ignore[attr-defined]
         if max_tokens:
             self.num_forwards += 1
             plan = broadcast_from_leader(plan, self.ctx)
+            if plan.kv_writes:
+                self.runner.write_kv(plan.kv_writes)
             hidden = self.runner.forward(plan, max_tokens, all_decode=not any_prefill)
             if chunks:
                 result = self.runner.sample(chunks, hidden, plan)
@@ -135,8 +203,8 @@ class LLMEngine:
                 balancer.rebalance()
         if scheduler is None:
             return []
-        updates = scheduler.update(output, result.sampled if result else {}, result.logprobs if result else None,
-                                   drafts)
+        updates = arrived + scheduler.update(output, result.sampled if result else {},
+                                             result.logprobs if result else None, drafts)
         if not chunks and not updates and scheduler.has_unfinished_requests():
             # Cannot happen while the scheduler keeps its invariants; never spin silently.
             raise RuntimeError(

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
-from epserve.engine.request import Request
-from epserve.engine.scheduler import ScheduledChunk, draft_room
+from epserve.engine.request import Request, draft_room
+from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher

@@ -72,6 +72,7 @@ def _is_int(x: object) -> bool:
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
+    WAITING_FOR_KV = enum.auto()  # blocks allocated; the prompt's KV is on its way from a prefill instance
     RUNNING = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
@@ -113,6 +114,8 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "draft_token_ids",
+        "kv_transfer",
+        "kv_first_block",
         "_all_token_ids",
     )
 
@@ -123,7 +126,12 @@ class Request:
         sampling_params: SamplingParams | None = None,
         eos_token_ids: Iterable[int] = (),
         arrival_time: float | None = None,
+        kv_transfer: str | None = None,
+        kv_first_block: int = 0,
     ) -> None:
+        """``kv_transfer``: ``"send"`` for a prompt prefilled for a decode instance (its blocks from
+        ``kv_first_block`` on are copied out when it finishes), ``"receive"`` for a request whose
+        prompt KV comes from a prefill instance (``engine/kv_handoff.py``); None otherwise."""
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
@@ -140,6 +148,8 @@ class Request:
         self.num_preemptions = 0
         # Speculative decoding: tokens the draft model proposed after the last known one (not yet verified).
         self.draft_token_ids: list[int] = []
+        self.kv_transfer = kv_transfer
+        self.kv_first_block = kv_first_block
         # prompt + outputs in one list, appended to, so reading it costs no copy.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
 
@@ -178,4 +188,37 @@ class Request:
         return (
             f"Request({self.request_id!r}, status={self.status.name}, num_prompt_tokens={self.num_prompt_tokens}, "
             f"num_output_tokens={self.num_output_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )
+
+
+def draft_room(request: Request, max_model_len: int, num_new: int = 0) -> int:
+    """How many drafts the request could still use once ``num_new`` more tokens are appended: neither
+    past ``max_tokens`` nor the context, the token sampled after them included."""
+    return min(request.sampling_params.max_tokens - request.num_output_tokens,
+               max_model_len - request.num_tokens) - num_new - 1
+
+
+def check_prompt(
+    request_id: str, num_prompt: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
+    num_speculative_tokens: int = 0,
+) -> None:
+    """Raise ValueError for a prompt that can never run: empty, beyond the context, or needing more
+    KV blocks than the whole cache (with speculative decoding, its draft positions included)."""
+    rid = request_id
+    if num_prompt == 0:
+        raise ValueError(f"request {rid!r}: the prompt is empty")
+    if num_prompt >= max_model_len:
+        raise ValueError(
+            f"request {rid!r}: prompt has {num_prompt} tokens; the context is {max_model_len}, "
+            "which must leave room for at least one generated token"
+        )
+    # The last token of a finished request is never fed back, so it needs no KV slot.
+    num_kv_tokens = min(num_prompt + max_tokens, max_model_len) - 1
+    if num_speculative_tokens:  # drafts verified and chained past the last token (Scheduler._allocation)
+        num_kv_tokens = min(num_prompt + max_tokens - 2 + 2 * num_speculative_tokens, max_model_len)
+    num_blocks_needed = -(-num_kv_tokens // block_size)
+    if num_blocks_needed > num_blocks:
+        raise ValueError(
+            f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
+            f"{num_blocks_needed} KV blocks of {block_size} tokens; the whole cache has {num_blocks}"
         )

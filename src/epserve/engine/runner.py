@@ -12,9 +12,11 @@ from epserve.config import EngineConfig
 from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.graphs import DecodeGraphs, pad_decode
+from epserve.engine.kv_handoff import KVLayout, KVWrite
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
 from epserve.engine.proposer import MTPProposer
+from epserve.engine.request import Request, SamplingParams
 from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, VerifyGroup, verify
@@ -126,6 +128,27 @@ class ModelRunner:
             "kv_cache_dtype": "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch."),
         }
 
+    def kv_layout(self) -> KVLayout:
+        cache = self.kv_caches[0]
+        return KVLayout(len(self.kv_caches), self.block_size, cache.shape[-1] * cache.element_size(),
+                        str(self.cache_info()["kv_cache_dtype"]))
+
+    @torch.inference_mode()
+    def read_kv(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks of every cached layer as stored, on the host: uint8 ``[layers, blocks, block_size,
+        token_bytes]`` (FP8 as its bytes; the latent cache is the same on every TP rank)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.stack([cache.view(torch.uint8)[index] for cache in self.kv_caches]).cpu()
+
+    @torch.inference_mode()
+    def write_kv(self, writes: tuple[KVWrite, ...]) -> None:
+        """Blocks that arrived from a prefill instance, into the cache (every rank of the DP group)."""
+        for write in writes:
+            index = torch.tensor(write.block_ids, dtype=torch.long, device=self.device)
+            data = write.data.to(self.device)
+            for layer, cache in enumerate(self.kv_caches):
+                cache.view(torch.uint8).index_copy_(0, index, data[layer])
+
     def set_profiling(self, enabled: bool) -> None:
         """Time every op of every step from now on (a fresh record), or stop."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
@@ -193,7 +216,7 @@ class ModelRunner:
         if self.proposer is not None:
             return self._verify(sampling, logits)
         params = [c.request.sampling_params for c in sampling]
-        gens = [self._generator(c.request.request_id, p.seed) for c, p in zip(sampling, params)]
+        gens = [self._generator(c.request, p) for c, p in zip(sampling, params)]
         out = self.sampler.sample(logits, params, gens)
         ids = [c.request.request_id for c in sampling]
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
@@ -215,12 +238,16 @@ class ModelRunner:
                 logprobs[c.request.request_id] = out.logprobs
         return StepResult(sampled, logprobs)  # type: ignore[arg-type]
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
-        if seed is None:
+    def _generator(self, request: Request, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
             return None
-        gen = self._generators.get(request_id)
+        gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = self._generators[request_id] = self.sampler.make_generator(seed)
+            gen = self._generators[request.request_id] = self.sampler.make_generator(params.seed)
+            if request.kv_transfer == "receive" and not params.is_greedy:
+                # The prefill instance drew the first token from this seed: skip that draw, so the
+                # request's tokens are those of one instance.
+                torch.empty(self.config.model.vocab_size, device=self.device).exponential_(generator=gen)
         return gen
 
     def release(self, request_id: str) -> None:

@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from epserve.config import CacheConfig, SchedulerConfig
+from epserve.engine.kv_handoff import KVHandoff, KVWanted
 from epserve.engine.kv_manager import KVCacheManager
-from epserve.engine.request import Request, RequestStatus
+from epserve.engine.request import Request, RequestStatus, check_prompt, draft_room
 
 
 def decodes_at(request: Request, start: int) -> bool:
@@ -83,6 +84,7 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]  # decodes first, then prefills
     num_batched_tokens: int
     preempted_ids: tuple[str, ...] = ()
+    kv_wanted: tuple[KVWanted, ...] = ()  # decode side: requests whose blocks were allocated this step
 
     @property
     def is_empty(self) -> bool:
@@ -97,39 +99,6 @@ class RequestUpdate:
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
-
-
-def draft_room(request: Request, max_model_len: int, num_new: int = 0) -> int:
-    """How many drafts the request could still use once ``num_new`` more tokens are appended: neither
-    past ``max_tokens`` nor the context, the token sampled after them included."""
-    return min(request.sampling_params.max_tokens - request.num_output_tokens,
-               max_model_len - request.num_tokens) - num_new - 1
-
-
-def check_prompt(
-    request_id: str, num_prompt: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int,
-    num_speculative_tokens: int = 0,
-) -> None:
-    """Raise ValueError for a prompt that can never run: empty, beyond the context, or needing more
-    KV blocks than the whole cache (with speculative decoding, its draft positions included)."""
-    rid = request_id
-    if num_prompt == 0:
-        raise ValueError(f"request {rid!r}: the prompt is empty")
-    if num_prompt >= max_model_len:
-        raise ValueError(
-            f"request {rid!r}: prompt has {num_prompt} tokens; the context is {max_model_len}, "
-            "which must leave room for at least one generated token"
-        )
-    # The last token of a finished request is never fed back, so it needs no KV slot.
-    num_kv_tokens = min(num_prompt + max_tokens, max_model_len) - 1
-    if num_speculative_tokens:  # drafts verified and chained past the last token (Scheduler._allocation)
-        num_kv_tokens = min(num_prompt + max_tokens - 2 + 2 * num_speculative_tokens, max_model_len)
-    num_blocks_needed = -(-num_kv_tokens // block_size)
-    if num_blocks_needed > num_blocks:
-        raise ValueError(
-            f"request {rid!r}: prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs "
-            f"{num_blocks_needed} KV blocks of {block_size} tokens; the whole cache has {num_blocks}"
-        )
 
 
 class Scheduler:
@@ -161,6 +130,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._unreported: list[Request] = []  # aborted since the last update
         self._in_flight: set[str] = set()  # scheduled by the last schedule(), not yet updated
+        self.handoff = KVHandoff(self.kv_manager)  # prefill/decode disaggregation's requests in transit
 
     # ---- requests --------------------------------------------------------------------------
     @property
@@ -171,9 +141,16 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_receiving(self) -> int:
+        """Requests waiting for their prompt's KV from a prefill instance (blocks allocated or not)."""
+        return len(self.handoff.pending) + len(self.handoff.receiving)
+
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running, or an abort is yet to be reported."""
-        return bool(self.waiting or self.running or self._unreported)
+        """True while a step can advance a request: one is waiting or running, an abort is yet to be
+        reported, or requests wait for KV blocks that only a step can free. Requests whose KV is on its
+        way are not counted: their arrival, not a step, moves them."""
+        return bool(self.waiting or self.running or self._unreported or self.handoff.blocked)
 
     def add_request(self, request: Request) -> None:
         rid = request.request_id
@@ -186,7 +163,7 @@ class Scheduler:
         self._requests[rid] = request
         self._arrival_index[rid] = self._num_arrivals
         self._num_arrivals += 1
-        self.waiting.append(request)
+        (self.handoff.pending if request.kv_transfer == "receive" else self.waiting).append(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks. Returns False if it is unknown or already finished;
@@ -196,7 +173,9 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        if request.status is RequestStatus.WAITING:
+        if self.handoff.remove(request):
+            pass
+        elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
@@ -247,7 +226,12 @@ class Scheduler:
                 chunks.append(self._make_chunk(request, num_new))
                 budget -= num_new
 
-        # 3. Waiting requests, FIFO: the head blocks those behind it. None after a preemption.
+        # 3. Requests whose prompt KV comes from a prefill instance: their blocks, so the transfer can
+        # start (the KV arrives between steps). None after a preemption.
+        room = self.config.max_num_seqs - len(self.running) - len(self.handoff.receiving)
+        kv_wanted = self.handoff.allocate(room) if not preempted else []
+
+        # 4. Waiting requests, FIFO: the head blocks those behind it. None after a preemption.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit = self.kv_manager.get_computed_blocks(request)
@@ -270,7 +254,32 @@ class Scheduler:
             chunks=tuple(ordered),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=tuple(r.request_id for r in preempted),
+            kv_wanted=tuple(kv_wanted),
         )
+
+    def kv_arrived(self, request_id: str, token: int, logprobs: object | None, num_cached_tokens: int,
+                   ) -> RequestUpdate | None:
+        """A receiving request's KV arrived with the prefill's first token (call before ``schedule()``;
+        the engine writes the KV before this step's forward): it runs like any decode from now on.
+        The update reports the token (and the end, if that token stops it); None if it was aborted."""
+        request = self.handoff.arrived(request_id)
+        if request is None:
+            return None
+        request.num_cached_tokens = num_cached_tokens
+        request.append_output_token(token, logprobs)
+        status = self._check_stop(request, token)
+        self.kv_manager.cache_full_blocks(request)
+        if status is not None:
+            request.status = status
+            self._release(request)
+        else:
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=self._arrival_of)
+        return RequestUpdate(request_id, (token,), status is not None, request.finish_reason)
+
+    def release_held(self, request_id: str) -> None:
+        """Free a finished prefill's held blocks (copied out, or its transfer given up)."""
+        self._release(self.handoff.held.pop(request_id))
 
     def update(
         self,
@@ -333,7 +342,10 @@ class Scheduler:
             done = {r.request_id for r in finished}
             self.running = [r for r in self.running if r.request_id not in done]
             for request in finished:
-                self._release(request)
+                if request.kv_transfer == "send":  # a prefill for a decode instance: blocks held until copied
+                    self.handoff.held[request.request_id] = request
+                else:
+                    self._release(request)
         return updates
 
     # ---- helpers ---------------------------------------------------------------------------

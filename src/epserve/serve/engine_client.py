@@ -22,11 +22,18 @@ class EngineUnavailable(RuntimeError):
     """The instance is down, unreachable or shutting down."""
 
 
+class PrefillUnavailable(EngineUnavailable):
+    """A decode instance's prefill instance failed or refused before the first token (ABORTED): the
+    request may be retried on another prefill instance."""
+
+
 class EngineRequestError(ValueError):
     """The instance refused the request (bad token ids, too long for its KV cache, …)."""
 
 
 def _translate(e: grpc.aio.AioRpcError, address: str) -> Exception:
+    if e.code() == grpc.StatusCode.ABORTED:
+        return PrefillUnavailable(e.details() or "the prefill instance failed")
     if e.code() in _UNAVAILABLE:
         return EngineUnavailable(f"engine {address}: {e.details() or e.code().name}")
     return EngineRequestError(e.details() or e.code().name)
@@ -44,13 +51,15 @@ class EngineClient:
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_address: str = ""
     ) -> AsyncIterator[pb.GenerateResponse]:
         """The request's stream; closing the iterator early cancels the call (the engine aborts the
-        request and frees its blocks). Raises EngineUnavailable or EngineRequestError."""
+        request and frees its blocks). Raises EngineUnavailable or EngineRequestError. ``prefill_address``:
+        a decode instance gets the prompt's KV from that prefill instance (PrefillUnavailable if it fails)."""
         call = self.stub.Generate(
             pb.GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_to_proto(params)
+                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_to_proto(params),
+                prefill_address=prefill_address,
             ),
             wait_for_ready=False, metadata=self.metadata,
         )

@@ -21,6 +21,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from epserve.engine.kv_handoff import KVArrival, KVExport, KVWanted
 from epserve.engine.request import Request
 from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.scheduler import RequestUpdate
@@ -42,6 +43,8 @@ class ServeOptions:
     step_timeout_s: float = 60.0  # a leader whose loop makes no progress this long stops serving (watchdog)
     dist_timeout_s: float | None = None  # collectives give up after this while serving (None: step_timeout_s)
     restarts: int = 0  # times the supervisor restarted this group (reported in GetLoad)
+    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode disaggregation (see engine_server)
+    kv_transfer_timeout_s: float = 30.0  # a decode instance gives up a request's KV transfer after this
 
     def port_of(self, dp_rank: int) -> int:
         if self.ports:
@@ -64,6 +67,13 @@ class AbortRequest:
     request_id: str
 
 
+@dataclass(frozen=True)
+class KVReceived:
+    """Decode side: a request's KV arrived from its prefill instance."""
+
+    arrival: KVArrival
+
+
 # ---- the step loop -> the gRPC thread -------------------------------------------------------------
 @dataclass(frozen=True)
 class GeneratedTokens:
@@ -83,8 +93,13 @@ class RequestFailed:
     """The request did not run (or stopped) for a reason of the engine's, not the client's input."""
 
     request_id: str
-    reason: Literal["invalid", "unavailable"]
+    reason: Literal["invalid", "unavailable", "prefill"]  # prefill: its prefill instance failed (retry elsewhere)
     message: str
+
+
+# The loop's outputs: a request's tokens or failure, and for disaggregation a decode request's blocks
+# allocated (its transfer can start) or a finished prefill's blocks copied out (to be sent).
+LoopOutput = GeneratedTokens | RequestFailed | KVWanted | KVExport
 
 
 @dataclass(frozen=True)
@@ -112,12 +127,14 @@ class EngineLoad:
     eplb_rebalances_total: int = 0
     stalled: bool = False  # the loop has made no progress for the step timeout
     restarts: int = 0
+    role: str = "both"
+    num_receiving: int = 0  # requests waiting for their prompt's KV (blocks or transfer)
 
 
 class Frontend(Protocol):
     """Where a leader's loop sends its results (the gRPC service); called from the loop's thread."""
 
-    def deliver(self, outputs: list[GeneratedTokens | RequestFailed]) -> None: ...
+    def deliver(self, outputs: list[LoopOutput]) -> None: ...
 
     def set_draining(self) -> None: ...
 
@@ -130,7 +147,7 @@ class EngineLoop:
         self.doorbell: Doorbell | LocalDoorbell = (
             Doorbell(*worker.rendezvous) if worker.rendezvous is not None else LocalDoorbell()
         )
-        self.inbox: collections.deque[AddRequest | AbortRequest] = collections.deque()
+        self.inbox: collections.deque[AddRequest | AbortRequest | KVReceived] = collections.deque()
         self.requests: dict[str, Request] = {}  # accepted by this leader, not finished (the loop's thread)
         self.stop_requested = False  # this rank's vote
         self.draining = False  # some rank voted: take no new requests
@@ -145,7 +162,7 @@ class EngineLoop:
         self._busy_since: float | None = None  # start of the loop's current pass; None while asleep
 
     # ---- any thread ----------------------------------------------------------------------------
-    def submit(self, message: AddRequest | AbortRequest, ring: bool = True) -> None:
+    def submit(self, message: AddRequest | AbortRequest | KVReceived, ring: bool = True) -> None:
         """Queue ``message`` for the loop; ``ring=False`` when the loop is known to be busy (a stalled
         loop's store may not answer a ring)."""
         self.inbox.append(message)
@@ -193,6 +210,8 @@ class EngineLoop:
             eplb_rebalances_total=balancer.num_rebalances if balancer is not None else 0,
             stalled=self.stalled,
             restarts=self.options.restarts,
+            role=self.options.role,
+            num_receiving=scheduler.num_receiving,
         )
 
     @property
@@ -238,7 +257,7 @@ class EngineLoop:
             if not engine.anybody_unfinished:
                 if engine.num_forwards != self._stats_at:
                     self._gather_stats()
-                if engine.anybody_stopping:
+                if engine.anybody_stopping and not engine.anybody_receiving:
                     return
                 self._busy_since = None
                 self.doorbell.wait()
@@ -246,11 +265,14 @@ class EngineLoop:
                 self._gather_stats()
 
     def _take_inbox(self) -> None:
-        failed: list[GeneratedTokens | RequestFailed] = []
+        failed: list[LoopOutput] = []
         while self.inbox:
             message = self.inbox.popleft()
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.request_id)
+                continue
+            if isinstance(message, KVReceived):
+                self.engine.receive_kv(message.arrival)
                 continue
             request = message.request
             rid = request.request_id
@@ -268,10 +290,14 @@ class EngineLoop:
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
         """Each request's new tokens, handed to the frontend once per step (not once per request)."""
-        out: list[GeneratedTokens | RequestFailed] = []
+        out: list[LoopOutput] = list(self.engine.take_kv_wanted())  # decode side: transfers to start
         for update in updates:
             request = self.requests.get(update.request_id)
             if request is None:
+                continue
+            if request.kv_transfer == "send" and update.finished and update.finish_reason != "abort":
+                out.append(self.engine.export_kv(update.request_id))  # prefill side: its blocks, copied out
+                del self.requests[update.request_id]
                 continue
             new = update.new_token_ids
             logprobs = ()
@@ -287,14 +313,16 @@ class EngineLoop:
                 del self.requests[update.request_id]
         self._deliver(out)
 
-    def _deliver(self, outputs: list[GeneratedTokens | RequestFailed]) -> None:
+    def _deliver(self, outputs: list[LoopOutput]) -> None:
         if outputs and self._frontend is not None:
             self._frontend.deliver(outputs)
 
     def _abort_all(self, why: str) -> None:
         scheduler = self.engine.scheduler
         assert scheduler is not None
-        ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting)]
+        handoff = scheduler.handoff
+        ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting, *handoff.pending,
+                                       *handoff.receiving.values())]
         if ids:
             logger.warning("aborting %d requests: %s", len(ids), why)
         for rid in ids:

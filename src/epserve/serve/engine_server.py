@@ -11,107 +11,83 @@ Threads of a rank process:
   request's KV blocks. Only typed messages cross between the two threads;
 - a **signal watcher**: SIGTERM/SIGINT make the rank vote to stop (``EngineLoop.request_stop``).
 
-:func:`serving_rank` is the entry of a spawned serving rank (``spawn_ranks(config, serving_rank, ...)``).
+:func:`epserve.serve.supervisor.serving_rank` is the entry of a spawned serving rank.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import socket
 import threading
-from dataclasses import dataclass
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epserve.config import EngineConfig
-from epserve.engine.worker import EngineWorker, start_rank
+from epserve.engine.kv_handoff import KVExport, KVWanted
+from epserve.engine.request import Request
+from epserve.engine.worker import EngineWorker
 from epserve.parallel.context import set_collective_timeout, store_client
-from epserve.parallel.launch import RankInfo
 from epserve.serve.engine_auth import TokenCheck
 from epserve.serve.engine_loop import (
     AbortRequest,
     AddRequest,
     EngineLoop,
-    GeneratedTokens,
+    KVReceived,
+    LoopOutput,
     RequestFailed,
     ServeOptions,
+)
+from epserve.serve.engine_streams import ResponseStream, merge_responses, to_proto
+from epserve.serve.kv_transport import (
+    GrpcKVTransport,
+    KVTransferError,
+    KVTransferStats,
+    KVTransport,
+    PrefillJob,
+    layout_from_proto,
+    layout_to_proto,
 )
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.proto import engine_pb2_grpc as pb_grpc
 from epserve.serve.rpc import GRPC_OPTIONS, SERVICE_NAME, expert_load_to_proto, sampling_from_proto
 from epserve.serve.signals import SignalWatcher
 
-__all__ = ["EngineServer", "ServeOptions", "Serve", "serving_rank"]
+__all__ = ["EngineServer", "ServeOptions"]
 
 logger = logging.getLogger(__name__)
 
-_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "unavailable": grpc.StatusCode.UNAVAILABLE}
+# ABORTED is kept for "the prefill instance failed": the router retries the request on another one.
+_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "unavailable": grpc.StatusCode.UNAVAILABLE,
+           "prefill": grpc.StatusCode.ABORTED}
 
 
 def advertised_host(host: str) -> str:
     return socket.getfqdn() if host in ("", "0.0.0.0", "::", "[::]") else host
 
 
-class ResponseStream:
-    """One Generate call's messages not yet sent (on the gRPC loop only; a reader that fell behind
-    takes everything at once and sends it as one message)."""
-
-    __slots__ = ("items", "ready")
-
-    def __init__(self) -> None:
-        self.items: collections.deque[pb.GenerateResponse | RequestFailed] = collections.deque()
-        self.ready = asyncio.Event()
-
-    def push(self, item: pb.GenerateResponse | RequestFailed) -> None:
-        self.items.append(item)
-        self.ready.set()
-
-    async def take(self) -> list[pb.GenerateResponse | RequestFailed]:
-        await self.ready.wait()
-        self.ready.clear()
-        items = list(self.items)
-        self.items.clear()
-        return items
-
-
-def _to_proto(out: GeneratedTokens) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        token_ids=out.token_ids, num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason or "",
-    )
-    for lp in out.logprobs:
-        msg.logprobs.add(logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-    return msg
-
-
-def _merge(msgs: list[pb.GenerateResponse]) -> pb.GenerateResponse:
-    """Messages a slow reader let pile up, as one (tokens and logprobs in order, the latest counts)."""
-    merged = pb.GenerateResponse()
-    merged.CopyFrom(msgs[-1])
-    del merged.token_ids[:]
-    del merged.logprobs[:]
-    for m in msgs:
-        merged.token_ids.extend(m.token_ids)
-        merged.logprobs.extend(m.logprobs)
-    return merged
-
-
 class EngineService(pb_grpc.EngineServicer):
     """The gRPC methods (on the leader's asyncio loop) and the loop's :class:`Frontend`: ``deliver``
     and ``set_draining`` come from the step loop's thread and hop onto the asyncio loop."""
 
-    def __init__(self, engine_loop: EngineLoop) -> None:
+    def __init__(self, engine_loop: EngineLoop, transport: KVTransport | None = None) -> None:
         self.engine_loop = engine_loop
+        self.options = options = engine_loop.options
         self.streams: dict[str, ResponseStream] = {}  # the asyncio loop's only
         self.aio_loop: asyncio.AbstractEventLoop | None = None
         self.health = health.aio.HealthServicer()
+        # Prefill/decode disaggregation: the transfer channel, this instance's KV layout, and on a decode
+        # instance the requests whose prefill runs elsewhere (address, request) and their transfers.
+        self.transport = transport if transport is not None else GrpcKVTransport(options.token)
+        self.layout = engine_loop.engine.runner.kv_layout()
+        self.kv_stats = KVTransferStats()
+        self._remote: dict[str, tuple[str, Request]] = {}
+        self._fetches: dict[str, asyncio.Task] = {}
 
     # ---- the step loop's thread ----------------------------------------------------------------
-    def deliver(self, outputs: list[GeneratedTokens | RequestFailed]) -> None:
+    def deliver(self, outputs: list[LoopOutput]) -> None:
         if self.aio_loop is not None:
             try:
                 self.aio_loop.call_soon_threadsafe(self._route, outputs)
@@ -123,18 +99,21 @@ class EngineService(pb_grpc.EngineServicer):
             asyncio.run_coroutine_threadsafe(self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING), self.aio_loop)
 
     # ---- the asyncio loop ----------------------------------------------------------------------
-    def _route(self, outputs: list[GeneratedTokens | RequestFailed]) -> None:
+    def _route(self, outputs: list[LoopOutput]) -> None:
         for out in outputs:
+            if isinstance(out, KVWanted):
+                self._start_fetch(out)
+                continue
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
-            if isinstance(out, RequestFailed):
+            if isinstance(out, (RequestFailed, KVExport)):
                 del self.streams[out.request_id]
                 stream.push(out)
                 continue
             if out.finish_reason is not None:
                 del self.streams[out.request_id]
-            stream.push(_to_proto(out))
+            stream.push(to_proto(out))
 
     async def watch(self, step_timeout_s: float) -> None:
         """The step watchdog: when the loop's current pass has run past ``step_timeout_s`` (a rank hung
@@ -168,23 +147,35 @@ class EngineService(pb_grpc.EngineServicer):
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+    async def _admit(self, rid: str, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a call while the engine cannot take requests, or for an empty or running id."""
         loop = self.engine_loop
         if loop.draining or loop.stop_requested:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
         if loop.stalled:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is stalled (a rank hung or died)")
-        rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if rid in self.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        loop, rid, remote = self.engine_loop, request.request_id, request.prefill_address
+        await self._admit(rid, context)
+        role = self.options.role
+        if role == "prefill" or (role == "decode" and not remote):
+            why = ("a prefill instance only prefills for decode instances" if role == "prefill" else
+                   "a decode instance decodes requests prefilled elsewhere: route through a router with --prefill")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
         try:
             params = sampling_from_proto(request.sampling_params)
-            checked = loop.engine.make_request(rid, list(request.prompt_token_ids), params)
+            checked = loop.engine.make_request(rid, list(request.prompt_token_ids), params,
+                                               kv_transfer="receive" if remote else None)
         except ValueError as e:  # RequestError included
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         stream = self.streams[rid] = ResponseStream()
+        if remote:
+            self._remote[rid] = (remote, checked)
         loop.submit(AddRequest(checked))
         finished = False
         try:
@@ -192,7 +183,7 @@ class EngineService(pb_grpc.EngineServicer):
                 items = await stream.take()
                 msgs = [i for i in items if isinstance(i, pb.GenerateResponse)]
                 if msgs:
-                    msg = msgs[0] if len(msgs) == 1 else _merge(msgs)
+                    msg = msgs[0] if len(msgs) == 1 else merge_responses(msgs)
                     yield msg
                     if msg.finish_reason:
                         finished = True
@@ -202,7 +193,76 @@ class EngineService(pb_grpc.EngineServicer):
                     finished = True
                     await context.abort(_STATUS[failure.reason], failure.message)
         finally:
+            self._remote.pop(rid, None)
+            fetch = self._fetches.pop(rid, None)
+            if fetch is not None:
+                fetch.cancel()  # cancels the prefill instance's call too
             if not finished:  # cancelled: the client went away or gave up
+                self.streams.pop(rid, None)
+                loop.submit(AbortRequest(rid))
+
+    # ---- prefill/decode disaggregation ---------------------------------------------------------
+    def _start_fetch(self, wanted: KVWanted) -> None:
+        """Decode side: the request's blocks are allocated; fetch its KV from its prefill instance."""
+        remote = self._remote.get(wanted.request_id)
+        if remote is None:  # its call ended meanwhile (the loop aborts the request)
+            return
+        address, request = remote
+        job = PrefillJob(request.request_id, tuple(request.prompt_token_ids), request.sampling_params,
+                         wanted.first_block, wanted.num_blocks, self.layout)
+        self._fetches[request.request_id] = asyncio.ensure_future(self._fetch(address, job))
+
+    async def _fetch(self, address: str, job: PrefillJob) -> None:
+        rid, start, timeout = job.request_id, time.monotonic(), self.options.kv_transfer_timeout_s
+        try:
+            arrival = await asyncio.wait_for(self.transport.receive(address, job), timeout)
+        except (KVTransferError, asyncio.TimeoutError) as e:
+            why = str(e) if isinstance(e, KVTransferError) else f"the KV transfer took longer than {timeout:g} s"
+            logger.warning("request %s: KV transfer from %s failed: %s", rid, address, why)
+            self.kv_stats.failures += 1
+            self._fetches.pop(rid, None)
+            stream = self.streams.pop(rid, None)
+            if stream is not None:
+                stream.push(RequestFailed(rid, "prefill", why))
+            self.engine_loop.submit(AbortRequest(rid))  # frees its blocks
+            return
+        self._fetches.pop(rid, None)
+        self.kv_stats.received(arrival.data.numel(), time.monotonic() - start)
+        self.engine_loop.submit(KVReceived(arrival))
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        """Prefill side: run the prompt, then stream its blocks and first token to the decode instance."""
+        loop, rid = self.engine_loop, f"{request.request_id}@prefill" if request.request_id else ""
+        await self._admit(rid, context)
+        if self.options.role == "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode instance does not prefill for others")
+        why = self.layout.mismatch(layout_from_proto(request.layout))
+        if why is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        try:
+            params = sampling_from_proto(request.sampling_params)
+            checked = loop.engine.make_request(rid, list(request.prompt_token_ids), params, kv_transfer="send",
+                                               kv_first_block=request.first_block)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = self.streams[rid] = ResponseStream()
+        loop.submit(AddRequest(checked))
+        finished = False
+        try:
+            while not finished:
+                for item in await stream.take():
+                    if isinstance(item, KVExport):
+                        finished = True  # its blocks are free already: a cancelled send just drops the copy
+                        self.kv_stats.bytes_sent += item.data.numel()  # before the last yield: the caller
+                        for chunk in self.transport.send(item):     # may close the call on the last chunk
+                            yield chunk
+                        return
+                    finished = True  # a failure, or its abort (a drain timeout)
+                    reason = item.reason if isinstance(item, RequestFailed) else "unavailable"
+                    message = item.message if isinstance(item, RequestFailed) else "the prefill was aborted"
+                    await context.abort(_STATUS[reason], message)
+        finally:
+            if not finished:  # the decode instance went away or gave up
                 self.streams.pop(rid, None)
                 loop.submit(AbortRequest(rid))
 
@@ -213,7 +273,7 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.AbortResponse(found=found)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:  # noqa: N802
-        return pb.GetLoadResponse(**dataclasses.asdict(self.engine_loop.load()))
+        return pb.GetLoadResponse(**dataclasses.asdict(self.engine_loop.load()), **self.kv_stats.proto_fields())
 
     async def GetExpertLoad(self, request: pb.GetExpertLoadRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> pb.GetExpertLoadResponse:
@@ -227,6 +287,7 @@ class EngineService(pb_grpc.EngineServicer):
             model_path=config.model_path, max_model_len=config.max_model_len, vocab_size=config.model.vocab_size,
             dp_rank=ctx.dp_rank, dp=ctx.dp, tp=ctx.tp, block_size=engine.runner.block_size,
             num_blocks=engine.runner.num_blocks, eos_token_ids=list(config.model.eos_token_ids),
+            role=self.options.role, kv_layout=layout_to_proto(self.layout),
         )
 
 
@@ -309,6 +370,7 @@ class EngineServer:
         await self._grpc_stop.wait()
         watchdog.cancel()
         await server.stop(grace=2.0)
+        await service.transport.close()
 
     def _stop_grpc(self) -> None:
         service, thread = self._service, self._grpc_thread
@@ -319,28 +381,3 @@ class EngineServer:
         except RuntimeError:
             pass
         thread.join(10.0)
-
-
-# ---- a spawned serving rank -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Serve:
-    """The one command of a serving rank: serve until every rank has stopped."""
-
-
-class ServingRank:
-    def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
-        self.worker = worker
-        self.options = options
-
-    def handle(self, command: Serve) -> None:
-        if not isinstance(command, Serve):
-            raise TypeError(f"a serving rank takes Serve, not {command!r}")
-        EngineServer(self.worker, self.options).serve()
-
-    def close(self) -> None:
-        self.worker.close()
-
-
-def serving_rank(info: RankInfo, config: EngineConfig, log_level: int, options: ServeOptions) -> ServingRank:
-    """Entry of a spawned serving rank: the rank's worker, which serves on :class:`Serve`."""
-    return ServingRank(start_rank(info, config, log_level), options)

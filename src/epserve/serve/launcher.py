@@ -48,6 +48,8 @@ BUILTIN_MODEL_NAME = "epserve-tiny"
 class RouterOptions:
     model: str | None  # checkpoint directory (tokenizer); None = the built-in tiny model
     engines: tuple[str, ...]
+    prefill: tuple[str, ...] = ()  # disaggregation: prefill instances ...
+    decode: tuple[str, ...] = ()  # ... and decode instances (instead of engines)
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "cache_aware"
@@ -111,8 +113,8 @@ def build_router(options: RouterOptions, api_key: str | None = None):
     from epserve.serve.router import Router
 
     policy, tokenizer = router_parts(options)
-    router = Router(list(options.engines), policy, options.refresh_interval_s,
-                    token=options.engine_token or api_key, engine_wait_s=options.engine_wait_s)
+    router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token or api_key,
+                    engine_wait_s=options.engine_wait_s, prefill=options.prefill, decode=options.decode)
     return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits)
 
 
@@ -131,8 +133,10 @@ def run_router(options: RouterOptions, api_key: str | None = None) -> None:
 
     check_port_free(options.host, options.port)
     server = build_router(options, api_key)
-    logger.info("router on http://%s:%d/v1 (model %r, policy %s) over engines %s", options.host, options.port,
-                options.model_name, options.policy, ", ".join(options.engines))
+    over = (f"engines {', '.join(options.engines)}" if options.engines else
+            f"prefill instances {', '.join(options.prefill)} and decode instances {', '.join(options.decode)}")
+    logger.info("router on http://%s:%d/v1 (model %r, policy %s) over %s", options.host, options.port,
+                options.model_name, options.policy, over)
     from epserve.serve.http_limits import http_protocol
 
     limits = server.limits
@@ -169,18 +173,26 @@ def _wait_http_ok(url: str, proc: mp.Process, timeout_s: float) -> None:
     raise RankFailure(f"the router did not become healthy at {url} within {timeout_s:.0f} s")
 
 
-def serve(config: EngineConfig, engine_options: ServeOptions, router_options: RouterOptions,
+def serve(groups: list[tuple[EngineConfig, ServeOptions]], router_options: RouterOptions,
           log_level: str = "INFO", max_restarts: int = 3) -> int:
-    """``epserve serve``: engine ranks and the router on this host until Ctrl-C/SIGTERM; the engine
-    group is restarted up to ``max_restarts`` times when a rank dies or hangs (the router stays)."""
+    """``epserve serve``: engine ranks and the router on this host until Ctrl-C/SIGTERM. ``groups``: one
+    engine world, or (``--disaggregate``) a world of prefill instances and one of decode instances, each
+    with its own layout (``ServeOptions.role``). A group is restarted up to ``max_restarts`` times when
+    a rank dies or hangs (the router stays)."""
     check_port_free(router_options.host, router_options.port)
     router_parts(router_options)  # the router process's checks, before the ranks load
     signals = StopSignals()
-    engines = EngineSupervisor(config, engine_options, max_restarts)
+    engines: list[EngineSupervisor] = []
     router = None
     try:
-        addresses = engines.wait_serving()
-        options = dataclasses.replace(router_options, engines=tuple(addresses), engine_token=engine_options.token)
+        for config, engine_options in groups:  # every world loads at once
+            engines.append(EngineSupervisor(config, engine_options, max_restarts))
+        by_role: dict[str, list[str]] = {"both": [], "prefill": [], "decode": []}
+        for supervisor in engines:
+            by_role[supervisor.options.role].extend(supervisor.wait_serving())
+        addresses = [a for supervisor in engines for a in supervisor.addresses]
+        options = dataclasses.replace(router_options, engines=tuple(by_role["both"]), prefill=tuple(by_role["prefill"]),
+                                      decode=tuple(by_role["decode"]), engine_token=groups[0][1].token)
         router = mp.get_context("spawn").Process(target=_router_process, args=(options, log_level),
                                                  name="epserve-router", daemon=True)
         router.start()
@@ -193,9 +205,10 @@ def serve(config: EngineConfig, engine_options: ServeOptions, router_options: Ro
                 break
             if not router.is_alive():
                 raise RankFailure(f"the router exited with code {router.exitcode}")
-            engines.check()
+            for supervisor in engines:
+                supervisor.check()
     finally:
-        _shutdown(engines, router, signals, engine_options.drain_timeout_s)
+        _shutdown(engines, router, signals, groups[0][1].drain_timeout_s)
     return 0
 
 
@@ -222,28 +235,30 @@ def run_engine(config: EngineConfig, options: ServeOptions, max_restarts: int = 
             if not signals.stopping:
                 engines.check()
     finally:
-        _shutdown(engines, None, signals, options.drain_timeout_s)
+        _shutdown([engines], None, signals, options.drain_timeout_s)
     return 0
 
 
-def _shutdown(engines: EngineSupervisor, router: mp.Process | None, signals: StopSignals,
+def _shutdown(engines: list[EngineSupervisor], router: mp.Process | None, signals: StopSignals,
               drain_timeout_s: float) -> None:
     """Stop the router (it finishes open responses) and the ranks (they drain), then reap everything."""
     if signals.stopping:
         logger.info("stop requested: draining and stopping (again to stop at once)")
-    ranks = engines.ranks
     if router is not None and router.is_alive():
         router.terminate()
-    ranks.stop()
+    for supervisor in engines:
+        supervisor.ranks.stop()
     deadline = time.monotonic() + drain_timeout_s + 30.0
-    while ranks.running and time.monotonic() < deadline and signals.count < 2:
-        ranks.join(0.2)
+    for ranks in [supervisor.ranks for supervisor in engines]:
+        while ranks.running and time.monotonic() < deadline and signals.count < 2:
+            ranks.join(0.2)
     if router is not None:
         while router.is_alive() and time.monotonic() < deadline and signals.count < 2:
             router.join(0.2)
         if router.is_alive():
             router.kill()
         router.join(5.0)
-    engines.close()
-    if ranks.error is not None and not isinstance(ranks.error, RankFailure):
-        logger.error("engine ranks failed: %s", ranks.error)
+    for supervisor in engines:
+        supervisor.close()
+        if supervisor.ranks.error is not None and not isinstance(supervisor.ranks.error, RankFailure):
+            logger.error("engine ranks failed: %s", supervisor.ranks.error)

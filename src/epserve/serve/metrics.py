@@ -3,7 +3,10 @@
 Request metrics (tokens, latencies, finished requests) are counted by the router as responses go
 out. Engine metrics (running/waiting requests, KV-cache usage, prefix-cache queries and hits,
 expert-load imbalance, health, in-flight load) come from each instance's ``GetLoad``, refreshed
-just before a scrape is rendered, labelled ``engine="<DP group>"``.
+just before a scrape is rendered, labelled ``engine="<index>"`` and ``role`` (``both``, or ``prefill`` /
+``decode`` behind a disaggregated router): per-role request counts are ``epserve:router_requests_total``
+by role. KV transfers between prefill and decode instances: bytes by direction, the decode side's
+transfer times (``epserve:kv_transfer_seconds``), failures.
 """
 
 from __future__ import annotations
@@ -11,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from epserve.serve.kv_transport import KV_TRANSFER_BUCKETS
 from epserve.serve.router import Router
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -31,7 +35,7 @@ class _EngineCollector:
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["model_name", "engine"]
+        labels = ["model_name", "engine", "role"]
         fams = {
             "running": GaugeMetricFamily("epserve:num_requests_running", "Requests in the engine's running batch",
                                          labels=labels),
@@ -69,12 +73,23 @@ class _EngineCollector:
                                                 "Draft tokens proposed (MTP)", labels=labels),
             "accepted": CounterMetricFamily("epserve:spec_decode_num_accepted_tokens",
                                             "Draft tokens accepted by verification", labels=labels),
+            "receiving": GaugeMetricFamily("epserve:num_requests_receiving",
+                                           "Requests waiting for their prompt's KV from a prefill instance",
+                                           labels=labels),
+            "kv_bytes": CounterMetricFamily("epserve:kv_transfer_bytes",
+                                            "KV-cache bytes moved between prefill and decode instances",
+                                            labels=[*labels, "direction"]),
+            "kv_failures": CounterMetricFamily("epserve:kv_transfer_failures",
+                                               "KV transfers that failed or timed out (decode side)", labels=labels),
+            "kv_seconds": HistogramMetricFamily("epserve:kv_transfer_seconds",
+                                                "Time from a decode instance's blocks being allocated to its KV "
+                                                "arriving (prefill included)", labels=labels),
             "accepted_pos": CounterMetricFamily("epserve:spec_decode_num_accepted_tokens_per_pos",
                                                 "Draft tokens accepted, by draft position",
                                                 labels=[*labels, "position"]),
         }
         for inst in self.router.instances:
-            values = [self.model_name, str(inst.index)]
+            values = [self.model_name, str(inst.index), inst.role]
             fams["healthy"].add_metric(values, float(inst.healthy))
             fams["in_flight"].add_metric(values, float(inst.load_signal))
             fams["routed"].add_metric(values, float(inst.requests_total))
@@ -92,6 +107,15 @@ class _EngineCollector:
                 fams["layer_imbalance"].add_metric([*values, str(layer)], value)
             fams["rebalances"].add_metric(values, load.eplb_rebalances_total)
             fams["restarts"].add_metric(values, load.restarts)
+            if inst.role != "both" or load.kv_transfers_total or load.kv_transfer_bytes_sent:
+                fams["receiving"].add_metric(values, load.num_receiving)
+                fams["kv_bytes"].add_metric([*values, "received"], load.kv_transfer_bytes_received)
+                fams["kv_bytes"].add_metric([*values, "sent"], load.kv_transfer_bytes_sent)
+                fams["kv_failures"].add_metric(values, load.kv_transfer_failures_total)
+                if len(load.kv_transfer_seconds_buckets) == len(KV_TRANSFER_BUCKETS):
+                    buckets = [(str(b), n) for b, n in zip(KV_TRANSFER_BUCKETS, load.kv_transfer_seconds_buckets)]
+                    fams["kv_seconds"].add_metric(values, [*buckets, ("+Inf", load.kv_transfers_total)],
+                                                  load.kv_transfer_seconds_sum)
             if load.spec_accepted_per_position:  # speculative decoding is on
                 fams["drafts"].add_metric(values, load.spec_num_drafts)
                 fams["draft_tokens"].add_metric(values, load.spec_num_draft_tokens)

@@ -147,10 +147,10 @@ class OpenAIServer:
 
     async def health(self) -> JSONResponse:
         """Whether the router can serve, and how many of its engine instances can (not where they are)."""
-        num_healthy = len(self.router.healthy)
-        body = {"status": "ok" if num_healthy else "unavailable", "num_engines": len(self.router.instances),
+        num_healthy, serving = len(self.router.healthy), self.router.serving
+        body = {"status": "ok" if serving else "unavailable", "num_engines": len(self.router.instances),
                 "num_healthy_engines": num_healthy}
-        return JSONResponse(body, status_code=200 if num_healthy else 503)
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     async def metrics_endpoint(self) -> Response:
         await self.router.refresh()

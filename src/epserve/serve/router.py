@@ -7,6 +7,12 @@ of the router's own in-flight count for the instance (exact and immediate) and t
 running + waiting count (which also sees requests from other routers). A request that an instance
 refuses as unavailable before streaming anything is retried on another healthy instance; when none is
 healthy (an engine group being restarted by its supervisor) it waits up to ``engine_wait_s`` for one.
+
+Prefill/decode disaggregation (``--prefill`` and ``--decode`` instances): the policy picks a prefill
+instance (cache-aware: prefix hits save prefill compute) and the least-loaded decode instance gets the
+request, naming its prefill instance; the two engines move the KV between them and the decode instance
+streams the tokens (the prefill's first token first). A request whose prefill instance fails before
+its first token is retried on another prefill instance.
 """
 
 from __future__ import annotations
@@ -15,22 +21,27 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from epserve.engine.request import SamplingParams
 from epserve.moe.stats import ExpertLoad
-from epserve.serve.engine_client import EngineClient, EngineUnavailable
+from epserve.serve.engine_client import EngineClient, EngineUnavailable, PrefillUnavailable
 from epserve.serve.policy import NoInstanceError, Policy
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.rpc import expert_load_from_proto
 
 logger = logging.getLogger(__name__)
 
+Role = Literal["both", "prefill", "decode"]
+_SERVES = {"both": ("both",), "prefill": ("prefill", "both"), "decode": ("decode", "both")}  # listed as -> may be
+
 
 @dataclass
 class Instance:
     client: EngineClient
+    role: Role = "both"  # what the router uses it for (``--engine``, ``--prefill``, ``--decode``)
     healthy: bool = False
     in_flight: int = 0
     requests_total: int = 0
@@ -53,15 +64,24 @@ class Instance:
 
 
 class Router:
-    def __init__(self, addresses: list[str], policy: Policy, refresh_interval_s: float = 1.0,
-                 token: str | None = None, engine_wait_s: float = 20.0) -> None:
-        if not addresses:
+    def __init__(self, addresses: Sequence[str], policy: Policy, refresh_interval_s: float = 1.0,
+                 token: str | None = None, engine_wait_s: float = 20.0, prefill: Sequence[str] = (),
+                 decode: Sequence[str] = ()) -> None:
+        if (prefill or decode) and not (prefill and decode):
+            raise ValueError("a disaggregated router needs both --prefill and --decode instances")
+        if addresses and prefill:
+            raise ValueError("--engine instances cannot be mixed with --prefill/--decode instances")
+        if not (addresses or prefill):
             raise ValueError("the router needs at least one engine address (--engine HOST:PORT)")
-        for a in addresses:
+        roles: list[tuple[str, Role]] = [(a, "both") for a in addresses]
+        roles += [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]
+        for a, _ in roles:
             host, sep, port = a.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"engine address {a!r} is not HOST:PORT")
-        self.addresses = addresses
+        self.roles = roles
+        self.disaggregated = bool(prefill)
+        self.addresses = [a for a, _ in roles]
         self.policy = policy
         self.refresh_interval_s = refresh_interval_s
         self.token = token  # sent to the engines as call metadata
@@ -71,7 +91,7 @@ class Router:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self.instances = [Instance(EngineClient(i, a, self.token)) for i, a in enumerate(self.addresses)]
+        self.instances = [Instance(EngineClient(i, a, self.token), role) for i, (a, role) in enumerate(self.roles)]
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_forever())
 
@@ -98,6 +118,10 @@ class Router:
         if inst.load.draining or inst.load.stalled:
             self._mark_down(inst, "draining" if inst.load.draining else "stalled (a rank hung or died)")
             return
+        role = inst.info.role or "both"
+        if role not in _SERVES[inst.role]:
+            self._mark_down(inst, f"the engine's role is {role}; the router uses it as {inst.role}")
+            return
         if not inst.healthy:
             logger.info("engine %d at %s is healthy", inst.index, inst.address)
         inst.healthy, inst.last_error = True, ""
@@ -121,6 +145,12 @@ class Router:
         return [inst for inst in self.instances if inst.healthy]
 
     @property
+    def serving(self) -> bool:
+        """Whether a request can be served now (disaggregated: a prefill and a decode instance are up)."""
+        roles = {inst.role for inst in self.healthy}
+        return {"prefill", "decode"} <= roles if self.disaggregated else bool(roles)
+
+    @property
     def info(self) -> pb.GetInfoResponse | None:
         """Model facts from any instance that answered (they all serve the same model)."""
         return next((inst.info for inst in self.instances if inst.info is not None), None)
@@ -135,22 +165,31 @@ class Router:
                 if isinstance(r, pb.GetExpertLoadResponse) and r.layers]
 
     # ---- requests ----------------------------------------------------------------------------
-    def choose(self, token_ids: list[int], exclude: Collection[int] = ()) -> Instance:
-        loads = {inst.index: inst.load_signal for inst in self.healthy if inst.index not in exclude}
+    def choose(self, token_ids: list[int], exclude: Collection[int] = (), role: Role = "both") -> Instance:
+        """An instance of the ``role`` pool: by the policy, or the least loaded decode instance."""
+        loads = {inst.index: inst.load_signal for inst in self.healthy
+                 if inst.index not in exclude and inst.role == role}
         try:
+            if role == "decode":
+                if not loads:
+                    raise NoInstanceError
+                return self.instances[min(loads, key=lambda i: (loads[i], i))]
             index = self.policy.choose(token_ids, loads)
         except NoInstanceError:
-            down = "; ".join(f"{inst.address}: {inst.last_error}" for inst in self.instances if not inst.healthy)
-            raise EngineUnavailable(f"no engine instance is available ({down})") from None
+            down = "; ".join(f"{inst.address}: {inst.last_error}" for inst in self.instances
+                             if not inst.healthy and inst.role == role)
+            what = "engine" if role == "both" else role
+            raise EngineUnavailable(f"no {what} instance is available ({down})") from None
         self.decisions[getattr(self.policy, "last_decision", "") or self.policy.name] += 1
         return self.instances[index]
 
-    async def _choose_or_wait(self, token_ids: list[int], tried: set[int], deadline: float) -> Instance:
+    async def _choose_or_wait(self, token_ids: list[int], tried: set[int], deadline: float,
+                              role: Role = "both") -> Instance:
         """An instance for a request that has not started: one not tried yet, else (none healthy) the
         first to become healthy before ``deadline`` (loop time), tried or not (it may have restarted)."""
         while True:
             try:
-                return self.choose(token_ids, tried)
+                return self.choose(token_ids, tried, role)
             except EngineUnavailable:
                 if asyncio.get_running_loop().time() >= deadline:
                     raise
@@ -163,6 +202,11 @@ class Router:
         """Route and stream one request. Closing the iterator cancels it on the engine. Raises
         EngineUnavailable (no instance could take it, or the serving one died mid-stream) or
         EngineRequestError (the instance refused the request)."""
+        if self.disaggregated:
+            async with contextlib.aclosing(self._generate_disaggregated(request_id, token_ids, params)) as stream:
+                async for msg in stream:
+                    yield msg
+            return
         tried: set[int] = set()
         deadline = asyncio.get_running_loop().time() + self.engine_wait_s
         while True:
@@ -183,3 +227,41 @@ class Router:
                 tried.add(inst.index)
             finally:
                 inst.in_flight -= 1
+
+    async def _generate_disaggregated(
+        self, request_id: str, token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """A prefill instance by the policy, the least-loaded decode instance; the decode instance's
+        stream. A failed prefill (before the first token) is retried on another prefill instance."""
+        tried_prefill: set[int] = set()
+        tried_decode: set[int] = set()
+        deadline = asyncio.get_running_loop().time() + self.engine_wait_s
+        while True:
+            prefill = await self._choose_or_wait(token_ids, tried_prefill, deadline, "prefill")
+            decode = await self._choose_or_wait(token_ids, tried_decode, deadline, "decode")
+            for inst in (prefill, decode):
+                inst.in_flight += 1
+                inst.requests_total += 1
+            prefilling, started = True, False
+            try:
+                stream = decode.client.generate(request_id, token_ids, params, prefill_address=prefill.address)
+                async with contextlib.aclosing(stream) as stream:
+                    async for msg in stream:
+                        if prefilling:
+                            prefilling, started = False, True
+                            prefill.in_flight -= 1
+                        yield msg
+                return
+            except PrefillUnavailable as e:  # before the first token: the decode instance has let it go
+                logger.warning("request %s: prefill on engine %d failed (%s); retrying", request_id, prefill.index, e)
+                self._mark_down(prefill, str(e))
+                tried_prefill.add(prefill.index)
+            except EngineUnavailable as e:
+                self._mark_down(decode, str(e))
+                if started:
+                    raise
+                tried_decode.add(decode.index)
+            finally:
+                if prefilling:
+                    prefill.in_flight -= 1
+                decode.in_flight -= 1

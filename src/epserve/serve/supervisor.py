@@ -26,14 +26,15 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from epserve.config import EngineConfig
-from epserve.engine.worker import spawn_ranks
+from epserve.engine.worker import EngineWorker, spawn_ranks, start_rank
 from epserve.parallel.context import store_client
-from epserve.parallel.launch import RankFailure
-from epserve.serve.engine_server import Serve, ServeOptions, serving_rank
+from epserve.parallel.launch import RankFailure, RankInfo
+from epserve.serve.engine_server import EngineServer, ServeOptions
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.proto import engine_pb2_grpc as pb_grpc
 from epserve.serve.rpc import GRPC_OPTIONS, auth_metadata
@@ -41,6 +42,31 @@ from epserve.serve.rpc import GRPC_OPTIONS, auth_metadata
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0
+
+
+# ---- a spawned serving rank -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Serve:
+    """The one command of a serving rank: serve until every rank has stopped."""
+
+
+class ServingRank:
+    def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
+        self.worker = worker
+        self.options = options
+
+    def handle(self, command: Serve) -> None:
+        if not isinstance(command, Serve):
+            raise TypeError(f"a serving rank takes Serve, not {command!r}")
+        EngineServer(self.worker, self.options).serve()
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def serving_rank(info: RankInfo, config: EngineConfig, log_level: int, options: ServeOptions) -> ServingRank:
+    """Entry of a spawned serving rank: the rank's worker, which serves on :class:`Serve`."""
+    return ServingRank(start_rank(info, config, log_level), options)
 
 
 class EngineRanks:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n epserve/serve/proto/engine.proto\x12\x11\x65pserve.engine.v1\"\xf6\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"{\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.epserve.engine.v1.SamplingParams\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"K\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.epserve.engine.v1.TopLogprob\"\xc0\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb5\x04\n\x0fGetLoadResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x06 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x18\n\x10\x65xpert_imbalance\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\t \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\n \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x17\n\x0fspec_num_drafts\x18\r \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0e \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0f \x01(\x04\x12\"\n\x1aspec_accepted_per_position\x18\x10 \x03(\x04\x12\x15\n\rexpert_layers\x18\x11 \x03(\r\x12\x1e\n\x16\x65xpert_layer_imbalance\x18\x12 \x03(\x01\x12\x1d\n\x15\x65plb_rebalances_total\x18\x13 \x01(\x04\x12\x0f\n\x07stalled\x18\x14 \x01(\x08\x12\x10\n\x08restarts\x18\x15 \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xb8\x01\n\x0fGetInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\n\n\x02\x64p\x18\x05 \x01(\r\x12\n\n\x02tp\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\"\x16\n\x14GetExpertLoadRequest\"u\n\x15GetExpertLoadResponse\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x11\n\tnum_ranks\x18\x03 \x01(\r\x12\x12\n\nper_expert\x18\x04 \x03(\x04\x12\x10\n\x08per_rank\x18\x05 \x03(\x04\x32\xb3\x03\n\x06\x45ngine\x12U\n\x08Generate\x12\".epserve.engine.v1.GenerateRequest\x1a#.epserve.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.epserve.engine.v1.AbortRequest\x1a .epserve.engine.v1.AbortResponse\x12P\n\x07GetLoad\x12!.epserve.engine.v1.GetLoadRequest\x1a\".epserve.engine.v1.GetLoadResponse\x12P\n\x07GetInfo\x12!.epserve.engine.v1.GetInfoRequest\x1a\".epserve.engine.v1.GetInfoResponse\x12\x62\n\rGetExpertLoad\x12\'.epserve.engine.v1.GetExpertLoadRequest\x1a(.epserve.engine.v1.GetExpertLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n epserve/serve/proto/engine.proto\x12\x11\x65pserve.engine.v1\"\xf6\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.epserve.engine.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"V\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.epserve.engine.v1.SamplingParams\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.epserve.engine.v1.KVLayout\"\xb6\x01\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x36\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"K\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.epserve.engine.v1.TopLogprob\"\xc0\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xa4\x06\n\x0fGetLoadResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x06 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x18\n\x10\x65xpert_imbalance\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\t \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\n \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x17\n\x0fspec_num_drafts\x18\r \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0e \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0f \x01(\x04\x12\"\n\x1aspec_accepted_per_position\x18\x10 \x03(\x04\x12\x15\n\rexpert_layers\x18\x11 \x03(\r\x12\x1e\n\x16\x65xpert_layer_imbalance\x18\x12 \x03(\x01\x12\x1d\n\x15\x65plb_rebalances_total\x18\x13 \x01(\x04\x12\x0f\n\x07stalled\x18\x14 \x01(\x08\x12\x10\n\x08restarts\x18\x15 \x01(\x04\x12\x0c\n\x04role\x18\x16 \x01(\t\x12\x15\n\rnum_receiving\x18\x17 \x01(\r\x12\"\n\x1akv_transfer_bytes_received\x18\x18 \x01(\x04\x12\x1e\n\x16kv_transfer_bytes_sent\x18\x19 \x01(\x04\x12#\n\x1bkv_transfer_seconds_buckets\x18\x1a \x03(\x04\x12\x1f\n\x17kv_transfer_seconds_sum\x18\x1b \x01(\x01\x12\x1a\n\x12kv_transfers_total\x18\x1c \x01(\x04\x12\"\n\x1akv_transfer_failures_total\x18\x1d \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xf6\x01\n\x0fGetInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\n\n\x02\x64p\x18\x05 \x01(\r\x12\n\n\x02tp\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x0c\n\x04role\x18\n \x01(\t\x12.\n\tkv_layout\x18\x0b \x01(\x0b\x32\x1b.epserve.engine.v1.KVLayout\"\x16\n\x14GetExpertLoadRequest\"u\n\x15GetExpertLoadResponse\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x11\n\tnum_ranks\x18\x03 \x01(\r\x12\x12\n\nper_expert\x18\x04 \x03(\x04\x12\x10\n\x08per_rank\x18\x05 \x03(\x04\x32\xff\x03\n\x06\x45ngine\x12U\n\x08Generate\x12\".epserve.engine.v1.GenerateRequest\x1a#.epserve.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.epserve.engine.v1.AbortRequest\x1a .epserve.engine.v1.AbortResponse\x12P\n\x07GetLoad\x12!.epserve.engine.v1.GetLoadRequest\x1a\".epserve.engine.v1.GetLoadResponse\x12P\n\x07GetInfo\x12!.epserve.engine.v1.GetInfoRequest\x1a\".epserve.engine.v1.GetInfoResponse\x12\x62\n\rGetExpertLoad\x12\'.epserve.engine.v1.GetExpertLoadRequest\x1a(.epserve.engine.v1.GetExpertLoadResponse\x12J\n\x07Prefill\x12!.epserve.engine.v1.PrefillRequest\x1a\x1a.epserve.engine.v1.KVChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=56
   _globals['_SAMPLINGPARAMS']._serialized_end=302
-  _globals['_GENERATEREQUEST']._serialized_start=304
-  _globals['_GENERATEREQUEST']._serialized_end=427
-  _globals['_TOPLOGPROB']._serialized_start=429
-  _globals['_TOPLOGPROB']._serialized_end=476
-  _globals['_TOKENLOGPROB']._serialized_start=478
-  _globals['_TOKENLOGPROB']._serialized_end=553
-  _globals['_GENERATERESPONSE']._serialized_start=556
-  _globals['_GENERATERESPONSE']._serialized_end=748
-  _globals['_ABORTREQUEST']._serialized_start=750
-  _globals['_ABORTREQUEST']._serialized_end=784
-  _globals['_ABORTRESPONSE']._serialized_start=786
-  _globals['_ABORTRESPONSE']._serialized_end=816
-  _globals['_GETLOADREQUEST']._serialized_start=818
-  _globals['_GETLOADREQUEST']._serialized_end=834
-  _globals['_GETLOADRESPONSE']._serialized_start=837
-  _globals['_GETLOADRESPONSE']._serialized_end=1402
-  _globals['_GETINFOREQUEST']._serialized_start=1404
-  _globals['_GETINFOREQUEST']._serialized_end=1420
-  _globals['_GETINFORESPONSE']._serialized_start=1423
-  _globals['_GETINFORESPONSE']._serialized_end=1607
-  _globals['_GETEXPERTLOADREQUEST']._serialized_start=1609
-  _globals['_GETEXPERTLOADREQUEST']._serialized_end=1631
-  _globals['_GETEXPERTLOADRESPONSE']._serialized_start=1633
-  _globals['_GETEXPERTLOADRESPONSE']._serialized_end=1750
-  _globals['_ENGINE']._serialized_start=1753
-  _globals['_ENGINE']._serialized_end=2188
+  _globals['_GENERATEREQUEST']._serialized_start=305
+  _globals['_GENERATEREQUEST']._serialized_end=453
+  _globals['_KVLAYOUT']._serialized_start=455
+  _globals['_KVLAYOUT']._serialized_end=541
+  _globals['_PREFILLREQUEST']._serialized_start=544
+  _globals['_PREFILLREQUEST']._serialized_end=732
+  _globals['_KVCHUNK']._serialized_start=735
+  _globals['_KVCHUNK']._serialized_end=917
+  _globals['_TOPLOGPROB']._serialized_start=919
+  _globals['_TOPLOGPROB']._serialized_end=966
+  _globals['_TOKENLOGPROB']._serialized_start=968
+  _globals['_TOKENLOGPROB']._serialized_end=1043
+  _globals['_GENERATERESPONSE']._serialized_start=1046
+  _globals['_GENERATERESPONSE']._serialized_end=1238
+  _globals['_ABORTREQUEST']._serialized_start=1240
+  _globals['_ABORTREQUEST']._serialized_end=1274
+  _globals['_ABORTRESPONSE']._serialized_start=1276
+  _globals['_ABORTRESPONSE']._serialized_end=1306
+  _globals['_GETLOADREQUEST']._serialized_start=1308
+  _globals['_GETLOADREQUEST']._serialized_end=1324
+  _globals['_GETLOADRESPONSE']._serialized_start=1327
+  _globals['_GETLOADRESPONSE']._serialized_end=2131
+  _globals['_GETINFOREQUEST']._serialized_start=2133
+  _globals['_GETINFOREQUEST']._serialized_end=2149
+  _globals['_GETINFORESPONSE']._serialized_start=2152
+  _globals['_GETINFORESPONSE']._serialized_end=2398
+  _globals['_GETEXPERTLOADREQUEST']._serialized_start=2400
+  _globals['_GETEXPERTLOADREQUEST']._serialized_end=2422
+  _globals['_GETEXPERTLOADRESPONSE']._serialized_start=2424
+  _globals['_GETEXPERTLOADRESPONSE']._serialized_end=2541
+  _globals['_ENGINE']._serialized_start=2544
+  _globals['_ENGINE']._serialized_end=3055
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,11 @@ class EngineStub:
                 request_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadRequest.SerializeToString,
                 response_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/epserve.engine.v1.Engine/Prefill',
+                request_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.KVChunk.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -101,6 +106,15 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Prefill/decode disaggregation, called by a decode instance on a prefill instance: prefill the
+        prompt (chunked, prefix-cached), sample its first token, and stream the prompt's latent KV blocks
+        from `first_block` on (the decode instance holds the ones before); the last message carries the token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +142,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetExpertLoad,
                     request_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadRequest.FromString,
                     response_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=epserve_dot_serve_dot_proto_dot_engine__pb2.PrefillRequest.FromString,
+                    response_serializer=epserve_dot_serve_dot_proto_dot_engine__pb2.KVChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +284,33 @@ class Engine:
             '/epserve.engine.v1.Engine/GetExpertLoad',
             epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadRequest.SerializeToString,
             epserve_dot_serve_dot_proto_dot_engine__pb2.GetExpertLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/epserve.engine.v1.Engine/Prefill',
+            epserve_dot_serve_dot_proto_dot_engine__pb2.PrefillRequest.SerializeToString,
+            epserve_dot_serve_dot_proto_dot_engine__pb2.KVChunk.FromString,
             options,
             channel_credentials,
             insecure,

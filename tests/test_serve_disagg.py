@@ -1,0 +1,188 @@
+"""Prefill/decode disaggregation across real processes (loopback): two prefill instances (``epserve
+engine --role prefill``, and a ``both`` one that also serves plain requests: the colocated server),
+a decode world of two instances (``--role decode --dp 2``) and ``epserve router --prefill ... --decode
+...``. Greedy text equals the colocated instance's and the offline engine's; bytes moved are blocks x
+block bytes, fewer when the decode instance holds a prefix; an abort during a transfer frees blocks on
+both sides; a stalled transfer times out and a killed prefill instance is retried on the other one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+from epserve import LLM, SamplingParams
+from epserve.parallel.launch import free_port
+from epserve.serve.proto import engine_pb2 as pb
+from epserve.serve.proto import engine_pb2_grpc as pb_grpc
+from epserve.serve.rpc import auth_metadata
+from tests.serve_harness import Proc, descendants, metric, wait_http_ok
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "disagg-token"
+ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "64", "--max-model-len", "256", "--engine-token", TOKEN]
+KV_TIMEOUT = 4.0
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+class Deployment:
+    def __init__(self, ckpt: Path, tmp: Path) -> None:
+        p0, p1, d, http = (free_port() for _ in range(4))
+        self.ports = [p0, p1, d, d + 1, http]  # prefill 0, prefill/both 1, decode 2 and 3 (one world), http
+        self.procs = [
+            Proc(["engine", str(ckpt), *ENGINE_ARGS, "--role", "prefill", "--engine-port", str(p0)], tmp / "p0.log"),
+            Proc(["engine", str(ckpt), *ENGINE_ARGS, "--engine-port", str(p1)], tmp / "p1.log"),
+            Proc(["engine", str(ckpt), *ENGINE_ARGS, "--role", "decode", "--dp", "2", "--engine-port", str(d),
+                  "--kv-transfer-timeout", str(KV_TIMEOUT)], tmp / "d.log"),
+        ]
+        self.prefill, self.both, self.decode = self.procs
+        self.router = Proc(["router", str(ckpt), "--port", str(http), "--engine-token", TOKEN, "--engine-wait-timeout",
+                            "20", "--prefill", f"127.0.0.1:{p0}", "--prefill", f"127.0.0.1:{p1}",
+                            "--decode", f"127.0.0.1:{d}", "--decode", f"127.0.0.1:{d + 1}"], tmp / "router.log")
+        self.procs.append(self.router)
+        self.url = f"http://127.0.0.1:{http}"
+        wait_http_ok(f"{self.url}/health", self.router)
+        self.stubs = [pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{p}")) for p in self.ports[:4]]
+        for i in range(4):  # /health is ok with one prefill and one decode instance up
+            self.wait_healthy(i, timeout=120)
+
+    def load(self, index: int) -> pb.GetLoadResponse:
+        return self.stubs[index].GetLoad(pb.GetLoadRequest(), timeout=5, metadata=auth_metadata(TOKEN))
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=30).text
+
+    def complete(self, prompt: list[int], max_tokens: int = 8) -> httpx.Response:
+        return httpx.post(f"{self.url}/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+
+    def rank_of(self, proc: Proc) -> int:
+        return next(p for p in descendants(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "epserve-rank0")
+
+    def wait_healthy(self, index: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while metric(self.metrics(), "epserve:engine_healthy", engine=str(index)) != 1:
+            assert time.monotonic() < deadline, f"instance {index} not healthy again"
+            time.sleep(0.2)
+
+    def wait_free(self, index: int, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (load := self.load(index)).kv_blocks_used or load.num_running or load.num_receiving:
+            assert time.monotonic() < deadline, f"instance {index} still holds blocks: {load}"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill_all()
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt) -> Path:
+    return make_ckpt("tiny", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def deployment(ckpt, tmp_path_factory):
+    dep = Deployment(ckpt, tmp_path_factory.mktemp("disagg"))
+    yield dep
+    dep.close()
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    return LLM(ckpt, dtype="float32", num_blocks=64, max_model_len=256)
+
+
+PROMPTS = [list(range(5, 45)), list(range(5, 45)) + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [300, 301, 302]]
+
+
+def test_greedy_text_equals_colocated_and_offline(deployment, offline):
+    want = offline.generate(PROMPTS, GREEDY)
+    # The colocated server: the `both` instance serving a plain request itself.
+    colocated = deployment.stubs[1].Generate(pb.GenerateRequest(
+        request_id="colocated", prompt_token_ids=PROMPTS[0],
+        sampling_params=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)), metadata=auth_metadata(TOKEN))
+    assert [t for msg in colocated for t in msg.token_ids] == want[0].token_ids
+    before = deployment.metrics()
+    layout = deployment.stubs[2].GetInfo(pb.GetInfoRequest(), metadata=auth_metadata(TOKEN)).kv_layout
+    block_bytes = layout.num_layers * layout.block_size * layout.token_bytes
+    for prompt, out in zip(PROMPTS, want):
+        r = deployment.complete(prompt)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == out.text
+        deployment.metrics()  # the router refreshes the loads: both decode instances idle again
+    after = deployment.metrics()
+
+    def moved(direction: str) -> float:
+        return (metric(after, "epserve:kv_transfer_bytes_total", direction=direction)
+                - metric(before, "epserve:kv_transfer_bytes_total", direction=direction))
+
+    # Idle decode instances: each request goes to the first, which holds the first prompt's 2 full blocks
+    # (of 40 tokens) when the second (50 tokens, 4 blocks) arrives: 3 + 2 + 1 blocks move, not 3 + 4 + 1.
+    assert moved("received") == moved("sent") == (3 + 2 + 1) * block_bytes
+    assert metric(after, "epserve:router_requests_total", role="decode", engine="2") >= 3
+    assert metric(after, "epserve:kv_transfer_seconds_count", role="decode") >= 3
+    for i in range(4):
+        deployment.wait_free(i)
+
+
+def test_abort_during_transfer_frees_blocks_on_both_sides(deployment):
+    rank = deployment.rank_of(deployment.prefill)
+    os.kill(rank, signal.SIGSTOP)  # the prefill instance (the idle router's first choice) hangs mid-transfer
+    body = json.dumps({"prompt": list(range(60, 100)), "max_tokens": 8, "temperature": 0, "stream": True}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", deployment.ports[4])) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 10
+            while not (waiting := [i for i in (2, 3) if deployment.load(i).num_receiving]):
+                assert time.monotonic() < deadline, "no decode instance waited for KV"
+                time.sleep(0.05)
+            assert deployment.load(waiting[0]).kv_blocks_used == 3  # allocated before the transfer
+        # The client went away: the router cancels the request, the decode side frees its blocks at once.
+        deployment.wait_free(waiting[0])
+    finally:
+        os.kill(rank, signal.SIGCONT)
+    deployment.wait_free(0)  # and the prefill side, once it ran again and saw its call cancelled
+    deployment.wait_healthy(0)
+
+
+def test_stalled_transfer_times_out_and_killed_prefill_is_retried(deployment, offline):
+    want = offline.generate([list(range(110, 140)), list(range(150, 190))], GREEDY)
+    failures = metric(deployment.metrics(), "epserve:kv_transfer_failures_total")
+    rank = deployment.rank_of(deployment.prefill)
+    os.kill(rank, signal.SIGSTOP)  # stalls: the decode instance gives up after its transfer timeout
+    try:
+        start = time.monotonic()
+        r = deployment.complete(list(range(110, 140)))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[0].text  # retried on the other prefill instance
+        assert time.monotonic() - start >= KV_TIMEOUT
+        deployment.wait_free(2)
+    finally:
+        os.kill(rank, signal.SIGCONT)
+    deployment.wait_free(0)  # the stalled prefill freed its blocks once it ran again
+    assert metric(deployment.metrics(), "epserve:kv_transfer_failures_total") == failures + 1
+    deployment.wait_healthy(0)
+
+    os.kill(rank, signal.SIGSTOP)
+    with httpx.Client(timeout=60) as client:
+        start = time.monotonic()
+        threading.Timer(0.5, os.kill, (rank, signal.SIGKILL)).start()  # dies with the request on it
+        r = client.post(f"{deployment.url}/v1/completions", json={
+            "prompt": list(range(150, 190)), "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want[1].text
+        assert time.monotonic() - start < KV_TIMEOUT  # the failure, not the timeout, sent it elsewhere
+    m = deployment.metrics()
+    assert metric(m, "epserve:kv_transfer_failures_total") == failures + 2
+    assert metric(m, "epserve:router_requests_total", role="prefill", engine="1") >= 2
