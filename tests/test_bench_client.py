@@ -26,14 +26,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from epserve.bench import cli as bench_cli
 from epserve.bench.metrics import BenchResult, StreamAccumulator
-from epserve.bench.serve import (
-    SSEDecoder,
-    StreamError,
-    error_message,
-    normalize_base_url,
-    parse_sse_lines,
-    run_bench,
-)
+from epserve.bench.serve import normalize_base_url, run_bench
+from epserve.bench.sse import SSEDecoder, StreamError, error_message, parse_sse_lines
 from epserve.cli import main as cli_main
 
 # --------------------------------------------------------------------------------------------- helpers

@@ -89,6 +89,13 @@ def test_serving_commands_refuse_bad_options_before_starting(tmp_path, capsys):
             (["router", str(tmp_path / "missing"), "--engine", "h:1"], "does not exist"),
             (["serve", "--engine-port", "70000"], "--engine-port"),
             (["serve", "--nnodes", "2"], "serve runs on one host"),
+            (["serve", "--prefill-dp", "2"], "--prefill-dp need --disaggregate"),
+            (["serve", "--disaggregate", "--dp", "2"], "give each side's layout"),
+            (["serve", "--disaggregate", "--decode-tp", "0"], "--decode-tp must be >= 1"),
+            (["serve", "--kv-transfer-timeout", "0"], "--kv-transfer-timeout must be > 0"),
+            (["router", "--port", "0", "--prefill", "h:1"], "needs both --prefill and --decode"),
+            (["router", "--port", "0", "--engine", "h:1", "--prefill", "h:2", "--decode", "h:3"], "cannot be mixed"),
+            (["router", "--port", "0"], "at least one engine address"),
         ]
         results = []
         for args, _ in cases:  # in this process: each refusal comes before anything starts

@@ -186,3 +186,17 @@ def test_stalled_transfer_times_out_and_killed_prefill_is_retried(deployment, of
     m = deployment.metrics()
     assert metric(m, "epserve:kv_transfer_failures_total") == failures + 2
     assert metric(m, "epserve:router_requests_total", role="prefill", engine="1") >= 2
+
+
+def test_bench_serve_shows_each_role(deployment, capsys):
+    from epserve.cli import main
+
+    assert main(["bench", "serve", "--base-url", deployment.url, "--num-prompts", "4", "--random-input-len", "20",
+                 "--random-output-len", "4", "--disable-tqdm"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[out.splitlines().index(
+        next(line for line in out.splitlines() if line.startswith("Per role"))) + 2:] if line.strip()}
+    assert set(rows) == {"prefill", "decode"}, out
+    assert int(rows["prefill"][2]) == int(rows["decode"][2]) == 4  # requests per role
+    assert float(rows["prefill"][3]) == float(rows["decode"][4]) > 0  # KV MiB out of prefill = into decode
+    assert rows["prefill"][-1] == "-/-" and rows["decode"][-2] == "-/-"  # TTFT on prefill, ITL on decode

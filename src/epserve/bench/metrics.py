@@ -114,7 +114,7 @@ def json_float(x: float) -> float | str:
     return str(x) if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def _stats_ms(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+def stats_ms(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
     if not len(values):
         return None, None, None
     a = np.asarray(values, dtype=np.float64) * 1000.0
@@ -138,8 +138,8 @@ def summarize(records: Sequence[RequestRecord], duration: float, *, max_concurre
         return x / duration if duration > 0 else 0.0
 
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    ttft, tpot = _stats_ms([r.ttft for r in ok]), _stats_ms(tpots)
-    itl, e2e = _stats_ms([g for r in ok for g in r.itl]), _stats_ms([r.e2e for r in ok])
+    ttft, tpot = stats_ms([r.ttft for r in ok]), stats_ms(tpots)
+    itl, e2e = stats_ms([g for r in ok for g in r.itl]), stats_ms([r.e2e for r in ok])
     return BenchResult(
         completed=len(ok), failed=len(failed), duration_s=duration,
         total_input_tokens=n_in, total_output_tokens=n_out, total_cached_tokens=n_cached,

@@ -26,7 +26,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -51,6 +50,8 @@ from epserve.bench.metrics import (
     json_float,
     summarize,
 )
+from epserve.bench.roles import RoleFigures, format_roles, role_figures
+from epserve.bench.sse import DONE, SSEDecoder, StreamError, decode_chunk, error_message
 
 if TYPE_CHECKING:
     import httpx
@@ -64,90 +65,6 @@ READ_TIMEOUT_S = 6 * 3600.0
 CONNECT_TIMEOUT_S = 60.0
 MODELS_TIMEOUT_S = 30.0
 PROBE_PROMPT_LEN = 8
-DONE = "[DONE]"
-
-
-class StreamError(RuntimeError):
-    """The server sent an error inside a stream, or the stream was malformed."""
-
-
-# --------------------------------------------------------------------------------------------- SSE
-
-
-class SSEDecoder:
-    """Incremental server-sent-events decoder: feed lines (without the newline), get each event's data."""
-
-    def __init__(self) -> None:
-        self._data: list[str] = []
-
-    def feed(self, line: str) -> str | None:
-        """Take one line; return the event's data when this (blank) line ends an event that had data."""
-        line = line.rstrip("\r\n")
-        if not line:
-            return self.flush()
-        if line.startswith(":"):  # comment / keep-alive
-            return None
-        name, _, value = line.partition(":")
-        if name == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
-        return None
-
-    def flush(self) -> str | None:
-        """The pending event's data (a stream that ends without a blank line), or None."""
-        if not self._data:
-            return None
-        data, self._data = "\n".join(self._data), []
-        return data
-
-
-def parse_sse_lines(lines: Iterable[str]) -> tuple[list[dict[str, Any]], bool]:
-    """Decode a complete completion stream: its JSON chunks before ``[DONE]``, and whether ``[DONE]`` came.
-
-    Raises StreamError for a chunk that is not JSON or that carries an ``error`` object.
-    """
-    decoder, chunks = SSEDecoder(), []
-    for data in [*(decoder.feed(line) for line in lines), decoder.flush()]:
-        if data is None:
-            continue
-        if data.strip() == DONE:
-            return chunks, True
-        chunks.append(decode_chunk(data))
-    return chunks, False
-
-
-def decode_chunk(data: str) -> dict[str, Any]:
-    """Parse one event's JSON data; raise StreamError for bad JSON or an error payload."""
-    try:
-        chunk = json.loads(data)
-    except json.JSONDecodeError as e:
-        raise StreamError(f"bad JSON in the stream: {data[:200]!r}") from e
-    if not isinstance(chunk, dict):
-        raise StreamError(f"unexpected stream event: {data[:200]!r}")
-    if chunk.get("error"):
-        raise StreamError(f"error in the stream: {_error_text(chunk)}")
-    return chunk
-
-
-def _error_text(body: Any) -> str:
-    if isinstance(body, dict):
-        err = body.get("error", body.get("detail", body.get("message")))
-        if isinstance(err, dict):
-            msg = err.get("message") or json.dumps(err)
-            kind = err.get("type")
-            return f"{msg} ({kind})" if kind else str(msg)
-        if err is not None:
-            return str(err) if not isinstance(err, list) else json.dumps(err)
-    return json.dumps(body)[:300]
-
-
-def error_message(status: int, body: bytes | str) -> str:
-    """``HTTP <status>: <message>`` from an error response (OpenAI ``{"error": {...}}``, FastAPI, or text)."""
-    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    try:
-        msg = _error_text(json.loads(text))
-    except json.JSONDecodeError:
-        msg = text.strip()[:300] or "(empty body)"
-    return f"HTTP {status}: {msg}"
 
 
 # --------------------------------------------------------------------------------------------- client
@@ -292,9 +209,18 @@ def _make_dataset_from_args(args: argparse.Namespace, info: ServerInfo) -> list[
                         **_dataset_kwargs(args))
 
 
+async def _scrape(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> str:
+    """The router's /metrics ("" if it has none): per-role figures come from it."""
+    try:
+        r = await client.get(f"{base_url}/metrics", headers=headers)
+    except Exception:  # noqa: BLE001 - optional: any server, not only epserve's, can be benchmarked
+        return ""
+    return r.text if r.status_code == 200 else ""
+
+
 async def _bench(
     args: argparse.Namespace,
-) -> tuple[ServerInfo, list[BenchRequest], list[RequestRecord], float, float]:
+) -> tuple[ServerInfo, list[BenchRequest], list[RequestRecord], float, float, list[RoleFigures]]:
     import httpx
 
     base_url = normalize_base_url(args.base_url)
@@ -333,6 +259,7 @@ async def _bench(
         offsets = arrival_offsets(poisson_delays(args.request_rate, n, args.seed))
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=n, disable=_progress_disabled(args), desc="requests", unit="req", file=sys.stderr)
+        before = await _scrape(client, base_url, headers)
         t0, cpu0 = time.perf_counter(), time.process_time()
 
         async def one(i: int, req: BenchRequest) -> RequestRecord:
@@ -352,7 +279,10 @@ async def _bench(
             records = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
         finally:
             bar.close()
-        return info, requests, list(records), time.perf_counter() - t0, time.process_time() - cpu0
+        duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        after = await _scrape(client, base_url, headers)
+        roles = role_figures(before, after, list(records)) if before and after else []
+        return info, requests, list(records), duration, cpu, roles
 
 
 def _args_json(args: argparse.Namespace) -> dict[str, Any]:
@@ -369,11 +299,13 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
     """
     validate_args(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    info, requests, records, duration, client_cpu = asyncio.run(_bench(args))
+    info, requests, records, duration, client_cpu, roles = asyncio.run(_bench(args))
     result = summarize(records, duration, max_concurrency=args.max_concurrency,
                        request_rate=args.request_rate)
     json_path = getattr(args, "json", None)
     table = format_result(result, label=getattr(args, "label", None), model=info.model)
+    if roles:  # a disaggregated deployment
+        table += "\n" + format_roles(roles)
     print(table, file=sys.stderr if json_path == "-" else sys.stdout, flush=True)
     if json_path:
         out = {
@@ -386,6 +318,7 @@ def run_bench(args: argparse.Namespace) -> BenchResult:
             "num_requests": len(requests),
             "client_cpu_s": client_cpu,  # this client's own CPU time during the run
             **result.to_dict(),
+            "roles": [r.to_dict() for r in roles],
             "args": _args_json(args),
         }
         text = json.dumps(out, indent=2, allow_nan=False)
