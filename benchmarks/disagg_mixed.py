@@ -95,6 +95,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--deployments", nargs="+", choices=list(DEPLOYMENTS), default=list(DEPLOYMENTS),
+                   help="which to run (one GPU: disaggregated only; two ranks of one world cannot share it)")
     p.add_argument("--decoders", type=int, default=16)
     p.add_argument("--short-len", type=int, default=32)
     p.add_argument("--decode-len", type=int, default=256)
@@ -107,17 +110,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
-    common = [*([args.model] if args.model else []), "--dtype", args.dtype, "--num-blocks", "1024",
+    common = [*([args.model] if args.model else []), "--dtype", args.dtype, "--device", args.device, "--num-blocks", "1024",
               "--max-model-len", str(max(2048, args.long_len + 64)), "--max-num-seqs", "64"]
-    results: dict[str, list[dict]] = {name: [] for name in DEPLOYMENTS}
+    results: dict[str, list[dict]] = {name: [] for name in args.deployments}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for name, extra in DEPLOYMENTS.items():
+            for name in args.deployments:
+                extra = DEPLOYMENTS[name]
                 with serving([*common, *extra], Path(tmp) / f"{name}{rep}.log") as (_, url):
                     asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "long_prompts": 1})))  # warm
                     results[name].append(asyncio.run(workload(url, args)))
                 print(name, json.dumps(results[name][-1]), flush=True)
-    keys = list(results["colocated"][0])
+    keys = list(next(iter(results.values()))[0])
     print("\n| deployment | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     for name, runs in results.items():

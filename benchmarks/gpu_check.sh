@@ -16,7 +16,11 @@
 #           and logprobs = the CPU reference). Moves between ranks (NCCL point-to-point) need two GPUs.
 #   recovery: `epserve serve --device cuda` with its one rank SIGKILLed and SIGSTOPped mid-stream: detected,
 #           restarted (a fresh CUDA process), served again; SIGTERM exits 0 (benchmarks/recovery.py).
-# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|recovery|all]   (default all; each < 10 min)
+#   disagg: prefill/decode disaggregation with the engine on CUDA: KV blocks copied out of one engine's
+#           cache and written into another's (decode inside captured CUDA graphs; MTP layer's KV too; tokens
+#           = one engine), then `serve --disaggregate --device cuda` (one prefill, one decode process sharing
+#           the GPU) on the mixed workload of benchmarks/disagg_mixed.py.
+# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|recovery|disagg|all]   (default all; each < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -64,4 +68,10 @@ if [ "$PART" = recovery ] || [ "$PART" = all ]; then
   # the group torn down and started again (spawned, CUDA), served again; then SIGTERM exits 0.
   timeout 300 python3 benchmarks/recovery.py --device cuda --dp 1 --step-timeout 5 --repeats 1 \
     --json "$OUT/recovery.json" 2>&1 | tail -10 | tee "$OUT/recovery.txt"
+fi
+if [ "$PART" = disagg ] || [ "$PART" = all ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kv_handoff.py \
+    2>&1 | tail -25 | tee "$OUT/disagg_tests.txt"
+  timeout 300 python3 benchmarks/disagg_mixed.py --device cuda --dtype bfloat16 --deployments disaggregated \
+    --json "$OUT/disagg_mixed.json" 2>&1 | tail -10 | tee "$OUT/disagg_mixed.txt"
 fi

@@ -147,3 +147,17 @@ def test_mtp_layer_kv_travels_and_drafts_continue(counter_ckpt, device):
     tokens, _ = disaggregated(prefill, decode, prompts, params)
     assert tokens == want
     assert decode.runner.speculative_stats()["num_accepted_tokens"] > 0
+
+
+def test_fp8_kv_travels_as_stored(ckpt, device):
+    """An FP8 latent cache moves as its e4m3 bytes (half a bf16 block's, a quarter of fp32's): the
+    decode side's tokens are those of one engine with the same FP8 cache."""
+    one = LLM(ckpt, dtype="float32", device=device, num_blocks=256, block_size=16, kv_cache_dtype="fp8")
+    want = {f"r{i}": o.token_ids for i, o in enumerate(one.generate(PROMPTS[:3], GREEDY))}
+    prefill = _engine(ckpt, device, kv_cache_dtype="fp8")
+    decode = _engine(ckpt, device, kv_cache_dtype="fp8", enable_prefix_caching=False)
+    layout = decode.runner.kv_layout()
+    assert layout.dtype == "fp8_e4m3" and layout.token_bytes == decode.config.model.kv_cache_dim
+    assert layout.mismatch(_engine(ckpt, device).runner.kv_layout()) is not None  # fp32 blocks cannot land here
+    tokens, _ = disaggregated(prefill, decode, PROMPTS[:3], GREEDY)
+    assert tokens == want

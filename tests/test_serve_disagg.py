@@ -34,6 +34,10 @@ KV_TIMEOUT = 4.0
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
+def rank_named(proc: Proc, name: str) -> int:
+    return next(p for p in descendants(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == name)
+
+
 class Deployment:
     def __init__(self, ckpt: Path, tmp: Path) -> None:
         p0, p1, d, http = (free_port() for _ in range(4))
@@ -66,7 +70,7 @@ class Deployment:
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
 
     def rank_of(self, proc: Proc) -> int:
-        return next(p for p in descendants(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == "epserve-rank0")
+        return rank_named(proc, "epserve-p-rank0")
 
     def wait_healthy(self, index: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -200,3 +204,39 @@ def test_bench_serve_shows_each_role(deployment, capsys):
     assert int(rows["prefill"][2]) == int(rows["decode"][2]) == 4  # requests per role
     assert float(rows["prefill"][3]) == float(rows["decode"][4]) > 0  # KV MiB out of prefill = into decode
     assert rows["prefill"][-1] == "-/-" and rows["decode"][-2] == "-/-"  # TTFT on prefill, ITL on decode
+
+
+def test_serve_disaggregate_on_one_host_and_a_dead_decode_rank(ckpt, offline, tmp_path):
+    """`epserve serve --disaggregate`: a prefill world and a decode world behind the router on one host;
+    the same text as one engine. The decode rank killed mid-stream: the stream ends with an error event,
+    its world is restarted, and the next request is served; SIGTERM then stops everything (exit 0)."""
+    http = free_port()
+    server = Proc(["serve", str(ckpt), *ENGINE_ARGS[:-2], "--disaggregate", "--prefill-dp", "1", "--decode-dp", "1",
+                   "--port", str(http), "--step-timeout", "3"], tmp_path / "serve.log")
+    url = f"http://127.0.0.1:{http}"
+    try:
+        wait_http_ok(f"{url}/health", server)
+        want = offline.generate([PROMPTS[2]], GREEDY)[0].text
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        decode_rank = rank_named(server, "epserve-d-rank0")
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
+            lines = s.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            os.kill(decode_rank, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert any('"error"' in line for line in rest), rest[-3:]
+        deadline = time.monotonic() + 60
+        while True:  # the supervisor restarts the decode world; requests wait for it
+            r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        assert "engine group failed" in server.output()
+        server.signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    finally:
+        server.kill_all()

@@ -223,7 +223,8 @@ class EngineService(pb_grpc.EngineServicer):
             self._fetches.pop(rid, None)
             stream = self.streams.pop(rid, None)
             if stream is not None:
-                stream.push(RequestFailed(rid, "prefill", why))
+                invalid = isinstance(e, KVTransferError) and e.invalid
+                stream.push(RequestFailed(rid, "invalid" if invalid else "prefill", why))
             self.engine_loop.submit(AbortRequest(rid))  # frees its blocks
             return
         self._fetches.pop(rid, None)

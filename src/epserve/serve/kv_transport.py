@@ -35,7 +35,12 @@ KV_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 
 
 class KVTransferError(RuntimeError):
     """A transfer failed or was refused; the decode instance fails the request so that the router can
-    retry it on another prefill instance."""
+    retry it on another prefill instance (``invalid``: the prefill instance refused the request itself,
+    e.g. a prompt too long for its cache: the client gets the refusal, not a retry)."""
+
+    def __init__(self, message: str, invalid: bool = False) -> None:
+        super().__init__(message)
+        self.invalid = invalid
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,8 @@ class GrpcKVTransport(KVTransport):
                 next_block += chunk.num_blocks
             raise KVTransferError("the prefill instance ended the transfer without its first token")
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise KVTransferError(f"the prefill instance refused the request: {e.details()}", invalid=True) from None
             raise KVTransferError(f"the prefill instance failed: {e.details() or e.code().name}") from None
         finally:
             call.cancel()

@@ -53,6 +53,11 @@ _CHAT = _response("chat.completion", _object({
     "finish_reason": _FINISHED}))
 
 
+# The stream: as a whole a string (OpenAPI 3.1), or, as OpenAPI 3.2 tools read a stream's schema, each event
+# (an object with its `data`): either reading holds.
+_SSE = {"anyOf": [_STR, {"type": "object", "required": ["data"], "properties": {"data": _STR, "event": _STR}}]}
+
+
 def generation_route(request_model: type[BaseModel], chat: bool) -> dict[str, Any]:
     """Keywords of ``app.add_api_route`` for a generation endpoint taking ``request_model``'s JSON."""
     ref = {"$ref": f"#/components/schemas/{request_model.__name__}"}
@@ -60,7 +65,7 @@ def generation_route(request_model: type[BaseModel], chat: bool) -> dict[str, An
                          "lines ending with `data: [DONE]`; an error after the first chunk is a `data: {\"error\": "
                          "...}` event)",
           "content": {"application/json": {"schema": _CHAT if chat else _COMPLETION},
-                      "text/event-stream": {"schema": _STR}}}
+                      "text/event-stream": {"schema": _SSE}}}
     return {
         "methods": ["POST"],
         "openapi_extra": {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}},

@@ -33,7 +33,7 @@ import grpc
 from epserve.config import EngineConfig
 from epserve.engine.worker import EngineWorker, spawn_ranks, start_rank
 from epserve.parallel.context import store_client
-from epserve.parallel.launch import RankFailure, RankInfo
+from epserve.parallel.launch import RankFailure, RankInfo, name_process
 from epserve.serve.engine_server import EngineServer, ServeOptions
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.proto import engine_pb2_grpc as pb_grpc
@@ -65,7 +65,10 @@ class ServingRank:
 
 
 def serving_rank(info: RankInfo, config: EngineConfig, log_level: int, options: ServeOptions) -> ServingRank:
-    """Entry of a spawned serving rank: the rank's worker, which serves on :class:`Serve`."""
+    """Entry of a spawned serving rank: the rank's worker, which serves on :class:`Serve`. A rank of a
+    prefill or decode world says so in its name (``epserve-p-rank0``, ``epserve-d-rank0``)."""
+    if options.role != "both":
+        name_process(f"epserve-{options.role[0]}-rank{info.rank}")
     return ServingRank(start_rank(info, config, log_level), options)
 
 
