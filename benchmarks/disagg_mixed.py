@@ -47,10 +47,10 @@ def pct(values: list[float], q: float) -> float:
 
 async def workload(url: str, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    vocab = 1000
+    vocab = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["vocab_size"]
 
     def prompt(n: int) -> list[int]:
-        return [rng.randrange(10, vocab) for _ in range(n)]
+        return [rng.randrange(10, vocab - 1) for _ in range(n)]
 
     decoders = [BenchRequest(prompt(args.short_len), args.decode_len) for _ in range(args.decoders)]
     longs = [BenchRequest(prompt(args.long_len), args.long_output) for _ in range(args.long_prompts)]
@@ -60,12 +60,13 @@ async def workload(url: str, args: argparse.Namespace) -> dict:
 
         async def long_after(i: int, req: BenchRequest):
             await asyncio.sleep(args.warmup + i * args.long_interval)  # the decoders are decoding by then
-            return await send_request(client, url, completion_payload("m", req, 0.0), {}, start)
+            return await send_request(client, url, completion_payload(args.model_name, req, 0.0), {}, start)
 
-        tasks = [send_request(client, url, completion_payload("m", r, 0.0), {}, start) for r in decoders]
+        tasks = [send_request(client, url, completion_payload(args.model_name, r, 0.0), {}, start) for r in decoders]
         tasks += [long_after(i, r) for i, r in enumerate(longs)]
         records = await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
+        metrics = (await client.get(url.replace("/v1/completions", "/metrics"))).text
     dec, lng = records[: len(decoders)], records[len(decoders) :]
     failed = [r.error for r in records if not r.success]
     if failed:
@@ -81,6 +82,9 @@ async def workload(url: str, args: argparse.Namespace) -> dict:
             if window[0] <= t <= window[1]:
                 during.append(gap)
     out_tokens = sum(r.output_tokens for r in records)
+    sums = {name: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name + "{"))
+            for name in ("epserve:kv_transfer_seconds_sum", "epserve:kv_transfer_seconds_count")}
+    transfers = sums["epserve:kv_transfer_seconds_count"]
     return {
         "itl_p50_ms": 1e3 * pct(itl, 0.5), "itl_p99_ms": 1e3 * pct(itl, 0.99),
         "itl_during_p50_ms": 1e3 * pct(during, 0.5), "itl_during_p99_ms": 1e3 * pct(during, 0.99),
@@ -88,6 +92,7 @@ async def workload(url: str, args: argparse.Namespace) -> dict:
         "decode_tok_s": sum(r.output_tokens for r in dec) / max(r.e2e + r.start_time for r in dec),
         "long_ttft_p50_s": pct([r.ttft for r in lng], 0.5), "long_ttft_p99_s": pct([r.ttft for r in lng], 0.99),
         "total_tok_s": out_tokens / wall, "wall_s": wall,
+        "kv_transfer_mean_s": sums["epserve:kv_transfer_seconds_sum"] / transfers if transfers else float("nan"),
     }
 
 
@@ -110,6 +115,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
+    args.model_name = args.model or "epserve-tiny"  # the served model id
     common = [*([args.model] if args.model else []), "--dtype", args.dtype, "--device", args.device, "--num-blocks", "1024",
               "--max-model-len", str(max(2048, args.long_len + 64)), "--max-num-seqs", "64"]
     results: dict[str, list[dict]] = {name: [] for name in args.deployments}

@@ -61,6 +61,14 @@ def threads_per_rank_override() -> int | None:
     return int(value) if value else None
 
 
+def share_cores(ranks_on_host: int) -> None:
+    """Several engine worlds on one CPU host (``serve --disaggregate``): every rank started from here
+    gets the host's cores shared out over all of them (unless ``EPSERVE_THREADS_PER_RANK`` is set), as
+    one world's ranks do."""
+    if not os.environ.get(THREADS_PER_RANK):
+        os.environ[THREADS_PER_RANK] = str(max(1, len(os.sched_getaffinity(0)) // ranks_on_host))
+
+
 def fp8_backend() -> str:
     """``$EPSERVE_FP8_BACKEND`` (one of ``FP8_BACKENDS``), else ``"auto"``: ``auto`` probes
     ``torch._scaled_mm`` blockwise once per device and falls back to Triton; ``torch`` is the reference."""

@@ -184,6 +184,8 @@ def serve(groups: list[tuple[EngineConfig, ServeOptions]], router_options: Route
     signals = StopSignals()
     engines: list[EngineSupervisor] = []
     router = None
+    if len(groups) > 1 and all(config.device == "cpu" for config, _ in groups):
+        env.share_cores(sum(config.parallel.dp * config.parallel.tp for config, _ in groups))
     try:
         for config, engine_options in groups:  # every world loads at once
             engines.append(EngineSupervisor(config, engine_options, max_restarts))
