@@ -207,11 +207,11 @@ def test_bench_serve_shows_each_role(deployment, capsys):
 
 
 def test_serve_disaggregate_on_one_host_and_a_dead_decode_rank(ckpt, offline, tmp_path):
-    """`epserve serve --disaggregate`: a prefill world and a decode world behind the router on one host;
-    the same text as one engine. The decode rank killed mid-stream: the stream ends with an error event,
+    """`epserve serve --disaggregate`: a prefill world and a decode world of TP 2 (the arrived KV written
+    on both of its ranks) behind the router on one host; the same text as one engine. The decode rank killed mid-stream: the stream ends with an error event,
     its world is restarted, and the next request is served; SIGTERM then stops everything (exit 0)."""
     http = free_port()
-    server = Proc(["serve", str(ckpt), *ENGINE_ARGS[:-2], "--disaggregate", "--prefill-dp", "1", "--decode-dp", "1",
+    server = Proc(["serve", str(ckpt), *ENGINE_ARGS[:-2], "--disaggregate", "--prefill-dp", "1", "--decode-tp", "2",
                    "--port", str(http), "--step-timeout", "3"], tmp_path / "serve.log")
     url = f"http://127.0.0.1:{http}"
     try:
