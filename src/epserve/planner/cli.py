@@ -23,16 +23,30 @@ from epserve.planner.deployment import (
     Deployment,
     batch_per_gpu,
 )
+from epserve.planner.disagg import DEFAULT_OUTPUT_LEN, decode_kv_len, default_prefill_ep, plan_disaggregated
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import DEFAULT_LOCAL_FILE, GPU_CHOICES, load_hardware, save_hardware
 from epserve.planner.models import load_model
 from epserve.planner.prefill import plan_prefill
-from epserve.planner.report import format_plan, format_sweep
+from epserve.planner.report import format_disaggregated, format_plan, format_sweep
 from epserve.planner.skew import ExpertLoadFile, load_expert_load
 from epserve.planner.step import DecodePlan, plan_decode
 from epserve.planner.sweep import best_plan, default_eps, microbatch_crossover, sweep
 
 BUSY_FLOOR_US = 500.0  # a kernel floor above this is a measurement taken on a busy machine
+DEFAULT_KV_LEN = 5000
+DEFAULT_PROMPT_LEN = 4096
+DISAGG_ONLY = ("prefill_ep", "prefill_tp", "decode_ep", "decode_tp", "input_len", "output_len")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_parser(subparsers: Any) -> None:
@@ -52,7 +66,8 @@ def add_parser(subparsers: Any) -> None:
     batch.add_argument("--requests", type=int, metavar="N",
                        help="requests per DP group (one engine instance of TP GPUs) instead of --batch: "
                             "--tp 8 --requests 1 is one request on 8 GPUs (batch 1/8 per GPU)")
-    p.add_argument("--kv-len", type=int, default=5000, help="KV length per request (default 5000)")
+    p.add_argument("--kv-len", type=int, help="KV length per request (default 5000; with --disaggregated "
+                                              "--input-len + --output-len / 2)")
     p.add_argument("--mtp-draft", type=int, help="MTP draft tokens per step (default 1 if the model has MTP)")
     p.add_argument("--mtp-accept", type=float, default=None,
                    help="acceptance rate per draft token (default: the --gpu file's measured figure, else 0.6)")
@@ -71,11 +86,22 @@ def add_parser(subparsers: Any) -> None:
                         "--num-redundant-experts slots) instead of the engine's start-up placement")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="fp8")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
-    p.add_argument("--prompt-len", type=int, default=4096, help="prompt length for the prefill estimate")
+    p.add_argument("--prompt-len", type=int, help="prompt length for the prefill estimate (default 4096)")
     p.add_argument("--sweep", action="store_true", help="sweep EP x TP x batch 1..256 (given axes stay fixed)")
     p.add_argument("--slo-speed", type=float, help="output tokens/s per request to meet")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write figures (sweep: Pareto, -roofline, -prefill)")
+    g = p.add_argument_group("disaggregated prefill and decode (--disaggregated)")
+    g.add_argument("--disaggregated", action="store_true",
+                   help="price prefill instances and decode instances separately, the KV transfer between "
+                        "them, how many prefill instances a decode instance needs, and colocated serving")
+    g.add_argument("--prefill-ep", type=_positive, help="prefill instance's EP (default: the smallest that fits)")
+    g.add_argument("--prefill-tp", type=_positive, help="prefill instance's TP (default 1)")
+    g.add_argument("--decode-ep", type=_positive, help="decode instance's EP (default --ep)")
+    g.add_argument("--decode-tp", type=_positive, help="decode instance's TP (default --tp)")
+    g.add_argument("--input-len", type=_positive, help="prompt tokens per request (default --prompt-len)")
+    g.add_argument("--output-len", type=_positive,
+                   help=f"mean output tokens per request (default {DEFAULT_OUTPUT_LEN})")
     actions = p.add_subparsers(dest="plan_action", metavar="{calibrate}")
     c = actions.add_parser("calibrate", help="measure kernels on this device and write a hardware file")
     c.add_argument("--quick", action="store_true", help="few shapes, short timings (seconds)")
@@ -152,7 +178,8 @@ def _deployment(args: argparse.Namespace, model: Any, hw: Any) -> Deployment:
         raise PlanError(f"--requests must be at least 1 (requests per DP group), got {args.requests}")
     if args.eplb and not args.expert_load:
         raise PlanError("--eplb places experts by a measured load: give it with --expert-load FILE")
-    base = Deployment(ep=1, kv_len=args.kv_len, mtp_draft=mtp, mtp_accept=accept, overlap=args.overlap,
+    kv_len = DEFAULT_KV_LEN if args.kv_len is None else args.kv_len
+    base = Deployment(ep=1, kv_len=kv_len, mtp_draft=mtp, mtp_accept=accept, overlap=args.overlap,
                       num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype, dispatch=args.dispatch,
                       kv_dtype=args.kv_dtype, gpus_per_node=args.gpus_per_node or hw.gpus_per_node, eplb=args.eplb)
     tp = 1 if args.tp is None else args.tp
@@ -186,9 +213,48 @@ def _load_json(placements: dict[str, DecodePlan], num_moe: int) -> dict[str, Any
     return out
 
 
+def _check_disaggregated(args: argparse.Namespace) -> None:
+    given = [f"--{k.replace('_', '-')}" for k in DISAGG_ONLY if getattr(args, k) is not None]
+    if not args.disaggregated:
+        if given:
+            raise PlanError(f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} with --disaggregated")
+        return
+    for flag, value in (("--sweep", args.sweep), ("--expert-load", args.expert_load), ("--eplb", args.eplb),
+                        ("--plot", args.plot)):
+        if value:
+            raise PlanError(f"{flag} is not priced with --disaggregated")
+    for flag, value, other_flag, other in (("--decode-ep", args.decode_ep, "--ep", args.ep),
+                                           ("--decode-tp", args.decode_tp, "--tp", args.tp),
+                                           ("--input-len", args.input_len, "--prompt-len", args.prompt_len)):
+        if value is not None and other is not None and value != other:
+            raise PlanError(f"{flag} {value} and {other_flag} {other} disagree: give one of them")
+
+
+def _disaggregated(args: argparse.Namespace, name: str, model: Any, hw: Any) -> int:
+    input_len = args.input_len or (DEFAULT_PROMPT_LEN if args.prompt_len is None else args.prompt_len)
+    output_len = args.output_len or DEFAULT_OUTPUT_LEN
+    kv_len = decode_kv_len(input_len, output_len) if args.kv_len is None else args.kv_len
+    decode = _deployment(argparse.Namespace(**{**vars(args), "ep": args.decode_ep or args.ep,
+                                               "tp": args.decode_tp or args.tp, "kv_len": kv_len}), model, hw)
+    base = replace(decode, tp=args.prefill_tp or 1)
+    prefill = replace(base, ep=args.prefill_ep or default_prefill_ep(model, hw, base, input_len))
+    plan = plan_disaggregated(model, hw, prefill, decode, input_len, output_len, name, args.kv_len is not None)
+    if args.json:
+        out = plan.to_json()
+        if args.slo_speed is not None:
+            out["meets_slo"] = plan.fits and plan.decode.output_tokens_per_s_per_request >= args.slo_speed
+        print(json.dumps(out, indent=1))
+    else:
+        print(format_disaggregated(plan, args.slo_speed))
+    return 0 if plan.fits else 1
+
+
 def _plan(args: argparse.Namespace) -> int:
+    _check_disaggregated(args)
     name, model = load_model(args.model)
     hw = load_hardware(args.gpu)
+    if args.disaggregated:
+        return _disaggregated(args, name, model, hw)
     d = _deployment(args, model, hw)
     load = load_expert_load(args.expert_load, model) if args.expert_load else None
     if args.sweep:
@@ -197,7 +263,7 @@ def _plan(args: argparse.Namespace) -> int:
     placements = _placements(model, hw, plan, load) if load is not None else None
     crossover = microbatch_crossover(model, hw, d, load=load)
     try:
-        prefill = plan_prefill(model, hw, d, args.prompt_len)
+        prefill = plan_prefill(model, hw, d, DEFAULT_PROMPT_LEN if args.prompt_len is None else args.prompt_len)
     except PlanError:
         prefill = None
     if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from epserve.planner.disagg import DisaggPlan, PrefillInstance
 from epserve.planner.prefill import PrefillPlan
 from epserve.planner.step import BREAKDOWN_KEYS, DecodePlan
 from epserve.planner.sweep import SweepRow, best_plan
@@ -118,4 +119,71 @@ def format_sweep(rows: Sequence[SweepRow], slo_speed: float | None = None) -> st
                 b = best_plan(rows, slo_speed, ep)
                 per_ep.append(f"EP{ep} {b.throughput_tokens_per_s_per_node:,.0f}" if b else f"EP{ep} -")
             lines.append("  per EP (tok/s per node): " + " | ".join(per_ep))
+    return "\n".join(lines)
+
+
+def _memory_line(weights: int, kv: int, reserved: int, capacity: int) -> str:
+    return (f"  memory per GPU: weights {weights / GIB:.1f} GiB + KV {kv / GIB:.1f} GiB (+ {reserved / GIB:.1f} GiB "
+            f"reserved) of {capacity / GIB:.1f} GiB")
+
+
+def _instance(ep: int, tp: int, nodes: int) -> str:
+    return f"EP{ep} = DP{ep // tp} x TP{tp} ({nodes} node{'s' if nodes > 1 else ''})"
+
+
+def _prefill_lines(p: PrefillInstance) -> list[str]:
+    d, m = p.deployment, p.memory
+    mtp = f" + MTP layer {p.mtp_layer_time_us / 1e3:.1f} ms" if p.mtp_layer_time_us else ""
+    lines = [f"prefill instance: {_instance(d.ep, d.tp, d.num_nodes)}, {p.plan.prompts_per_gpu} x "
+             f"{p.plan.prompt_len}-token prompts per GPU in {p.prompt_time_us / 1e3:.1f} ms ({p.plan.step.overlap}{mtp}): "
+             f"{p.tokens_per_s_per_gpu:,.0f} tok/s per GPU, {p.tokens_per_s_per_instance:,.0f} tok/s per instance, "
+             f"{p.requests_per_s_per_instance:.2f} prompts/s",
+             _memory_line(m.weights_bytes, m.kv_bytes, m.reserved_bytes, m.capacity_bytes)]
+    if not p.fits:
+        lines.append(f"  DOES NOT FIT: {p.fits_reason} (priced all the same)")
+    return lines
+
+
+def format_disaggregated(plan: DisaggPlan, slo_speed: float | None = None) -> str:
+    dec, d, t = plan.decode, plan.decode.deployment, plan.transfer
+    m = dec.memory
+    mtp = f"MTP {d.mtp_draft} draft @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
+    kv_source = "--kv-len" if plan.kv_len_given else "input + output/2"
+    p_count, d_count = plan.pair
+    busy = plan.colocated_busy_fraction
+    lines = [f"{plan.model_name} on {plan.hardware}, disaggregated: {plan.input_len}-token prompts, "
+             f"{plan.output_len} output tokens per request, {mtp}, weights {d.weight_dtype}, KV {d.kv_dtype}",
+             *_prefill_lines(plan.prefill),
+             f"decode instance: {_instance(d.ep, d.tp, d.num_nodes)}, {d.batch:g} requests/GPU, KV {d.kv_len} tokens "
+             f"({kv_source}): step {dec.step.step_time_us / 1e3:.2f} ms ({dec.step.overlap}), "
+             f"{dec.output_tokens_per_s_per_request:.1f} tok/s per request, {dec.throughput_tokens_per_s_per_gpu:,.0f} "
+             f"tok/s per GPU, {plan.decode_tokens_per_s_per_instance:,.0f} tok/s per instance, "
+             f"{plan.decode_requests_per_s_per_instance:.2f} requests/s",
+             _memory_line(m.weights_bytes, m.kv_bytes, m.reserved_bytes, m.capacity_bytes)]
+    if not dec.fits:
+        lines.append(f"  DOES NOT FIT: {dec.fits_reason} (priced all the same)")
+    copies = f", {t.copies} copies (decode TP)" if t.copies > 1 else ""
+    lines += [
+        f"KV transfer: {t.bytes_per_token:,} B/token ({t.layers} layers x {t.kv_dim} x {t.dtype_bytes} B) x "
+        f"{t.input_len} = {t.bytes_per_request / 1e6:.1f} MB per request over InfiniBand "
+        f"({t.bandwidth / 1e9:.0f} GB/s achievable per GPU + {t.latency_us:.0f} us{copies}): "
+        f"{t.time_us / 1e3:.1f} ms; {plan.nic_share_prefill:.1%} of a prefill GPU's NIC, "
+        f"{plan.nic_share_decode:.1%} of a decode GPU's",
+        f"TTFT: {plan.prefill.prompt_time_us / 1e3:.1f} ms prefill + {t.time_us / 1e3:.1f} ms transfer = "
+        f"{plan.ttft_us / 1e3:.1f} ms (no queueing, transfer after the prefill)",
+        f"ratio: {plan.prefill_per_decode:.3f} prefill instances per decode instance -> {p_count} prefill : "
+        f"{d_count} decode instances, {plan.gpus} GPUs, {plan.output_tokens_per_s:,.0f} output tok/s, "
+        f"{plan.output_tokens_per_s_per_gpu:,.0f} tok/s per GPU (prefill {plan.prefill_utilization:.0%} busy)",
+        f"colocated (the decode instance runs the prefills too, each stalling it for "
+        f"{plan.colocated_prefill.prompt_time_us / 1e3:.1f} ms): prefill {busy:.1%} of the time -> "
+        f"{plan.colocated_tokens_per_s_per_gpu:,.0f} tok/s per GPU, "
+        f"{dec.output_tokens_per_s_per_request * (1 - busy):.1f} tok/s per request",
+        f"disaggregated / colocated output per GPU: {plan.disaggregation_gain:.2f}x "
+        f"({'disaggregation pays' if plan.disaggregation_gain > 1 else 'colocated is as good or better'})",
+    ]
+    if slo_speed is not None:
+        ok = plan.fits and dec.output_tokens_per_s_per_request >= slo_speed
+        lines.append(f"decode {'meets' if ok else 'misses'} {slo_speed:g} tok/s per request")
+    if not plan.fits:
+        lines.append(f"DOES NOT FIT: {plan.fits_reason}")
     return "\n".join(lines)
