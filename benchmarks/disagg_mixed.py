@@ -5,7 +5,7 @@ Colocated, each long prompt's prefill runs in the same lockstep steps as every d
 so the decodes' inter-token latency jumps while it runs; disaggregated, the prefill runs on a prefill
 instance and only its KV reaches the decode instance. Both deployments use the same number of rank
 processes: ``serve --dp 2`` (one world of two instances) against ``serve --disaggregate --prefill-dp 1
---decode-dp 1`` (two worlds of one). Reports, per deployment: the decoders' ITL p50/p99 and mean, their
+--decode-dp 1`` (two worlds of one); and ``serve --dp 1`` (one rank, every core, no collectives). Reports, per deployment: the decoders' ITL p50/p99 and mean, their
 output throughput, the long prompts' TTFT p50/p99, total output tokens/s.
 
     python benchmarks/disagg_mixed.py                       # tiny model, 16 decoders, 12 long prompts
@@ -35,6 +35,9 @@ from epserve.bench.serve import completion_payload, send_request  # noqa: E402
 DEPLOYMENTS = {
     "colocated": ["--dp", "2"],
     "disaggregated": ["--disaggregate", "--prefill-dp", "1", "--decode-dp", "1"],
+    # One rank with every core: no collectives at all (a CPU's gloo exchanges in every MoE layer of the
+    # two-rank world are not what disaggregation removes), prefills still inside the decode steps.
+    "colocated-1rank": ["--dp", "1"],
 }
 
 

@@ -139,6 +139,41 @@ def test_greedy_text_equals_colocated_and_offline(deployment, offline):
         deployment.wait_free(i)
 
 
+def test_router_routes_nothing_to_an_instance_in_the_wrong_role(deployment):
+    import asyncio
+
+    from epserve.serve.policy import make_policy
+    from epserve.serve.router import Router
+
+    async def states():
+        router = Router((), make_policy("least_load"), token=TOKEN, prefill=[f"127.0.0.1:{deployment.ports[2]}"],
+                        decode=[f"127.0.0.1:{deployment.ports[0]}"])
+        await router.start()
+        try:
+            return [inst.last_error for inst in router.instances if not inst.healthy], router.serving
+        finally:
+            await router.close()
+
+    errors, serving = asyncio.run(states())
+    assert not serving
+    assert errors == ["the engine's role is decode; the router uses it as prefill",
+                      "the engine's role is prefill; the router uses it as decode"]
+
+
+def test_bench_serve_shows_each_role(deployment, capsys):
+    from epserve.cli import main
+
+    assert main(["bench", "serve", "--base-url", deployment.url, "--num-prompts", "4", "--random-input-len", "20",
+                 "--random-output-len", "4", "--disable-tqdm"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[out.splitlines().index(
+        next(line for line in out.splitlines() if line.startswith("Per role"))) + 2:] if line.strip()}
+    assert set(rows) == {"prefill", "decode"}, out
+    assert int(rows["prefill"][2]) == int(rows["decode"][2]) == 4  # requests per role
+    assert float(rows["prefill"][3]) == float(rows["decode"][4]) > 0  # KV MiB out of prefill = into decode
+    assert rows["prefill"][-1] == "-/-" and rows["decode"][-2] == "-/-"  # TTFT on prefill, ITL on decode
+
+
 def test_abort_during_transfer_frees_blocks_on_both_sides(deployment):
     rank = deployment.rank_of(deployment.prefill)
     os.kill(rank, signal.SIGSTOP)  # the prefill instance (the idle router's first choice) hangs mid-transfer
@@ -192,20 +227,6 @@ def test_stalled_transfer_times_out_and_killed_prefill_is_retried(deployment, of
     assert metric(m, "epserve:router_requests_total", role="prefill", engine="1") >= 2
 
 
-def test_bench_serve_shows_each_role(deployment, capsys):
-    from epserve.cli import main
-
-    assert main(["bench", "serve", "--base-url", deployment.url, "--num-prompts", "4", "--random-input-len", "20",
-                 "--random-output-len", "4", "--disable-tqdm"]) == 0
-    out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[out.splitlines().index(
-        next(line for line in out.splitlines() if line.startswith("Per role"))) + 2:] if line.strip()}
-    assert set(rows) == {"prefill", "decode"}, out
-    assert int(rows["prefill"][2]) == int(rows["decode"][2]) == 4  # requests per role
-    assert float(rows["prefill"][3]) == float(rows["decode"][4]) > 0  # KV MiB out of prefill = into decode
-    assert rows["prefill"][-1] == "-/-" and rows["decode"][-2] == "-/-"  # TTFT on prefill, ITL on decode
-
-
 def test_serve_disaggregate_on_one_host_and_a_dead_decode_rank(ckpt, offline, tmp_path):
     """`epserve serve --disaggregate`: a prefill world and a decode world of TP 2 (the arrived KV written
     on both of its ranks) behind the router on one host; the same text as one engine. The decode rank killed mid-stream: the stream ends with an error event,
@@ -240,3 +261,4 @@ def test_serve_disaggregate_on_one_host_and_a_dead_decode_rank(ckpt, offline, tm
         assert server.wait(60) == 0
     finally:
         server.kill_all()
+
