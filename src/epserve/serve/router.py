@@ -201,67 +201,42 @@ class Router:
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Route and stream one request. Closing the iterator cancels it on the engine. Raises
         EngineUnavailable (no instance could take it, or the serving one died mid-stream) or
-        EngineRequestError (the instance refused the request)."""
-        if self.disaggregated:
-            async with contextlib.aclosing(self._generate_disaggregated(request_id, token_ids, params)) as stream:
-                async for msg in stream:
-                    yield msg
-            return
-        tried: set[int] = set()
+        EngineRequestError (the instance refused the request). Disaggregated: a prefill instance by the
+        policy, the least-loaded decode instance (which streams); a prefill that fails before the first
+        token is retried on another prefill instance."""
+        tried: set[int] = set()  # instances that failed the request before its first token
+        tried_prefill: set[int] = set()
         deadline = asyncio.get_running_loop().time() + self.engine_wait_s
         while True:
-            inst = await self._choose_or_wait(token_ids, tried, deadline)
-            inst.in_flight += 1
-            inst.requests_total += 1
+            prefill = None
+            if self.disaggregated:
+                prefill = await self._choose_or_wait(token_ids, tried_prefill, deadline, "prefill")
+            inst = await self._choose_or_wait(token_ids, tried, deadline, "decode" if prefill else "both")
+            for held in filter(None, (prefill, inst)):
+                held.in_flight += 1
+                held.requests_total += 1
             started = False
             try:
-                async with contextlib.aclosing(inst.client.generate(request_id, token_ids, params)) as stream:
+                stream = inst.client.generate(request_id, token_ids, params, prefill.address if prefill else "")
+                async with contextlib.aclosing(stream) as stream:
                     async for msg in stream:
+                        if prefill is not None and not started:
+                            prefill.in_flight -= 1  # its part is done
                         started = True
                         yield msg
                 return
             except EngineUnavailable as e:
+                if prefill is not None and isinstance(e, PrefillUnavailable):  # the decode instance let it go
+                    logger.warning("request %s: prefill on engine %d failed (%s); retrying", request_id,
+                                   prefill.index, e)
+                    self._mark_down(prefill, str(e))
+                    tried_prefill.add(prefill.index)
+                    continue
                 self._mark_down(inst, str(e))
                 if started:
                     raise
                 tried.add(inst.index)
             finally:
-                inst.in_flight -= 1
-
-    async def _generate_disaggregated(
-        self, request_id: str, token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """A prefill instance by the policy, the least-loaded decode instance; the decode instance's
-        stream. A failed prefill (before the first token) is retried on another prefill instance."""
-        tried_prefill: set[int] = set()
-        tried_decode: set[int] = set()
-        deadline = asyncio.get_running_loop().time() + self.engine_wait_s
-        while True:
-            prefill = await self._choose_or_wait(token_ids, tried_prefill, deadline, "prefill")
-            decode = await self._choose_or_wait(token_ids, tried_decode, deadline, "decode")
-            for inst in (prefill, decode):
-                inst.in_flight += 1
-                inst.requests_total += 1
-            prefilling, started = True, False
-            try:
-                stream = decode.client.generate(request_id, token_ids, params, prefill_address=prefill.address)
-                async with contextlib.aclosing(stream) as stream:
-                    async for msg in stream:
-                        if prefilling:
-                            prefilling, started = False, True
-                            prefill.in_flight -= 1
-                        yield msg
-                return
-            except PrefillUnavailable as e:  # before the first token: the decode instance has let it go
-                logger.warning("request %s: prefill on engine %d failed (%s); retrying", request_id, prefill.index, e)
-                self._mark_down(prefill, str(e))
-                tried_prefill.add(prefill.index)
-            except EngineUnavailable as e:
-                self._mark_down(decode, str(e))
-                if started:
-                    raise
-                tried_decode.add(decode.index)
-            finally:
-                if prefilling:
+                if prefill is not None and not started:
                     prefill.in_flight -= 1
-                decode.in_flight -= 1
+                inst.in_flight -= 1
