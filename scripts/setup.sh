@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Create ./.venv and install epserve with its test dependencies. Idempotent.
 # torch is installed first, by pip, pinned to 2.13.0: on a CPU host that is the wheel on local disk, so no
-# multi-GB CUDA build is downloaded (not byte-compiled up front: the modules used compile on first import).
-# The rest goes through uv (installed into the venv), which resolves and installs in seconds; it keeps
-# the torch already there (pyproject allows up to 2.13.0).
+# multi-GB CUDA build is downloaded; it is byte-compiled by compileall on every core (faster than pip's
+# one-core pass; rank processes import it, and no process writes bytecode where PYTHONDONTWRITEBYTECODE is
+# set). The rest goes through uv (installed into the venv), which resolves, downloads and compiles in
+# parallel; it keeps the torch already there (pyproject allows up to 2.13.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,7 +12,10 @@ PY=${PYTHON:-python3}
 quiet() { "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   quiet .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
+  TORCH_DIR=$(.venv/bin/python -c "import importlib.util, os; print(os.path.dirname(importlib.util.find_spec('torch').origin))")
+  .venv/bin/python -m compileall -q -j 0 "$TORCH_DIR" > /dev/null || true
 fi
 .venv/bin/python -c "import uv" 2>/dev/null || quiet .venv/bin/python -m pip install -q uv
-.venv/bin/python -m uv pip install -q --python .venv/bin/python -e ".[test]"
+.venv/bin/python -m uv pip install -q --compile-bytecode --python .venv/bin/python -e ".[test]"
+.venv/bin/python -m compileall -q -j 0 src > /dev/null || true  # the editable source too, for the same reason
 .venv/bin/python -c "import epserve, torch; print(f'epserve {epserve.__version__} on torch {torch.__version__}')"
