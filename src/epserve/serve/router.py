@@ -28,6 +28,7 @@ from typing import Literal
 from epserve.engine.request import SamplingParams
 from epserve.moe.stats import ExpertLoad
 from epserve.serve.engine_client import EngineClient, EngineUnavailable, PrefillUnavailable
+from epserve.serve.kv_transport import layout_from_proto
 from epserve.serve.policy import NoInstanceError, Policy
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.rpc import expert_load_from_proto
@@ -105,26 +106,48 @@ class Router:
 
     # ---- health and load ---------------------------------------------------------------------
     async def refresh(self) -> None:
-        await asyncio.gather(*(self._refresh_one(inst) for inst in self.instances))
+        errors = await asyncio.gather(*(self._poll(inst) for inst in self.instances))
+        for inst, error in zip(self.instances, errors):
+            refusal = None if error else self._unusable(inst)
+            if refusal and refusal != inst.last_error and not inst.healthy:  # say it once, even at start
+                logger.warning("engine %d at %s is not used: %s", inst.index, inst.address, refusal)
+            if error or refusal:
+                self._mark_down(inst, error or refusal)
+                continue
+            if not inst.healthy:
+                logger.info("engine %d at %s is healthy", inst.index, inst.address)
+            inst.healthy, inst.last_error = True, ""
 
-    async def _refresh_one(self, inst: Instance) -> None:
+    async def _poll(self, inst: Instance) -> str | None:
+        """Ask for the instance's info (once) and load; why it cannot be asked (None: it answered)."""
         try:
             if inst.info is None:
                 inst.info = await inst.client.get_info(timeout=2.0)
             inst.load = await inst.client.get_load(timeout=2.0)
         except Exception as e:  # unreachable, or an answer we cannot use: either way not routable
-            self._mark_down(inst, str(e))
-            return
+            return str(e)
+        return None
+
+    def _unusable(self, inst: Instance) -> str | None:
+        """Why an instance that answered cannot take requests in the role it is listed in (None: it can)."""
+        assert inst.load is not None and inst.info is not None
         if inst.load.draining or inst.load.stalled:
-            self._mark_down(inst, "draining" if inst.load.draining else "stalled (a rank hung or died)")
-            return
+            return "draining" if inst.load.draining else "stalled (a rank hung or died)"
         role = inst.info.role or "both"
         if role not in _SERVES[inst.role]:
-            self._mark_down(inst, f"the engine's role is {role}; the router uses it as {inst.role}")
-            return
-        if not inst.healthy:
-            logger.info("engine %d at %s is healthy", inst.index, inst.address)
-        inst.healthy, inst.last_error = True, ""
+            return f"the engine's role is {role}; the router uses it as {inst.role}"
+        if inst.role in ("prefill", "decode"):  # its KV must fit some instance of the other pool
+            other = "decode" if inst.role == "prefill" else "prefill"
+            peers = [peer for peer in self.instances if peer.role == other and peer.info is not None]
+            if peers and not any(self._kv_fits(inst, peer) for peer in peers):
+                mismatch = layout_from_proto(peers[0].info.kv_layout).mismatch(layout_from_proto(inst.info.kv_layout))
+                return f"no {other} instance can take its KV ({mismatch})"
+        return None
+
+    @staticmethod
+    def _kv_fits(a: Instance, b: Instance) -> bool:
+        """Whether KV blocks of one instance can be copied into the other's cache (same layout)."""
+        return a.info is not None and b.info is not None and a.info.kv_layout == b.info.kv_layout
 
     def _mark_down(self, inst: Instance, why: str) -> None:
         if inst.healthy:
@@ -165,10 +188,13 @@ class Router:
                 if isinstance(r, pb.GetExpertLoadResponse) and r.layers]
 
     # ---- requests ----------------------------------------------------------------------------
-    def choose(self, token_ids: list[int], exclude: Collection[int] = (), role: Role = "both") -> Instance:
-        """An instance of the ``role`` pool: by the policy, or the least loaded decode instance."""
+    def choose(self, token_ids: list[int], exclude: Collection[int] = (), role: Role = "both",
+               kv_from: Instance | None = None) -> Instance:
+        """An instance of the ``role`` pool: by the policy, or the least loaded decode instance (one that
+        can take the KV of ``kv_from``, the request's prefill instance)."""
         loads = {inst.index: inst.load_signal for inst in self.healthy
-                 if inst.index not in exclude and inst.role == role}
+                 if inst.index not in exclude and inst.role == role
+                 and (kv_from is None or self._kv_fits(inst, kv_from))}
         try:
             if role == "decode":
                 if not loads:
@@ -184,12 +210,12 @@ class Router:
         return self.instances[index]
 
     async def _choose_or_wait(self, token_ids: list[int], tried: set[int], deadline: float,
-                              role: Role = "both") -> Instance:
+                              role: Role = "both", kv_from: Instance | None = None) -> Instance:
         """An instance for a request that has not started: one not tried yet, else (none healthy) the
         first to become healthy before ``deadline`` (loop time), tried or not (it may have restarted)."""
         while True:
             try:
-                return self.choose(token_ids, tried, role)
+                return self.choose(token_ids, tried, role, kv_from)
             except EngineUnavailable:
                 if asyncio.get_running_loop().time() >= deadline:
                     raise
@@ -211,7 +237,7 @@ class Router:
             prefill = None
             if self.disaggregated:
                 prefill = await self._choose_or_wait(token_ids, tried_prefill, deadline, "prefill")
-            inst = await self._choose_or_wait(token_ids, tried, deadline, "decode" if prefill else "both")
+            inst = await self._choose_or_wait(token_ids, tried, deadline, "decode" if prefill else "both", prefill)
             for held in filter(None, (prefill, inst)):
                 held.in_flight += 1
                 held.requests_total += 1
