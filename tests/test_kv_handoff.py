@@ -5,12 +5,13 @@ a decode engine out of blocks makes transfers wait, never drops them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from epserve import LLM, SamplingParams
 from epserve.engine.engine import LLMEngine, RequestError
-from epserve.engine.kv_handoff import KVArrival
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SHARED = list(range(40, 90))
@@ -55,8 +56,7 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params: Sampli
             sent += wanted.num_blocks
             if wanted.request_id == abort_in_transit:
                 assert decode.abort_request(wanted.request_id)
-            decode.receive_kv(KVArrival(wanted.request_id, export.data, export.first_token, export.logprobs,
-                                        export.num_cached_tokens))
+            decode.receive_kv(replace(export, request_id=wanted.request_id))
     return tokens, sent
 
 
@@ -99,8 +99,7 @@ def test_seeded_sampling_and_logprobs_match_one_engine(ckpt, device):
             tokens.extend(update.new_token_ids)
         for wanted in decode.take_kv_wanted():
             export = _run_prefill(prefill, rid, PROMPTS[0], params, wanted.first_block)
-            decode.receive_kv(KVArrival(rid, export.data, export.first_token, export.logprobs,
-                                        export.num_cached_tokens))
+            decode.receive_kv(replace(export, request_id=rid))
     assert tokens == alone.token_ids
     assert export.logprobs is not None and export.logprobs.token_id == tokens[0]
     assert export.logprobs.logprob == pytest.approx(alone.logprobs[0].logprob, abs=1e-5)

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from epserve.config import EngineConfig
 from epserve.engine.balancer import RebalanceReport
-from epserve.engine.kv_handoff import KVArrival, KVExport, KVTransferRole, KVWanted, KVWrite
+from epserve.engine.kv_handoff import KVTransferRole, KVWanted, KVWrite, PrefilledKV
 from epserve.engine.request import Request, SamplingParams, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.scheduler import RequestUpdate, Scheduler
@@ -47,7 +47,7 @@ class LLMEngine:
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
         self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
         self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
-        self._arrivals: list[KVArrival] = []  # decode side: KV from prefill instances, written next step
+        self._arrivals: list[PrefilledKV] = []  # decode side: KV from prefill instances, written next step
         self.kv_wanted: list[KVWanted] = []  # decode side: allocated by the last steps, not taken yet
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -89,7 +89,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler is not None and self.scheduler.abort_request(request_id)
 
-    def receive_kv(self, arrival: KVArrival) -> None:
+    def receive_kv(self, arrival: PrefilledKV) -> None:
         """Decode side (leader): a receiving request's KV and first token; written into its blocks at
         the start of the next step, on every rank of the DP group, before the forward."""
         self._arrivals.append(arrival)
@@ -99,7 +99,7 @@ class LLMEngine:
         wanted, self.kv_wanted = self.kv_wanted, []
         return wanted
 
-    def export_kv(self, request_id: str) -> KVExport:
+    def export_kv(self, request_id: str) -> PrefilledKV:
         """Prefill side (leader, between steps): copy a finished prefill's blocks out and free them."""
         assert self.scheduler is not None
         request, block_ids = self.scheduler.handoff.export_blocks(request_id)
@@ -108,7 +108,7 @@ class LLMEngine:
         finally:
             self.scheduler.release_held(request_id)
         logprobs = request.output_logprobs[0] if request.output_logprobs else None
-        return KVExport(request_id, request.kv_first_block, data, request.output_token_ids[0], logprobs,
+        return PrefilledKV(request_id, request.kv_first_block, data, request.output_token_ids[0], logprobs,
                         request.num_cached_tokens)
 
     def _take_arrivals(self) -> tuple[list[KVWrite], list[RequestUpdate]]:
@@ -186,13 +186,12 @@ class LLMEngine:
         self.anybody_unfinished, self.anybody_stopping = bool(unfinished), bool(stop)
         self.anybody_receiving = bool(any_receiving)
         result, drafts = None, None
-        if any_writes and not max_tokens:  # KV arrived for requests its first token finished: still cached
-            self.runner.write_kv(broadcast_from_leader(plan, self.ctx).kv_writes)  # type: ignore[attr-defined]
-        if max_tokens:
-            self.num_forwards += 1
+        if max_tokens or any_writes:  # (arrived KV is written even when its first token finished the request)
             plan = broadcast_from_leader(plan, self.ctx)
             if plan.kv_writes:
                 self.runner.write_kv(plan.kv_writes)
+        if max_tokens:
+            self.num_forwards += 1
             hidden = self.runner.forward(plan, max_tokens, all_decode=not any_prefill)
             if chunks:
                 result = self.runner.sample(chunks, hidden, plan)

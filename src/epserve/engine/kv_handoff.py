@@ -9,7 +9,7 @@
   decodes like any other.
 - **Prefill side** (``Request.kv_transfer == "send"``): a prompt prefilled for a decode instance; it
   finishes after its first token, and its blocks are *held*, not freed, until the engine has copied
-  them out (:class:`KVExport`).
+  them out (:class:`PrefilledKV`).
 
 Blocks travel as the cache stores them (bytes of every cached layer, the MTP layer's included;
 FP8 as stored), so a block is ``layers x block_size x token bytes`` whatever either side's layout.
@@ -62,28 +62,19 @@ class KVWanted:
 
 
 @dataclass(frozen=True)
-class KVArrival:
-    """Decode side: a request's KV and its first token, from the prefill instance. ``data``: uint8
-    ``[layers, num_blocks, block_size, token_bytes]`` for the blocks of its :class:`KVWanted`."""
-
-    request_id: str
-    data: torch.Tensor
-    first_token: int
-    logprobs: object | None  # TokenLogprobs when the request asked for logprobs
-    num_cached_tokens: int  # the prefill instance's prefix-cache hit (what usage reports)
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """Prefill side: a finished prefill's blocks from ``first_block`` on, copied out (uint8
-    ``[layers, blocks, block_size, token_bytes]``, on the host), and the first token it sampled."""
+class PrefilledKV:
+    """A finished prefill's KV and the first token it sampled: copied out of the prefill instance's
+    cache (``LLMEngine.export_kv``, its request id) and handed to the decode instance
+    (``LLMEngine.receive_kv``, the decode side's id). ``data``: uint8 ``[layers, blocks, block_size,
+    token_bytes]``, on the host, of the request's blocks from ``first_block`` on (those of its
+    :class:`KVWanted`)."""
 
     request_id: str
     first_block: int
     data: torch.Tensor
     first_token: int
-    logprobs: object | None
-    num_cached_tokens: int
+    logprobs: object | None  # TokenLogprobs when the request asked for logprobs
+    num_cached_tokens: int  # the prefill instance's prefix-cache hit (what usage reports)
 
 
 @dataclass(frozen=True)
@@ -102,10 +93,6 @@ class KVHandoff:
         self.pending: deque[Request] = deque()  # "receive" requests without blocks, in arrival order
         self.receiving: dict[str, Request] = {}  # blocks allocated, KV on its way
         self.held: dict[str, Request] = {}  # "send" requests finished, blocks held until copied out
-
-    def __contains__(self, request: Request) -> bool:
-        rid = request.request_id
-        return self.receiving.get(rid) is request or self.held.get(rid) is request or request in self.pending
 
     @property
     def blocked(self) -> bool:

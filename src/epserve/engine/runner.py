@@ -243,11 +243,10 @@ class ModelRunner:
             return None
         gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = self._generators[request.request_id] = self.sampler.make_generator(params.seed)
-            if request.kv_transfer == "receive" and not params.is_greedy:
-                # The prefill instance drew the first token from this seed: skip that draw, so the
-                # request's tokens are those of one instance.
-                torch.empty(self.config.model.vocab_size, device=self.device).exponential_(generator=gen)
+            # A sampled request's first token was drawn from this seed by its prefill instance.
+            drawn = int(request.kv_transfer == "receive" and not params.is_greedy)
+            gen = self._generators[request.request_id] = self.sampler.make_generator(
+                params.seed, self.config.model.vocab_size, drawn)
         return gen
 
     def release(self, request_id: str) -> None:

@@ -66,8 +66,14 @@ class Sampler:
         """The generator of unseeded requests."""
         return self._default
 
-    def make_generator(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
+    def make_generator(self, seed: int, vocab_size: int = 0, num_drawn: int = 0) -> torch.Generator:
+        """A seeded request's generator. ``num_drawn``: tokens already sampled from this seed elsewhere
+        (a prefill instance's first token): their draws are skipped (one exponential per vocabulary
+        entry of ``vocab_size``, as :meth:`sample` draws), so the request's tokens are one sampler's."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        for _ in range(num_drawn):
+            torch.empty(vocab_size, device=self.device).exponential_(generator=gen)
+        return gen
 
     def sample(
         self,

@@ -173,12 +173,8 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        if self.handoff.remove(request):
-            pass
-        elif request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
-        else:
-            self.running.remove(request)
+        if not self.handoff.remove(request):
+            (self.waiting if request.status is RequestStatus.WAITING else self.running).remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._unreported.append(request)
         if request_id not in self._in_flight:

@@ -35,16 +35,12 @@ from epserve.planner.errors import PlanError
 from epserve.planner.hardware import HardwareSpec
 from epserve.planner.memory import MemoryEstimate, estimate_memory, kv_bytes_per_token
 from epserve.planner.ops import BatchShape
-from epserve.planner.prefill import PREFILL_CHUNK_TOKENS, PrefillPlan
+from epserve.planner.prefill import PrefillPlan, prompts_per_chunk
 from epserve.planner.step import DecodePlan, estimate_step, overlap_modes, plan_decode
 
 DEFAULT_OUTPUT_LEN = 1000
 MAX_DECODE_INSTANCES = 64  # the integer pair's search
 PAIR_SLACK = 0.05  # GPUs the integer pair may use beyond the exact fraction
-
-
-def prompts_per_chunk(prompt_len: int) -> int:
-    return max(1, PREFILL_CHUNK_TOKENS // prompt_len)
 
 
 def decode_kv_len(input_len: int, output_len: int) -> int:

@@ -31,12 +31,17 @@ class PrefillPlan:
         return self.prompts_per_gpu * self.prompt_len / self.step.step_time_us * 1e6
 
 
+def prompts_per_chunk(prompt_len: int) -> int:
+    """Prompts per GPU in one prefill forward: as many as fit in a chunk of ``PREFILL_CHUNK_TOKENS``."""
+    return max(1, PREFILL_CHUNK_TOKENS // prompt_len)
+
+
 def plan_prefill(
     model: ModelConfig, hw: HardwareSpec, d: Deployment, prompt_len: int, prompts_per_gpu: int | None = None
 ) -> PrefillPlan:
     if prompt_len < 1:
         raise PlanError(f"prompt length must be at least 1, got {prompt_len}")
-    n = prompts_per_gpu or max(1, PREFILL_CHUNK_TOKENS // prompt_len)
+    n = prompts_per_gpu or prompts_per_chunk(prompt_len)
     d = replace(d, batch=n, kv_len=prompt_len, mtp_draft=0)
     check_deployment(model, hw, d)
     memory = estimate_memory(model, hw, d)

@@ -5,11 +5,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from epserve.planner.disagg import DisaggPlan, PrefillInstance
+from epserve.planner.memory import MemoryEstimate
 from epserve.planner.prefill import PrefillPlan
 from epserve.planner.step import BREAKDOWN_KEYS, DecodePlan
 from epserve.planner.sweep import SweepRow, best_plan
 
 GIB = 2**30
+
+
+def _memory(mem: MemoryEstimate) -> str:
+    return (f"memory per GPU: weights {mem.weights_bytes / GIB:.1f} GiB + KV {mem.kv_bytes / GIB:.1f} GiB "
+            f"(+ {mem.reserved_bytes / GIB:.1f} GiB reserved) of {mem.capacity_bytes / GIB:.1f} GiB")
 
 
 def _layout(plan: DecodePlan) -> str:
@@ -43,9 +49,7 @@ def format_plan(plan: DecodePlan, crossover: int | None = None, prefill: Prefill
     mem, d = plan.memory, plan.deployment
     lines = [
         _layout(plan),
-        f"memory per GPU: weights {mem.weights_bytes / GIB:.1f} GiB + KV {mem.kv_bytes / GIB:.1f} GiB "
-        f"(+ {mem.reserved_bytes / GIB:.1f} GiB reserved) of {mem.capacity_bytes / GIB:.1f} GiB; "
-        f"KV {mem.kv_bytes_per_token:,} B/token; max batch {mem.max_batch_per_gpu}/GPU",
+        f"{_memory(mem)}; KV {mem.kv_bytes_per_token:,} B/token; max batch {mem.max_batch_per_gpu}/GPU",
     ]
     if not plan.fits:
         lines.append(f"DOES NOT FIT: {plan.fits_reason} (priced all the same)")
@@ -122,11 +126,6 @@ def format_sweep(rows: Sequence[SweepRow], slo_speed: float | None = None) -> st
     return "\n".join(lines)
 
 
-def _memory_line(weights: int, kv: int, reserved: int, capacity: int) -> str:
-    return (f"  memory per GPU: weights {weights / GIB:.1f} GiB + KV {kv / GIB:.1f} GiB (+ {reserved / GIB:.1f} GiB "
-            f"reserved) of {capacity / GIB:.1f} GiB")
-
-
 def _instance(ep: int, tp: int, nodes: int) -> str:
     return f"EP{ep} = DP{ep // tp} x TP{tp} ({nodes} node{'s' if nodes > 1 else ''})"
 
@@ -138,7 +137,7 @@ def _prefill_lines(p: PrefillInstance) -> list[str]:
              f"{p.plan.prompt_len}-token prompts per GPU in {p.prompt_time_us / 1e3:.1f} ms ({p.plan.step.overlap}{mtp}): "
              f"{p.tokens_per_s_per_gpu:,.0f} tok/s per GPU, {p.tokens_per_s_per_instance:,.0f} tok/s per instance, "
              f"{p.requests_per_s_per_instance:.2f} prompts/s",
-             _memory_line(m.weights_bytes, m.kv_bytes, m.reserved_bytes, m.capacity_bytes)]
+             f"  {_memory(m)}"]
     if not p.fits:
         lines.append(f"  DOES NOT FIT: {p.fits_reason} (priced all the same)")
     return lines
@@ -159,7 +158,7 @@ def format_disaggregated(plan: DisaggPlan, slo_speed: float | None = None) -> st
              f"{dec.output_tokens_per_s_per_request:.1f} tok/s per request, {dec.throughput_tokens_per_s_per_gpu:,.0f} "
              f"tok/s per GPU, {plan.decode_tokens_per_s_per_instance:,.0f} tok/s per instance, "
              f"{plan.decode_requests_per_s_per_instance:.2f} requests/s",
-             _memory_line(m.weights_bytes, m.kv_bytes, m.reserved_bytes, m.capacity_bytes)]
+             f"  {_memory(m)}"]
     if not dec.fits:
         lines.append(f"  DOES NOT FIT: {dec.fits_reason} (priced all the same)")
     copies = f", {t.copies} copies (decode TP)" if t.copies > 1 else ""

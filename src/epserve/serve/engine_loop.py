@@ -21,7 +21,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from epserve.engine.kv_handoff import KVArrival, KVExport, KVWanted
+from epserve.engine.kv_handoff import KVWanted, PrefilledKV
 from epserve.engine.request import Request
 from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.scheduler import RequestUpdate
@@ -71,7 +71,7 @@ class AbortRequest:
 class KVReceived:
     """Decode side: a request's KV arrived from its prefill instance."""
 
-    arrival: KVArrival
+    arrival: PrefilledKV
 
 
 # ---- the step loop -> the gRPC thread -------------------------------------------------------------
@@ -99,7 +99,7 @@ class RequestFailed:
 
 # The loop's outputs: a request's tokens or failure, and for disaggregation a decode request's blocks
 # allocated (its transfer can start) or a finished prefill's blocks copied out (to be sent).
-LoopOutput = GeneratedTokens | RequestFailed | KVWanted | KVExport
+LoopOutput = GeneratedTokens | RequestFailed | KVWanted | PrefilledKV
 
 
 @dataclass(frozen=True)

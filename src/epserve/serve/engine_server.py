@@ -26,7 +26,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epserve.engine.kv_handoff import KVExport, KVWanted
+from epserve.engine.kv_handoff import KVWanted, PrefilledKV
 from epserve.engine.request import Request
 from epserve.engine.worker import EngineWorker
 from epserve.parallel.context import set_collective_timeout, store_client
@@ -107,7 +107,7 @@ class EngineService(pb_grpc.EngineServicer):
             stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
-            if isinstance(out, (RequestFailed, KVExport)):
+            if isinstance(out, (RequestFailed, PrefilledKV)):
                 del self.streams[out.request_id]
                 stream.push(out)
                 continue
@@ -159,24 +159,34 @@ class EngineService(pb_grpc.EngineServicer):
         if rid in self.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
 
+    async def _start(self, rid: str, prompt: list[int], sampling: pb.SamplingParams, context: grpc.aio.ServicerContext,
+                     **kv_transfer: object) -> tuple[Request, ResponseStream]:
+        """Check the request (INVALID_ARGUMENT with the reason), open its stream and queue it."""
+        try:
+            checked = self.engine_loop.engine.make_request(rid, prompt, sampling_from_proto(sampling), **kv_transfer)
+        except ValueError as e:  # RequestError included
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = self.streams[rid] = ResponseStream()
+        self.engine_loop.submit(AddRequest(checked))
+        return checked, stream
+
+    def _cancel(self, rid: str) -> None:
+        """A call that ended before its request did (the caller went away or gave up): abort it."""
+        self.streams.pop(rid, None)
+        self.engine_loop.submit(AbortRequest(rid))
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
-        loop, rid, remote = self.engine_loop, request.request_id, request.prefill_address
+        rid, remote = request.request_id, request.prefill_address
         await self._admit(rid, context)
         role = self.options.role
         if role == "prefill" or (role == "decode" and not remote):
             why = ("a prefill instance only prefills for decode instances" if role == "prefill" else
                    "a decode instance decodes requests prefilled elsewhere: route through a router with --prefill")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        try:
-            params = sampling_from_proto(request.sampling_params)
-            checked = loop.engine.make_request(rid, list(request.prompt_token_ids), params,
-                                               kv_transfer="receive" if remote else None)
-        except ValueError as e:  # RequestError included
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = self.streams[rid] = ResponseStream()
-        if remote:
+        checked, stream = await self._start(rid, list(request.prompt_token_ids), request.sampling_params, context,
+                                            kv_transfer="receive" if remote else None)
+        if remote:  # (the loop's KVWanted for it reaches this asyncio loop after this line)
             self._remote[rid] = (remote, checked)
-        loop.submit(AddRequest(checked))
         finished = False
         try:
             while True:
@@ -198,8 +208,7 @@ class EngineService(pb_grpc.EngineServicer):
             if fetch is not None:
                 fetch.cancel()  # cancels the prefill instance's call too
             if not finished:  # cancelled: the client went away or gave up
-                self.streams.pop(rid, None)
-                loop.submit(AbortRequest(rid))
+                self._cancel(rid)
 
     # ---- prefill/decode disaggregation ---------------------------------------------------------
     def _start_fetch(self, wanted: KVWanted) -> None:
@@ -221,11 +230,11 @@ class EngineService(pb_grpc.EngineServicer):
             logger.warning("request %s: KV transfer from %s failed: %s", rid, address, why)
             self.kv_stats.failures += 1
             self._fetches.pop(rid, None)
-            stream = self.streams.pop(rid, None)
+            stream = self.streams.get(rid)
             if stream is not None:
                 invalid = isinstance(e, KVTransferError) and e.invalid
                 stream.push(RequestFailed(rid, "invalid" if invalid else "prefill", why))
-            self.engine_loop.submit(AbortRequest(rid))  # frees its blocks
+            self._cancel(rid)  # frees its blocks
             return
         self._fetches.pop(rid, None)
         self.kv_stats.received(arrival.data.numel(), time.monotonic() - start)
@@ -233,26 +242,20 @@ class EngineService(pb_grpc.EngineServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         """Prefill side: run the prompt, then stream its blocks and first token to the decode instance."""
-        loop, rid = self.engine_loop, f"{request.request_id}@prefill" if request.request_id else ""
+        rid = f"{request.request_id}@prefill" if request.request_id else ""
         await self._admit(rid, context)
         if self.options.role == "decode":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode instance does not prefill for others")
         why = self.layout.mismatch(layout_from_proto(request.layout))
         if why is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        try:
-            params = sampling_from_proto(request.sampling_params)
-            checked = loop.engine.make_request(rid, list(request.prompt_token_ids), params, kv_transfer="send",
-                                               kv_first_block=request.first_block)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        stream = self.streams[rid] = ResponseStream()
-        loop.submit(AddRequest(checked))
+        _, stream = await self._start(rid, list(request.prompt_token_ids), request.sampling_params, context,
+                                      kv_transfer="send", kv_first_block=request.first_block)
         finished = False
         try:
             while not finished:
                 for item in await stream.take():
-                    if isinstance(item, KVExport):
+                    if isinstance(item, PrefilledKV):
                         finished = True  # its blocks are free already: a cancelled send just drops the copy
                         self.kv_stats.bytes_sent += item.data.numel()  # before the last yield: the caller
                         for chunk in self.transport.send(item):     # may close the call on the last chunk
@@ -264,8 +267,7 @@ class EngineService(pb_grpc.EngineServicer):
                     await context.abort(_STATUS[reason], message)
         finally:
             if not finished:  # the decode instance went away or gave up
-                self.streams.pop(rid, None)
-                loop.submit(AbortRequest(rid))
+                self._cancel(rid)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
         found = request.request_id in self.streams

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from epserve.engine.kv_handoff import KVExport
+from epserve.engine.kv_handoff import PrefilledKV
 from epserve.serve.engine_loop import GeneratedTokens, RequestFailed
 from epserve.serve.proto import engine_pb2 as pb
+from epserve.serve.rpc import logprob_to_proto
 
 
 class ResponseStream:
@@ -18,14 +19,14 @@ class ResponseStream:
     __slots__ = ("items", "ready")
 
     def __init__(self) -> None:
-        self.items: collections.deque[pb.GenerateResponse | RequestFailed | KVExport] = collections.deque()
+        self.items: collections.deque[pb.GenerateResponse | RequestFailed | PrefilledKV] = collections.deque()
         self.ready = asyncio.Event()
 
-    def push(self, item: pb.GenerateResponse | RequestFailed | KVExport) -> None:
+    def push(self, item: pb.GenerateResponse | RequestFailed | PrefilledKV) -> None:
         self.items.append(item)
         self.ready.set()
 
-    async def take(self) -> list[pb.GenerateResponse | RequestFailed | KVExport]:
+    async def take(self) -> list[pb.GenerateResponse | RequestFailed | PrefilledKV]:
         await self.ready.wait()
         self.ready.clear()
         items = list(self.items)
@@ -38,8 +39,7 @@ def to_proto(out: GeneratedTokens) -> pb.GenerateResponse:
         token_ids=out.token_ids, num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
         num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason or "",
     )
-    for lp in out.logprobs:
-        msg.logprobs.add(logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
     return msg
 
 

@@ -21,12 +21,17 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from epserve.engine.kv_handoff import KVArrival, KVExport, KVLayout
+from epserve.engine.kv_handoff import KVLayout, PrefilledKV
 from epserve.engine.request import SamplingParams
-from epserve.engine.sampler import TokenLogprobs
 from epserve.serve.proto import engine_pb2 as pb
 from epserve.serve.proto import engine_pb2_grpc as pb_grpc
-from epserve.serve.rpc import GRPC_OPTIONS, auth_metadata, sampling_to_proto
+from epserve.serve.rpc import (
+    GRPC_OPTIONS,
+    auth_metadata,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_to_proto,
+)
 
 CHUNK_BYTES = 4 << 20  # blocks per KVChunk message: as many as fit in this (at least one)
 # Upper bounds (seconds) of the transfer-time histogram: engines report cumulative counts per bound.
@@ -64,10 +69,6 @@ def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
     return KVLayout(msg.num_layers, msg.block_size, msg.token_bytes, msg.dtype)
 
 
-def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
-    return pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-
-
 @dataclass
 class KVTransferStats:
     """One instance's transfer figures (reported in ``GetLoad``; the router exports them)."""
@@ -96,11 +97,11 @@ class KVTransport(ABC):
     """The KV transfer channel between engine instances (see the module's docstring)."""
 
     @abstractmethod
-    def send(self, export: KVExport) -> Iterator[object]:
+    def send(self, export: PrefilledKV) -> Iterator[object]:
         """Prefill side: the messages that carry ``export``'s blocks and first token to the caller."""
 
     @abstractmethod
-    async def receive(self, source: str, job: PrefillJob) -> KVArrival:
+    async def receive(self, source: str, job: PrefillJob) -> PrefilledKV:
         """Decode side: have ``source`` (a prefill instance) prefill ``job`` and hand over its blocks;
         KVTransferError when it fails. Cancelling it cancels the prefill."""
 
@@ -115,7 +116,7 @@ class GrpcKVTransport(KVTransport):
         self.metadata = auth_metadata(token)
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def send(self, export: KVExport) -> Iterator[pb.KVChunk]:
+    def send(self, export: PrefilledKV) -> Iterator[pb.KVChunk]:
         data = export.data
         num_blocks = data.shape[1]
         per_chunk = max(1, CHUNK_BYTES // max(1, data[:, :1].numel()))
@@ -134,7 +135,7 @@ class GrpcKVTransport(KVTransport):
             channel = self._channels[source] = grpc.aio.insecure_channel(source, options=GRPC_OPTIONS)
         return pb_grpc.EngineStub(channel)
 
-    async def receive(self, source: str, job: PrefillJob) -> KVArrival:
+    async def receive(self, source: str, job: PrefillJob) -> PrefilledKV:
         layout = job.layout
         request = pb.PrefillRequest(
             request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
@@ -153,12 +154,10 @@ class GrpcKVTransport(KVTransport):
                         raise KVTransferError(f"prefill instance sent {received} KV blocks, {job.num_blocks} wanted")
                     data = (torch.cat(parts, dim=1) if parts else
                             torch.empty(layout.num_layers, 0, layout.block_size, layout.token_bytes, dtype=torch.uint8))
-                    logprobs = None
-                    if chunk.HasField("first_logprob"):
-                        lp = chunk.first_logprob
-                        logprobs = TokenLogprobs(chunk.first_token, lp.logprob,
-                                                 tuple((t.token_id, t.logprob) for t in lp.top))
-                    return KVArrival(job.request_id, data, chunk.first_token, logprobs, chunk.num_cached_tokens)
+                    logprobs = (logprob_from_proto(chunk.first_token, chunk.first_logprob)
+                                if chunk.HasField("first_logprob") else None)
+                    return PrefilledKV(job.request_id, job.first_block, data, chunk.first_token, logprobs,
+                                       chunk.num_cached_tokens)
                 if chunk.first_block != next_block or len(chunk.data) != chunk.num_blocks * layout.block_bytes:
                     raise KVTransferError(f"malformed KV chunk (blocks {chunk.first_block}+{chunk.num_blocks}, "
                                           f"{len(chunk.data)} bytes; block {next_block} expected)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from epserve.engine.request import SamplingParams
+from epserve.engine.sampler import TokenLogprobs
 from epserve.moe.stats import ExpertLoad
 from epserve.serve.proto import engine_pb2 as pb
 
@@ -54,6 +55,14 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_proto(token_id: int, msg: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
 
 
 def expert_load_to_proto(load: ExpertLoad) -> pb.GetExpertLoadResponse:
