@@ -40,7 +40,7 @@ if [ "$PART" = engine ] || [ "$PART" = all ]; then
     2>&1 | tail -30 | tee "$OUT/offline.txt"
 fi
 if [ "$PART" = kernels ] || [ "$PART" = all ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_router_kernel.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_gate_kernel.py \
     tests/test_mla_decode_kernel.py 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
   timeout 150 python3 benchmarks/fp8_gemm.py --json "$OUT/fp8_gemm.json" \
     2>&1 | tail -80 | tee "$OUT/fp8_gemm.txt"

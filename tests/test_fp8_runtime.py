@@ -64,7 +64,7 @@ def test_fp8_weights_are_kept_as_stored(fp8_ckpt):
         assert torch.equal(experts.w13[slot, 128:].view(torch.uint8), up.view(torch.uint8))
         assert torch.equal(experts.w2_scale_inv[slot],
                            reader.get_raw(f"model.layers.1.mlp.experts.{e}.down_proj.weight{SCALE_SUFFIX}"))
-    assert model.embed_tokens.dtype == torch.bfloat16 and model.layers[1].mlp.router.weight.dtype == torch.float32
+    assert model.embed_tokens.dtype == torch.bfloat16 and model.layers[1].mlp.gate.weight.dtype == torch.float32
     # The meta-device plan is what was materialized, to the byte.
     mc = llm.config.model
     assert plan_weight_bytes(mc, ParallelContext.single(torch.device("cpu")), fp8=True) == model_bytes(model)

@@ -152,7 +152,7 @@ LOGIT_STD = 4.0
 class TensorSpec:
     """One published tensor: ``name``, logical ``shape`` (before FP8), and its ``kind``:
     ``embedding``, ``norm``, ``linear`` (input side), ``out_linear`` (writes the residual stream),
-    ``router`` (``mlp.gate.weight``), ``bias`` (``e_score_correction_bias``) or ``head``."""
+    ``gate`` (``mlp.gate.weight``), ``bias`` (``e_score_correction_bias``) or ``head``."""
 
     name: str
     shape: tuple[int, ...]
@@ -234,7 +234,7 @@ def _layer_specs(cfg: ModelConfig, p: str, is_moe: bool) -> list[TensorSpec]:
     if not is_moe:
         return specs + _mlp_specs(f"{p}.mlp", h, cfg.intermediate_size)
     specs += [
-        TensorSpec(f"{p}.mlp.gate.weight", (cfg.n_routed_experts, h), "router"),
+        TensorSpec(f"{p}.mlp.gate.weight", (cfg.n_routed_experts, h), "gate"),
         TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (cfg.n_routed_experts,), "bias"),
     ]
     for e in range(cfg.n_routed_experts):
@@ -271,7 +271,7 @@ def _init_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
         return 1.0 + NORM_JITTER * x
     if spec.kind == "bias":
         return BIAS_STD * x
-    gain = {"linear": 1.0, "out_linear": RESIDUAL_GAIN, "router": GATE_GAIN, "head": LOGIT_STD}[spec.kind]
+    gain = {"linear": 1.0, "out_linear": RESIDUAL_GAIN, "gate": GATE_GAIN, "head": LOGIT_STD}[spec.kind]
     return x * (gain / math.sqrt(fan_in))
 
 
@@ -287,7 +287,7 @@ def random_weights(
     that differ slightly, such as FP8 against bf16, by their greedy tokens).
 
     ``hot_experts`` ({expert: bias}) adds ``bias`` to those experts' correction bias in every MoE layer:
-    the router then picks them far more often (a skewed load, for expert load balancing).
+    the gate then picks them far more often (a skewed load, for expert load balancing).
 
     FP8 (when ``config`` has a ``quantization_config``): quantizable linears become float8_e4m3fn
     plus a float32 ``weight_scale_inv``. The correction bias is always float32; everything else is

@@ -46,9 +46,9 @@ logger = logging.getLogger(__name__)
 
 Span = tuple[int, int]  # [lo, hi)
 
-# Float tensors that stay fp32 whatever the runtime dtype: tile scales, the router (its top-k must not
+# Float tensors that stay fp32 whatever the runtime dtype: tile scales, the expert gate (its top-k must not
 # flip), the KV scale and the rotary tables. MLA's absorbed weights too, unless the weights are FP8.
-_KEEP_FP32 = ("_scale_inv", "router.weight", "e_score_correction_bias", "kv_scale", "rotary.cos", "rotary.sin")
+_KEEP_FP32 = ("_scale_inv", "mlp.gate.weight", "e_score_correction_bias", "kv_scale", "rotary.cos", "rotary.sin")
 _ABSORBED = ("self_attn.w_uk", "self_attn.w_uv_t")
 _DERIVED = (*_ABSORBED, "rotary.cos", "rotary.sin", *ROUTING_BUFFERS)  # computed after loading
 _OPTIONAL = ("kv_scale",)  # 1.0 unless the checkpoint has one
@@ -108,8 +108,6 @@ def _pieces(
         return [Piece(p + rest, rows=_shard(ctx, shape[0]))]
     if rest == "self_attn.o_proj.weight":
         return [Piece(p + rest, cols=_shard(ctx, shape[1]))]
-    if rest.startswith("mlp.router."):
-        return [Piece(p + "mlp.gate." + rest.removeprefix("mlp.router."))]
     if rest in ("mlp.gate_up_proj.weight", "mlp.shared_experts.gate_up_proj.weight"):
         q, inter = p + rest.removesuffix("gate_up_proj.weight"), shape[0] // 2
         return [Piece(q + "gate_proj.weight", dst_rows=(0, inter)), Piece(q + "up_proj.weight", dst_rows=(inter, shape[0]))]

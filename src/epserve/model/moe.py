@@ -1,4 +1,4 @@
-"""DeepSeek MoE layer: router -> dispatcher -> grouped experts -> combine, plus the shared expert.
+"""DeepSeek MoE layer: gate -> dispatcher -> grouped experts -> combine, plus the shared expert.
 
 :meth:`MoE.forward` reads top to bottom like DeepSeek's reference ``MoE.forward``, with the
 dispatcher's send/receive halves around the overlap points, and yields where another micro-batch may
@@ -17,7 +17,7 @@ from epserve.model.layers import GatedMLP
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.experts import GroupedExperts
 from epserve.moe.placement import ExpertPlacement, select_replicas
-from epserve.moe.router import ExpertRouter
+from epserve.moe.gate import ExpertGate
 from epserve.parallel.overlap import straight
 from epserve.parallel.stages import (
     COMBINE_RECV,
@@ -44,7 +44,7 @@ class MoE(nn.Module):
         fp8: bool = False,
     ) -> None:
         super().__init__()
-        self.router = ExpertRouter(config)
+        self.gate = ExpertGate(config)
         self.dispatcher = dispatcher
         self.ep_rank = ep_rank
         self.placement = placement
@@ -70,7 +70,7 @@ class MoE(nn.Module):
         ``shared_during_dispatch``: compute the shared expert while the dispatch is in flight (else
         after the combine). Yields after the gate, after the dispatch is sent, after the combine is
         sent: the ends of the micro-batch schedule's stages 2-4."""
-        topk_ids, topk_weights = run_op(hook, GATE, self.gate, x)
+        topk_ids, topk_weights = run_op(hook, GATE, self.route, x)
         yield
         sent = run_op(hook, DISPATCH_SEND, self.dispatcher.dispatch_send, x, topk_ids, topk_weights)
         shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x) if shared_during_dispatch else None
@@ -88,7 +88,7 @@ class MoE(nn.Module):
 
     def init_buffers(self) -> None:
         """The routing tables, computed (not loaded): after building on the meta device."""
-        device = self.router.weight.device
+        device = self.gate.weight.device
         for name, t in zip(ROUTING_BUFFERS, self._routing(self.placement)):
             setattr(self, name, t.to(device))
         self.expert_load = torch.zeros(self.expert_load.shape, dtype=torch.long, device=device)
@@ -104,12 +104,12 @@ class MoE(nn.Module):
         table, count = placement.replica_table(self.ep_rank)
         return table, count, torch.tensor(placement.local_logical_experts(self.ep_rank))
 
-    def gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate, then a replica: x [T, H] -> (physical expert slots [T, K], routing weights [T, K])."""
         if self.replica_table.shape[1] == 1:  # one slot per expert: the fused gate maps ids itself
-            routing = self.router(x, self.replica_table[:, 0])
+            routing = self.gate(x, self.replica_table[:, 0])
             return routing.topk_ids, routing.topk_weights
-        routing = self.router(x)
+        routing = self.gate(x)
         slots = select_replicas(routing.topk_ids, self.replica_table, self.replica_count, self.ep_rank)
         return slots, routing.topk_weights
 

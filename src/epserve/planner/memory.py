@@ -4,7 +4,7 @@ Weights follow the engine's own layout tensor for tensor (``model/loader.py``, `
 the GPU that holds the most, a DP group's leader: the attention of its DP group (the head-sharded
 ``q_b``/``q_proj``, ``kv_b`` and ``o_proj`` split by TP, the fused latent ``q_a`` + ``kv_a``
 replicated) with MLA's absorbed decode weights, the dense MLPs and the shared expert whole,
-``slots / EP`` routed experts, the router, the full embedding (replicated, not vocabulary-parallel)
+``slots / EP`` routed experts, the expert gate, the full embedding (replicated, not vocabulary-parallel)
 and the full LM head (a DP group's leader only). ``tests/test_planner_memory.py`` checks the figure
 against the engine's plan byte for byte. The MTP layer (``mtp_draft > 0``) is an addition on top,
 laid out like the other layers: the engine does not load it yet.
@@ -38,7 +38,7 @@ class WeightCounts:
     tiles: int = 0  # their TILE x TILE tiles, per matrix (per expert when stacked): one fp32 scale each if FP8
     runtime: int = 0  # embedding, LM head, norms: the runtime dtype (bf16)
     absorbed: int = 0  # MLA's absorbed w_uk and w_uv_t: bf16 next to quantized weights, fp32 next to bf16 ones
-    router: int = 0  # the router's gate weight and correction bias: fp32
+    gate: int = 0  # the expert gate's weight and correction bias: fp32
     fp32: int = 0  # derived fp32 tensors: the rotary cos/sin tables, each layer's KV scale
     int64: int = 0  # the MoE layers' routing tables (each expert's replica slots and count, each slot's expert)
 
@@ -53,13 +53,13 @@ class WeightCounts:
     @property
     def parameters(self) -> int:
         """Checkpoint parameters held (scales and derived tensors not counted)."""
-        return self.linear + self.runtime + self.router
+        return self.linear + self.runtime + self.gate
 
     def bytes(self, weight_dtype: str) -> int:
         absorbed = 4 if weight_dtype == "bf16" else RUNTIME_BYTES
         return int(self.linear * LINEAR_BYTES[weight_dtype] + self.tiles * TILE_SCALE_BYTES[weight_dtype]
                    + self.runtime * RUNTIME_BYTES + self.absorbed * absorbed
-                   + (self.router + self.fp32) * 4 + self.int64 * 8)
+                   + (self.gate + self.fp32) * 4 + self.int64 * 8)
 
 
 @dataclass(frozen=True)
@@ -125,13 +125,13 @@ def expert_counts(model: ModelConfig) -> WeightCounts:
 
 
 def moe_counts(model: ModelConfig, slots_per_rank: int, num_slots: int) -> WeightCounts:
-    """One MoE layer on one rank (``model/moe.py``): router, routing tables (``replica_table [E, R + 1]``,
+    """One MoE layer on one rank (``model/moe.py``): gate, routing tables (``replica_table [E, R + 1]``,
     ``replica_count [E]``, ``slot_experts [slots per rank]``), local experts, shared expert."""
     n = model.n_routed_experts
-    bias = n if model.topk_method == "noaux_tc" else 0  # the router registers it for noaux_tc only
+    bias = n if model.topk_method == "noaux_tc" else 0  # the gate registers it for noaux_tc only
     shared = gated_mlp_counts(model.hidden_size, model.moe_intermediate_size * model.n_shared_experts)
     tables = n * (num_slots - n + 1) + n + slots_per_rank
-    return (WeightCounts(router=n * model.hidden_size + bias, int64=tables) + slots_per_rank * expert_counts(model)
+    return (WeightCounts(gate=n * model.hidden_size + bias, int64=tables) + slots_per_rank * expert_counts(model)
             + (shared if model.n_shared_experts else WeightCounts()))
 
 

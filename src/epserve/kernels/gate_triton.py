@@ -1,4 +1,4 @@
-"""The DeepSeek grouped top-k gate as one Triton kernel (semantics and reference: ``kernels.router``).
+"""The DeepSeek grouped top-k gate as one Triton kernel (semantics and reference: ``kernels.gate``).
 
 One program routes ``BT`` tokens (one on the GPU). A token's E scores sit in registers as a
 ``[G, E/G]`` tile, both sides padded to powers of two (the padding is -inf and never chosen), so a
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.router import check_args, is_grouped
+from epserve.kernels.gate import check_args, is_grouped
 
 # Tokens per program. On the GPU one token per program, its padded scores spread over one warp per
 # 256 (DeepSeek-V3: 8 per lane), so every reduction stays in the warp's registers (no shared memory,

@@ -1,6 +1,6 @@
-"""The fused DeepSeek gate (``kernels.router``, ``kernels.router_triton``).
+"""The fused DeepSeek gate (``kernels.gate``, ``kernels.gate_triton``).
 
-The torch reference is checked against ``moe.router.ExpertRouter`` itself; the Triton kernel against
+The torch reference is checked against ``moe.gate.ExpertGate`` itself; the Triton kernel against
 the reference under Triton's interpreter (in a subprocess with ``TRITON_INTERPRET=1``, so no other
 test sees interpreted kernels), for DeepSeek-V3's shape and the tiny ones; with CUDA, the front end
 on the GPU against the reference on the CPU, and under CUDA-graph capture. Ids are compared as sets
@@ -20,15 +20,15 @@ import torch.nn.functional as F
 import triton_harness
 
 from epserve.config import ModelConfig
-from epserve.kernels import router
-from epserve.moe.router import ExpertRouter
+from epserve.kernels import gate as gate_kernel
+from epserve.moe.gate import ExpertGate
 from epserve.presets import build_config
 
-_TRITON_BEFORE_MAIN = "triton" in sys.modules  # after importing kernels.router (the script's check)
+_TRITON_BEFORE_MAIN = "triton" in sys.modules  # after importing kernels.gate (the script's check)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-# ExpertRouter configs on the tiny preset (E=16, n_group=4, topk_group=2, top_k=4, V3 gate)
+# ExpertGate configs on the tiny preset (E=16, n_group=4, topk_group=2, top_k=4, V3 gate)
 ROUTER_OVERRIDES: dict[str, dict[str, Any]] = {
     "v3": {},
     "v3_one_group": {"n_group": 1, "topk_group": 1},
@@ -53,9 +53,9 @@ TOKENS = (0, 1, 7, 64)
 # ---- data and comparisons (also used by the interpreter subprocess) -----------------------------
 
 
-def make_router(name: str, seed: int = 0) -> ExpertRouter:
+def make_gate(name: str, seed: int = 0) -> ExpertGate:
     cfg = ModelConfig.from_dict(build_config("tiny", overrides=ROUTER_OVERRIDES[name]))
-    gate = ExpertRouter(cfg)
+    gate = ExpertGate(cfg)
     g = torch.Generator().manual_seed(seed)
     gate.weight.data = torch.randn(gate.weight.shape, generator=g) / cfg.hidden_size**0.5
     if gate.e_score_correction_bias is not None:
@@ -63,7 +63,7 @@ def make_router(name: str, seed: int = 0) -> ExpertRouter:
     return gate
 
 
-def router_kwargs(gate: ExpertRouter) -> dict[str, Any]:
+def gate_kwargs(gate: ExpertGate) -> dict[str, Any]:
     return {"top_k": gate.top_k, "n_group": gate.n_group, "topk_group": gate.topk_group,
             "method": gate.topk_method, "scoring": gate.scoring_func, "norm_topk_prob": gate.norm_topk_prob,
             "routed_scaling_factor": gate.routed_scaling_factor, "bias": gate.e_score_correction_bias}
@@ -92,24 +92,24 @@ def assert_same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torc
     torch.testing.assert_close(w, w_ref, rtol=rtol, atol=atol)
 
 
-# ---- the reference against ExpertRouter ---------------------------------------------------------
+# ---- the reference against ExpertGate ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(ROUTER_OVERRIDES))
-def test_reference_matches_expert_router(name):
-    gate = make_router(name)
+def test_reference_matches_expert_gate(name):
+    gate = make_gate(name)
     for t in (0, 1, 5, 33):
         x = torch.randn(t, gate.weight.shape[1], generator=torch.Generator().manual_seed(t))
         want = gate(x)
-        got = router.grouped_topk_ref(F.linear(x.float(), gate.weight), **router_kwargs(gate))
+        got = gate_kernel.grouped_topk_ref(F.linear(x.float(), gate.weight), **gate_kwargs(gate))
         assert_same_routing(got, (want.topk_ids, want.topk_weights), rtol=0, atol=0)
-        assert router.grouped_topk(F.linear(x.float(), gate.weight), **router_kwargs(gate))[0].shape == (t, 4)
+        assert gate_kernel.grouped_topk(F.linear(x.float(), gate.weight), **gate_kwargs(gate))[0].shape == (t, 4)
 
 
 def test_reference_maps_to_physical_slots():
     logits, (bias, table) = make_logits(9, 256), make_bias_and_table(256)
-    ids, w = router.grouped_topk_ref(logits, **V3, bias=bias)
-    phys, w_phys = router.grouped_topk(logits, **V3, bias=bias, logical_to_physical=table)
+    ids, w = gate_kernel.grouped_topk_ref(logits, **V3, bias=bias)
+    phys, w_phys = gate_kernel.grouped_topk(logits, **V3, bias=bias, logical_to_physical=table)
     assert torch.equal(phys, table[ids]) and torch.equal(w_phys, w)
     assert torch.allclose(w.sum(dim=1), torch.full((9,), 2.5))
 
@@ -137,15 +137,15 @@ def argument_errors(fn) -> None:
 
 
 def test_argument_errors():
-    argument_errors(router.grouped_topk_ref)
+    argument_errors(gate_kernel.grouped_topk_ref)
 
 
 # ---- Triton under the interpreter ---------------------------------------------------------------
 
 
-def _case_router_import_is_triton_free(rt) -> None:
-    """Importing ``kernels.router`` (done by this module, before ``_interpreter_main``) left triton out."""
-    assert not _TRITON_BEFORE_MAIN, "importing epserve.kernels.router imported triton"
+def _case_gate_import_is_triton_free(rt) -> None:
+    """Importing ``kernels.gate`` (done by this module, before ``_interpreter_main``) left triton out."""
+    assert not _TRITON_BEFORE_MAIN, "importing epserve.kernels.gate imported triton"
 
 
 def _case_interpreted(rt) -> None:
@@ -160,28 +160,28 @@ def _case_v3_shape(rt) -> None:
     for t in TOKENS:
         logits = make_logits(t, 256, seed=t)
         ids, w = rt.grouped_topk_triton(logits, **V3, bias=bias, logical_to_physical=table)
-        want = router.grouped_topk_ref(logits, **V3, bias=bias, logical_to_physical=table)
+        want = gate_kernel.grouped_topk_ref(logits, **V3, bias=bias, logical_to_physical=table)
         assert_same_routing((ids, w), want)
         chosen = (logits.sigmoid() + bias).gather(1, logical[ids])
         assert bool((chosen[:, :-1] >= chosen[:, 1:]).all()), "ids not best first"
     wide = make_logits(33, 512, seed=5)
     for logits, bt in ((wide[:, ::2], 16), (wide[:, 1::2].bfloat16(), None)):
         assert_same_routing(rt.grouped_topk_triton(logits, **V3, bias=bias, tokens_per_program=bt),
-                            router.grouped_topk_ref(logits, **V3, bias=bias))
+                            gate_kernel.grouped_topk_ref(logits, **V3, bias=bias))
 
 
 def _case_tiny_shapes(rt) -> None:
-    """The ExpertRouter configs at E=16, and the odd shapes with a table."""
+    """The ExpertGate configs at E=16, and the odd shapes with a table."""
     for name in ROUTER_OVERRIDES:
-        kw = router_kwargs(make_router(name))
+        kw = gate_kwargs(make_gate(name))
         for t in TOKENS:
             logits = make_logits(t, 16, seed=t)
-            assert_same_routing(rt.grouped_topk_triton(logits, **kw), router.grouped_topk_ref(logits, **kw))
+            assert_same_routing(rt.grouped_topk_triton(logits, **kw), gate_kernel.grouped_topk_ref(logits, **kw))
     for e, kw in ODD_SHAPES:
         bias, table = make_bias_and_table(e)
         kw = {**kw, "bias": bias if kw["method"] == "noaux_tc" else None, "logical_to_physical": table}
         logits = make_logits(37, e, seed=e)
-        assert_same_routing(rt.grouped_topk_triton(logits, **kw), router.grouped_topk_ref(logits, **kw))
+        assert_same_routing(rt.grouped_topk_triton(logits, **kw), gate_kernel.grouped_topk_ref(logits, **kw))
 
 
 def _case_one_token_per_program(rt) -> None:
@@ -189,11 +189,11 @@ def _case_one_token_per_program(rt) -> None:
     bias, table = make_bias_and_table(256)
     logits = make_logits(2, 256, seed=2)
     got = rt.grouped_topk_triton(logits, **V3, bias=bias, logical_to_physical=table, tokens_per_program=1)
-    assert_same_routing(got, router.grouped_topk_ref(logits, **V3, bias=bias, logical_to_physical=table))
-    kw = router_kwargs(make_router("v2"))
+    assert_same_routing(got, gate_kernel.grouped_topk_ref(logits, **V3, bias=bias, logical_to_physical=table))
+    kw = gate_kwargs(make_gate("v2"))
     logits = make_logits(2, 16)
     assert_same_routing(rt.grouped_topk_triton(logits, **kw, tokens_per_program=1),
-                        router.grouped_topk_ref(logits, **kw))
+                        gate_kernel.grouped_topk_ref(logits, **kw))
     with pytest.raises(ValueError, match="power of two"):
         rt.grouped_topk_triton(logits, **kw, tokens_per_program=3)
 
@@ -203,7 +203,7 @@ def _case_argument_errors(rt) -> None:
 
 
 INTERP_CASES = {
-    "router_import_is_triton_free": _case_router_import_is_triton_free,
+    "gate_import_is_triton_free": _case_gate_import_is_triton_free,
     "interpreted": _case_interpreted,
     "v3_shape": _case_v3_shape,
     "tiny_shapes": _case_tiny_shapes,
@@ -232,7 +232,7 @@ def test_triton_kernel_compiles_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
-    from epserve.kernels import router_triton as rt
+    from epserve.kernels import gate_triton as rt
 
     sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "map_ptr": "*i64", "ids_ptr": "*i64", "w_ptr": "*fp32",
            "T": "i32", "stride_lt": "i32", "stride_le": "i32", "scale": "fp32"}
@@ -252,15 +252,15 @@ def test_cuda_matches_reference():
     bias, table = make_bias_and_table(256)
     for t in (0, 1, 7, 64, 1000):
         logits = make_logits(t, 256, seed=t)
-        got = router.grouped_topk(logits.cuda(), **V3, bias=bias.cuda(), logical_to_physical=table.cuda())
+        got = gate_kernel.grouped_topk(logits.cuda(), **V3, bias=bias.cuda(), logical_to_physical=table.cuda())
         assert got[0].is_cuda
-        assert_same_routing(got, router.grouped_topk_ref(logits, **V3, bias=bias, logical_to_physical=table))
+        assert_same_routing(got, gate_kernel.grouped_topk_ref(logits, **V3, bias=bias, logical_to_physical=table))
     for name in ROUTER_OVERRIDES:
-        kw = router_kwargs(make_router(name))
+        kw = gate_kwargs(make_gate(name))
         logits = make_logits(64, 16)
         gpu_kw = {**kw, "bias": kw["bias"].cuda() if kw["bias"] is not None else None}
-        want = router.grouped_topk_ref(logits, **kw)
-        assert_same_routing(router.grouped_topk(logits.cuda(), **gpu_kw), want)
+        want = gate_kernel.grouped_topk_ref(logits, **kw)
+        assert_same_routing(gate_kernel.grouped_topk(logits.cuda(), **gpu_kw), want)
 
 
 @cuda
@@ -268,22 +268,22 @@ def test_cuda_graph_captures_the_gate():
     """No host sync: capture once, then replay with new logits (and a new table) in place."""
     bias, table = (t.cuda() for t in make_bias_and_table(256))
     logits = make_logits(64, 256).cuda()
-    router.grouped_topk(logits, **V3, bias=bias, logical_to_physical=table)  # compile outside the capture
+    gate_kernel.grouped_topk(logits, **V3, bias=bias, logical_to_physical=table)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ids, w = router.grouped_topk(logits, **V3, bias=bias, logical_to_physical=table)
+        ids, w = gate_kernel.grouped_topk(logits, **V3, bias=bias, logical_to_physical=table)
     for seed in (1, 2):
         logits.copy_(make_logits(64, 256, seed=seed))
         table.copy_(table.roll(seed))
         graph.replay()
-        want = router.grouped_topk_ref(logits.cpu(), **V3, bias=bias.cpu(), logical_to_physical=table.cpu())
+        want = gate_kernel.grouped_topk_ref(logits.cpu(), **V3, bias=bias.cpu(), logical_to_physical=table.cpu())
         assert_same_routing((ids, w), want)
 
 
 def _interpreter_main() -> None:
-    from epserve.kernels import router_triton
+    from epserve.kernels import gate_triton
 
-    triton_harness.report_cases(INTERP_CASES, router_triton)
+    triton_harness.report_cases(INTERP_CASES, gate_triton)
 
 
 if __name__ == "__main__":

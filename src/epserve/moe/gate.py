@@ -1,6 +1,6 @@
 """Expert selection: gate logits -> scores -> (grouped) top-k -> routing weights.
 
-Pipeline of one MoE layer: router -> dispatcher.dispatch -> experts -> dispatcher.combine.
+Pipeline of one MoE layer: gate -> dispatcher.dispatch -> experts -> dispatcher.combine.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
-from epserve.kernels.router import grouped_topk
+from epserve.kernels.gate import grouped_topk
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class RoutingResult:
     topk_weights: torch.Tensor  # [T, K] fp32
 
 
-class ExpertRouter(nn.Module):
+class ExpertGate(nn.Module):
     """DeepSeek gate. ``noaux_tc`` (V3): sigmoid scores, the correction bias added for selection only,
     best ``topk_group`` of ``n_group`` groups by the sum of each group's top-2 biased scores, top-k
     inside them; weights are the unbiased scores. ``group_limited_greedy`` (V2): groups ranked by
@@ -46,7 +46,7 @@ class ExpertRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, logical_to_physical: torch.Tensor | None = None) -> RoutingResult:
         """x: [T, H] -> RoutingResult with [T, K] ids (physical slots through ``logical_to_physical`` if
-        given) and weights. The selection runs as one fused kernel on CUDA (``kernels/router.py``)."""
+        given) and weights. The selection runs as one fused kernel on CUDA (``kernels/gate.py``)."""
         ids, weights = grouped_topk(
             F.linear(x.float(), self.weight), top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
             method=self.topk_method, scoring=self.scoring_func, norm_topk_prob=self.norm_topk_prob,

@@ -1,6 +1,6 @@
 """DeepSeek's grouped top-k gate as one op: gate logits -> (physical expert ids, routing weights).
 
-``grouped_topk(logits [T, E], ...)`` does what ``moe.router.ExpertRouter`` does after its gate linear:
+``grouped_topk(logits [T, E], ...)`` does what ``moe.gate.ExpertGate`` does after its gate linear:
 
 1. scores = sigmoid(logits) (V3) or softmax over the experts (V2, Mixtral-style greedy);
 2. selection scores = scores + ``bias`` (``e_score_correction_bias``; ``noaux_tc`` only, and used for
@@ -12,9 +12,9 @@
    (+1e-20) when ``norm_topk_prob``, times ``routed_scaling_factor``;
 5. with ``logical_to_physical`` ([E] ints), each logical id is replaced by its physical slot.
 
-On CUDA tensors the op is one fused Triton kernel (``kernels.router_triton``, imported only then, so
+On CUDA tensors the op is one fused Triton kernel (``kernels.gate_triton``, imported only then, so
 the CPU engine never loads triton; no host syncs, so it can be captured in a CUDA graph); elsewhere
-it is ``grouped_topk_ref``, torch ops in ExpertRouter's exact order. The order of the K ids within a
+it is ``grouped_topk_ref``, torch ops in ExpertGate's exact order. The order of the K ids within a
 row is unspecified (the kernel returns them best first); ties between equal scores may break
 differently in the two backends. Both return ids int64 [T, K] and weights fp32 [T, K].
 """
@@ -95,7 +95,7 @@ def grouped_topk_ref(
     bias: torch.Tensor | None = None,
     logical_to_physical: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference: ExpertRouter.forward's ops in its order -> (ids int64 [T, K], fp32 [T, K])."""
+    """The torch reference: ExpertGate.forward's ops in its order -> (ids int64 [T, K], fp32 [T, K])."""
     check_args(logits, top_k, n_group, topk_group, method, scoring, bias, logical_to_physical)
     logits = logits.float()
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
@@ -121,9 +121,9 @@ def grouped_topk_ref(
 
 
 def _triton() -> ModuleType:
-    from epserve.kernels import router_triton  # lazy: importing triton costs the CPU engine for nothing
+    from epserve.kernels import gate_triton  # lazy: importing triton costs the CPU engine for nothing
 
-    return router_triton
+    return gate_triton
 
 
 def grouped_topk(
