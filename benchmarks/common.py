@@ -18,7 +18,7 @@ import torch
 
 from epserve import env
 from epserve.engine.engine import LLMEngine
-from epserve.engine.request import SamplingParams
+from epserve.messages.sampling import SamplingParams
 
 
 def start_decode_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int, tag: str) -> None:

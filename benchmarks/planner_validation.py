@@ -49,7 +49,7 @@ from tqdm import tqdm
 from epserve import LLM, SamplingParams, env
 from epserve.kernels.cpu import TILE_M
 from epserve.model.moe import MoE
-from epserve.planner import Deployment, load_hardware, load_model, plan_decode, save_hardware
+from epserve.planner import Deployment, load_hardware, plan_decode, resolve_model, save_hardware
 from epserve.planner.calibrate import calibrate, calibrate_ranks
 from epserve.planner.cli import BUSY_FLOOR_US
 from epserve.presets import make_checkpoint
@@ -181,7 +181,7 @@ def main() -> None:
     path = Path(args.checkpoint)
     if not (path / "config.json").exists():
         make_checkpoint(path, preset="small", dtype="bfloat16", seed=0)
-    model_name, model = load_model(path)
+    model_name, model = resolve_model(path)
     if args.dp == 1:
         llm = LLM(path, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
         measure_decode(llm, 2, args.prompt_len, 4, seed=999)  # warm-up: kernels built, pages touched

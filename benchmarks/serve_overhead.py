@@ -85,7 +85,7 @@ def over_grpc(model: str, datasets: list[list], tmp: Path) -> list[float]:
     process: the engine's online loop and gRPC streaming, without the router and HTTP."""
     import asyncio
 
-    from epserve.serve.engine_client import EngineClient
+    from epserve.router.engine_client import EngineClient
 
     port = free_port()
     log = (tmp / "engine.log").open("w")

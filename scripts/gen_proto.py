@@ -1,4 +1,4 @@
-"""Regenerate the gRPC Python modules from src/epserve/serve/proto/engine.proto (needs grpcio-tools).
+"""Regenerate the gRPC Python modules from src/epserve/rpc/proto/engine.proto (needs grpcio-tools).
 
 The generated modules are committed; tests/test_grpc_engine.py checks they match the .proto.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent / "src"
-PROTO = "epserve/serve/proto/engine.proto"
+PROTO = "epserve/rpc/proto/engine.proto"
 
 
 def generate(out_dir: Path = ROOT) -> None:

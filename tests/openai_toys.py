@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from epserve.serve.errors import APIError
-from epserve.serve.protocol import ChatCompletionRequest, CompletionRequest
+from epserve.router.errors import APIError
+from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 
 MSGS = [{"role": "user", "content": "hi"}]
 

@@ -3,10 +3,10 @@ numbers."""
 
 from __future__ import annotations
 
-from epserve.planner import load_model
+from epserve.planner import resolve_model
 from epserve.planner.hardware import Efficiency, HardwareSpec
 
-V3 = load_model("deepseek-v3")[1]
+V3 = resolve_model("deepseek-v3")[1]
 TOY = HardwareSpec(
     name="toy", peak_flops={"bf16": 1e12}, memory_bytes=10 * 2**30, memory_bandwidth=1e11,
     nvlink_bandwidth=1e10, ib_bandwidth=1e9, gpus_per_node=4,

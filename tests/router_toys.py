@@ -3,7 +3,7 @@ and a token-range shorthand."""
 
 from __future__ import annotations
 
-from epserve.serve.radix_tree import PrefixTree
+from epserve.router.radix_tree import PrefixTree
 
 
 class FakeClock:

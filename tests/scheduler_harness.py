@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from epserve.config import CacheConfig, SchedulerConfig
-from epserve.engine.request import Request, SamplingParams
+from epserve.engine.request import Request
 from epserve.engine.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from epserve.messages.sampling import SamplingParams
 
 EOS = 2
 

@@ -1,15 +1,19 @@
-"""Start real ``epserve`` server processes for tests and stop them, checking nothing is left behind."""
+"""Start real ``epserve`` server processes for tests, freeze their ranks (SIGSTOP) where a test needs a
+request held open whatever the machine's speed, and stop them, checking nothing is left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +48,154 @@ def alive(pid: int) -> bool:
         return False
 
 
+def named(pid: int, names: list[str], timeout: float = 30.0) -> list[int]:
+    """The descendants of ``pid`` called ``names`` (``/proc/PID/comm``: ``epserve-rank0``), in that
+    order, once all of them run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = {}
+        for kid in descendants(pid):
+            try:
+                found[Path(f"/proc/{kid}/comm").read_text().strip()] = kid
+            except FileNotFoundError:
+                continue
+        if all(name in found for name in names):
+            return [found[name] for name in names]
+        assert time.monotonic() < deadline, f"no processes {names} under {pid}: {found}"
+        time.sleep(0.05)
+
+
+def _thread_states(pid: int) -> list[str]:
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except FileNotFoundError:
+            continue
+    return states
+
+
+def freeze(pids: list[int], timeout: float = 10.0) -> None:
+    """SIGSTOP each process and wait until every thread of each has stopped: from then on a frozen
+    rank produces nothing (no token, no answer), whatever the machine's speed, until :func:`thaw`.
+    Signals sent to it meanwhile (SIGTERM) stay pending and are delivered when it runs again."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while any(state != "T" for state in _thread_states(pid)):
+            assert time.monotonic() < deadline, f"process {pid} did not stop: {_thread_states(pid)}"
+            time.sleep(0.005)
+
+
+def thaw(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+@contextlib.contextmanager
+def frozen(pids: list[int]) -> Iterator[None]:
+    """:func:`freeze` the processes for the block, :func:`thaw` them after it (also on failure)."""
+    freeze(pids)
+    try:
+        yield
+    finally:
+        thaw(pids)
+
+
+@contextlib.contextmanager
+def frozen_when(pids: list[int], ready: Callable[[], bool]) -> Iterator[None]:
+    """For the block: a thread polls ``ready()`` and freezes ``pids`` once it holds; they are thawed
+    when the block ends (a request held open while the block's client waits, say)."""
+    done = threading.Event()
+
+    def hold() -> None:
+        while not done.is_set():
+            if ready():
+                with frozen(pids):
+                    done.wait()
+                return
+            time.sleep(0.01)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    try:
+        yield
+    finally:
+        done.set()
+        holder.join(30)
+
+
+def first_token(url: str) -> Callable[[], bool]:
+    """A check that the router at ``url`` has had a request's first token (it counts one in
+    ``epserve:time_to_first_token_seconds``) since this call: that request runs in an engine."""
+
+    def first_tokens() -> float:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            return metric(r.read().decode(), "epserve:time_to_first_token_seconds_count")
+
+    before = first_tokens()
+    return lambda: first_tokens() > before
+
+
+class HeldInstance:
+    """The request in flight on one instance of an ``epserve serve --dp N`` (TP 1) held still by
+    construction, however fast the machine: :meth:`start` freezes every rank, finds the request's
+    instance by the router's own in-flight count (``epserve:engine_load``), and thaws that one alone.
+    Its step then waits on the frozen peers in the lockstep all-reduce (no token comes) while its gRPC
+    side answers: loads, a cancel. Leaving the block thaws every rank; with ``wait_cancel`` (and the
+    block not failed) first waits until the router has cancelled a request, which it counts as
+    ``finished_reason="abort"`` (a client gone mid-stream). A ``/metrics`` render meanwhile waits out
+    the frozen ranks' 2 s ``GetLoad``."""
+
+    def __init__(self, proc: Proc, url: str, count: int = 2, wait_cancel: bool = False) -> None:
+        self.ranks, self.url, self.wait_cancel = proc.ranks(count), url, wait_cancel
+        self.cancels = self._cancels()  # and fresh loads: an idle instance's stay 0 while it is frozen
+
+    def _metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as r:
+            return r.read().decode()
+
+    def _cancels(self) -> float:
+        return metric(self._metrics(), "epserve:request_success_total", finished_reason="abort")
+
+    def start(self) -> None:
+        freeze(self.ranks)
+        text = self._metrics()
+        loads = [metric(text, "epserve:engine_load", engine=str(i)) for i in range(len(self.ranks))]
+        assert max(loads) >= 1, f"no request in flight on any instance: {loads}"
+        thaw([self.ranks[loads.index(max(loads))]])
+
+    def __enter__(self) -> HeldInstance:
+        return self
+
+    def __exit__(self, failed: type | None, *rest: object) -> None:
+        try:
+            deadline = time.monotonic() + 30
+            while failed is None and self.wait_cancel and self._cancels() <= self.cancels:
+                assert time.monotonic() < deadline, "the router never cancelled the held request"
+                time.sleep(0.05)
+        finally:
+            thaw(self.ranks)
+
+
+def wait_pending(pid: int, sig: int, timeout: float = 30.0) -> None:
+    """Wait until ``sig`` is pending for (sent to, not yet handled by) a frozen process."""
+    bit = 1 << (sig - 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/status") as f:
+            masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:", "ShdPnd:"))]
+        if any(mask & bit for mask in masks):
+            return
+        assert time.monotonic() < deadline, f"signal {sig} never reached process {pid}"
+        time.sleep(0.01)
+
+
 class Proc:
     """An ``epserve`` command (or, with ``module=False``, any ``python`` command line) in the background,
     its output in a log file."""
@@ -72,6 +224,19 @@ class Proc:
         if self.proc.poll() is None:
             self.remember_descendants()
             self.proc.send_signal(sig)
+
+    def ranks(self, count: int = 1, prefix: str = "epserve-rank") -> list[int]:
+        """The pids of its rank processes ``{prefix}0`` .. ``{prefix}{count-1}``, once all of them run."""
+        return named(self.pid, [f"{prefix}{i}" for i in range(count)])
+
+    def signal_while_frozen(self, ranks: list[int], sig: int | None = None) -> None:
+        """Send ``sig`` (default SIGTERM; to an ``epserve serve``) with ``ranks`` frozen, and thaw them only
+        once the command has passed it on to each: no token is produced meanwhile, however long it takes."""
+        sig = signal.SIGTERM if sig is None else sig
+        with frozen(ranks):
+            self.signal(sig)
+            for rank in ranks:
+                wait_pending(rank, sig)
 
     def wait(self, timeout: float = 60.0) -> int:
         try:

@@ -125,3 +125,27 @@ def test_make_checkpoint_train_then_generate_with_mtp(tmp_path):
     assert gen.returncode == 0, gen.stderr
     assert "(length)" in gen.stdout
     assert out.returncode == 2 and "--train trains" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_engine_defaults_are_the_config_dataclasses(tmp_path, monkeypatch):
+    """The engine's defaults are declared once, in config/engine.py: the engine commands' options,
+    ``build_engine_config``'s (and so ``LLM``'s) keywords and the config they build all agree with it."""
+    import inspect
+
+    from epserve.cli import build_parser
+    from epserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from epserve.engine.args import engine_options
+    from epserve.engine.llm import LLM, build_engine_config
+
+    keywords = {k: p.default for k, p in inspect.signature(build_engine_config).parameters.items() if k != "model"}
+    for command in ("generate", "serve", "engine"):
+        options = engine_options(build_parser().parse_args([command]))
+        assert options == {k: keywords[k] for k in options}, command
+    assert set(keywords) - set(options) == {"memory_utilization"}  # no option for it (yet)
+    llm_init = inspect.signature(LLM.__init__).parameters
+    assert (llm_init["dtype"].default, llm_init["device"].default) == (keywords["dtype"], keywords["device"])
+
+    monkeypatch.setenv("EPSERVE_CACHE_DIR", str(tmp_path))
+    config = build_engine_config()  # the built-in tiny model
+    assert (config.cache, config.scheduler, config.parallel) == (CacheConfig(), SchedulerConfig(), ParallelConfig())
+    assert config == EngineConfig(config.model, config.model_path)

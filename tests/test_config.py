@@ -80,3 +80,17 @@ def test_from_hf_errors(tmp_path):
         ModelConfig.from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(build_config("tiny")))
     assert ModelConfig.from_hf(tmp_path).hidden_size == 64
+
+
+@pytest.mark.parametrize("kv_dtype, mtp", [("bf16", 0), ("fp8", 0), ("bf16", 1), ("fp8", 1)])
+def test_planner_prices_the_engines_kv_bytes_per_token(kv_dtype, mtp):
+    """One figure under two names: the planner's (by dtype name, torch-free) is the engine's allocation."""
+    import torch
+
+    from epserve.engine.memory import kv_bytes_per_token
+    from epserve.planner import planned_kv_bytes_per_token, resolve_model
+
+    _, model = resolve_model("deepseek-v3")
+    dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_dtype]
+    layers = model.num_hidden_layers + mtp  # the engine caches the MTP layer too when it drafts
+    assert planned_kv_bytes_per_token(model, kv_dtype, mtp) == kv_bytes_per_token(model, dtype, layers)

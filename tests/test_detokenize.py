@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from epserve.serve.detokenize import IncrementalDetokenizer, StopStringMatcher
+from epserve.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
 
 MULTILINGUAL = [

@@ -36,7 +36,7 @@ def test_rebalance_at_dp4_balances_and_keeps_tokens(skewed_ckpt, single):
     with LLM(skewed_ckpt, dp=4, num_redundant_experts=4, dispatch="padded", **ENGINE) as llm:
         assert_same(outputs(llm, PROMPTS, 12), reference)
         before = llm.expert_load()
-        assert torch.equal(before.per_expert, ref_load.per_expert)  # the replicas take tokens, routing is unchanged
+        assert before.per_expert == ref_load.per_expert  # the replicas take tokens, routing is unchanged
         assert before.imbalance > 1.3
         report = llm.rebalance_experts()
         assert 0 < report.experts_moved <= 2 * 20 and report.bytes_moved > 0
@@ -46,7 +46,7 @@ def test_rebalance_at_dp4_balances_and_keeps_tokens(skewed_ckpt, single):
             llm.set_overlap(mode)
             assert_same(outputs(llm, PROMPTS, 12), reference)
             after = llm.expert_load()
-            assert torch.equal(after.per_expert, ref_load.per_expert)
+            assert after.per_expert == ref_load.per_expert
             assert after.imbalance <= 1.15, (mode, after.summary())
         again = llm.rebalance_experts()  # the same load again: the same placement, nothing moves
         assert again.experts_moved == 0 and again.bytes_moved == 0 and again.layers_changed == 0

@@ -15,10 +15,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from epserve import LLM, SamplingParams
 from epserve.engine.llm import build_engine_config
 from epserve.engine.worker import EngineWorker
-from epserve.serve.engine_client import EngineClient, EngineRequestError, EngineUnavailable
-from epserve.serve.engine_server import EngineServer, ServeOptions
-from epserve.serve.proto import engine_pb2 as pb
-from epserve.serve.rpc import SERVICE_NAME
+from epserve.engine_server.service import EngineServer, ServeOptions
+from epserve.messages.engine import AbortRequest
+from epserve.router.engine_client import EngineClient, EngineRequestError, EngineUnavailable
+from epserve.rpc.convert import SERVICE_NAME
+from epserve.rpc.proto import engine_pb2 as pb
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -50,6 +51,63 @@ def engine(ckpt):
     assert not thread.is_alive()
 
 
+class StepGate:
+    """Holds an in-process instance's step loop between two steps, so that a request is unfinished by
+    construction when an abort, a cancel or a stop lands (not by racing a fast machine through its
+    tokens): after the step that gives ``request_id`` its first token the loop waits, before its next
+    step, until :meth:`let_one_step` lets one through or the ``with`` block ends (it runs on freely).
+    It wraps ``engine.step`` for the block; a step let through votes as the loop would at that
+    moment (``stop_requested``). Held for well under the step timeout (60 s), no watchdog fires."""
+
+    def __init__(self, server: EngineServer, request_id: str) -> None:
+        self.loop, self.engine = server.loop, server.loop.engine
+        self.request_id: str | None = request_id
+        self._step = self.engine.step
+        self._cond = threading.Condition()
+        self._budget: int | None = None  # steps that may start before the loop waits (None: any number)
+        self._waiting = False
+
+    def __enter__(self) -> StepGate:
+        self.engine.step = self._gated
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._budget = None
+            self._cond.notify_all()
+        del self.engine.step  # the method again
+
+    def _gated(self, stopping: bool = False):
+        with self._cond:
+            while self._budget == 0:
+                self._waiting = True
+                self._cond.notify_all()
+                self._cond.wait()
+            self._waiting = False
+            if self._budget is not None:
+                self._budget -= 1
+        updates = self._step(stopping or self.loop.stop_requested)
+        with self._cond:
+            if any(u.request_id == self.request_id and u.new_token_ids for u in updates):
+                self.request_id, self._budget = None, 0
+        return updates
+
+    def let_one_step(self, timeout: float = 30.0) -> None:
+        """Let one step run; return once the loop waits before the next one."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._waiting, timeout), "the loop is not held"
+            self._budget, self._waiting = 1, False
+            self._cond.notify_all()
+            assert self._cond.wait_for(lambda: self._waiting, timeout), "the loop did not come back"
+
+    def wait_queued_abort(self, request_id: str, timeout: float = 30.0) -> None:
+        """Until an abort of ``request_id`` (a cancelled call's) waits in the held loop's inbox."""
+        deadline = time.monotonic() + timeout
+        while not any(isinstance(m, AbortRequest) and m.request_id == request_id for m in list(self.loop.inbox)):
+            assert time.monotonic() < deadline, f"no abort of {request_id} was queued"
+            time.sleep(0.005)
+
+
 def run(coro):
     return asyncio.run(coro)
 
@@ -68,11 +126,11 @@ def test_generated_code_matches_the_proto(tmp_path):
     finally:
         sys.path.pop(0)
     generate(tmp_path)
-    fresh = (tmp_path / "epserve/serve/proto/engine_pb2.py").read_text()
+    fresh = (tmp_path / "epserve/rpc/proto/engine_pb2.py").read_text()
     spec_bytes = fresh.split("AddSerializedFile(", 1)[1].split(")\n", 1)[0]
     committed = Path(pb.__file__).read_text().split("AddSerializedFile(", 1)[1].split(")\n", 1)[0]
     assert spec_bytes == committed, "engine.proto changed: run `python scripts/gen_proto.py`"
-    assert importlib.util.find_spec("epserve.serve.proto.engine_pb2_grpc") is not None
+    assert importlib.util.find_spec("epserve.rpc.proto.engine_pb2_grpc") is not None
 
 
 def test_stream_matches_offline_engine(engine, ckpt):
@@ -114,7 +172,7 @@ def test_bad_requests_are_invalid_argument(engine, prompt, params, code):
 def test_status_codes_for_bad_rpcs(engine):
     async def go():
         async with grpc.aio.insecure_channel(engine.address) as channel:
-            from epserve.serve.proto import engine_pb2_grpc as pb_grpc
+            from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 
             stub = pb_grpc.EngineStub(channel)
             bad_params = pb.SamplingParams(max_tokens=0)
@@ -126,15 +184,17 @@ def test_status_codes_for_bad_rpcs(engine):
                         pass
                 codes.append(info.value.code())
             # a second call with a running request's id
-            first = stub.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[1, 2],
-                                                     sampling_params=pb.SamplingParams(max_tokens=100, ignore_eos=True)))
-            await first.read()
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in stub.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[1],
-                                                                sampling_params=pb.SamplingParams(max_tokens=1))):
-                    pass
-            codes.append(info.value.code())
-            first.cancel()
+            with StepGate(engine, "dup"):  # "dup" keeps running, whatever the machine's speed
+                first = stub.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[1, 2],
+                                                         sampling_params=pb.SamplingParams(max_tokens=100,
+                                                                                           ignore_eos=True)))
+                await first.read()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _ in stub.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[1],
+                                                                    sampling_params=pb.SamplingParams(max_tokens=1))):
+                        pass
+                codes.append(info.value.code())
+                first.cancel()
             return codes
 
     assert run(go()) == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT,
@@ -144,19 +204,23 @@ def test_status_codes_for_bad_rpcs(engine):
 def test_abort_and_cancel_free_the_blocks(engine):
     async def go():
         client = EngineClient(0, engine.address)
-        # Abort RPC: the stream ends with finish_reason "abort"
-        stream = client.generate("to-abort", list(range(50, 90)), LONG)
-        first = await stream.__anext__()
-        assert first.token_ids
-        assert await client.abort("to-abort") is True
+        # Abort RPC: the stream ends with finish_reason "abort" (the gate keeps the request running until
+        # the abort is queued: 200 tokens may take less than the round trip on a fast machine)
+        with StepGate(engine, "to-abort"):
+            stream = client.generate("to-abort", list(range(50, 90)), LONG)
+            first = await stream.__anext__()
+            assert first.token_ids
+            assert await client.abort("to-abort") is True
         rest = [m async for m in stream]
         assert rest[-1].finish_reason == "abort"
         assert await client.abort("to-abort") is False  # finished: unknown now
         # cancelling the call (the client went away) aborts it too
-        stream = client.generate("to-cancel", list(range(100, 140)), LONG)
-        await stream.__anext__()
-        busy = await client.get_load()
-        await stream.aclose()
+        with StepGate(engine, "to-cancel") as gate:
+            stream = client.generate("to-cancel", list(range(100, 140)), LONG)
+            await stream.__anext__()
+            busy = await client.get_load()
+            await stream.aclose()
+            gate.wait_queued_abort("to-cancel")
         for _ in range(100):
             load = await client.get_load()
             if load.num_running == 0 and load.kv_blocks_used == 0:
@@ -199,16 +263,19 @@ def test_health_and_drain_on_stop(ckpt):
         client = EngineClient(0, server.address)
         health = health_pb2_grpc.HealthStub(client.channel)
         serving = (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))).status
-        stream = client.generate("running", [1, 2, 3], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-        await stream.__anext__()
-        server.request_stop()
-        for _ in range(100):
-            if server.draining:
-                break
-            await asyncio.sleep(0.02)
-        with pytest.raises(EngineUnavailable, match="shutting down"):
-            await collect(client, "late", [4, 5], GREEDY)
-        draining = (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))).status
+        with StepGate(server, "running") as gate:  # "running" is unfinished while the stop lands
+            stream = client.generate("running", [1, 2, 3],
+                                     SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+            await stream.__anext__()
+            server.request_stop()
+            gate.let_one_step()  # the step whose all-reduce carries the vote
+            for _ in range(100):
+                if server.draining:
+                    break
+                await asyncio.sleep(0.02)
+            with pytest.raises(EngineUnavailable, match="shutting down"):
+                await collect(client, "late", [4, 5], GREEDY)
+            draining = (await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME))).status
         rest = [m async for m in stream]  # the running request is finished, not cut
         await client.close()
         return serving, draining, rest
@@ -226,9 +293,13 @@ def test_drain_timeout_aborts_what_is_left(ckpt):
 
     async def go():
         client = EngineClient(0, server.address)
-        stream = client.generate("slow", [1, 2, 3], SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
-        await stream.__anext__()
-        server.request_stop()
+        with StepGate(server, "slow") as gate:  # 1000 tokens may take less than 0.2 s on a fast machine
+            stream = client.generate("slow", [1, 2, 3],
+                                     SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True))
+            await stream.__anext__()
+            server.request_stop()
+            gate.let_one_step()  # the vote: draining, 0.2 s from now
+            await asyncio.sleep(0.3)  # past the drain timeout, with the loop held (no token meanwhile)
         rest = [m async for m in stream]
         await client.close()
         return rest

@@ -12,6 +12,7 @@ import torch
 
 from epserve import LLM, SamplingParams
 from epserve.engine.engine import LLMEngine, RequestError
+from epserve.messages.engine import AddRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SHARED = list(range(40, 90))
@@ -30,7 +31,7 @@ def _engine(ckpt, device, **kw) -> LLMEngine:
 
 
 def _run_prefill(prefill: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, first_block: int):
-    prefill.enqueue(prefill.make_request(rid, prompt, params, kv_transfer="send", kv_first_block=first_block))
+    prefill.enqueue(prefill.check_request(AddRequest(rid, tuple(prompt), params, "send", first_block)))
     while True:
         for update in prefill.step():
             if update.request_id == rid and update.finished:
@@ -43,10 +44,10 @@ def disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts, params: Sampli
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
-        decode.enqueue(decode.make_request(rid, prompt, params, kv_transfer="receive"))
+        decode.enqueue(decode.check_request(AddRequest(rid, tuple(prompt), params, "receive")))
         tokens[rid] = []
     sent = 0
-    while decode.has_unfinished_requests() or decode.scheduler.num_receiving:
+    while decode.has_unfinished_requests() or decode.scheduler.handoff.num_receiving:
         for update in decode.step():
             tokens[update.request_id].extend(update.new_token_ids)
         for wanted in decode.take_kv_wanted():
@@ -92,7 +93,7 @@ def test_seeded_sampling_and_logprobs_match_one_engine(ckpt, device):
     alone = llm.generate([PROMPTS[0]], params)[0]
     prefill, decode = _engine(ckpt, device), _engine(ckpt, device)
     rid = "r0"
-    decode.enqueue(decode.make_request(rid, PROMPTS[0], params, kv_transfer="receive"))
+    decode.enqueue(decode.check_request(AddRequest(rid, tuple(PROMPTS[0]), params, "receive")))
     tokens = []
     while len(tokens) < 8:
         for update in decode.step():
@@ -125,9 +126,9 @@ def test_receiving_requests_wait_for_blocks_never_dropped(ckpt, device, colocate
 def test_prefill_request_checks(ckpt, device):
     engine = _engine(ckpt, device)
     with pytest.raises(RequestError, match="past the prompt"):
-        engine.make_request("x", [1, 2, 3], GREEDY, kv_transfer="send", kv_first_block=2)
-    request = engine.make_request("y", [1, 2, 3], GREEDY, kv_transfer="send")
-    assert request.sampling_params.max_tokens == 1  # the decode side checks the real stop conditions
+        engine.check_request(AddRequest("x", (1, 2, 3), GREEDY, "send", 2))
+    request = engine.check_request(AddRequest("y", (1, 2, 3), GREEDY, "send"))
+    assert request.params.max_tokens == 1  # the decode side checks the real stop conditions
     assert torch.equal(engine.runner.read_kv([0]), engine.runner.read_kv([0]))
 
 

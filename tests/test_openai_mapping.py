@@ -8,10 +8,9 @@ import json
 import pytest
 from openai_toys import api_error, chat, completion
 
-from epserve.engine.request import SamplingParams
-from epserve.engine.sampler import TokenLogprobs
-from epserve.serve.logprobs import chat_logprobs, completion_logprobs
-from epserve.serve.protocol import (
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
+from epserve.router.logprobs import chat_logprobs, completion_logprobs
+from epserve.router.protocol import (
     resolve_max_tokens,
     stop_strings,
     to_sampling_params,

@@ -11,7 +11,8 @@ import pytest
 from openai_toys import MSGS, api_error, chat, completion
 from pydantic import ValidationError
 
-from epserve.serve.errors import (
+from epserve.router.app import max_chars_per_token
+from epserve.router.errors import (
     APIError,
     bad_request,
     context_length_exceeded,
@@ -20,9 +21,8 @@ from epserve.serve.errors import (
     unavailable,
     validation_error,
 )
-from epserve.serve.json_body import MAX_JSON_DEPTH, load_json_body
-from epserve.serve.openai_api import max_chars_per_token
-from epserve.serve.protocol import (
+from epserve.router.json_body import MAX_JSON_DEPTH, load_json_body
+from epserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     check_request,

@@ -10,9 +10,9 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.config import ConfigError, ModelConfig, ParallelConfig
 from epserve.engine.runner import BatchPlan
+from epserve.messages.expert_load import ExpertLoad
 from epserve.model.batch import MicroBatch
-from epserve.moe.stats import ExpertLoad
-from epserve.parallel.overlap import choose_overlap, run_in_order, run_interleaved
+from epserve.parallel.overlap import Result, choose_overlap, run_in_order, run_interleaved
 from epserve.parallel.stages import OVERLAP_MODES, Schedule, dense_layer_schedule, moe_layer_schedule
 
 
@@ -23,18 +23,18 @@ class RecordingLayer:
     def __init__(self, idx: int, log: list) -> None:
         self.idx, self.log = idx, log
 
-    def forward(self, state: str, mode: str):
+    def forward(self, state: str, mode: str, result: Result):
         for stage in moe_layer_schedule(mode).stages:  # type: ignore[arg-type]
             for op in stage.ops:
                 self.log.append((state, self.idx, op.name))
             yield
-        return state
+        result.value = state
 
 
-def run_layers(layers: list[RecordingLayer], state: str, mode: str):
+def run_layers(layers: list[RecordingLayer], state: str, mode: str, result: Result):
     for layer in layers:
-        state = yield from layer.forward(state, mode)
-    return state
+        yield from layer.forward(state, mode, result)
+        state = result.value
 
 
 def stage_trace(log: list, schedule: Schedule) -> list[str]:
@@ -48,10 +48,11 @@ def test_two_micro_batches_follow_the_stage_offset():
     log: list = []
     layers = [RecordingLayer(i, log) for i in range(2)]
     offset = moe_layer_schedule("microbatch").micro_batch_offset
-    assert run_interleaved(run_layers(layers, "A", "microbatch"), run_layers(layers, "B", "microbatch"),
-                           offset) == ("A", "B")
+    a, b = Result(), Result()
+    run_interleaved(run_layers(layers, "A", "microbatch", a), run_layers(layers, "B", "microbatch", b), offset)
+    assert (a.value, b.value) == ("A", "B")
     trace = stage_trace(log, moe_layer_schedule("microbatch"))
-    # B starts two stages after A, then they alternate (BRIEF.md, "Two micro-batches").
+    # B starts two stages after A, then they alternate (docs/architecture.md, "Two micro-batches").
     assert trace[:8] == ["A1", "A2", "A3", "B1", "A4", "B2", "A5", "B3"]
     assert trace.count("A10") == 1 and trace[-1] == "B10"
     # A's dispatch is in flight while B computes: B's first stage sits between A's send and receive.
@@ -65,7 +66,9 @@ def test_two_micro_batches_follow_the_stage_offset():
 
 def test_in_order_runs_the_schedule_ops():
     log: list = []
-    run_in_order(run_layers([RecordingLayer(0, log)], "A", "dispatch"))
+    out = Result()
+    run_in_order(run_layers([RecordingLayer(0, log)], "A", "dispatch", out))
+    assert out.value == "A"
     assert [op for _, _, op in log] == [op.name for op in moe_layer_schedule("dispatch").ops]
 
 
@@ -88,12 +91,8 @@ class OpRecorder:
         self.log.append(name)
         return fn(*args)
 
-    def drain(self, stages) -> torch.Tensor:
-        while True:
-            try:
-                next(stages)
-            except StopIteration as done:
-                return done.value
+    def drain(self, stages) -> None:
+        for _ in stages:
             self.log.append("|")
 
 
@@ -117,10 +116,11 @@ def test_layer_forward_runs_exactly_the_stage_list(make_ckpt, mode):
         layer.op_hook = recorder
         try:
             with torch.inference_mode():
-                out = recorder.drain(layer.forward(x, mb, mode))
+                out = Result()
+                recorder.drain(layer.forward(x, mb, out, mode))
         finally:
             layer.op_hook = None
-        assert out.shape == x.shape
+        assert out.value.shape == x.shape
         schedule = moe_layer_schedule(mode, "mixed") if is_moe else dense_layer_schedule("mixed")
         assert schedule == layer.schedule(mode)
         ran = [name for name in recorder.log if name != "|"]
@@ -185,10 +185,10 @@ def test_layout_must_divide_the_model(make_ckpt):
 
 def test_expert_load_sums_ranks():
     # slots 0 1 2 | 3 0 1: rank 1 received expert 3's copies and those of its replicas of 0 and 1
-    loads = [torch.tensor([[1, 2, 3, 0]]), torch.tensor([[5, 6, 0, 4]])]
+    loads = [[[1, 2, 3, 0]], [[5, 6, 0, 4]]]
     load = ExpertLoad.from_ranks((3,), loads)
-    assert load.per_expert.tolist() == [[1 + 5, 2 + 6, 3, 4]]
-    assert load.per_rank.tolist() == [[6, 15]]
+    assert load.per_expert == ((1 + 5, 2 + 6, 3, 4),)
+    assert load.per_rank == ((6, 15),)
     assert load.imbalance == pytest.approx(15 / 10.5)
     assert load.summary()["tokens_per_rank"] == [6, 15]
 
@@ -203,32 +203,42 @@ def test_set_overlap_refuses_bad_values(make_ckpt):
     assert llm.engine.runner.microbatch_threshold == 8 and llm.engine.runner.overlap == "auto"
 
 
-def _inner_stages(x):
+def _inner_stages(x, result):
     y = x * 2
     yield
-    return y + 1
+    result.value = y + 1
 
 
-def _outer_stages(x, times):
+def _outer_stages(x, times, result):
     for _ in range(times):
-        x = yield from _inner_stages(x)
+        inner = Result()
+        yield from _inner_stages(x, inner)
+        x = inner.value
         yield
-    return x
+    result.value = x
 
 
-def test_straight_twin_runs_the_same_code_without_pausing():
-    """parallel.overlap.straight: the generator's own source with stage ends dropped; `yield from f(...)`
-    calls f's twin (here a module-level name `<f>_straight`)."""
-    from epserve.parallel.overlap import straight
+def test_one_micro_batch_drains_the_same_generator_under_fullgraph_compile():
+    """One micro-batch runs a layer's one forward, drained (parallel.overlap.run_in_order), eagerly and
+    traced whole by torch.compile(fullgraph=True): stage generators, delegating with `yield from`, hand
+    their outputs back through a Result, which the trace keeps."""
+    import torch._dynamo
 
-    globals()["_inner_stages_straight"] = straight(_inner_stages)
-    outer = straight(_outer_stages)
-    assert outer(3, 2) == run_in_order(_outer_stages(3, 2)) == 15
-    assert outer.__code__.co_firstlineno == _outer_stages.__code__.co_firstlineno  # tracebacks point at the source
+    def one_micro_batch(x):
+        out = Result()
+        run_in_order(_outer_stages(x, 2, out))
+        return out.value
 
-    def yields_a_value(x):
-        got = yield x
-        return got
+    x = torch.tensor([3.0, -1.0])
+    assert one_micro_batch(x).tolist() == [15.0, -1.0]  # ((3 * 2 + 1) * 2 + 1, ...)
+    graphs = []
 
-    with pytest.raises(ValueError, match="only bare `yield`|not a stage end"):
-        straight(yields_a_value)
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(one_micro_batch, fullgraph=True, backend=backend)
+    assert torch.equal(compiled(x), one_micro_batch(x))
+    assert len(graphs) == 1  # every op in the one graph: (x * 2 + 1) twice
+    assert [n.target.__name__ for n in graphs[0].graph.nodes if n.op == "call_function"] == ["mul", "add"] * 2

@@ -1,4 +1,5 @@
-"""The phenomena BRIEF.md says a correct model reproduces, on DeepSeek-V3 (KV 5000 per request)."""
+"""The phenomena a correct model of wide-EP decode reproduces (docs/planner.md, "DeepSeek-V3 on H100 and
+H200"), on DeepSeek-V3 (KV 5000 per request)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from epserve.planner import (
     SweepRow,
     best_plan,
     load_hardware,
-    load_model,
     microbatch_crossover,
     plan_decode,
     plan_prefill,
+    resolve_model,
     sweep,
 )
 from epserve.planner.step import BREAKDOWN_KEYS, estimate_step
 
-NAME, V3 = load_model("deepseek-v3")
+NAME, V3 = resolve_model("deepseek-v3")
 H100, H200 = load_hardware("h100"), load_hardware("h200")
 MTP = Deployment(ep=8, kv_len=5000, mtp_draft=1, mtp_accept=0.6)
 

@@ -14,9 +14,9 @@ from epserve.parallel.stages import moe_layer_schedule
 from epserve.planner import (
     Deployment,
     estimate_memory,
-    kv_bytes_per_token,
     load_hardware,
     plan_decode,
+    planned_kv_bytes_per_token,
 )
 from epserve.planner.cost import (
     Kernel,
@@ -161,9 +161,9 @@ def test_all_to_all_volume_and_links() -> None:
 
 def test_kv_bytes_per_token() -> None:
     # (kv_lora_rank + qk_rope_head_dim) values per layer: (512 + 64) x 61 layers
-    assert kv_bytes_per_token(V3, "bf16") == 61 * 576 * 2 == 70272
-    assert kv_bytes_per_token(V3, "fp8") == 61 * 576
-    assert kv_bytes_per_token(V3, "bf16", mtp_draft=1) == 62 * 576 * 2  # the MTP layer caches too
+    assert planned_kv_bytes_per_token(V3, "bf16") == 61 * 576 * 2 == 70272
+    assert planned_kv_bytes_per_token(V3, "fp8") == 61 * 576
+    assert planned_kv_bytes_per_token(V3, "bf16", mtp_draft=1) == 62 * 576 * 2  # the MTP layer caches too
 
 
 def test_deepseek_v3_parameter_count() -> None:

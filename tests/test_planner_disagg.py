@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from epserve.planner import Deployment, load_hardware, load_model, plan_decode, plan_prefill
+from epserve.planner import Deployment, load_hardware, plan_decode, plan_prefill, resolve_model
 from epserve.planner.cli import main
 from epserve.planner.disagg import (
     PAIR_SLACK,
@@ -20,7 +20,7 @@ from epserve.planner.disagg import (
 from epserve.planner.report import format_plan
 from epserve.planner.sweep import microbatch_crossover
 
-NAME, V3 = load_model("deepseek-v3")
+NAME, V3 = resolve_model("deepseek-v3")
 H200 = load_hardware("h200")
 DECODE = Deployment(ep=32, batch=32, mtp_draft=1)
 PREFILL = replace(DECODE, ep=8)

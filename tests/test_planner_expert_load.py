@@ -13,12 +13,12 @@ import torch
 
 from epserve.eplb import gpu_loads, imbalance, rebalance_experts
 from epserve.parallel.stages import moe_layer_schedule
-from epserve.planner import Deployment, PlanError, load_hardware, load_model, plan_decode
+from epserve.planner import Deployment, PlanError, load_hardware, plan_decode, resolve_model
 from epserve.planner.cli import main
 from epserve.planner.ops import BatchShape, price_ops
 from epserve.planner.skew import load_expert_load
 
-NAME, V3 = load_model("deepseek-v3")
+NAME, V3 = resolve_model("deepseek-v3")
 H200 = load_hardware("h200")
 NUM_MOE = len(V3.moe_layer_ids)  # 58
 D = Deployment(ep=8, batch=32, mtp_draft=1)

@@ -11,13 +11,13 @@ import pytest
 
 from epserve.config import ModelConfig
 from epserve.parallel.stages import HEAD_OPS, dense_layer_schedule, moe_layer_schedule
-from epserve.planner import BUILTIN, Deployment, load_hardware, load_model, save_hardware
+from epserve.planner import BUILTIN, Deployment, load_hardware, resolve_model, save_hardware
 from epserve.planner.cost import Kernel, Work, kernel_time
 from epserve.planner.hardware import Efficiency, HardwareSpec, MeasuredPoint, interpolate_fraction
 from epserve.planner.ops import BatchShape, price_ops
 from epserve.planner.step import estimate_step
 
-V3 = load_model("deepseek-v3")[1]
+V3 = resolve_model("deepseek-v3")[1]
 TOY = HardwareSpec(
     name="toy", peak_flops={"bf16": 1e12}, memory_bytes=10 * 2**30, memory_bandwidth=1e11,
     nvlink_bandwidth=1e10, ib_bandwidth=1e9, gpus_per_node=8,

@@ -47,7 +47,7 @@ def test_every_overlap_mode_runs_the_same_ops_once(phase: str) -> None:
         assert ops.index("experts") < ops.index("combine_send") < ops.index("combine_recv")
 
 
-def test_microbatch_schedule_is_the_five_stages_of_the_brief() -> None:
+def test_microbatch_schedule_is_the_five_stages() -> None:
     s = moe_layer_schedule("microbatch")
     assert (s.num_micro_batches, s.micro_batch_offset) == (2, 2)
     assert [[op.name for op in st.ops] for st in s.stages] == [

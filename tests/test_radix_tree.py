@@ -8,7 +8,7 @@ import time
 import pytest
 from router_toys import FakeClock, check_invariants, seq
 
-from epserve.serve.radix_tree import PrefixTree
+from epserve.router.radix_tree import PrefixTree
 
 
 def test_insert_and_exact_match() -> None:

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from epserve.engine.request import Request, RequestStatus, SamplingParams
+from epserve.engine.request import Request, RequestStatus
+from epserve.messages.sampling import SamplingParams
 
 
 def test_sampling_params_defaults_and_valid_edges() -> None:

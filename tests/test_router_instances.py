@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from epserve.serve.engine_client import EngineUnavailable
-from epserve.serve.policy import make_policy
-from epserve.serve.proto import engine_pb2 as pb
-from epserve.serve.router import Instance, Router
+from epserve.router.engine_client import EngineUnavailable
+from epserve.router.instances import Instance, Router
+from epserve.router.policy import make_policy
+from epserve.rpc.proto import engine_pb2 as pb
 
 BF16 = pb.KVLayout(num_layers=3, block_size=16, token_bytes=1152, dtype="bfloat16")
 FP8 = pb.KVLayout(num_layers=3, block_size=16, token_bytes=656, dtype="fp8_e4m3")
@@ -51,7 +51,7 @@ def test_matching_layouts_and_roles_are_served():
 
 
 def test_a_kv_layout_no_peer_can_take_is_refused_at_start_with_the_reason(caplog):
-    caplog.set_level(logging.WARNING, logger="epserve.serve.router")
+    caplog.set_level(logging.WARNING, logger="epserve.router.instances")
     router = router_over(("prefill", "prefill", BF16), ("decode", "decode", FP8))
     asyncio.run(router.refresh())  # said once per instance, not at every refresh
     assert [r.getMessage().split(": ")[0] for r in caplog.records] == [

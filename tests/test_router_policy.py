@@ -7,7 +7,7 @@ import random
 import pytest
 from router_toys import FakeClock, check_invariants, seq
 
-from epserve.serve.policy import (
+from epserve.router.policy import (
     POLICIES,
     CacheAwarePolicy,
     LeastLoadPolicy,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from epserve.engine.request import SamplingParams
 from epserve.engine.sampler import Sampler, filter_logits
+from epserve.messages.sampling import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

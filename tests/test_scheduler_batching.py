@@ -8,8 +8,9 @@ from collections.abc import Callable
 import pytest
 from scheduler_harness import EOS, ChunkView, FakeRunner, make_scheduler, reference, req, run_all, step
 
-from epserve.engine.request import Request, SamplingParams
+from epserve.engine.request import Request, check_prompt
 from epserve.engine.scheduler import RequestUpdate, ScheduledChunk
+from epserve.messages.sampling import SamplingParams
 
 
 def test_chunked_prefill_tiles_the_prompt() -> None:
@@ -166,14 +167,21 @@ def test_prefix_reuse_shares_blocks() -> None:
 
 
 def test_bad_prompts_raise() -> None:
-    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=64)
+    """``check_prompt`` (the one check, in ``LLMEngine.check_request``) refuses a prompt that can never
+    run; the scheduler trusts a checked request, but not an id in use."""
+
+    def check(r: Request) -> None:
+        check_prompt(r.request_id, r.num_prompt_tokens, r.sampling_params.max_tokens, 64, 4, 4)
+
     with pytest.raises(ValueError, match="empty"):
-        s.add_request(req("e", []))
+        check(req("e", []))
     with pytest.raises(ValueError, match="prompt has 64 tokens; the context is 64"):
-        s.add_request(req("long", range(64)))
+        check(req("long", range(64)))
     with pytest.raises(ValueError, match="KV blocks"):
-        s.add_request(req("pool", range(10), max_tokens=10))  # 19 tokens of KV > 16 slots
-    s.add_request(req("fits", range(10), max_tokens=7))  # 16 tokens of KV: exactly the pool
+        check(req("pool", range(10), max_tokens=10))  # 19 tokens of KV > 16 slots
+    check(req("fits", range(10), max_tokens=7))  # 16 tokens of KV: exactly the pool
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=64)
+    s.add_request(req("fits", range(10), max_tokens=7))
     with pytest.raises(ValueError, match="already in use"):
         s.add_request(req("fits", range(3)))
     assert s.num_waiting == 1

@@ -18,6 +18,7 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
+from tests import serve_harness as harness
 from tests.serve_harness import Proc, alive, metric, parse_metrics, wait_http_ok
 
 pytestmark = pytest.mark.slow
@@ -31,6 +32,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "128", "--max-model-len", s
 class Server:
     def __init__(self, proc: Proc, url: str) -> None:
         self.proc, self.url = proc, url
+        self.ranks = proc.ranks(2)  # the rank processes' pids, rank 0 first
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
 
@@ -249,14 +251,12 @@ def test_api_key_and_openai_errors(server):
 def test_dropped_stream_frees_its_blocks(server):
     body = {"model": MODEL, "prompt": list(range(40, 140)), "max_tokens": MAX_MODEL_LEN - 101, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with server.http.stream("POST", "/v1/completions", json=body) as r:
+    with harness.HeldInstance(server.proc, server.url, wait_cancel=True) as held, server.http.stream(
+            "POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
-        lines = r.iter_lines()
-        got = 0
-        for line in lines:
-            got += line.startswith("data: {")
-            if got == 3:
-                break
+        lines = r.iter_lines()  # held: an iterator dropped early would close the connection
+        next(i for i, line in enumerate(line for line in lines if line.startswith("data: {")) if i == 2)
+        held.start()  # by construction, not by racing the engine: no token comes from here on
         m = server.metrics()
         assert m["epserve:num_requests_running"] == 1
         assert m["epserve:kv_cache_usage_perc"] > 0
@@ -270,8 +270,8 @@ def test_disconnected_client_aborts_a_whole_response(server):
     aborts the engine request instead of generating 900 tokens nobody reads."""
     aborted = server.metrics().get("epserve:request_success_total", 0.0)
     body = {"model": MODEL, "prompt": list(range(40, 140)), "max_tokens": 900, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        server.http.post("/v1/completions", json=body, timeout=1.0)
+    with harness.frozen_when(server.ranks, harness.first_token(server.url)), pytest.raises(httpx.ReadTimeout):
+        server.http.post("/v1/completions", json=body, timeout=1.0)  # held open (frozen) until it gives up
     m = server.wait_until_idle()
     text = server.http.get("/metrics").text
     assert metric(text, "epserve:request_success_total", finished_reason="abort") >= 1
@@ -389,8 +389,8 @@ def test_shutdown_drains_and_leaves_no_process(server):
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunks.append(json.loads(line[6:]))
-                if len(chunks) == 2:
-                    server.proc.signal(signal.SIGTERM)
+                if len(chunks) == 2:  # the drain starts mid-stream by construction, however fast 300 tokens are
+                    server.proc.signal_while_frozen(server.ranks, signal.SIGTERM)
     assert chunks[-1]["usage"]["completion_tokens"] == 300
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert server.proc.wait(60) == 0, server.proc.output()[-3000:]

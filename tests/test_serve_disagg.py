@@ -21,9 +21,9 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
-from epserve.serve.proto import engine_pb2 as pb
-from epserve.serve.proto import engine_pb2_grpc as pb_grpc
-from epserve.serve.rpc import auth_metadata
+from epserve.rpc.convert import auth_metadata
+from epserve.rpc.proto import engine_pb2 as pb
+from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 from tests.serve_harness import Proc, descendants, metric, wait_http_ok
 
 pytestmark = pytest.mark.slow
@@ -142,8 +142,8 @@ def test_greedy_text_equals_colocated_and_offline(deployment, offline):
 def test_router_routes_nothing_to_an_instance_in_the_wrong_role(deployment):
     import asyncio
 
-    from epserve.serve.policy import make_policy
-    from epserve.serve.router import Router
+    from epserve.router.instances import Router
+    from epserve.router.policy import make_policy
 
     async def states():
         router = Router((), make_policy("least_load"), token=TOKEN, prefill=[f"127.0.0.1:{deployment.ports[2]}"],
@@ -214,11 +214,20 @@ def test_stalled_transfer_times_out_and_killed_prefill_is_retried(deployment, of
     deployment.wait_healthy(0)
 
     os.kill(rank, signal.SIGSTOP)
+
+    def kill_with_the_request_on_it() -> None:  # once a decode instance waits for the stopped one's KV
+        deadline = time.monotonic() + 10  # (not after a fixed delay: the request is there by then)
+        while not any(deployment.load(i).num_receiving for i in (2, 3)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(rank, signal.SIGKILL)
+
     with httpx.Client(timeout=60) as client:
         start = time.monotonic()
-        threading.Timer(0.5, os.kill, (rank, signal.SIGKILL)).start()  # dies with the request on it
+        killer = threading.Thread(target=kill_with_the_request_on_it)
+        killer.start()
         r = client.post(f"{deployment.url}/v1/completions", json={
             "prompt": list(range(150, 190)), "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        killer.join(30)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want[1].text
         assert time.monotonic() - start < KV_TIMEOUT  # the failure, not the timeout, sent it elsewhere

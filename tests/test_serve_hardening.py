@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse
 
 from epserve.cli import main
 from epserve.parallel.launch import free_port
-from epserve.serve.errors import APIError
-from epserve.serve.http_limits import HTTPLimits, RequestLimitsMiddleware
+from epserve.router.errors import APIError
+from epserve.router.http_limits import HTTPLimits, RequestLimitsMiddleware
 from tests.serve_harness import Proc, metric, wait_http_ok
 
 pytestmark = pytest.mark.slow
@@ -268,9 +268,17 @@ def test_fuzzed_requests_get_no_5xx_and_answers_match_the_document(server, mode)
 
 def test_a_request_the_engine_aborts_ends_as_an_error_not_as_abort(server):
     """Last: SIGTERM with --drain-timeout 0 aborts what the engine runs. A stream gets an OpenAI error
-    event and ``data: [DONE]``; a whole response is a 503 error body; ``"abort"`` is sent nowhere."""
+    event and ``data: [DONE]``; a whole response is a 503 error body; ``"abort"`` is sent nowhere.
+
+    The requests are held open by construction, not by racing them (120 tokens take well under a
+    second on a fast machine, less than the SIGTERM's way to the rank): once all five sequences run,
+    the rank is frozen (SIGSTOP), so no token is produced while ``epserve serve`` notices the signal
+    and passes it on; the rank runs again only once that SIGTERM is pending for it, and then aborts
+    within a step or two. (Frozen for a second or two: far under the default --step-timeout of 60 s,
+    so no watchdog or supervisor probe counts it as hung.)"""
     body = {"prompt": "once", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
     whole: dict = {}
+    [rank] = server.proc.ranks()
 
     def complete() -> None:
         r = httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=60, json={**body, "n": 4})
@@ -283,13 +291,11 @@ def test_a_request_the_engine_aborts_ends_as_an_error_not_as_abort(server):
         events.append(next(line for line in lines if line.startswith("data: {")))
         worker = threading.Thread(target=complete)
         worker.start()
-        deadline = time.monotonic() + 5  # the whole request's 4 choices run too (not a fixed sleep: 120
-        while time.monotonic() < deadline:  # tokens take well under a second on a fast machine)
-            running = metric(httpx.get(f"{server.url}/metrics", timeout=10).text, "epserve:num_requests_running")
-            if running >= 5:
-                break
+        deadline = time.monotonic() + 30  # the whole request's 4 choices run too
+        while metric(httpx.get(f"{server.url}/metrics", timeout=10).text, "epserve:num_requests_running") < 5:
+            assert time.monotonic() < deadline and worker.is_alive(), "the five sequences never ran together"
             time.sleep(0.01)
-        server.proc.signal()
+        server.proc.signal_while_frozen([rank])  # no token is produced until the rank has its SIGTERM
         events += [line for line in lines if line]
     worker.join(60)
     assert events[-1] == "data: [DONE]"

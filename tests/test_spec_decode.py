@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from epserve.config import CacheConfig, SchedulerConfig
-from epserve.engine.request import Request, SamplingParams
+from epserve.engine.request import Request
 from epserve.engine.sampler import filter_logits
 from epserve.engine.scheduler import Scheduler
 from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, draft_tokens, merge_stats, verify
+from epserve.messages.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
@@ -153,7 +154,7 @@ def test_a_decode_verifies_its_drafts_and_counts_them_in_the_budget():
     updates = s.update(out, {"a": (7, 3)}, drafts={"a": [4, 4]})  # one draft accepted, then 3
     assert updates[0].new_token_ids == (7, 3)
     assert r.all_token_ids == [1, 2, 3, 4, 5, 9, 7, 3] and r.num_computed_tokens == 7
-    assert len(r.block_ids) == 2 and r.draft_token_ids == [4, 4]
+    assert len(r.block_ids) == 2 and s.spec.pending(r) == [4, 4]
 
 
 def test_rejected_drafts_give_their_blocks_back():

@@ -14,7 +14,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from epserve.engine.request import SamplingParams
+        from epserve.messages.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

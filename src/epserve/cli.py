@@ -10,7 +10,7 @@ import sys
 
 from epserve import env
 from epserve.engine.args import add_engine_args, engine_config, engine_options
-from epserve.serve.args import (
+from epserve.launcher.args import (
     add_disaggregation_args,
     add_engine_serving_args,
     add_engine_token_arg,
@@ -33,7 +33,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from epserve.serve.launcher import serve
+    from epserve.launcher.processes import serve
 
     if args.nnodes != 1:
         raise ValueError("serve runs on one host; across hosts run `epserve engine` per host and `epserve router`")
@@ -54,14 +54,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
-    from epserve.serve.launcher import run_engine
+    from epserve.launcher.processes import run_engine
 
     return run_engine(engine_config(args), serve_options(args, 50051), args.max_restarts)
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
 
-    from epserve.serve.launcher import run_router
+    from epserve.router.server import run_router
 
     set_api_key(args)
     run_router(router_options(args, tuple(args.engine or ()), tuple(args.prefill or ()), tuple(args.decode or ())),

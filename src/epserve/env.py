@@ -43,6 +43,11 @@ def cache_dir() -> Path:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "epserve"
 
 
+def builtin_model_dir() -> Path:
+    """Where the built-in tiny model lives (``presets.default_model_path`` writes it on first use)."""
+    return cache_dir() / "tiny-v1"  # bump the suffix whenever the generated weights change
+
+
 def progress_disabled() -> bool:
     return _flag(NO_PROGRESS, False)
 

@@ -31,10 +31,9 @@ from epserve.checkpoint import (
     save_checkpoint,
 )
 from epserve.config import ModelConfig
-from epserve.env import cache_dir
+from epserve.env import builtin_model_dir
 from epserve.tokenizer import write_tokenizer_files
 
-DEFAULT_MODEL_NAME = "tiny-v1"  # bump the suffix whenever the generated weights change
 FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
     "fmt": "e4m3",
@@ -350,11 +349,11 @@ def default_model_path() -> Path:
     Safe under concurrency: each process builds into its own temporary directory and renames it into
     place; a process that loses the race discards its copy and uses the winner's.
     """
-    target = cache_dir() / DEFAULT_MODEL_NAME
+    target = builtin_model_dir()
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         make_checkpoint(tmp, preset="tiny", seed=0, dtype="bfloat16")
         try:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from epserve.engine.kv_handoff import KVWrite
-from epserve.engine.sampler import TokenLogprobs
-from epserve.engine.scheduler import ScheduledChunk
+from epserve.engine.request import ScheduledChunk
+from epserve.messages.sampling import TokenLogprobs
 from epserve.model.batch import ForwardBatch
 
 

@@ -1,4 +1,4 @@
-"""One rank's engine and the lockstep step loop (ARCHITECTURE.md, "One step").
+"""One rank's engine and the lockstep step (docs/architecture.md, "One step").
 
 Every rank of the EP group calls :meth:`LLMEngine.step` together: each DP group's leader schedules
 its batch (possibly empty); one small all-reduce over every rank says whether anybody has work and
@@ -14,11 +14,14 @@ from dataclasses import replace
 
 from epserve.config import EngineConfig
 from epserve.engine.balancer import RebalanceReport
-from epserve.engine.kv_handoff import KVTransferRole, KVWanted, KVWrite, PrefilledKV
-from epserve.engine.request import Request, SamplingParams, check_prompt
+from epserve.engine.kv_handoff import KVWrite
+from epserve.engine.request import Request, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.scheduler import RequestUpdate, Scheduler
-from epserve.moe.stats import ExpertLoad
+from epserve.messages.engine import AddRequest
+from epserve.messages.expert_load import ExpertLoad
+from epserve.messages.kv import KVWanted, PrefilledKV
+from epserve.messages.sampling import SamplingParams
 from epserve.parallel.comm import all_reduce_max, broadcast_from_leader, gather_objects
 from epserve.parallel.context import ParallelContext
 from epserve.parallel.launch import CommandRefused
@@ -47,44 +50,42 @@ class LLMEngine:
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
         self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
         self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
-        self._arrivals: list[PrefilledKV] = []  # decode side: KV from prefill instances, written next step
-        self.kv_wanted: list[KVWanted] = []  # decode side: allocated by the last steps, not taken yet
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     kv_transfer: KVTransferRole | None = None, kv_first_block: int = 0) -> Request:
+    def check_request(self, request: AddRequest) -> AddRequest:
         """The one check of a request, where it enters (the offline command on every rank, the gRPC
         call on a leader): RequestError for a prompt this engine cannot serve (the same answer on every
-        rank), else the request, ready for :meth:`enqueue`. ``kv_transfer``: a prefill for a decode
-        instance (``"send"``: it stops after its first token) or a decode whose prompt KV comes from a
-        prefill instance (``"receive"``), see ``engine/kv_handoff.py``."""
+        rank), else the request as it will run, ready for :meth:`enqueue` (a prefill for a decode
+        instance samples one token: the decode instance checks the stop conditions)."""
         vocab = self.config.model.vocab_size
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        prompt = request.prompt_token_ids
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
         try:
-            check_prompt(request_id, len(prompt_token_ids), params.max_tokens, self.config.max_model_len,
+            check_prompt(request.request_id, len(prompt), request.params.max_tokens, self.config.max_model_len,
                          self.config.cache.block_size, self.runner.num_blocks, self.config.num_spec_tokens)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        if kv_transfer == "send":
-            if not 0 <= kv_first_block <= -(-len(prompt_token_ids) // self.config.cache.block_size):
-                raise RequestError(f"first KV block {kv_first_block} is past the prompt's blocks")
-            params = replace(params, max_tokens=1)  # the decode instance checks the stop conditions
-        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.config.model.eos_token_ids,
-                       kv_transfer=kv_transfer, kv_first_block=kv_first_block)
+        if request.kv_transfer == "send":
+            if not 0 <= request.kv_first_block <= -(-len(prompt) // self.config.cache.block_size):
+                raise RequestError(f"first KV block {request.kv_first_block} is past the prompt's blocks")
+            request = replace(request, params=replace(request.params, max_tokens=1))
+        return request
 
-    def enqueue(self, request: Request) -> None:
-        """Queue a request from :meth:`make_request` on this DP group (leader only). ValueError only
-        for an id the scheduler already holds."""
+    def enqueue(self, request: AddRequest) -> Request:
+        """Queue a request from :meth:`check_request` on this DP group (leader only); its state.
+        ValueError only for an id the scheduler already holds."""
         if self.scheduler is None:
             raise RuntimeError("requests go to the leader rank of a DP group")
-        self.scheduler.add_request(request)
+        state = Request(request.request_id, request.prompt_token_ids, request.params,
+                        eos_token_ids=self.config.model.eos_token_ids, kv_transfer=request.kv_transfer,
+                        kv_first_block=request.kv_first_block)
+        self.scheduler.add_request(state)
+        return state
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """:meth:`make_request` then :meth:`enqueue` (leader only); RequestError for a bad request."""
-        request = self.make_request(request_id, prompt_token_ids, params)
-        self.enqueue(request)
-        return request
+        """:meth:`check_request` then :meth:`enqueue` (leader only); RequestError for a bad request."""
+        return self.enqueue(self.check_request(AddRequest(request_id, tuple(prompt_token_ids), params)))
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler is not None and self.scheduler.abort_request(request_id)
@@ -92,21 +93,22 @@ class LLMEngine:
     def receive_kv(self, arrival: PrefilledKV) -> None:
         """Decode side (leader): a receiving request's KV and first token; written into its blocks at
         the start of the next step, on every rank of the DP group, before the forward."""
-        self._arrivals.append(arrival)
+        assert self.scheduler is not None
+        self.scheduler.handoff.receive(arrival)
 
     def take_kv_wanted(self) -> list[KVWanted]:
         """Decode side (leader): the requests whose blocks were allocated since the last call."""
-        wanted, self.kv_wanted = self.kv_wanted, []
-        return wanted
+        return self.scheduler.handoff.take_wanted() if self.scheduler is not None else []
 
     def export_kv(self, request_id: str) -> PrefilledKV:
         """Prefill side (leader, between steps): copy a finished prefill's blocks out and free them."""
         assert self.scheduler is not None
-        request, block_ids = self.scheduler.handoff.export_blocks(request_id)
+        handoff = self.scheduler.handoff
+        request, block_ids = handoff.export_blocks(request_id)
         try:
             data = self.runner.read_kv(block_ids)
         finally:
-            self.scheduler.release_held(request_id)
+            handoff.release(request_id)
         logprobs = request.output_logprobs[0] if request.output_logprobs else None
         return PrefilledKV(request_id, request.kv_first_block, data, request.output_token_ids[0], logprobs,
                         request.num_cached_tokens)
@@ -115,21 +117,9 @@ class LLMEngine:
         """The arrived KV as block writes for this step, and the first token's update of each."""
         scheduler, writes, updates = self.scheduler, [], []
         assert scheduler is not None
-        for arrival in self._arrivals:
-            request = scheduler.handoff.receiving.get(arrival.request_id)
-            if request is None:  # aborted while its KV travelled
-                continue
-            first = request.num_computed_tokens // self.runner.block_size
-            block_ids = tuple(request.block_ids[first:])
-            if arrival.data.shape[1] != len(block_ids):
-                raise ValueError(f"request {arrival.request_id!r}: {arrival.data.shape[1]} KV blocks arrived, "
-                                 f"{len(block_ids)} were allocated")
-            writes.append(KVWrite(block_ids, arrival.data))
-            update = scheduler.kv_arrived(arrival.request_id, arrival.first_token, arrival.logprobs,
-                                          arrival.num_cached_tokens)
-            if update is not None:
-                updates.append(update)
-        self._arrivals = []
+        for write, request in scheduler.handoff.take_arrivals():
+            writes.append(write)
+            updates.append(scheduler.start_decoding(request))
         return writes, updates
 
     def has_unfinished_requests(self) -> bool:
@@ -142,8 +132,8 @@ class LLMEngine:
         layers, total = self.runner.expert_load()
         _, recent = self.runner.expert_load(since_rebalance=True)
         parts: list = gather_objects((total, recent), self.ctx)
-        return (ExpertLoad.from_ranks(layers, [p[0] for p in parts]),
-                ExpertLoad.from_ranks(layers, [p[1] for p in parts]))
+        return (ExpertLoad.from_ranks(layers, [p[0].tolist() for p in parts]),
+                ExpertLoad.from_ranks(layers, [p[1].tolist() for p in parts]))
 
     def rebalance_experts(self) -> RebalanceReport | None:
         """Place the experts by the recorded load now (a collective, between steps); None without
@@ -155,30 +145,21 @@ class LLMEngine:
             self.runner.balancer.reset()
 
     def step(self, stopping: bool = False) -> list[RequestUpdate]:
-        """One lockstep step; every rank must call it. Returns the leader's request updates.
-        ``stopping`` is this rank's vote to drain and stop; the step's all-reduce tells every rank
-        (``anybody_stopping``)."""
-        profiler = self.runner.profiler
-        if profiler is None:
-            return self._step(stopping)
-        start, num_records = profiler.now(), len(profiler.steps)
-        updates = self._step(stopping)
-        if len(profiler.steps) > num_records:  # a forward ran: the whole step's wall time joins its record
-            profiler.steps[-1].seconds["step"] = profiler.now() - start
-        return updates
+        """One lockstep step; every rank must call it (the step loop, :mod:`epserve.engine.loop`, does,
+        and times it when profiling). Returns the leader's request updates. ``stopping`` is this rank's
+        vote to drain and stop; the step's all-reduce tells every rank (``anybody_stopping``)."""
+        return self._step(stopping)
 
     def _step(self, stopping: bool) -> list[RequestUpdate]:
         scheduler = self.scheduler
-        writes, arrived = self._take_arrivals() if self._arrivals else ([], [])
+        writes, arrived = self._take_arrivals() if scheduler is not None else ([], [])
         output = scheduler.schedule() if scheduler is not None else None
         chunks = list(output.chunks) if output else []  # decodes first
-        if output is not None and output.kv_wanted:
-            self.kv_wanted.extend(output.kv_wanted)
         plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
         if writes:
             plan = replace(plan, kv_writes=tuple(writes))
         prefilling = plan.num_tokens > plan.num_decode_seqs
-        receiving = scheduler.num_receiving if scheduler is not None else 0
+        receiving = scheduler.handoff.num_receiving if scheduler is not None else 0
         max_tokens, unfinished, stop, any_prefill, any_writes, any_receiving = all_reduce_max(
             [plan.num_tokens, int(self.has_unfinished_requests()), int(stopping), int(prefilling), int(bool(writes)),
              int(receiving > 0)], self.ctx

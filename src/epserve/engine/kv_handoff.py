@@ -18,63 +18,14 @@ FP8 as stored), so a block is ``layers x block_size x token bytes`` whatever eit
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from epserve.engine.kv_manager import KVCacheManager
 from epserve.engine.request import Request, RequestStatus
-
-KVTransferRole = Literal["send", "receive"]
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """What both sides must agree on for blocks to be copied as bytes."""
-
-    num_layers: int  # cached layers (an MTP draft layer included)
-    block_size: int  # tokens per block
-    token_bytes: int  # bytes of one token in one layer
-    dtype: str  # the cache's element type (``bfloat16``, ``float32``, ``fp8_e4m3``, ...)
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * self.block_size * self.token_bytes
-
-    def mismatch(self, other: KVLayout) -> str | None:
-        """Why blocks of ``other`` cannot be written into this layout (None: they can)."""
-        if other == self:
-            return None
-        return (f"KV layouts differ: {other.num_layers} layers x {other.block_size}-token blocks of "
-                f"{other.token_bytes} bytes ({other.dtype}) vs {self.num_layers} x {self.block_size} of "
-                f"{self.token_bytes} ({self.dtype})")
-
-
-@dataclass(frozen=True)
-class KVWanted:
-    """Decode side: blocks ``[first_block, first_block + num_blocks)`` of the request are allocated and
-    wait for their KV (blocks before ``first_block`` are this instance's own prefix-cache hit)."""
-
-    request_id: str
-    first_block: int
-    num_blocks: int
-
-
-@dataclass(frozen=True)
-class PrefilledKV:
-    """A finished prefill's KV and the first token it sampled: copied out of the prefill instance's
-    cache (``LLMEngine.export_kv``, its request id) and handed to the decode instance
-    (``LLMEngine.receive_kv``, the decode side's id). ``data``: uint8 ``[layers, blocks, block_size,
-    token_bytes]``, on the host, of the request's blocks from ``first_block`` on (those of its
-    :class:`KVWanted`)."""
-
-    request_id: str
-    first_block: int
-    data: torch.Tensor
-    first_token: int
-    logprobs: object | None  # TokenLogprobs when the request asked for logprobs
-    num_cached_tokens: int  # the prefill instance's prefix-cache hit (what usage reports)
+from epserve.messages.kv import KVWanted, PrefilledKV
 
 
 @dataclass(frozen=True)
@@ -86,13 +37,27 @@ class KVWrite:
 
 
 class KVHandoff:
-    """The scheduler's requests in transit (see the module's docstring); plain bookkeeping."""
+    """The scheduler's requests in transit (see the module's docstring), and every move between their
+    states: plain bookkeeping over the scheduler's KV cache manager. ``release`` frees a request the
+    scheduler holds (its blocks and its entry); a held prefill goes to it once its blocks are copied out.
 
-    def __init__(self, kv_manager: KVCacheManager) -> None:
+    Decode side: ``add`` (pending) -> ``allocate`` (receiving; :meth:`take_wanted` tells the transfer
+    side) -> ``receive`` then ``take_arrivals`` at the next step (the scheduler runs it from then on).
+    Prefill side: ``hold`` (a finished prefill's blocks) -> ``export_blocks`` -> ``release``."""
+
+    def __init__(self, kv_manager: KVCacheManager, release: Callable[[Request], None]) -> None:
         self.kv_manager = kv_manager
+        self._release = release
         self.pending: deque[Request] = deque()  # "receive" requests without blocks, in arrival order
         self.receiving: dict[str, Request] = {}  # blocks allocated, KV on its way
         self.held: dict[str, Request] = {}  # "send" requests finished, blocks held until copied out
+        self._wanted: list[KVWanted] = []  # allocated by the last steps, not taken yet
+        self._arrivals: list[PrefilledKV] = []  # arrived since the last step; written by the next one
+
+    @property
+    def num_receiving(self) -> int:
+        """Requests waiting for their prompt's KV from a prefill instance (blocks allocated or not)."""
+        return len(self.pending) + len(self.receiving)
 
     @property
     def blocked(self) -> bool:
@@ -100,29 +65,13 @@ class KVHandoff:
         only a step (another request finishing) can help."""
         return bool(self.pending) and not self.receiving
 
-    def allocate(self, room: int) -> list[KVWanted]:
-        """Blocks for up to ``room`` pending requests, first in first out; the head waits when too few
-        are free (backpressure: the ones behind it wait too)."""
-        kv, wanted = self.kv_manager, []
-        while self.pending and len(wanted) < room:
-            request = self.pending[0]
-            hit = kv.get_computed_blocks(request)
-            if not kv.allocate_slots(request, request.num_prompt_tokens - hit.num_tokens, hit.block_ids):
-                break
-            self.pending.popleft()
-            request.num_computed_tokens = hit.num_tokens
-            request.status = RequestStatus.WAITING_FOR_KV
-            self.receiving[request.request_id] = request
-            first = len(hit.block_ids)
-            wanted.append(KVWanted(request.request_id, first, len(request.block_ids) - first))
-        return wanted
-
-    def arrived(self, request_id: str) -> Request | None:
-        """The receiving request whose KV arrived (None: aborted meanwhile); its prompt is computed."""
-        request = self.receiving.pop(request_id, None)
-        if request is not None:
-            request.num_computed_tokens = request.num_prompt_tokens
-        return request
+    def add(self, request: Request) -> bool:
+        """Take a new request whose prompt KV comes from a prefill instance (``kv_transfer ==
+        "receive"``): it waits for blocks. False for any other request (the scheduler queues it)."""
+        if request.kv_transfer != "receive":
+            return False
+        self.pending.append(request)
+        return True
 
     def remove(self, request: Request) -> bool:
         """Take an aborted request out of transit; False if it was not in transit."""
@@ -137,9 +86,72 @@ class KVHandoff:
             return False
         return True
 
+    # ---- decode side ---------------------------------------------------------------------------
+    def allocate(self, num_seqs: int) -> None:
+        """Blocks for pending requests, first in first out, while fewer than ``num_seqs`` requests (the
+        scheduler's free seats) receive; the head waits when too few are free (backpressure: the ones
+        behind it wait too). The allocated ones are wanted (:meth:`take_wanted`)."""
+        kv, room, wanted = self.kv_manager, num_seqs - len(self.receiving), []
+        while self.pending and len(wanted) < room:
+            request = self.pending[0]
+            hit = kv.get_computed_blocks(request)
+            if not kv.allocate_slots(request, request.num_prompt_tokens - hit.num_tokens, hit.block_ids):
+                break
+            self.pending.popleft()
+            request.num_computed_tokens = hit.num_tokens
+            request.status = RequestStatus.WAITING_FOR_KV
+            self.receiving[request.request_id] = request
+            first = len(hit.block_ids)
+            wanted.append(KVWanted(request.request_id, first, len(request.block_ids) - first))
+        self._wanted.extend(wanted)
+
+    def take_wanted(self) -> list[KVWanted]:
+        """The requests whose blocks were allocated since the last call: the transfers to start."""
+        wanted, self._wanted = self._wanted, []
+        return wanted
+
+    def receive(self, arrival: PrefilledKV) -> None:
+        """A receiving request's KV and first token (between steps); :meth:`take_arrivals` at the start
+        of the next step makes it the step's block write."""
+        self._arrivals.append(arrival)
+
+    def take_arrivals(self) -> Iterator[tuple[KVWrite, Request]]:
+        """Each arrival since the last call (those of requests aborted meanwhile dropped): the blocks the
+        step writes before its forward, and the request with its prompt computed and the prefill's first
+        token appended, out of transit (the scheduler checks that token and runs the request).
+        ValueError if the blocks that arrived are not the ones allocated."""
+        for arrival in self._arrivals:
+            request = self.receiving.get(arrival.request_id)
+            if request is None:  # aborted while its KV travelled
+                continue
+            block_ids = tuple(request.block_ids[request.num_computed_tokens // self.kv_manager.block_size :])
+            if arrival.data.shape[1] != len(block_ids):
+                raise ValueError(f"request {arrival.request_id!r}: {arrival.data.shape[1]} KV blocks arrived, "
+                                 f"{len(block_ids)} were allocated")
+            del self.receiving[arrival.request_id]
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.num_cached_tokens = arrival.num_cached_tokens
+            request.append_output_token(arrival.first_token, arrival.logprobs)
+            self.kv_manager.cache_full_blocks(request)
+            yield KVWrite(block_ids, arrival.data), request
+        self._arrivals = []
+
+    # ---- prefill side --------------------------------------------------------------------------
+    def hold(self, request: Request) -> bool:
+        """A request that just finished: a prefill for a decode instance (``kv_transfer == "send"``)
+        keeps its blocks until they are copied out (True); False for any other (the scheduler frees it)."""
+        if request.kv_transfer != "send":
+            return False
+        self.held[request.request_id] = request
+        return True
+
     def export_blocks(self, request_id: str) -> tuple[Request, list[int]]:
         """A held request and the blocks to send: from its first wanted block through the last that
-        holds a prompt token (the held request stays until :meth:`remove` releases it)."""
+        holds a prompt token (the held request stays until :meth:`release`)."""
         request = self.held[request_id]
         last = self.kv_manager.num_blocks_for(request.num_prompt_tokens)
         return request, request.block_ids[request.kv_first_block : last]
+
+    def release(self, request_id: str) -> None:
+        """Free a held prefill's blocks (copied out, or its transfer given up)."""
+        self._release(self.held.pop(request_id))

@@ -31,28 +31,25 @@ from epserve.config import (
 from epserve.engine.balancer import RebalanceReport
 from epserve.engine.engine import LLMEngine
 from epserve.engine.profiler import StepRecord
-from epserve.engine.request import SamplingParams
-from epserve.engine.sampler import TokenLogprobs
-from epserve.engine.worker import (
-    EngineWorker,
+from epserve.engine.worker import EngineWorker, join_torchrun, spawn_ranks
+from epserve.messages.commands import (
     Generate,
     GetCacheInfo,
     GetCommBytes,
     GetExpertLoad,
     GetProfile,
     GetSpeculativeStats,
-    OfflineRequest,
     RebalanceExperts,
     ResetCommStats,
     ResetExpertLoad,
     SetOverlap,
     SetProfiling,
     WorkerCommand,
-    join_torchrun,
-    spawn_ranks,
 )
+from epserve.messages.engine import AddRequest
+from epserve.messages.expert_load import ExpertLoad
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.model.quantization import resolve_fp8_weights
-from epserve.moe.stats import ExpertLoad
 from epserve.parallel.launch import RankFailure, RankProcesses, torchrun_rank
 from epserve.tokenizer import load_tokenizer
 
@@ -77,7 +74,8 @@ class LLM:
     """An engine with a tokenizer. ``model=None`` uses the built-in tiny checkpoint."""
 
     def __init__(
-        self, model: str | Path | None = None, dtype: str = "bfloat16", device: str = "cpu", **options: Any
+        self, model: str | Path | None = None, dtype: str = EngineConfig.dtype, device: str = EngineConfig.device,
+        **options: Any,
     ) -> None:
         """``options``: the keywords of :func:`build_engine_config` (``block_size``, ``num_blocks``,
         ``max_num_seqs``, ``max_model_len``, ``dp``, ``tp``, ``dispatch``, ``overlap``, ``quantization``,
@@ -144,7 +142,7 @@ class LLM:
             rid = str(next(self._ids))
             token_ids = self._encode(prompt)
             outputs.append(RequestOutput(rid, prompt if isinstance(prompt, str) else None, token_ids))
-            requests.append(OfflineRequest(rid, token_ids, p))
+            requests.append(AddRequest(rid, tuple(token_ids), p))
         results = self._call(Generate(tuple(requests), use_tqdm))
         for out in outputs:
             res = results[out.request_id]
@@ -226,40 +224,41 @@ class LLM:
         return list(prompt)
 
 
+# Every keyword defaults to its config dataclass's own default (config/engine.py), declared once there.
 def build_engine_config(
     model: str | Path | None = None,
-    dtype: str = "bfloat16",
-    device: str = "cpu",
+    dtype: str = EngineConfig.dtype,
+    device: str = EngineConfig.device,
     *,
-    block_size: int = 16,
-    num_blocks: int | None = None,
-    memory_budget_bytes: int | None = None,
-    memory_utilization: float = 0.5,
-    enable_prefix_caching: bool = True,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    max_model_len: int | None = None,
-    dp: int = 1,
-    tp: int = 1,
-    dispatch: DispatchBackend = "auto",
-    overlap: OverlapSetting = "auto",
-    microbatch_threshold: int | None = None,
-    num_redundant_experts: int = 0,
-    enable_eplb: bool = False,
-    eplb_window_size: int = 1000,
-    eplb_step_interval: int = 3000,
-    eplb_replica_selection: ReplicaSelection = "position",
-    nnodes: int = 1,
-    node_rank: int = 0,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    quantization: Quantization = "auto",
-    kv_cache_dtype: KvCacheDtype = "auto",
-    cuda_graph: bool | None = None,
-    compile: bool = False,
-    cuda_graph_max_bs: int | None = None,
-    speculative: SpeculativeMethod = None,
-    num_speculative_tokens: int = 1,
+    block_size: int = CacheConfig.block_size,
+    num_blocks: int | None = CacheConfig.num_blocks,
+    memory_budget_bytes: int | None = CacheConfig.memory_budget_bytes,
+    memory_utilization: float = CacheConfig.memory_utilization,
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+    max_num_seqs: int = SchedulerConfig.max_num_seqs,
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+    max_model_len: int | None = SchedulerConfig.max_model_len,
+    dp: int = ParallelConfig.dp,
+    tp: int = ParallelConfig.tp,
+    dispatch: DispatchBackend = ParallelConfig.dispatch,
+    overlap: OverlapSetting = ParallelConfig.overlap,
+    microbatch_threshold: int | None = ParallelConfig.microbatch_threshold,
+    num_redundant_experts: int = ParallelConfig.num_redundant_experts,
+    enable_eplb: bool = EplbConfig.enabled,
+    eplb_window_size: int = EplbConfig.window_size,
+    eplb_step_interval: int = EplbConfig.step_interval,
+    eplb_replica_selection: ReplicaSelection = EplbConfig.replica_selection,
+    nnodes: int = ParallelConfig.nnodes,
+    node_rank: int = ParallelConfig.node_rank,
+    master_addr: str = ParallelConfig.master_addr,
+    master_port: int | None = ParallelConfig.master_port,
+    quantization: Quantization = EngineConfig.quantization,
+    kv_cache_dtype: KvCacheDtype = CacheConfig.kv_cache_dtype,
+    cuda_graph: bool | None = EngineConfig.cuda_graph,
+    compile: bool = EngineConfig.compile,
+    cuda_graph_max_bs: int | None = EngineConfig.cuda_graph_max_bs,
+    speculative: SpeculativeMethod = EngineConfig.speculative,
+    num_speculative_tokens: int = EngineConfig.num_speculative_tokens,
 ) -> EngineConfig:
     """The engine configuration ``LLM`` and ``epserve serve`` start from (``model=None``: the built-in
     tiny checkpoint); ValueError for an inconsistent one. ``quantization``: ``"fp8"`` keeps FP8
@@ -286,7 +285,8 @@ def build_engine_config(
     parallel = ParallelConfig(
         dp=dp, tp=tp, dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
         num_redundant_experts=num_redundant_experts, nnodes=nnodes,
-        eplb=EplbConfig(enable_eplb, eplb_window_size, eplb_step_interval, eplb_replica_selection), node_rank=node_rank,
+        eplb=EplbConfig(enabled=enable_eplb, window_size=eplb_window_size, step_interval=eplb_step_interval,
+                        replica_selection=eplb_replica_selection), node_rank=node_rank,
         master_addr=master_addr, master_port=master_port,
     )
     parallel.check_model(model_config)

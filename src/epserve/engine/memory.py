@@ -25,7 +25,8 @@ def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
 
 def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype, num_layers: int | None = None) -> int:
     """Latent cache bytes of one token across all ``num_layers`` cached layers (default: the main
-    model's; one more with an MTP draft layer)."""
+    model's; one more with an MTP draft layer), what the engine allocates. The planner prices the same
+    figure by KV dtype name, torch-free: ``planner.memory.planned_kv_bytes_per_token``."""
     layers = model.num_hidden_layers if num_layers is None else num_layers
     return layers * model.kv_cache_dim * dtype.itemsize
 

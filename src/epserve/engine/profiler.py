@@ -2,8 +2,10 @@
 
 Each decoder layer times every op it runs (a ``*_send`` op is the time to start a transfer, a
 ``*_recv`` op the time spent waiting for it: what the overlap did not hide); the runner adds the
-whole forward and the sampling, the engine the whole step (scheduling, the step's all-reduce and
-batch broadcast included). One record per step that ran a forward, tagged with the step's shape.
+whole forward and the sampling, the step loop (:mod:`epserve.engine.loop`) the whole step
+(scheduling, the step's all-reduce and batch broadcast included) through :meth:`OpProfiler.time_step`,
+or :data:`UNTIMED` while profiling is off. One record per step that ran a forward, tagged with the
+step's shape.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -47,3 +52,23 @@ class OpProfiler:
         out = fn(*args)
         self.add(name, self.now() - start)
         return out
+
+    def time_step(self, step: Callable[..., T], *args: object) -> T:
+        """Run one engine step; if it ran a forward (its record began), the whole step's wall time
+        joins that record as ``"step"``."""
+        start, num_records = self.now(), len(self.steps)
+        out = step(*args)
+        if len(self.steps) > num_records:
+            self.steps[-1].seconds["step"] = self.now() - start
+        return out
+
+
+class Untimed:
+    """Profiling off: :meth:`time_step` just runs the step."""
+
+    @staticmethod
+    def time_step(step: Callable[..., T], *args: object) -> T:
+        return step(*args)
+
+
+UNTIMED = Untimed()

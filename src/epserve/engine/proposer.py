@@ -11,7 +11,7 @@ request's last accepted position drafts its first token. Pass ``j > 1`` chains t
 output: one row per request still drafting, at the next position, fed the previous draft and the
 previous pass's hidden state (as vLLM and SGLang chain one MTP module for ``k > 1``). Chained passes
 write KV past the request's computed tokens; the next step overwrites it,
-and the scheduler frees the blocks it no longer needs (``KVCacheManager.trim``).
+and the scheduler frees the blocks it no longer needs (``SpecManager.verified``).
 
 A DP group's leader builds each pass and broadcasts it to its TP peers (``DraftPass``); only the leader
 holds the head, so only it draws drafts (``spec_decode.draft_tokens``).
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
-from epserve.engine.request import Request, draft_room
-from epserve.engine.scheduler import ScheduledChunk
+from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
+from epserve.engine.spec_manager import draft_room
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.parallel.comm import broadcast_from_leader

@@ -1,4 +1,5 @@
-"""A generation request: its sampling parameters, token history and scheduling state.
+"""A generation request: its sampling parameters, token history and scheduling state; the part of it one
+step runs (``ScheduledChunk``) and what the step did to it (``RequestUpdate``).
 
 Plain Python, no tensors. The scheduler owns ``status`` and ``num_computed_tokens``; the KV cache
 manager owns ``block_ids`` and ``block_hashes``; the runner only reads.
@@ -11,63 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-MAX_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick each next token and when to stop.
-
-    ``top_k`` of 0 or -1 disables top-k; ``logprobs=None`` returns none, ``k >= 0`` returns the
-    sampled token's logprob plus the ``k`` most likely tokens.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
-        stop = self.stop_token_ids
-        if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
-            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {stop!r}")
-        stop = tuple(stop)
-        bad = [t for t in stop if not _is_int(t) or t < 0]
-        if bad:
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {bad!r}")
-        # The one sanctioned write to a frozen instance: normalise a list to a tuple.
-        object.__setattr__(self, "stop_token_ids", stop)
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+from epserve.messages.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -113,7 +58,6 @@ class Request:
         "block_hashes",
         "num_cached_tokens",
         "num_preemptions",
-        "draft_token_ids",
         "kv_transfer",
         "kv_first_block",
         "_all_token_ids",
@@ -146,8 +90,6 @@ class Request:
         self.block_hashes: list[int] = []
         self.num_cached_tokens = 0
         self.num_preemptions = 0
-        # Speculative decoding: tokens the draft model proposed after the last known one (not yet verified).
-        self.draft_token_ids: list[int] = []
         self.kv_transfer = kv_transfer
         self.kv_first_block = kv_first_block
         # prompt + outputs in one list, appended to, so reading it costs no copy.
@@ -191,11 +133,74 @@ class Request:
         )
 
 
-def draft_room(request: Request, max_model_len: int, num_new: int = 0) -> int:
-    """How many drafts the request could still use once ``num_new`` more tokens are appended: neither
-    past ``max_tokens`` nor the context, the token sampled after them included."""
-    return min(request.sampling_params.max_tokens - request.num_output_tokens,
-               max_model_len - request.num_tokens) - num_new - 1
+def decodes_at(request: Request, start: int) -> bool:
+    """Whether running ``request`` from token ``start`` is a decode: only the last known token lacks
+    KV, and it is an output token (so a recompute's prompt part never counts)."""
+    return start == request.num_tokens - 1 and start >= request.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of ``request.all_token_ids`` to run this step; with
+    speculative decoding, a decode's last ``len(drafts)`` tokens are draft tokens after the last known
+    one (positions past ``request.num_tokens``), verified by this step's forward.
+
+    ``start`` is the request's ``num_computed_tokens`` before the step (KV for ``[0, start)`` is in
+    the cache, in ``request.block_ids``). ``needs_sample`` and ``is_decode`` read the request's
+    current length, so they hold between ``schedule()`` and ``update()`` (which appends a token).
+    ``is_decode`` is the engine's one definition of a decode: the scheduler orders by it, the batch
+    plan counts it, and the model runs those rows in absorbed MLA form.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def num_known(self) -> int:
+        """Tokens of the chunk that are the request's own (the drafts excluded)."""
+        return self.num_tokens - len(self.drafts)
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the last known token, so the runner samples the next one (and verifies
+        the drafts)."""
+        return self.start + self.num_known == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Exactly one known token, the last one, an output token (:func:`decodes_at`), plus any drafts.
+        Every other chunk (prompt chunks, a recompute after preemption) is a prefill; a prefill chunk
+        may also be a single token (the last prompt token alone)."""
+        return self.num_known == 1 and decodes_at(self.request, self.start)
+
+    @property
+    def is_prefill(self) -> bool:
+        return not self.is_decode
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_known] + list(self.drafts)
+
+    def slot_ids(self, block_size: int) -> list[int]:
+        """KV cache slot of each position of the chunk (``block * block_size + offset``)."""
+        block_ids = self.request.block_ids
+        return [block_ids[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)]
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What one ``update`` did to one request: the token it got (if any) and whether it ended."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" when finished
 
 
 def check_prompt(
@@ -214,7 +219,7 @@ def check_prompt(
         )
     # The last token of a finished request is never fed back, so it needs no KV slot.
     num_kv_tokens = min(num_prompt + max_tokens, max_model_len) - 1
-    if num_speculative_tokens:  # drafts verified and chained past the last token (Scheduler._allocation)
+    if num_speculative_tokens:  # drafts verified and chained past the last token (SpecManager.num_slots)
         num_kv_tokens = min(num_prompt + max_tokens - 2 + 2 * num_speculative_tokens, max_model_len)
     num_blocks_needed = -(-num_kv_tokens // block_size)
     if num_blocks_needed > num_blocks:

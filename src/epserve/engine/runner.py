@@ -12,14 +12,16 @@ from epserve.config import EngineConfig
 from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.graphs import DecodeGraphs, pad_decode
-from epserve.engine.kv_handoff import KVLayout, KVWrite
+from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
 from epserve.engine.proposer import MTPProposer
-from epserve.engine.request import Request, SamplingParams
+from epserve.engine.request import Request
 from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, VerifyGroup, verify
+from epserve.messages.kv import KVLayout
+from epserve.messages.sampling import SamplingParams
 from epserve.model.batch import ForwardBatch
 from epserve.model.loader import load_model, model_bytes
 from epserve.model.quantization import resolve_fp8_weights

@@ -12,16 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.engine.request import SamplingParams
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprob of the sampled token under the model's (unmodified) distribution, and the top ones."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """Continuous-batching scheduler: chunked prefill under a token budget, decode first, preemption by
-recompute when KV blocks run out.
+recompute when KV blocks run out. Speculative decoding's drafts are ``SpecManager``'s (how many slots a
+chunk needs, which drafts a decode verifies, the rollback after it); the requests whose KV crosses
+instances (prefill/decode disaggregation) are ``KVHandoff``'s until they run or once they finished.
 
 One engine step is ``output = scheduler.schedule()``, the runner's forward over ``output.chunks``
 (sampling one token for each chunk with ``needs_sample``), then exactly one
@@ -10,73 +12,14 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from epserve.config import CacheConfig, SchedulerConfig
-from epserve.engine.kv_handoff import KVHandoff, KVWanted
+from epserve.engine.kv_handoff import KVHandoff
 from epserve.engine.kv_manager import KVCacheManager
-from epserve.engine.request import Request, RequestStatus, check_prompt, draft_room
-
-
-def decodes_at(request: Request, start: int) -> bool:
-    """Whether running ``request`` from token ``start`` is a decode: only the last known token lacks
-    KV, and it is an output token (so a recompute's prompt part never counts)."""
-    return start == request.num_tokens - 1 and start >= request.num_prompt_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """Tokens ``[start, start + num_tokens)`` of ``request.all_token_ids`` to run this step; with
-    speculative decoding, a decode's last ``len(drafts)`` tokens are draft tokens after the last known
-    one (positions past ``request.num_tokens``), verified by this step's forward.
-
-    ``start`` is the request's ``num_computed_tokens`` before the step (KV for ``[0, start)`` is in
-    the cache, in ``request.block_ids``). ``needs_sample`` and ``is_decode`` read the request's
-    current length, so they hold between ``schedule()`` and ``update()`` (which appends a token).
-    ``is_decode`` is the engine's one definition of a decode: the scheduler orders by it, the batch
-    plan counts it, and the model runs those rows in absorbed MLA form.
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    drafts: tuple[int, ...] = ()
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def num_known(self) -> int:
-        """Tokens of the chunk that are the request's own (the drafts excluded)."""
-        return self.num_tokens - len(self.drafts)
-
-    @property
-    def needs_sample(self) -> bool:
-        """The chunk reaches the last known token, so the runner samples the next one (and verifies
-        the drafts)."""
-        return self.start + self.num_known == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """Exactly one known token, the last one, an output token (:func:`decodes_at`), plus any drafts.
-        Every other chunk (prompt chunks, a recompute after preemption) is a prefill; a prefill chunk
-        may also be a single token (the last prompt token alone)."""
-        return self.num_known == 1 and decodes_at(self.request, self.start)
-
-    @property
-    def is_prefill(self) -> bool:
-        return not self.is_decode
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_known] + list(self.drafts)
-
-    def slot_ids(self, block_size: int) -> list[int]:
-        """KV cache slot of each position of the chunk (``block * block_size + offset``)."""
-        block_ids = self.request.block_ids
-        return [block_ids[p // block_size] * block_size + p % block_size for p in range(self.start, self.end)]
+from epserve.engine.request import Request, RequestStatus, RequestUpdate, ScheduledChunk, decodes_at
+from epserve.engine.spec_manager import SpecManager, step_tokens
 
 
 @dataclass(frozen=True)
@@ -84,21 +27,10 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]  # decodes first, then prefills
     num_batched_tokens: int
     preempted_ids: tuple[str, ...] = ()
-    kv_wanted: tuple[KVWanted, ...] = ()  # decode side: requests whose blocks were allocated this step
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-
-@dataclass(frozen=True)
-class RequestUpdate:
-    """What one ``update`` did to one request: the token it got (if any) and whether it ended."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" when finished
 
 
 class Scheduler:
@@ -117,11 +49,11 @@ class Scheduler:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.config = scheduler_config
         self.max_model_len = max_model_len
-        self.block_size = cache_config.block_size
-        self.num_spec = num_speculative_tokens
         self.kv_manager = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, int(num_speculative_tokens > 0)
         )
+        self.spec = SpecManager(self.kv_manager, num_speculative_tokens, max_model_len,
+                                scheduler_config.max_num_batched_tokens)  # speculative decoding's drafts
         self.waiting: deque[Request] = deque()  # in arrival order; preempted ones go back in front
         self.running: list[Request] = []  # in arrival order; the last one is preempted first
         self._requests: dict[str, Request] = {}
@@ -130,7 +62,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._unreported: list[Request] = []  # aborted since the last update
         self._in_flight: set[str] = set()  # scheduled by the last schedule(), not yet updated
-        self.handoff = KVHandoff(self.kv_manager)  # prefill/decode disaggregation's requests in transit
+        self.handoff = KVHandoff(self.kv_manager, self._release)  # disaggregation's requests in transit
 
     # ---- requests --------------------------------------------------------------------------
     @property
@@ -141,11 +73,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def num_receiving(self) -> int:
-        """Requests waiting for their prompt's KV from a prefill instance (blocks allocated or not)."""
-        return len(self.handoff.pending) + len(self.handoff.receiving)
-
     def has_unfinished_requests(self) -> bool:
         """True while a step can advance a request: one is waiting or running, an abort is yet to be
         reported, or requests wait for KV blocks that only a step can free. Requests whose KV is on its
@@ -153,17 +80,17 @@ class Scheduler:
         return bool(self.waiting or self.running or self._unreported or self.handoff.blocked)
 
     def add_request(self, request: Request) -> None:
+        """Queue a checked request (``check_prompt``: the engine's one check, where it enters)."""
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {rid!r} is not a new request ({request.status.name})")
-        check_prompt(rid, request.num_prompt_tokens, request.sampling_params.max_tokens, self.max_model_len,
-                     self.block_size, self.kv_manager.num_blocks, self.num_spec)
         self._requests[rid] = request
         self._arrival_index[rid] = self._num_arrivals
         self._num_arrivals += 1
-        (self.handoff.pending if request.kv_transfer == "receive" else self.waiting).append(request)
+        if not self.handoff.add(request):  # (its prompt KV comes from a prefill instance)
+            self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks. Returns False if it is unknown or already finished;
@@ -194,11 +121,11 @@ class Scheduler:
             if not decodes_at(request, request.num_computed_tokens):
                 i += 1
                 continue
-            drafts = self._drafts(request)
+            drafts = self.spec.drafts(request)
             if 1 + len(drafts) > budget:  # all or nothing: its drafts wait for a step with room
                 i += 1
                 continue
-            while not self.kv_manager.allocate_slots(request, self._allocation(request, 1 + len(drafts))):
+            while not self.kv_manager.allocate_slots(request, self.spec.num_slots(request, 1 + len(drafts))):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -218,21 +145,21 @@ class Scheduler:
             if decodes_at(request, request.num_computed_tokens):
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv_manager.allocate_slots(request, self._allocation(request, num_new)):
-                chunks.append(self._make_chunk(request, num_new))
+            if self.kv_manager.allocate_slots(request, self.spec.num_slots(request, num_new)):
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
                 budget -= num_new
 
         # 3. Requests whose prompt KV comes from a prefill instance: their blocks, so the transfer can
         # start (the KV arrives between steps). None after a preemption.
-        room = self.config.max_num_seqs - len(self.running) - len(self.handoff.receiving)
-        kv_wanted = self.handoff.allocate(room) if not preempted else []
+        if not preempted:
+            self.handoff.allocate(self.config.max_num_seqs - len(self.running))
 
         # 4. Waiting requests, FIFO: the head blocks those behind it. None after a preemption.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit = self.kv_manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
-            if not self.kv_manager.allocate_slots(request, self._allocation(request, num_new, hit.num_tokens),
+            if not self.kv_manager.allocate_slots(request, self.spec.num_slots(request, num_new, hit.num_tokens),
                                                   hit.block_ids):
                 break
             self.waiting.popleft()
@@ -241,7 +168,7 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._arrival_of)
-            chunks.append(self._make_chunk(request, num_new))
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
 
         ordered = [c for c in chunks if c.is_decode] + [c for c in chunks if not c.is_decode]
@@ -250,50 +177,38 @@ class Scheduler:
             chunks=tuple(ordered),
             num_batched_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=tuple(r.request_id for r in preempted),
-            kv_wanted=tuple(kv_wanted),
         )
 
-    def kv_arrived(self, request_id: str, token: int, logprobs: object | None, num_cached_tokens: int,
-                   ) -> RequestUpdate | None:
-        """A receiving request's KV arrived with the prefill's first token (call before ``schedule()``;
-        the engine writes the KV before this step's forward): it runs like any decode from now on.
-        The update reports the token (and the end, if that token stops it); None if it was aborted."""
-        request = self.handoff.arrived(request_id)
-        if request is None:
-            return None
-        request.num_cached_tokens = num_cached_tokens
-        request.append_output_token(token, logprobs)
+    def start_decoding(self, request: Request) -> RequestUpdate:
+        """A request whose prompt was computed elsewhere, its first token appended
+        (``KVHandoff.take_arrivals``; call before ``schedule()``): it runs like any decode from now on.
+        The update reports the token (and the end, if that token stops it)."""
+        token = request.output_token_ids[-1]
         status = self._check_stop(request, token)
-        self.kv_manager.cache_full_blocks(request)
         if status is not None:
             request.status = status
             self._release(request)
         else:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._arrival_of)
-        return RequestUpdate(request_id, (token,), status is not None, request.finish_reason)
-
-    def release_held(self, request_id: str) -> None:
-        """Free a finished prefill's held blocks (copied out, or its transfer given up)."""
-        self._release(self.handoff.held.pop(request_id))
+        return RequestUpdate(request.request_id, (token,), status is not None, request.finish_reason)
 
     def update(
         self,
         output: SchedulerOutput,
         sampled: dict[str, int | Sequence[int]],
         logprobs: dict[str, object] | None = None,
-        drafts: dict[str, list[int]] | None = None,
+        drafts: Mapping[str, Sequence[int]] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a finished step: advance computed tokens, append sampled tokens (and
         ``logprobs[request_id]`` to ``request.output_logprobs`` when given), cache full blocks,
         stop and free finished requests. Returns an update for every request that got a token or
         finished, aborted ones included.
 
-        With speculative decoding a request's ``sampled`` entry is a sequence: the accepted drafts then
-        the token sampled after them (``logprobs`` one entry per token); they are appended one by one
-        and a stop condition cuts the rest, exactly where plain decoding would stop. Only the KV of
-        appended tokens counts as computed; blocks past it are freed (the rejected drafts' KV rolls
-        back). ``drafts[request_id]``: the draft tokens to verify in the request's next decode."""
+        With speculative decoding a request's ``sampled`` entry is a sequence (``step_tokens``), appended
+        one by one: a stop condition cuts the rest, exactly where plain decoding would stop, and only
+        the appended tokens' KV counts as computed (``SpecManager.verified`` rolls the rest back).
+        ``drafts[request_id]``: the draft tokens to verify in the request's next decode."""
         updates = [RequestUpdate(r.request_id, (), True, r.finish_reason) for r in self._unreported]
         for request in self._unreported:
             if self._requests.get(request.request_id) is request:  # aborted while in flight
@@ -314,10 +229,7 @@ class Scheduler:
                 continue
             if rid not in sampled:
                 raise KeyError(f"no sampled token for request {rid!r}")
-            got = sampled[rid]
-            tokens = (got,) if isinstance(got, int) else tuple(got)
-            lps = None if logprobs is None else logprobs.get(rid)
-            lps = (lps,) * len(tokens) if lps is None or isinstance(got, int) else tuple(lps)  # type: ignore[arg-type]
+            tokens, lps = step_tokens(sampled[rid], None if logprobs is None else logprobs.get(rid))
             status, n = None, 0
             for token, lp in zip(tokens, lps):
                 n += 1
@@ -330,17 +242,14 @@ class Scheduler:
             if status is not None:
                 request.status = status
                 finished.append(request)
-            elif self.num_spec:
-                self.kv_manager.trim(request)
-                request.draft_token_ids = list(drafts.get(rid, ())) if drafts else []
+            else:
+                self.spec.verified(request, drafts)
             updates.append(RequestUpdate(rid, tokens[:n], status is not None, request.finish_reason))
         if finished:
             done = {r.request_id for r in finished}
             self.running = [r for r in self.running if r.request_id not in done]
             for request in finished:
-                if request.kv_transfer == "send":  # a prefill for a decode instance: blocks held until copied
-                    self.handoff.held[request.request_id] = request
-                else:
+                if not self.handoff.hold(request):  # (a prefill for a decode instance: held until copied)
                     self._release(request)
         return updates
 
@@ -353,27 +262,6 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    @staticmethod
-    def _make_chunk(request: Request, num_tokens: int) -> ScheduledChunk:
-        return ScheduledChunk(request, request.num_computed_tokens, num_tokens)
-
-    def _drafts(self, request: Request) -> tuple[int, ...]:
-        """The drafts a decode verifies: all it has, within a step's token budget and neither past
-        ``max_tokens`` nor the context (the token sampled after them counts too). Only the request's own
-        state decides, never what else runs (a decode waits rather than verify fewer), so how a seeded
-        request's positions group into steps, and so what it draws, is its own."""
-        room = min(self.config.max_num_batched_tokens - 1, draft_room(request, self.max_model_len))
-        return tuple(request.draft_token_ids[: max(room, 0)])
-
-    def _allocation(self, request: Request, num_new: int, start: int | None = None) -> int:
-        """KV slots to allocate for ``num_new`` tokens from ``start`` (default: the computed ones): with
-        speculative decoding, a chunk that samples also writes the draft layer's KV of the next
-        ``num_spec - 1`` positions (the chained drafts), within the context."""
-        start = request.num_computed_tokens if start is None else start
-        if not self.num_spec or start + num_new < request.num_tokens:  # a prompt chunk that does not sample
-            return num_new
-        return max(num_new, min(num_new + self.num_spec - 1, self.max_model_len - start))
-
     def _arrival_of(self, request: Request) -> int:
         return self._arrival_index[request.request_id]
 
@@ -381,7 +269,7 @@ class Scheduler:
         """Preemption by recompute: drop the KV, keep the outputs, wait at the front of the queue."""
         self.kv_manager.free(request)
         request.num_computed_tokens = 0
-        request.draft_token_ids = []
+        self.spec.forget(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -389,5 +277,6 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv_manager.free(request)
+        self.spec.forget(request)
         del self._requests[request.request_id]
         del self._arrival_index[request.request_id]

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epserve.engine.request import SamplingParams
-from epserve.engine.sampler import TokenLogprobs, filter_logits
+from epserve.engine.sampler import filter_logits
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
 DRAFT, ACCEPT, SAMPLE = 1, 2, 3  # the roles of a position's draws
 

@@ -5,8 +5,9 @@ The commands are small frozen dataclasses, the same in every process layout: ``L
 :meth:`EngineWorker.handle` in this process (one rank, or torchrun) or sends them to spawned ranks
 (``RankProcesses.call``). ``Generate`` is SPMD: every rank receives the whole request list, checks it
 identically (so a bad request is refused everywhere before any collective), spreads it over the DP
-groups by load with the same deterministic rule, and steps in lockstep until no group has work; the
-leaders' results are then gathered so every rank returns all of them.
+groups by load with the same deterministic rule, and runs the step loop (:mod:`epserve.engine.loop`)
+until no group has work, each leader's :class:`OfflineFrontend` feeding it its share and collecting
+what it delivers; the leaders' results are then gathered so every rank returns all of them.
 
 A rank process runs an *entry* function (``start_rank`` for the offline API; the serving layer
 passes its own to :func:`spawn_ranks`), so this module knows nothing of what sits above it.
@@ -16,19 +17,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from epserve.config import EngineConfig, OverlapSetting
 from epserve.engine.engine import LLMEngine, RequestError
+from epserve.engine.loop import EngineLoop
 from epserve.engine.profiler import StepRecord
-from epserve.engine.request import SamplingParams
 from epserve.engine.runner import resolve_device
-from epserve.engine.sampler import TokenLogprobs
 from epserve.engine.spec_decode import merge_stats
 from epserve.env import collectives_on_loopback, pinning_enabled
+from epserve.messages.commands import (
+    Generate,
+    GetCacheInfo,
+    GetCommBytes,
+    GetExpertLoad,
+    GetProfile,
+    GetSpeculativeStats,
+    OfflineResult,
+    RebalanceExperts,
+    ResetCommStats,
+    ResetExpertLoad,
+    SetOverlap,
+    SetProfiling,
+    WorkerCommand,
+)
+from epserve.messages.engine import AddRequest, GeneratedTokens, LoopOutput, RequestFailed
+from epserve.messages.sampling import TokenLogprobs
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import (
     ParallelContext,
@@ -41,95 +57,16 @@ from epserve.parallel.launch import (
     RankHandler,
     RankInfo,
     RankProcesses,
-    die_with_parent,
     free_port,
     pin_to_cores,
     threads_per_rank,
 )
+from epserve.parallel.process import die_with_parent
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class OfflineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-# ---- the offline commands -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Generate:
-    requests: tuple[OfflineRequest, ...]
-    use_tqdm: bool = False
-
-
-@dataclass(frozen=True)
-class GetExpertLoad:
-    pass
-
-
-@dataclass(frozen=True)
-class SetOverlap:
-    mode: OverlapSetting  # as validated by the front end (ParallelConfig)
-    threshold: int | None = None  # None: keep the current one
-
-
-@dataclass(frozen=True)
-class ResetCommStats:
-    pass
-
-
-@dataclass(frozen=True)
-class GetCommBytes:
-    pass
-
-
-@dataclass(frozen=True)
-class RebalanceExperts:
-    pass
-
-
-@dataclass(frozen=True)
-class ResetExpertLoad:
-    pass
-
-
-@dataclass(frozen=True)
-class SetProfiling:
-    enabled: bool
-
-
-@dataclass(frozen=True)
-class GetProfile:
-    pass
-
-
-@dataclass(frozen=True)
-class GetCacheInfo:
-    pass
-
-
-@dataclass(frozen=True)
-class GetSpeculativeStats:
-    pass
-
-
-WorkerCommand = (
-    Generate | GetExpertLoad | RebalanceExperts | ResetExpertLoad | SetOverlap | ResetCommStats | GetCommBytes
-    | SetProfiling | GetProfile | GetCacheInfo | GetSpeculativeStats
-)
-
-
-@dataclass
-class OfflineResult:
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] | None = None
-
-
-def assign_dp_groups(requests: list[OfflineRequest], dp: int) -> list[int]:
+def assign_dp_groups(requests: list[AddRequest], dp: int) -> list[int]:
     """Each request to the DP group with the least work so far (prompt + max new tokens), in order;
     deterministic, so every rank computes the same assignment."""
     load = [0] * dp
@@ -139,6 +76,46 @@ def assign_dp_groups(requests: list[OfflineRequest], dp: int) -> list[int]:
         load[g] += len(r.prompt_token_ids) + r.params.max_tokens
         groups.append(g)
     return groups
+
+
+class OfflineFrontend:
+    """The step loop's frontend for one ``Generate`` call on a leader: what the loop delivers for this
+    call's requests, collected into their results (a request of an earlier, failed call is ignored)."""
+
+    def __init__(self, requests: list[AddRequest], bar: tqdm) -> None:
+        self.bar = bar
+        self.token_ids: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        self.logprobs: dict[str, list[TokenLogprobs] | None] = {
+            r.request_id: [] if r.params.logprobs is not None else None for r in requests}
+        self.last: dict[str, GeneratedTokens] = {}  # each finished request's last message
+        self.failure: str | None = None  # the first request that did not run, why
+
+    def deliver(self, outputs: list[LoopOutput]) -> None:
+        token_ids = self.token_ids
+        for out in outputs:
+            if isinstance(out, GeneratedTokens):
+                tokens = token_ids.get(out.request_id)
+                if tokens is None:
+                    continue
+                tokens.extend(out.token_ids)
+                if out.logprobs:
+                    self.logprobs[out.request_id].extend(out.logprobs)  # type: ignore[union-attr]
+                if out.finish_reason is not None:
+                    self.last[out.request_id] = out
+                    self.bar.update(1)
+            elif isinstance(out, RequestFailed) and self.failure is None:
+                self.failure = f"request {out.request_id!r}: {out.message}"
+
+    def set_draining(self) -> None:
+        pass  # offline ranks never vote to stop
+
+    def results(self) -> dict[str, OfflineResult]:
+        out = {}
+        for rid, tokens in self.token_ids.items():
+            last = self.last.get(rid)
+            out[rid] = OfflineResult(tokens, last.finish_reason if last else None,
+                                     last.num_cached_tokens if last else 0, self.logprobs[rid])
+        return out
 
 
 class EngineWorker:
@@ -178,46 +155,31 @@ class EngineWorker:
                 return self.speculative_stats()
         raise TypeError(f"unknown command {command!r}")
 
-    def generate(self, requests: list[OfflineRequest], use_tqdm: bool = False) -> dict[str, OfflineResult]:
-        engine = self.engine
+    def generate(self, requests: list[AddRequest], use_tqdm: bool = False) -> dict[str, OfflineResult]:
+        """The ``Generate`` command (every rank, the same list): each request's result, on every rank.
+        An exception aborts the requests this call added (the loop does) and is raised."""
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise RequestError("request ids must be unique")
-        checked = [engine.make_request(r.request_id, r.prompt_token_ids, r.params) for r in requests]
+        checked = [self.engine.check_request(r) for r in requests]
         groups = assign_dp_groups(requests, self.ctx.dp)
         mine = [r for r, g in zip(checked, groups) if g == self.ctx.dp_rank] if self.ctx.is_leader else []
-        results = {r.request_id: OfflineResult() for r in mine}
-        added = []
-        bar = tqdm(total=len(mine), desc="Generating", disable=not (use_tqdm and self.ctx.rank == 0))
+        loop = EngineLoop(self.engine)
+        frontend = OfflineFrontend(mine, tqdm(total=len(mine), desc="Generating",
+                                              disable=not (use_tqdm and self.ctx.rank == 0)))
+        for request in mine:
+            loop.submit(request, ring=False)  # taken by the loop's first pass (an offline loop never sleeps)
         try:
-            for request in mine:
-                engine.enqueue(request)
-                added.append(request)
-            while True:
-                for update in engine.step():
-                    out = results.get(update.request_id)
-                    if out is None:  # e.g. the abort report of an earlier, failed call
-                        continue
-                    out.token_ids.extend(update.new_token_ids)
-                    if update.finished:
-                        out.finish_reason = update.finish_reason
-                        bar.update(1)
-                if not engine.anybody_unfinished:
-                    break
-        except BaseException:
-            for request in added:
-                engine.abort_request(request.request_id)
-            raise
+            loop.run(frontend, until_idle=True)
         finally:
-            bar.close()
-        for request in added:
-            out = results[request.request_id]
-            out.num_cached_tokens = request.num_cached_tokens
-            if request.sampling_params.logprobs is not None:
-                out.logprobs = list(request.output_logprobs)  # type: ignore[arg-type]
+            frontend.bar.close()
         merged: dict[str, OfflineResult] = {}
-        for part in gather_objects(results, self.ctx):
-            merged.update(part)  # type: ignore[arg-type]
+        failures = []
+        for results, failure in gather_objects((frontend.results(), frontend.failure), self.ctx):
+            merged.update(results)  # type: ignore[arg-type]
+            failures += [failure] if failure is not None else []
+        if failures:  # cannot happen for ids that are unique and new to the scheduler; every rank alike
+            raise RequestError(failures[0])
         return merged
 
     def speculative_stats(self) -> dict[str, object] | None:

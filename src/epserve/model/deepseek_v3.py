@@ -1,8 +1,9 @@
 """DeepSeek-V3 (and V2) decoder: embed -> [MLA + dense MLP | MoE] x L -> norm -> lm_head.
 
-A decoder layer's forward is straight code (``DecoderLayer.forward``, ``MLAttention.forward``,
-``MoE.forward``) that runs each named op of ``parallel/stages.py`` and yields at the micro-batch
-stage boundaries; ``parallel/overlap.py`` drains one such forward, or alternates two micro-batches'.
+A decoder layer's forward is one generator, read top to bottom (``DecoderLayer.forward`` delegating
+to ``MLAttention.forward`` and ``MoE.forward``), that runs each named op of ``parallel/stages.py`` and
+yields at the micro-batch stage boundaries; ``parallel/overlap.py`` drains one such forward (one
+micro-batch, eager or traced by ``torch.compile``), or alternates two micro-batches'.
 The model holds no distributed code of its own: the dispatcher, the expert placement and the
 tensor-parallel collectives are handed in at build time, so the same module runs for every parallel
 layout and dispatch backend.
@@ -26,7 +27,7 @@ from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.comm import TensorParallel
 from epserve.parallel.context import ParallelContext
-from epserve.parallel.overlap import Stages, run_interleaved, straight
+from epserve.parallel.overlap import Result, Stages, run_in_order, run_interleaved
 from epserve.parallel.stages import (
     ATTN_REDUCE_SCATTER,
     DISPATCH_RECV,
@@ -70,24 +71,26 @@ class DecoderLayer(nn.Module):
         """The stage list this layer runs under ``mode`` (dense layers: one stage whatever the mode)."""
         return _schedule(self.is_moe, mode)
 
-    def forward(self, x: torch.Tensor, mb: MicroBatch, mode: OverlapMode = "dispatch") -> Stages[torch.Tensor]:
-        """x [T, H] (the residual stream, the same on every TP rank) -> the next layer's [T, H].
-        Yields at the end of each stage of the micro-batch schedule (``parallel/overlap.py``); the ops
-        run in the order of ``self.schedule(mode)``."""
+    def forward(
+        self, x: torch.Tensor, mb: MicroBatch, result: Result[torch.Tensor], mode: OverlapMode = "dispatch"
+    ) -> Stages:
+        """x [T, H] (the residual stream, the same on every TP rank) -> ``result.value``: the next
+        layer's [T, H]. Yields at the end of each stage of the micro-batch schedule
+        (``parallel/overlap.py``); the ops run in the order of ``self.schedule(mode)``."""
         hook = self.op_hook
         h = run_op(hook, INPUT_NORM, self.input_layernorm, x)
-        partial = yield from self.self_attn.forward(h, mb, self.layer_idx, hook)
-        own = run_op(hook, ATTN_REDUCE_SCATTER, self._reduce_scatter, x, partial)  # [T / TP, H]
+        partial: Result[torch.Tensor] = Result()
+        yield from self.self_attn.forward(h, mb, self.layer_idx, partial, hook)
+        own = run_op(hook, ATTN_REDUCE_SCATTER, self._reduce_scatter, x, partial.value)  # [T / TP, H]
         h = run_op(hook, POST_NORM, self.post_attention_layernorm, own)
         if self.is_moe:
-            out = yield from self.mlp.forward(h, self.shared_during_dispatch[mode], hook)
+            routed: Result[torch.Tensor] = Result()
+            yield from self.mlp.forward(h, routed, self.shared_during_dispatch[mode], hook)
+            out = routed.value
         else:
             out = run_op(hook, MLP, self.mlp, h)
-        x = run_op(hook, FFN_ALL_GATHER, self.tp.all_gather, own + out, x.shape[0])
+        result.value = run_op(hook, FFN_ALL_GATHER, self.tp.all_gather, own + out, x.shape[0])
         yield
-        return x
-
-    forward_straight = straight(forward)  # the same, run start to finish (parallel/overlap.py)
 
     def _reduce_scatter(self, x: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         """The residual of the tokens this TP rank owns plus the o_proj partials summed over TP."""
@@ -134,25 +137,30 @@ class MTPLayer(DecoderLayer):
         return self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
 
 
-def _run_layers(layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, mode: OverlapMode) -> Stages[torch.Tensor]:
+def _run_layers(
+    layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, mode: OverlapMode, result: Result[torch.Tensor]
+) -> Stages:
+    """The layers' forwards one after another, as one stage generator; the last one's output in ``result``."""
     for layer in layers:
-        x = yield from layer.forward(x, mb, mode)
-    return x
+        yield from layer.forward(x, mb, result, mode)
+        x = result.value
 
 
 def _run_segment(layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, overlap: OverlapMode) -> torch.Tensor:
     """Consecutive layers of one kind: MoE layers as two interleaved micro-batches under ``microbatch``,
-    everything else straight through."""
+    everything else in order (the same layer forwards, drained)."""
     if layers[0].is_moe and overlap == "microbatch":
         a, b = mb.split()
         cut = a.batch.num_tokens
         offset = layers[0].schedule(overlap).micro_batch_offset
-        xa, xb = run_interleaved(_run_layers(layers, x[:cut], a, overlap), _run_layers(layers, x[cut:], b, overlap),
-                                 offset)
-        return torch.cat([xa, xb])
-    for layer in layers:
-        x = layer.forward_straight(x, mb, overlap)
-    return x
+        xa: Result[torch.Tensor] = Result()
+        xb: Result[torch.Tensor] = Result()
+        run_interleaved(_run_layers(layers, x[:cut], a, overlap, xa), _run_layers(layers, x[cut:], b, overlap, xb),
+                        offset)
+        return torch.cat([xa.value, xb.value])
+    out: Result[torch.Tensor] = Result()
+    run_in_order(_run_layers(layers, x, mb, overlap, out))
+    return out.value
 
 
 class DeepseekV3ForCausalLM(nn.Module):

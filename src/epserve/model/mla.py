@@ -11,7 +11,6 @@ prefill chunks, and :meth:`MLAttention.forward` runs both forms (the ``mixed`` o
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import NamedTuple
 
 import torch
@@ -23,7 +22,7 @@ from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from epserve.kernels.ops import mla_decode
 from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import Linear, RMSNorm, RopeTable
-from epserve.parallel.overlap import straight
+from epserve.parallel.overlap import Result, Stages
 from epserve.parallel.stages import (
     APPEND_KV,
     ATTENTION_CORE,
@@ -78,11 +77,13 @@ class MLAttention(nn.Module):
         self.register_buffer("kv_scale", torch.ones((), dtype=torch.float32))
 
     def forward(
-        self, h: torch.Tensor, mb: MicroBatch, layer_idx: int, hook: OpHook | None = None
-    ) -> Generator[None, None, torch.Tensor]:
-        """h [T, H] (normed) -> o_proj output [T, H] (partial sums over this rank's heads when TP > 1),
-        writing the tokens' latent KV to layer ``layer_idx``'s cache. Yields once, between the
-        projections and the attention itself: the end of the micro-batch schedule's first stage."""
+        self, h: torch.Tensor, mb: MicroBatch, layer_idx: int, result: Result[torch.Tensor],
+        hook: OpHook | None = None,
+    ) -> Stages:
+        """h [T, H] (normed) -> ``result.value``: the o_proj output [T, H] (partial sums over this rank's
+        heads when TP > 1), writing the tokens' latent KV to layer ``layer_idx``'s cache. Yields once,
+        between the projections and the attention itself: the end of the micro-batch schedule's first
+        stage (``parallel/overlap.py``)."""
         batch, rope, kv_cache = mb.batch, mb.rope, mb.kv_caches[layer_idx]
         q_a, latent = run_op(hook, QKV_A_PROJ, self.project_qkv_a, h)
         q = run_op(hook, Q_B_PROJ, self.project_q, h, q_a, rope)
@@ -92,9 +93,7 @@ class MLAttention(nn.Module):
         yield
         o_latent, out = run_op(hook, ATTENTION_CORE, self.attention_core, q, q_latent, prefill_kv, batch, kv_cache)
         out = run_op(hook, V_ABSORB, self.absorb_v, o_latent, out)
-        return run_op(hook, O_PROJ, self.project_out, out)
-
-    forward_straight = straight(forward)  # the same, run start to finish (parallel/overlap.py)
+        result.value = run_op(hook, O_PROJ, self.project_out, out)
 
     # ---- the attention ops of parallel/stages.py ---------------------------------------------
     def project_qkv_a(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

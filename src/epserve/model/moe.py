@@ -7,8 +7,6 @@ run while a transfer is in flight (``parallel/stages.py``, the micro-batch sched
 
 from __future__ import annotations
 
-from collections.abc import Generator
-
 import torch
 from torch import nn
 
@@ -16,9 +14,9 @@ from epserve.config import ModelConfig
 from epserve.model.layers import GatedMLP
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.experts import GroupedExperts
-from epserve.moe.placement import ExpertPlacement, select_replicas
 from epserve.moe.gate import ExpertGate
-from epserve.parallel.overlap import straight
+from epserve.moe.placement import ExpertPlacement, select_replicas
+from epserve.parallel.overlap import Result, Stages
 from epserve.parallel.stages import (
     COMBINE_RECV,
     COMBINE_SEND,
@@ -64,12 +62,14 @@ class MoE(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, shared_during_dispatch: bool = True, hook: OpHook | None = None
-    ) -> Generator[None, None, torch.Tensor]:
-        """x [T, H] (this TP rank's normed tokens) -> routed experts' weighted sum + shared expert [T, H].
-        ``shared_during_dispatch``: compute the shared expert while the dispatch is in flight (else
-        after the combine). Yields after the gate, after the dispatch is sent, after the combine is
-        sent: the ends of the micro-batch schedule's stages 2-4."""
+        self, x: torch.Tensor, result: Result[torch.Tensor], shared_during_dispatch: bool = True,
+        hook: OpHook | None = None,
+    ) -> Stages:
+        """x [T, H] (this TP rank's normed tokens) -> ``result.value``: the routed experts' weighted sum
+        plus the shared expert [T, H]. ``shared_during_dispatch``: compute the shared expert while the
+        dispatch is in flight (else after the combine). Yields after the gate, after the dispatch is
+        sent, after the combine is sent: the ends of the micro-batch schedule's stages 2-4
+        (``parallel/overlap.py``)."""
         topk_ids, topk_weights = run_op(hook, GATE, self.route, x)
         yield
         sent = run_op(hook, DISPATCH_SEND, self.dispatcher.dispatch_send, x, topk_ids, topk_weights)
@@ -82,9 +82,7 @@ class MoE(nn.Module):
         out = run_op(hook, COMBINE_RECV, self.dispatcher.combine_recv, combining)
         if not shared_during_dispatch:
             shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x)
-        return out if shared is None else out + shared
-
-    forward_straight = straight(forward)  # the same, run start to finish (parallel/overlap.py)
+        result.value = out if shared is None else out + shared
 
     def init_buffers(self) -> None:
         """The routing tables, computed (not loaded): after building on the meta device."""

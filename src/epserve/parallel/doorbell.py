@@ -1,4 +1,4 @@
-"""How idle ranks sleep until there is work, without spinning (ARCHITECTURE.md, "One step", 3).
+"""How idle ranks sleep until there is work, without spinning (docs/architecture.md, "One step", 4).
 
 When the step's all-reduce says that no rank has work, every rank of the EP group blocks on the
 same key of the rendezvous store, ``wake/<epoch>``. A leader that receives a request (or a rank

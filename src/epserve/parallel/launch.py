@@ -11,7 +11,6 @@ call raises :class:`RankFailure` within moments instead of hanging; closing join
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from typing import Any, Protocol
 import torch.multiprocessing as mp
 
 from epserve import env
+from epserve.parallel.process import name_process
 
 logger = logging.getLogger(__name__)
 
@@ -124,23 +124,6 @@ def pin_to_cores(local_rank: int, local_world_size: int) -> None:
     per_rank = len(cores) // local_world_size
     if per_rank >= 1:
         os.sched_setaffinity(0, cores[local_rank * per_rank : (local_rank + 1) * per_rank])
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent (our front end, or torchrun's agent) dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def name_process(name: str) -> None:
-    """This process's name as ``ps -o comm``, ``top`` and psutil show it (``epserve-rank3``), at most 15
-    characters (Linux; a no-op elsewhere)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
 
 
 def _rank_main(entry: Callable[..., RankHandler], info: RankInfo, conn: Connection, args: tuple,

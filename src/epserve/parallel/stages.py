@@ -8,7 +8,7 @@ equal these lists for every overlap mode. Pure Python, no torch.
 A :class:`Schedule` is a list of :class:`Stage` s; a stage ends at a yield point. With one
 micro-batch the stages simply run in order. With two, micro-batch B starts ``micro_batch_offset``
 stages after A and the executor then alternates one stage of A, one stage of B, so one half
-computes while the other's dispatch or combine is in flight (BRIEF.md, "Overlap")::
+computes while the other's dispatch or combine is in flight (docs/architecture.md, "Two micro-batches")::
 
     A1 A2 A3 B1 A4 B2 A5 B3 A1' B4 A2' B5 ...
 
@@ -151,7 +151,8 @@ def moe_layer_schedule(mode: OverlapMode = "dispatch", phase: Phase = "decode") 
 
     - ``none``: every transfer is waited for right after it starts;
     - ``dispatch``: the shared expert runs while the dispatch is in flight;
-    - ``microbatch``: BRIEF.md's five stages, two micro-batches offset by two stages.
+    - ``microbatch``: the five stages of docs/architecture.md ("Two micro-batches"), two micro-batches
+      offset by two stages.
     """
     prep, core = _ATTN_PREP[phase], _ATTN_CORE[phase]
     route = (POST_NORM, GATE)

@@ -5,8 +5,8 @@ memory model, communication over NVLink/InfiniBand, the overlap schedule run sta
 MTP. Pure Python (numpy for the busiest-rank draws): ``plots`` imports matplotlib and ``calibrate``
 imports torch, only when used.
 
-    from epserve.planner import Deployment, load_hardware, load_model, plan_decode
-    name, model = load_model("deepseek-v3")
+    from epserve.planner import Deployment, load_hardware, plan_decode, resolve_model
+    name, model = resolve_model("deepseek-v3")
     plan = plan_decode(model, load_hardware("h100"), Deployment(ep=128, batch=64, mtp_draft=1), name)
     plan.output_tokens_per_s_per_request, plan.throughput_tokens_per_s_per_node
     load = load_expert_load("load.json", model)  # a measured skew (LLM.expert_load().summary())
@@ -20,8 +20,8 @@ from __future__ import annotations
 from epserve.planner.deployment import Deployment, check_deployment
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import BUILTIN, HardwareSpec, load_hardware, save_hardware
-from epserve.planner.memory import MemoryEstimate, estimate_memory, kv_bytes_per_token
-from epserve.planner.models import load_model
+from epserve.planner.memory import MemoryEstimate, estimate_memory, planned_kv_bytes_per_token
+from epserve.planner.models import resolve_model
 from epserve.planner.prefill import PrefillPlan, plan_prefill
 from epserve.planner.skew import ExpertLoadFile, load_expert_load
 from epserve.planner.step import DecodePlan, StepEstimate, plan_decode
@@ -41,13 +41,13 @@ __all__ = [
     "best_plan",
     "check_deployment",
     "estimate_memory",
-    "kv_bytes_per_token",
     "load_expert_load",
     "load_hardware",
-    "load_model",
     "microbatch_crossover",
     "plan_decode",
     "plan_prefill",
+    "planned_kv_bytes_per_token",
+    "resolve_model",
     "save_hardware",
     "sweep",
 ]

@@ -26,7 +26,7 @@ from epserve.planner.deployment import (
 from epserve.planner.disagg import DEFAULT_OUTPUT_LEN, decode_kv_len, default_prefill_ep, plan_disaggregated
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import DEFAULT_LOCAL_FILE, GPU_CHOICES, load_hardware, save_hardware
-from epserve.planner.models import load_model
+from epserve.planner.models import resolve_model
 from epserve.planner.prefill import plan_prefill
 from epserve.planner.report import format_disaggregated, format_plan, format_sweep
 from epserve.planner.skew import ExpertLoadFile, load_expert_load
@@ -251,7 +251,7 @@ def _disaggregated(args: argparse.Namespace, name: str, model: Any, hw: Any) -> 
 
 def _plan(args: argparse.Namespace) -> int:
     _check_disaggregated(args)
-    name, model = load_model(args.model)
+    name, model = resolve_model(args.model)
     hw = load_hardware(args.gpu)
     if args.disaggregated:
         return _disaggregated(args, name, model, hw)

@@ -14,7 +14,8 @@ KV_DTYPES = ("bf16", "fp8")
 DISPATCH_CHOICES = MULTI_RANK_DISPATCH  # the planner prices the engine's multi-rank dispatchers
 
 # Bytes per element, block scales included: FP8 weights carry one fp32 scale per 128×128 tile and FP8
-# activations one per 1×128 vector (BRIEF.md, "Precision"); NVFP4 carries one fp8 scale per 16 values.
+# activations one per 1×128 vector (docs/architecture.md, "Precision"); NVFP4 carries one fp8 scale
+# per 16 values.
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / (128 * 128), "fp4": 0.5 + 1 / 16}
 ACT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / 128, "fp4": 0.5 + 1 / 16}
 KV_BYTES = {"bf16": 2, "fp8": 1}

@@ -33,7 +33,7 @@ from epserve.config import ModelConfig
 from epserve.planner.deployment import KV_BYTES, Deployment, check_deployment, num_expert_slots
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import HardwareSpec
-from epserve.planner.memory import MemoryEstimate, estimate_memory, kv_bytes_per_token
+from epserve.planner.memory import MemoryEstimate, estimate_memory, planned_kv_bytes_per_token
 from epserve.planner.ops import BatchShape
 from epserve.planner.prefill import PrefillPlan, prompts_per_chunk
 from epserve.planner.step import DecodePlan, estimate_step, overlap_modes, plan_decode
@@ -169,7 +169,7 @@ class KVTransfer:
 
 def kv_transfer(model: ModelConfig, hw: HardwareSpec, prefill: Deployment, decode: Deployment,
                 input_len: int) -> KVTransfer:
-    per_token = kv_bytes_per_token(model, decode.kv_dtype, decode.mtp_draft)
+    per_token = planned_kv_bytes_per_token(model, decode.kv_dtype, decode.mtp_draft)
     dtype_bytes = KV_BYTES[decode.kv_dtype]
     return KVTransfer(layers=per_token // (model.kv_cache_dim * dtype_bytes), kv_dim=model.kv_cache_dim,
                       dtype_bytes=dtype_bytes, input_len=input_len, copies=math.ceil(decode.tp / prefill.tp),

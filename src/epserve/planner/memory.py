@@ -151,15 +151,18 @@ def weight_counts(model: ModelConfig, d: Deployment) -> WeightCounts:
     return total
 
 
-def kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", mtp_draft: int = 0) -> int:
-    """Latent cache per token: ``kv_lora_rank + qk_rope_head_dim`` values per layer (plus the MTP layer)."""
+def planned_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", mtp_draft: int = 0) -> int:
+    """Latent cache per token of a deployment's KV dtype name (``bf16``, ``fp8``): ``kv_lora_rank +
+    qk_rope_head_dim`` values per layer, plus the MTP layer's with ``mtp_draft``. The engine's
+    allocation for a torch dtype and cached layers is ``engine.memory.kv_bytes_per_token``; the two
+    agree (``tests/test_config.py``), the planner staying torch-free."""
     layers = model.num_hidden_layers + (1 if mtp_draft and model.num_nextn_predict_layers else 0)
     return layers * model.kv_cache_dim * KV_BYTES[kv_dtype]
 
 
 def estimate_memory(model: ModelConfig, hw: HardwareSpec, d: Deployment) -> MemoryEstimate:
     weights = weight_counts(model, d).bytes(d.weight_dtype)
-    per_token = kv_bytes_per_token(model, d.kv_dtype, d.mtp_draft)
+    per_token = planned_kv_bytes_per_token(model, d.kv_dtype, d.mtp_draft)
     per_request_on_gpu = d.tp * d.kv_len * per_token  # TP ranks replicate the latent cache
     reserved = int(hw.memory_bytes * hw.reserved_memory_fraction)
     free = hw.memory_bytes - reserved - weights

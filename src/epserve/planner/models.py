@@ -64,8 +64,10 @@ DEEPSEEK_V3: dict[str, Any] = {
 BUILTIN_MODELS: dict[str, dict[str, Any]] = {"deepseek-v3": DEEPSEEK_V3}
 
 
-def load_model(spec: str | Path) -> tuple[str, ModelConfig]:
-    """``deepseek-v3``, a checkpoint directory or a ``config.json`` path -> (display name, config)."""
+def resolve_model(spec: str | Path) -> tuple[str, ModelConfig]:
+    """A planner model spec -> (display name, its ``ModelConfig``): a built-in (``deepseek-v3``), a
+    checkpoint directory or a ``config.json`` path. Reads the configuration only; building and loading
+    the network is ``model.loader.load_model``."""
     key = str(spec)
     try:
         if key.lower() in BUILTIN_MODELS:

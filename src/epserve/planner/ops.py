@@ -1,15 +1,16 @@
 """Price every named operation of ``epserve.parallel.stages`` for one (micro-)batch on one GPU.
 
-Token counts per GPU (BRIEF.md, "Parallelism"): attention runs all ``T_attn = requests * tp * q``
-tokens of the DP group (``requests * tp``, a whole number, even when ``requests`` per GPU is a
-fraction) with ``heads / tp`` heads; after the reduce-scatter each TP rank owns a contiguous
-``ceil(T_attn / tp)`` of them (the engine's chunk; the last ranks fewer), priced for the rank that owns
-the most: ``T_moe``, which it routes, dispatches and runs through the FFNs. Routing is uniform unless
-a measured load (``skew.LayerLoad``) is given: the mean rank receives ``T_attn * dp * top_k / ep``
-(token, expert) copies (``T_moe * top_k`` when the batch per GPU is whole); the experts op is priced
-for the busiest rank (``cost.busiest_rank_load``; times the load's busiest-rank share, its active
-experts from the load), which every rank waits for at the layer's collectives, and so are the
-transfers a measured load skews (the busiest rank receives and sends back the most).
+Token counts per GPU (docs/parallelism.md, "Sharding"; docs/planner.md, "Layout and token counts"):
+attention runs all ``T_attn = requests * tp * q`` tokens of the DP group (``requests * tp``, a whole
+number, even when ``requests`` per GPU is a fraction) with ``heads / tp`` heads; after the
+reduce-scatter each TP rank owns a contiguous ``ceil(T_attn / tp)`` of them (the engine's chunk; the
+last ranks fewer), priced for the rank that owns the most: ``T_moe``, which it routes, dispatches and
+runs through the FFNs. Routing is uniform unless a measured load (``skew.LayerLoad``) is given: the mean
+rank receives ``T_attn * dp * top_k / ep`` (token, expert) copies (``T_moe * top_k`` when the batch per
+GPU is whole); the experts op is priced for the busiest rank (``cost.busiest_rank_load``; times the
+load's busiest-rank share, its active experts from the load), which every rank waits for at the layer's
+collectives, and so are the transfers a measured load skews (the busiest rank receives and sends back
+the most).
 
 An op that runs (has a kernel or a collective) also holds the stream for the host's cost of issuing
 it, ``op_overhead_us + op_overhead_per_token_us x tokens`` (``T_attn`` for the attention half and

@@ -1,0 +1,167 @@
+"""Moving a request's latent KV from a prefill instance to a decode instance, engine to engine.
+
+:class:`KVTransport` is the channel's interface: the prefill side *sends* a finished prefill's
+blocks (:meth:`KVTransport.send`, copied out of its cache by the step loop) and the decode side
+*receives* them for blocks it has already allocated (:meth:`KVTransport.receive`), with completion
+(the arrival) or failure (:class:`KVTransferError`). :class:`GrpcKVTransport` streams the blocks over
+the engines' gRPC service (the decode instance calls ``Prefill`` on the prefill instance, which
+answers with the blocks in :class:`~epserve.rpc.proto.engine_pb2.KVChunk` messages, then the first
+token). A GPU deployment would put NIXL/UCX (RDMA reads straight into the allocated blocks) or NCCL
+behind the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from epserve.messages.kv import KVLayout, PrefilledKV
+from epserve.messages.sampling import SamplingParams
+from epserve.rpc.convert import (
+    GRPC_OPTIONS,
+    KV_TRANSFER_BUCKETS,
+    auth_metadata,
+    layout_to_proto,
+    logprob_from_proto,
+    logprob_to_proto,
+    sampling_to_proto,
+)
+from epserve.rpc.proto import engine_pb2 as pb
+from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+
+CHUNK_BYTES = 4 << 20  # blocks per KVChunk message: as many as fit in this (at least one)
+
+
+class KVTransferError(RuntimeError):
+    """A transfer failed or was refused; the decode instance fails the request so that the router can
+    retry it on another prefill instance (``invalid``: the prefill instance refused the request itself,
+    e.g. a prompt too long for its cache: the client gets the refusal, not a retry)."""
+
+    def __init__(self, message: str, invalid: bool = False) -> None:
+        super().__init__(message)
+        self.invalid = invalid
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """What a decode instance asks of a prefill instance for one request."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    first_block: int  # blocks before it are the decode instance's own prefix-cache hit
+    num_blocks: int  # blocks to receive
+    layout: KVLayout  # the decode instance's
+
+
+@dataclass
+class KVTransferStats:
+    """One instance's transfer figures (reported in ``GetLoad``; the router exports them)."""
+
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    transfers: int = 0
+    failures: int = 0
+    seconds_sum: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(KV_TRANSFER_BUCKETS))
+
+    def received(self, nbytes: int, seconds: float) -> None:
+        self.bytes_received += nbytes
+        self.transfers += 1
+        self.seconds_sum += seconds
+        for i in range(bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds), len(KV_TRANSFER_BUCKETS)):
+            self.buckets[i] += 1  # cumulative, as Prometheus histograms are
+
+    def proto_fields(self) -> dict[str, object]:
+        return dict(kv_transfer_bytes_received=self.bytes_received, kv_transfer_bytes_sent=self.bytes_sent,
+                    kv_transfer_seconds_buckets=list(self.buckets), kv_transfer_seconds_sum=self.seconds_sum,
+                    kv_transfers_total=self.transfers, kv_transfer_failures_total=self.failures)
+
+
+class KVTransport(ABC):
+    """The KV transfer channel between engine instances (see the module's docstring)."""
+
+    @abstractmethod
+    def send(self, export: PrefilledKV) -> Iterator[object]:
+        """Prefill side: the messages that carry ``export``'s blocks and first token to the caller."""
+
+    @abstractmethod
+    async def receive(self, source: str, job: PrefillJob) -> PrefilledKV:
+        """Decode side: have ``source`` (a prefill instance) prefill ``job`` and hand over its blocks;
+        KVTransferError when it fails. Cancelling it cancels the prefill."""
+
+    async def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release connections."""
+
+
+class GrpcKVTransport(KVTransport):
+    """Blocks streamed over the engine service's ``Prefill`` call (one channel per prefill instance)."""
+
+    def __init__(self, token: str | None = None) -> None:
+        self.metadata = auth_metadata(token)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def send(self, export: PrefilledKV) -> Iterator[pb.KVChunk]:
+        data = export.data
+        num_blocks = data.shape[1]
+        per_chunk = max(1, CHUNK_BYTES // max(1, data[:, :1].numel()))
+        for start in range(0, num_blocks, per_chunk):
+            part = data[:, start : start + per_chunk].contiguous()
+            yield pb.KVChunk(first_block=export.first_block + start, num_blocks=part.shape[1],
+                             data=part.numpy().tobytes())
+        last = pb.KVChunk(done=True, first_token=export.first_token, num_cached_tokens=export.num_cached_tokens)
+        if export.logprobs is not None:
+            last.first_logprob.CopyFrom(logprob_to_proto(export.logprobs))  # type: ignore[arg-type]
+        yield last
+
+    def _stub(self, source: str) -> pb_grpc.EngineStub:
+        channel = self._channels.get(source)
+        if channel is None:
+            channel = self._channels[source] = grpc.aio.insecure_channel(source, options=GRPC_OPTIONS)
+        return pb_grpc.EngineStub(channel)
+
+    async def receive(self, source: str, job: PrefillJob) -> PrefilledKV:
+        layout = job.layout
+        request = pb.PrefillRequest(
+            request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
+            sampling_params=sampling_to_proto(job.params), first_block=job.first_block,
+            layout=layout_to_proto(layout),
+        )
+        shape = (layout.num_layers, -1, layout.block_size, layout.token_bytes)
+        parts: list[torch.Tensor] = []
+        next_block = job.first_block
+        call = self._stub(source).Prefill(request, metadata=self.metadata)
+        try:
+            async for chunk in call:
+                if chunk.done:
+                    received = next_block - job.first_block
+                    if received != job.num_blocks:
+                        raise KVTransferError(f"prefill instance sent {received} KV blocks, {job.num_blocks} wanted")
+                    data = (torch.cat(parts, dim=1) if parts else
+                            torch.empty(layout.num_layers, 0, layout.block_size, layout.token_bytes, dtype=torch.uint8))
+                    logprobs = (logprob_from_proto(chunk.first_token, chunk.first_logprob)
+                                if chunk.HasField("first_logprob") else None)
+                    return PrefilledKV(job.request_id, job.first_block, data, chunk.first_token, logprobs,
+                                       chunk.num_cached_tokens)
+                if chunk.first_block != next_block or len(chunk.data) != chunk.num_blocks * layout.block_bytes:
+                    raise KVTransferError(f"malformed KV chunk (blocks {chunk.first_block}+{chunk.num_blocks}, "
+                                          f"{len(chunk.data)} bytes; block {next_block} expected)")
+                parts.append(torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(shape))
+                next_block += chunk.num_blocks
+            raise KVTransferError("the prefill instance ended the transfer without its first token")
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise KVTransferError(f"the prefill instance refused the request: {e.details()}", invalid=True) from None
+            raise KVTransferError(f"the prefill instance failed: {e.details() or e.code().name}") from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        channels, self._channels = self._channels, {}
+        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)

@@ -1,0 +1,384 @@
+"""A rank serving online: its step loop (:mod:`epserve.engine.loop`) and, on a DP group's
+leader, the gRPC engine service in front of it.
+
+Threads of a rank process:
+
+- the **step loop** on the main thread (a forward in another thread ran 1.5x slower on CPU, its
+  OpenMP team performing worse than one thread);
+- on leaders, the **gRPC server**: an asyncio loop in a thread of its own. ``Generate`` checks a
+  request (:meth:`LLMEngine.check_request`), queues it for the step loop and streams what the loop
+  delivers for it; a cancelled call (the client went away) queues an abort, which frees the
+  request's KV blocks. Only typed messages cross between the two threads;
+- a **signal watcher**: SIGTERM/SIGINT make the rank vote to stop (``EngineLoop.request_stop``).
+
+:func:`epserve.engine_server.supervisor.serving_rank` is the entry of a spawned serving rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from epserve.engine.loop import EngineLoop, ServeOptions
+from epserve.engine.worker import EngineWorker
+from epserve.engine_server.auth import TokenCheck
+from epserve.engine_server.kv_transport import (
+    GrpcKVTransport,
+    KVTransferError,
+    KVTransferStats,
+    KVTransport,
+    PrefillJob,
+)
+from epserve.engine_server.signals import SignalWatcher
+from epserve.engine_server.streams import ResponseStream, merge_responses, to_proto
+from epserve.messages.engine import AbortRequest, AddRequest, KVReceived, LoopOutput, RequestFailed
+from epserve.messages.kv import KVTransferRole, KVWanted, PrefilledKV
+from epserve.parallel.context import set_collective_timeout, store_client
+from epserve.rpc.convert import (
+    GRPC_OPTIONS,
+    SERVICE_NAME,
+    expert_load_to_proto,
+    layout_from_proto,
+    layout_to_proto,
+    sampling_from_proto,
+)
+from epserve.rpc.proto import engine_pb2 as pb
+from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+
+__all__ = ["EngineServer", "ServeOptions"]
+
+logger = logging.getLogger(__name__)
+
+# ABORTED is kept for "the prefill instance failed": the router retries the request on another one.
+_STATUS = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "unavailable": grpc.StatusCode.UNAVAILABLE,
+           "prefill": grpc.StatusCode.ABORTED}
+
+
+def advertised_host(host: str) -> str:
+    return socket.getfqdn() if host in ("", "0.0.0.0", "::", "[::]") else host
+
+
+class EngineService(pb_grpc.EngineServicer):
+    """The gRPC methods (on the leader's asyncio loop) and the loop's :class:`Frontend`: ``deliver``
+    and ``set_draining`` come from the step loop's thread and hop onto the asyncio loop."""
+
+    def __init__(self, engine_loop: EngineLoop, transport: KVTransport | None = None) -> None:
+        self.engine_loop = engine_loop
+        self.options = options = engine_loop.options
+        self.streams: dict[str, ResponseStream] = {}  # the asyncio loop's only
+        self.aio_loop: asyncio.AbstractEventLoop | None = None
+        self.health = health.aio.HealthServicer()
+        # Prefill/decode disaggregation: the transfer channel, this instance's KV layout, and on a decode
+        # instance the requests whose prefill runs elsewhere (address, request) and their transfers.
+        self.transport = transport if transport is not None else GrpcKVTransport(options.token)
+        self.layout = engine_loop.engine.runner.kv_layout()
+        self.kv_stats = KVTransferStats()
+        self._remote: dict[str, tuple[str, AddRequest]] = {}
+        self._fetches: dict[str, asyncio.Task] = {}
+
+    # ---- the step loop's thread ----------------------------------------------------------------
+    def deliver(self, outputs: list[LoopOutput]) -> None:
+        if self.aio_loop is not None:
+            try:
+                self.aio_loop.call_soon_threadsafe(self._route, outputs)
+            except RuntimeError:  # the gRPC loop is gone (shutting down)
+                pass
+
+    def set_draining(self) -> None:
+        if self.aio_loop is not None:
+            asyncio.run_coroutine_threadsafe(self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING), self.aio_loop)
+
+    # ---- the asyncio loop ----------------------------------------------------------------------
+    def _route(self, outputs: list[LoopOutput]) -> None:
+        for out in outputs:
+            if isinstance(out, KVWanted):
+                self._start_fetch(out)
+                continue
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if isinstance(out, (RequestFailed, PrefilledKV)):
+                del self.streams[out.request_id]
+                stream.push(out)
+                continue
+            if out.finish_reason is not None:
+                del self.streams[out.request_id]
+            stream.push(to_proto(out))
+
+    async def watch(self, step_timeout_s: float) -> None:
+        """The step watchdog: when the loop's current pass has run past ``step_timeout_s`` (a rank hung
+        or died, and the step waits on it in a collective), the instance reports NOT_SERVING (health,
+        ``GetLoad.stalled``), every stream in flight ends as unavailable, and new calls are refused,
+        until the loop moves again. Runs on the gRPC loop, which a stalled step loop does not block."""
+        loop, stalled = self.engine_loop, False
+        while True:
+            await asyncio.sleep(min(1.0, step_timeout_s / 4))
+            now = loop.stalled
+            if now and not stalled:
+                logger.error("engine instance %d: no step progress for %.0f s (a rank hung or died); not serving",
+                             loop.ctx.dp_rank, loop.stalled_for())
+                await self.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                self._fail_all(f"the engine stalled: a step made no progress for {step_timeout_s:g} s")
+            elif stalled and not now:
+                logger.warning("engine instance %d: steps progress again", loop.ctx.dp_rank)
+                if not (loop.draining or loop.stop_requested):
+                    await self.set_health(health_pb2.HealthCheckResponse.SERVING)
+            stalled = now
+
+    def _fail_all(self, message: str) -> None:
+        """End every stream as unavailable; the loop aborts their requests when it moves again."""
+        for rid, stream in list(self.streams.items()):
+            del self.streams[rid]
+            stream.push(RequestFailed(rid, "unavailable", message))
+            self.engine_loop.submit(AbortRequest(rid), ring=False)  # the loop is busy: no ring needed
+
+    async def set_health(self, status: int) -> None:
+        """The standard health status of the server as a whole and of the engine service."""
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def _admit(self, rid: str, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a call while the engine cannot take requests, or for an empty or running id."""
+        loop = self.engine_loop
+        if loop.draining or loop.stop_requested:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
+        if loop.stalled:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is stalled (a rank hung or died)")
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if rid in self.streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
+
+    async def _start(self, rid: str, prompt: list[int], sampling: pb.SamplingParams, context: grpc.aio.ServicerContext,
+                     kv_transfer: KVTransferRole | None = None, kv_first_block: int = 0,
+                     ) -> tuple[AddRequest, ResponseStream]:
+        """Check the request (INVALID_ARGUMENT with the reason), open its stream and queue it."""
+        try:
+            checked = self.engine_loop.engine.check_request(AddRequest(
+                rid, tuple(prompt), sampling_from_proto(sampling), kv_transfer, kv_first_block))
+        except ValueError as e:  # RequestError included
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        stream = self.streams[rid] = ResponseStream()
+        self.engine_loop.submit(checked)
+        return checked, stream
+
+    def _cancel(self, rid: str) -> None:
+        """A call that ended before its request did (the caller went away or gave up): abort it."""
+        self.streams.pop(rid, None)
+        self.engine_loop.submit(AbortRequest(rid))
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        rid, remote = request.request_id, request.prefill_address
+        await self._admit(rid, context)
+        role = self.options.role
+        if role == "prefill" or (role == "decode" and not remote):
+            why = ("a prefill instance only prefills for decode instances" if role == "prefill" else
+                   "a decode instance decodes requests prefilled elsewhere: route through a router with --prefill")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        checked, stream = await self._start(rid, list(request.prompt_token_ids), request.sampling_params, context,
+                                            kv_transfer="receive" if remote else None)
+        if remote:  # (the loop's KVWanted for it reaches this asyncio loop after this line)
+            self._remote[rid] = (remote, checked)
+        finished = False
+        try:
+            while True:
+                items = await stream.take()
+                msgs = [i for i in items if isinstance(i, pb.GenerateResponse)]
+                if msgs:
+                    msg = msgs[0] if len(msgs) == 1 else merge_responses(msgs)
+                    yield msg
+                    if msg.finish_reason:
+                        finished = True
+                        return
+                failure = next((i for i in items if isinstance(i, RequestFailed)), None)
+                if failure is not None:
+                    finished = True
+                    await context.abort(_STATUS[failure.reason], failure.message)
+        finally:
+            self._remote.pop(rid, None)
+            fetch = self._fetches.pop(rid, None)
+            if fetch is not None:
+                fetch.cancel()  # cancels the prefill instance's call too
+            if not finished:  # cancelled: the client went away or gave up
+                self._cancel(rid)
+
+    # ---- prefill/decode disaggregation ---------------------------------------------------------
+    def _start_fetch(self, wanted: KVWanted) -> None:
+        """Decode side: the request's blocks are allocated; fetch its KV from its prefill instance."""
+        remote = self._remote.get(wanted.request_id)
+        if remote is None:  # its call ended meanwhile (the loop aborts the request)
+            return
+        address, request = remote
+        job = PrefillJob(request.request_id, request.prompt_token_ids, request.params, wanted.first_block, wanted.num_blocks, self.layout)
+        self._fetches[request.request_id] = asyncio.ensure_future(self._fetch(address, job))
+
+    async def _fetch(self, address: str, job: PrefillJob) -> None:
+        rid, start, timeout = job.request_id, time.monotonic(), self.options.kv_transfer_timeout_s
+        try:
+            arrival = await asyncio.wait_for(self.transport.receive(address, job), timeout)
+        except (KVTransferError, asyncio.TimeoutError) as e:
+            why = str(e) if isinstance(e, KVTransferError) else f"the KV transfer took longer than {timeout:g} s"
+            logger.warning("request %s: KV transfer from %s failed: %s", rid, address, why)
+            self.kv_stats.failures += 1
+            self._fetches.pop(rid, None)
+            stream = self.streams.get(rid)
+            if stream is not None:
+                invalid = isinstance(e, KVTransferError) and e.invalid
+                stream.push(RequestFailed(rid, "invalid" if invalid else "prefill", why))
+            self._cancel(rid)  # frees its blocks
+            return
+        self._fetches.pop(rid, None)
+        self.kv_stats.received(arrival.data.numel(), time.monotonic() - start)
+        self.engine_loop.submit(KVReceived(arrival))
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        """Prefill side: run the prompt, then stream its blocks and first token to the decode instance."""
+        rid = f"{request.request_id}@prefill" if request.request_id else ""
+        await self._admit(rid, context)
+        if self.options.role == "decode":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a decode instance does not prefill for others")
+        why = self.layout.mismatch(layout_from_proto(request.layout))
+        if why is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        _, stream = await self._start(rid, list(request.prompt_token_ids), request.sampling_params, context,
+                                      kv_transfer="send", kv_first_block=request.first_block)
+        finished = False
+        try:
+            while not finished:
+                for item in await stream.take():
+                    if isinstance(item, PrefilledKV):
+                        finished = True  # its blocks are free already: a cancelled send just drops the copy
+                        self.kv_stats.bytes_sent += item.data.numel()  # before the last yield: the caller
+                        for chunk in self.transport.send(item):     # may close the call on the last chunk
+                            yield chunk
+                        return
+                    finished = True  # a failure, or its abort (a drain timeout)
+                    reason = item.reason if isinstance(item, RequestFailed) else "unavailable"
+                    message = item.message if isinstance(item, RequestFailed) else "the prefill was aborted"
+                    await context.abort(_STATUS[reason], message)
+        finally:
+            if not finished:  # the decode instance went away or gave up
+                self._cancel(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:  # noqa: N802
+        found = request.request_id in self.streams
+        if found:
+            self.engine_loop.submit(AbortRequest(request.request_id))
+        return pb.AbortResponse(found=found)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:  # noqa: N802
+        return pb.GetLoadResponse(**dataclasses.asdict(self.engine_loop.load()), **self.kv_stats.proto_fields())
+
+    async def GetExpertLoad(self, request: pb.GetExpertLoadRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> pb.GetExpertLoadResponse:
+        load = self.engine_loop.expert_load_total
+        return expert_load_to_proto(load) if load is not None else pb.GetExpertLoadResponse()
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetInfoResponse:  # noqa: N802
+        engine, ctx = self.engine_loop.engine, self.engine_loop.ctx
+        config = engine.config
+        return pb.GetInfoResponse(
+            model_path=config.model_path, max_model_len=config.max_model_len, vocab_size=config.model.vocab_size,
+            dp_rank=ctx.dp_rank, dp=ctx.dp, tp=ctx.tp, block_size=engine.runner.block_size,
+            num_blocks=engine.runner.num_blocks, eos_token_ids=list(config.model.eos_token_ids),
+            role=self.options.role, kv_layout=layout_to_proto(self.layout),
+        )
+
+
+class EngineServer:
+    """One rank serving: the step loop in the calling thread, and on a leader the gRPC service in a
+    thread of its own, until every rank has stopped."""
+
+    def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
+        self.loop = EngineLoop(worker.engine, options, worker.rendezvous)
+        self.ctx = worker.ctx
+        self.options = options
+        self.rendezvous = worker.rendezvous
+        self.address: str | None = None  # host:port of the gRPC service (leaders), once it listens
+        self._service: EngineService | None = None
+        self._grpc_stop: asyncio.Event | None = None
+        self._grpc_thread: threading.Thread | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.loop.draining
+
+    def request_stop(self) -> None:
+        self.loop.request_stop()
+
+    def serve(self) -> None:
+        signals = SignalWatcher(self.loop.request_stop) if threading.current_thread() is threading.main_thread() else None
+        try:
+            if self.ctx.is_leader:
+                self._service = EngineService(self.loop)
+                self._start_grpc(self._service)
+                logger.info("engine instance %d serving gRPC on %s", self.ctx.dp_rank, self.address)
+            set_collective_timeout(self.ctx, self.options.collective_timeout_s)  # start-up had longer
+            self.loop.run(self._service)
+        finally:
+            self._stop_grpc()
+            if signals is not None:
+                signals.close()
+        logger.info("rank %d stopped serving", self.ctx.rank)
+
+    def _start_grpc(self, service: EngineService) -> None:
+        ready = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            aio_loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(aio_loop)
+            try:
+                aio_loop.run_until_complete(self._grpc_main(service, ready))
+            except BaseException as e:
+                failure.append(e)
+                ready.set()
+            finally:
+                aio_loop.close()
+
+        self._grpc_thread = threading.Thread(target=run, name="grpc", daemon=True)
+        self._grpc_thread.start()
+        ready.wait()
+        if failure:
+            raise RuntimeError(f"gRPC server of engine instance {self.ctx.dp_rank} failed to start: {failure[0]}")
+        if self.rendezvous is not None:  # how `epserve serve` learns where the leaders listen
+            store_client(*self.rendezvous).set(f"engines/{self.ctx.dp_rank}", self.address.encode())  # type: ignore[union-attr]
+
+    async def _grpc_main(self, service: EngineService, ready: threading.Event) -> None:
+        service.aio_loop = asyncio.get_running_loop()
+        self._grpc_stop = asyncio.Event()
+        token = self.options.token
+        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[TokenCheck(token)] if token else None)
+        pb_grpc.add_EngineServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
+        port = self.options.port_of(self.ctx.dp_rank)
+        try:
+            bound = server.add_insecure_port(f"{self.options.host}:{port}")
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot listen on {self.options.host}:{port}: {e}") from None
+        await server.start()
+        await service.set_health(health_pb2.HealthCheckResponse.SERVING)
+        self.address = f"{advertised_host(self.options.host)}:{bound}"
+        watchdog = asyncio.create_task(service.watch(self.options.step_timeout_s))
+        ready.set()
+        await self._grpc_stop.wait()
+        watchdog.cancel()
+        await server.stop(grace=2.0)
+        await service.transport.close()
+
+    def _stop_grpc(self) -> None:
+        service, thread = self._service, self._grpc_thread
+        if service is None or service.aio_loop is None or self._grpc_stop is None or thread is None:
+            return
+        try:
+            service.aio_loop.call_soon_threadsafe(self._grpc_stop.set)
+        except RuntimeError:
+            pass
+        thread.join(10.0)

@@ -1,0 +1,167 @@
+"""The serving command-line options: engine instances (gRPC, timeouts, restarts, the engine token,
+prefill/decode roles) and the router (OpenAI API, routing policy, HTTP limits), and the option objects
+they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from epserve import env
+
+
+def add_engine_serving_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine instances (gRPC)")
+    g.add_argument("--engine-host", default="127.0.0.1", help="where DP-group leaders listen for gRPC")
+    g.add_argument("--engine-port", type=int, default=None,
+                   help="the leader of DP group i listens on ENGINE_PORT + i (serve: any free port; engine: 50051)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after Ctrl-C/SIGTERM before they are aborted")
+    g.add_argument("--step-timeout", type=float, default=60.0,
+                   help="an instance whose step makes no progress this long (a rank hung or died) stops serving, "
+                   "fails its requests, and its group is restarted")
+    g.add_argument("--dist-timeout", type=float, default=None,
+                   help="while serving, collectives give up after this many seconds (default: --step-timeout)")
+    g.add_argument("--max-restarts", type=int, default=3,
+                   help="times the engine group is restarted after a rank dies or hangs (one host only)")
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                   help="prefill/decode disaggregation: a decode instance gives up a request's prefill and KV "
+                   "transfer after this many seconds (the router retries it on another prefill instance)")
+    add_engine_token_arg(g)
+
+
+def add_role_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+                   help="prefill/decode disaggregation: prefill instances run prompts and send their KV to decode "
+                   "instances, which only decode (a router with --prefill and --decode pairs them)")
+
+
+def add_disaggregation_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation (one host)")
+    g.add_argument("--disaggregate", action="store_true",
+                   help="run prefill instances and decode instances, each side in its own layout, the router "
+                   "pairing them (instead of --dp/--tp)")
+    g.add_argument("--prefill-dp", type=int, default=None, help="prefill instances (DP groups; default 1)")
+    g.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill instance")
+    g.add_argument("--decode-dp", type=int, default=None, help="decode instances (DP groups; default 1)")
+    g.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode instance")
+
+
+def disaggregated_layouts(args: argparse.Namespace) -> dict[str, dict[str, int]] | None:
+    """``{"prefill": {"dp": P, "tp": T}, "decode": {...}}`` for ``serve --disaggregate`` (None without
+    it); ValueError for the side options without it, or with --dp/--tp."""
+    sides = {"prefill": (args.prefill_dp, args.prefill_tp), "decode": (args.decode_dp, args.decode_tp)}
+    if not args.disaggregate:
+        given = [f"--{side}-{k}" for side, values in sides.items() for k, v in zip(("dp", "tp"), values) if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --disaggregate")
+        return None
+    if args.dp != 1 or args.tp != 1:
+        raise ValueError("with --disaggregate give each side's layout: --prefill-dp/--prefill-tp, --decode-dp/--decode-tp")
+    layouts = {}
+    for side, (dp, tp) in sides.items():
+        for name, value in (("dp", dp), ("tp", tp)):
+            if value is not None and value < 1:
+                raise ValueError(f"--{side}-{name} must be >= 1, got {value}")
+        layouts[side] = {"dp": dp or 1, "tp": tp or 1}
+    return layouts
+
+
+def add_engine_token_arg(g) -> None:
+    g.add_argument("--engine-token", default=None,
+                   help="engines require it as gRPC call metadata, routers send it (or set EPSERVE_ENGINE_TOKEN; "
+                   "default: the API key; serve: a random one)")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    from epserve.router.policy import POLICIES
+
+    g = p.add_argument_group("router (OpenAI API)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None, help="model id in the API (default: the MODEL argument)")
+    key = g.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 (or set EPSERVE_API_KEY)")
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="... with the key read from this file (keeps it off the command line)")
+    g.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    g.add_argument("--cache-threshold", type=float, default=0.3,
+                   help="cache_aware: route to the longest prefix match above this fraction of the prompt")
+    g.add_argument("--balance-abs-threshold", type=int, default=32,
+                   help="cache_aware: load is imbalanced when max - min exceeds this ...")
+    g.add_argument("--balance-rel-threshold", type=float, default=1.5, help="... and max > this x min")
+    g.add_argument("--max-tree-tokens", type=int, default=1 << 22,
+                   help="cache_aware: prefix tokens remembered per instance (LRU beyond)")
+    g.add_argument("--engine-wait-timeout", type=float, default=20.0,
+                   help="seconds a request that has not started waits for a healthy engine instance (one being "
+                   "restarted) before a 503")
+    lim = p.add_argument_group("router limits (per HTTP request)")
+    lim.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413 (default 4 MiB)")
+    lim.add_argument("--max-choices-per-request", type=int, default=256,
+                     help="most generations one request may ask for (prompts x n)")
+    lim.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds for a request's headers to arrive, else the connection is closed")
+    lim.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds for a request's body to arrive after its headers, else 408")
+    lim.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                     help="seconds an idle kept-alive connection stays open")
+
+
+def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), prefill: tuple[str, ...] = (),
+                   decode: tuple[str, ...] = ()):
+    from epserve.router.server import RouterOptions
+
+    return RouterOptions(
+        model=args.model, engines=engines, prefill=prefill, decode=decode, host=args.host, port=args.port, policy=args.policy,
+        served_model_name=args.served_model_name, cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_tokens=args.max_tree_tokens, engine_wait_s=args.engine_wait_timeout, log_level=args.log_level.upper(),
+        max_request_bytes=args.max_request_bytes, max_choices_per_request=args.max_choices_per_request,
+        header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+        keep_alive_timeout_s=args.keep_alive_timeout, engine_token=engine_token(args),
+    )
+
+
+def serve_options(args: argparse.Namespace, default_port: int):
+    from epserve.engine_server.service import ServeOptions
+
+    port = default_port if args.engine_port is None else args.engine_port
+    if not 0 <= port < 65536:
+        raise ValueError(f"--engine-port must be in [0, 65535], got {port}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not args.step_timeout > 0:
+        raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
+    if args.dist_timeout is not None and not args.dist_timeout > 0:
+        raise ValueError(f"--dist-timeout must be > 0, got {args.dist_timeout}")
+    if args.max_restarts < 0:
+        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.kv_transfer_timeout > 0:
+        raise ValueError(f"--kv-transfer-timeout must be > 0, got {args.kv_transfer_timeout}")
+    return ServeOptions(host=args.engine_host, port=port, drain_timeout_s=args.drain_timeout,
+                        token=engine_token(args), step_timeout_s=args.step_timeout, dist_timeout_s=args.dist_timeout,
+                        role=getattr(args, "role", "both"), kv_transfer_timeout_s=args.kv_transfer_timeout)
+
+
+def engine_token(args: argparse.Namespace) -> str | None:
+    """--engine-token, else $EPSERVE_ENGINE_TOKEN, else the API key (--api-key or $EPSERVE_API_KEY)."""
+    return args.engine_token or env.engine_token() or getattr(args, "api_key", None) or env.api_key()
+
+
+def set_api_key(args: argparse.Namespace) -> None:
+    """--api-key, or the key in --api-key-file, as $EPSERVE_API_KEY: how the router (process) finds it,
+    never on a command line. ValueError naming the file if it cannot be read or holds no key."""
+    key = args.api_key
+    if args.api_key_file is not None:
+        from pathlib import Path
+
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--api-key-file {args.api_key_file} is not UTF-8 text") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    if key:
+        env.set_api_key(key)

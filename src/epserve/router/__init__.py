@@ -1,0 +1,1 @@
+"""The HTTP router process: the OpenAI API, routing over engine instances, streaming. Imports no torch."""

@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP API of the router (FastAPI on uvicorn).
+
+``/v1/completions`` and ``/v1/chat/completions`` tokenize (chat: through the tokenizer's template),
+route every choice (``n`` per prompt) through :class:`~epserve.router.instances.Router` to an engine
+instance, detokenize incrementally and cut at stop strings (``generation``), and answer as one JSON
+body or as Server-Sent Events ending with ``data: [DONE]``. A client that goes away cancels its engine requests
+(the engines abort them and free their KV blocks). Errors are OpenAI-style bodies: 400 for bad input,
+401 without the API key, 404 for an unknown model, 408/413 for a body too slow or too large
+(``http_limits``), 503 when no engine instance can take the request.
+
+One request cannot stall the others: a large body is parsed and a long text tokenized on a worker
+thread, a text that cannot fit the context is refused by its length before tokenizing (no token stands
+for more than ``max_chars_per_token`` characters), and one request fans out to at most
+``max_choices_per_request`` generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epserve.router import openapi_doc
+from epserve.router.errors import (
+    APIError,
+    bad_request,
+    internal_error,
+    not_found_model,
+    prompt_too_many_chars,
+    unauthorized,
+    unavailable,
+    validation_error,
+)
+from epserve.router.generation import Choice, Generation, GenerationContext, until_disconnect
+from epserve.router.http_limits import HTTPLimits, RequestLimitsMiddleware
+from epserve.router.instances import Router
+from epserve.router.json_body import load_json_body
+from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from epserve.router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_request,
+    resolve_max_tokens,
+    stop_strings,
+    to_sampling_params,
+)
+from epserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_INLINE_PARSE_BYTES = 64 << 10  # larger bodies are parsed on a worker thread
+_INLINE_TOKENIZE_CHARS = 8 << 10  # longer texts are tokenized on a worker thread
+_T = TypeVar("_T")
+_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest)
+
+
+def max_chars_per_token(tokenizer: Tokenizer) -> int:
+    """The most characters one token can stand for: its longest text in UTF-8 bytes (at least its
+    characters; a byte-level token that is part of a character decodes to U+FFFD, 3 bytes)."""
+    decode = tokenizer.decode
+    return max(len(decode([i], skip_special_tokens=False).encode()) for i in range(tokenizer.vocab_size))
+
+
+class OpenAIServer:
+    def __init__(self, router: Router, tokenizer: Tokenizer | None, model_name: str,
+                 api_key: str | None = None, limits: HTTPLimits | None = None) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.limits = limits or HTTPLimits()
+        self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
+        self.metrics = RouterMetrics(router, model_name)
+        self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name)
+        self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-parse")  # GIL-bound work
+        self.created = int(time.time())
+        self.app = self._build_app()
+
+    # ---- app ---------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI):
+            await self.router.start()
+            await anyio.sleep(0)  # loads anyio's backend now, not in the first streamed response (an import)
+            yield
+            await self.router.close()
+            self.workers.shutdown(wait=False, cancel_futures=True)
+
+        app = FastAPI(title="epserve", description="OpenAI-compatible API of the epserve router", lifespan=lifespan)
+        openapi_doc.install(app, (CompletionRequest, ChatCompletionRequest))
+        if self.api_key:
+            app.add_middleware(_APIKeyMiddleware, key=self.api_key, reject=self._error)
+        app.add_middleware(RequestLimitsMiddleware, limits=self.limits, reject=self._error,  # outermost
+                           on_disconnect=lambda: self.metrics.error(499))
+
+        @app.exception_handler(APIError)
+        async def api_error(request: Request, exc: APIError) -> JSONResponse:
+            return self._error(exc)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # 404, 405
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+            response = self._error(APIError(str(exc.detail), exc.status_code, "invalid_request_error", code))
+            response.headers.update(exc.headers or {})
+            return response
+
+        @app.exception_handler(Exception)
+        async def internal(request: Request, exc: Exception) -> JSONResponse:  # RequestLimitsMiddleware's misses
+            error_id = uuid.uuid4().hex[:12]
+            logger.error("internal error %s in %s", error_id, request.url.path, exc_info=exc)
+            return self._error(internal_error(error_id))
+
+        app.add_api_route("/v1/completions", self.completions,
+                          **openapi_doc.generation_route(CompletionRequest, chat=False))
+        app.add_api_route("/v1/chat/completions", self.chat_completions,
+                          **openapi_doc.generation_route(ChatCompletionRequest, chat=True))
+        app.get("/v1/models", **openapi_doc.MODELS_ROUTE)(self.models)
+        app.get("/health", **openapi_doc.HEALTH_ROUTE)(self.health)
+        app.get("/metrics", **openapi_doc.METRICS_ROUTE)(self.metrics_endpoint)
+        app.get("/expert_load")(self.expert_load)
+        return app
+
+    def _error(self, exc: APIError) -> JSONResponse:
+        self.metrics.error(exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    # ---- simple endpoints ---------------------------------------------------------------------
+    async def models(self) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": self.model_name, "object": "model", "created": self.created,
+                                "owned_by": "epserve", "root": self.model_name}
+        info = self.router.info
+        if info is not None:
+            card.update(max_model_len=info.max_model_len, vocab_size=info.vocab_size)
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> JSONResponse:
+        """Whether the router can serve, and how many of its engine instances can (not where they are)."""
+        num_healthy, serving = len(self.router.healthy), self.router.serving
+        body = {"status": "ok" if serving else "unavailable", "num_engines": len(self.router.instances),
+                "num_healthy_engines": num_healthy}
+        return JSONResponse(body, status_code=200 if serving else 503)
+
+    async def metrics_endpoint(self) -> Response:
+        await self.router.refresh()
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def expert_load(self) -> dict[str, Any]:
+        """Each engine world's expert load since start-up (``epserve plan --expert-load`` reads it)."""
+        return {"instances": [load.summary() for load in await self.router.expert_loads()]}
+
+    # ---- generation endpoints -------------------------------------------------------------------
+    async def completions(self, raw: Request) -> Response:
+        req = await self._parse(raw, CompletionRequest)
+        max_model_len, vocab = self._limits()
+        prompts: list[Any]
+        if isinstance(req.prompt, str):
+            prompts = [req.prompt]
+        elif isinstance(req.prompt[0], int):
+            prompts = [req.prompt]  # one prompt as token ids
+        else:
+            prompts = list(req.prompt)
+        self._check_fan_out(len(prompts) * req.n, "n" if len(prompts) == 1 else "prompt")
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            tokenizer = self._need_tokenizer("text prompts")
+            for text in texts:
+                self._check_chars(len(text), max_model_len, "prompt")
+
+            def encode() -> list[list[int]]:
+                return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
+            prompts = await self._offload(sum(map(len, texts)) > _INLINE_TOKENIZE_CHARS, encode)
+        return await self._generate(raw, req, prompts, max_model_len, vocab, chat=False)
+
+    async def chat_completions(self, raw: Request) -> Response:
+        req = await self._parse(raw, ChatCompletionRequest)
+        max_model_len, vocab = self._limits()
+        tokenizer = self._need_tokenizer("chat completions")
+        self._check_fan_out(req.n, "n")
+        messages = req.message_dicts()
+        num_chars = sum(len(m["content"]) for m in messages)
+        self._check_chars(num_chars, max_model_len, "messages")
+        try:
+            prompt = await self._offload(num_chars > _INLINE_TOKENIZE_CHARS, tokenizer.encode_chat, messages)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        return await self._generate(raw, req, [prompt], max_model_len, vocab, chat=True)
+
+    async def _offload(self, heavy: bool, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, on a worker thread when ``heavy`` (the event loop keeps serving meanwhile)."""
+        if not heavy:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
+    async def _parse(self, raw: Request, model: type[_Req]) -> _Req:
+        body = await raw.body()  # read (and limited) by RequestLimitsMiddleware
+        return await self._offload(len(body) > _INLINE_PARSE_BYTES, self._validate, body, model)
+
+    def _validate(self, body: bytes, model: type[_Req]) -> _Req:
+        data = load_json_body(body)
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise validation_error(e) from None
+        if req.model is not None and req.model != self.model_name:
+            raise not_found_model(req.model)
+        check_request(req)
+        return req
+
+    def _need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise APIError(f"{what} need a tokenizer; this model directory has none (send token ids)")
+        return self.tokenizer
+
+    def _check_chars(self, num_chars: int, max_model_len: int, param: str) -> None:
+        per_token = self.max_chars_per_token
+        if per_token is not None and num_chars > per_token * max_model_len:
+            raise prompt_too_many_chars(max_model_len, num_chars, per_token, param)
+
+    def _check_fan_out(self, num_choices: int, param: str) -> None:
+        cap = self.limits.max_choices_per_request
+        if num_choices > cap:
+            raise bad_request(f"This request asks for {num_choices} generations (prompts x n); this server "
+                              f"allows at most {cap} per request", param, "too_many_choices")
+
+    def _limits(self) -> tuple[int, int]:
+        """The model's context and vocabulary, known once an engine instance has answered (while none is
+        healthy the router holds a request for ``engine_wait_s``, then answers 503)."""
+        info = self.router.info
+        if info is None:
+            raise unavailable()
+        return info.max_model_len, info.vocab_size
+
+    async def _generate(self, raw: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                        max_model_len: int, vocab: int, chat: bool) -> Response:
+        choices: list[Choice] = []
+        for ids in prompts:
+            max_tokens = resolve_max_tokens(req, len(ids), max_model_len)  # first: a huge prompt is not scanned
+            # check_request already refused negative ids; the vocabulary's size is known only now
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+            for j in range(req.n):
+                params = to_sampling_params(req, max_tokens, index=j)
+                choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0))
+        if stop_strings(req) and self.tokenizer is None:
+            raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        run = Generation(self.generation_context, req, choices, request_id)
+        if req.stream:
+            return await run.stream(raw, chat)
+        await until_disconnect(raw, run.complete())
+        return JSONResponse(run.response(chat))
+
+
+class _APIKeyMiddleware:
+    """``/v1/*`` needs ``Authorization: Bearer KEY``. Plain ASGI: Starlette's BaseHTTPMiddleware would
+    relay every streamed chunk through a memory stream (a quarter of the router's CPU when streaming)."""
+
+    def __init__(self, app: Any, key: str, reject: Callable[[APIError], JSONResponse]) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+        self.reject = reject
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = self.reject(unauthorized("Invalid or missing API key (Authorization: Bearer ...)"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,101 @@
+"""The router's side of the gRPC engine service: one async client per engine instance."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epserve.messages.sampling import SamplingParams
+from epserve.rpc.convert import GRPC_OPTIONS, SERVICE_NAME, auth_metadata, sampling_to_proto
+from epserve.rpc.proto import engine_pb2 as pb
+from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+
+# Codes that say "this instance cannot take the request now" rather than "the request is bad".
+# UNAUTHENTICATED too: an engine that refuses our token cannot serve us (and the router says why).
+_UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAUTHENTICATED}
+
+
+class EngineUnavailable(RuntimeError):
+    """The instance is down, unreachable or shutting down."""
+
+
+class PrefillUnavailable(EngineUnavailable):
+    """A decode instance's prefill instance failed or refused before the first token (ABORTED): the
+    request may be retried on another prefill instance."""
+
+
+class EngineRequestError(ValueError):
+    """The instance refused the request (bad token ids, too long for its KV cache, …)."""
+
+
+def _translate(e: grpc.aio.AioRpcError, address: str) -> Exception:
+    if e.code() == grpc.StatusCode.ABORTED:
+        return PrefillUnavailable(e.details() or "the prefill instance failed")
+    if e.code() in _UNAVAILABLE:
+        return EngineUnavailable(f"engine {address}: {e.details() or e.code().name}")
+    return EngineRequestError(e.details() or e.code().name)
+
+
+class EngineClient:
+    """``token``: sent as call metadata to engines that require it (``--engine-token``)."""
+
+    def __init__(self, index: int, address: str, token: str | None = None) -> None:
+        self.index = index
+        self.address = address
+        self.metadata = auth_metadata(token)
+        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.EngineStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_address: str = ""
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The request's stream; closing the iterator early cancels the call (the engine aborts the
+        request and frees its blocks). Raises EngineUnavailable or EngineRequestError. ``prefill_address``:
+        a decode instance gets the prompt's KV from that prefill instance (PrefillUnavailable if it fails)."""
+        call = self.stub.Generate(
+            pb.GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_to_proto(params),
+                prefill_address=prefill_address,
+            ),
+            wait_for_ready=False, metadata=self.metadata,
+        )
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e, self.address) from None
+        finally:
+            call.cancel()  # no-op once the call has finished
+
+    async def _unary(self, method: str, request: object, timeout: float):
+        try:
+            return await getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e, self.address) from None
+
+    async def abort(self, request_id: str, timeout: float = 5.0) -> bool:
+        return (await self._unary("Abort", pb.AbortRequest(request_id=request_id), timeout)).found
+
+    async def get_load(self, timeout: float = 2.0) -> pb.GetLoadResponse:
+        return await self._unary("GetLoad", pb.GetLoadRequest(), timeout)
+
+    async def get_info(self, timeout: float = 2.0) -> pb.GetInfoResponse:
+        return await self._unary("GetInfo", pb.GetInfoRequest(), timeout)
+
+    async def get_expert_load(self, timeout: float = 10.0) -> pb.GetExpertLoadResponse:
+        return await self._unary("GetExpertLoad", pb.GetExpertLoadRequest(), timeout)
+
+    async def is_serving(self, timeout: float = 2.0) -> bool:
+        """The standard grpc.health.v1 check of the engine service."""
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=timeout)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,358 @@
+"""One HTTP request's generations: every choice routed to an engine instance, detokenized and cut at
+stop strings, then shaped as an OpenAI response body or as Server-Sent Events.
+
+What a generation needs from the server that owns it (how to route a request, the tokenizer, the
+metrics, the model's name) comes in a :class:`GenerationContext`; this module knows nothing of the
+HTTP app itself. Requests arrive here already validated.
+
+The client sees only OpenAI's finish reasons (``stop``, ``length``): a request the engine aborted (it
+was draining or restarting) is a 503 error, or in a stream an error event, and an engine instance lost
+mid-request is told in general terms (its address and the details go to the log)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from epserve.messages.sampling import SamplingParams
+from epserve.router.detokenize import IncrementalDetokenizer, StopStringMatcher
+from epserve.router.engine_client import EngineRequestError, EngineUnavailable
+from epserve.router.errors import ENGINE_ABORTED, ENGINE_LOST, APIError, unavailable
+from epserve.router.logprobs import chat_logprobs, completion_logprobs
+from epserve.router.protocol import ChatCompletionRequest, CompletionRequest, stop_strings
+
+if TYPE_CHECKING:
+    from epserve.router.metrics import RouterMetrics
+    from epserve.rpc.proto import engine_pb2 as pb
+    from epserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 0.5
+ABORTED = "abort"  # the engine's finish reason for a request it stopped; never sent to the client
+
+
+@dataclass(frozen=True)
+class GenerationContext:
+    """What every generation of one server shares, built once by that server."""
+
+    # Route and stream one engine request: (request id, prompt token ids, params) -> engine messages.
+    # Closing the iterator cancels the request; raises EngineUnavailable or EngineRequestError.
+    generate: Callable[[str, list[int], SamplingParams], AsyncIterator[pb.GenerateResponse]]
+    tokenizer: Tokenizer | None
+    metrics: RouterMetrics
+    model_name: str
+
+
+@dataclass
+class Delta:
+    """What one engine message adds to a choice, after detokenization and stop strings."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]]]
+    finish_reason: str | None
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    first_of_prompt: bool  # the prompt's tokens count once in usage and metrics, with this choice
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached: int = 0
+    num_output: int = 0
+
+
+# ---- what a choice's task sends to the response stream -------------------------------------------
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """The choice produced more output."""
+
+    choice: Choice
+    delta: Delta
+
+
+@dataclass(frozen=True)
+class ChoiceFailed:
+    """The choice failed after its first message (an error before it fails the whole response)."""
+
+    choice: Choice
+    error: Exception
+
+
+@dataclass(frozen=True)
+class ChoiceDone:
+    """The choice's task ended (after its last delta or its failure); it sends nothing more."""
+
+    choice: Choice
+
+
+ChoiceEvent = ChoiceDelta | ChoiceFailed | ChoiceDone
+
+
+class Generation:
+    """One HTTP request's choices, run concurrently."""
+
+    def __init__(self, ctx: GenerationContext, req: CompletionRequest | ChatCompletionRequest,
+                 choices: list[Choice], request_id: str) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.choices = choices
+        self.id = request_id
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+
+    # ---- one choice ----------------------------------------------------------------------------
+    async def deltas(self, choice: Choice) -> AsyncIterator[Delta]:
+        ctx, req = self.ctx, self.req
+        tokenizer = ctx.tokenizer
+        detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens, choice.prompt_ids[-8:]) if tokenizer else None
+        stopper = StopStringMatcher(stop_strings(req), req.include_stop_str_in_output)
+        metrics = ctx.metrics
+        last = None
+        rid = f"{self.id}-{choice.index}"
+        try:
+            async with contextlib.aclosing(ctx.generate(rid, choice.prompt_ids, choice.params)) as stream:
+                async for msg in stream:
+                    now = time.monotonic()
+                    n = len(msg.token_ids)
+                    if n:
+                        if last is None:
+                            metrics.ttft.observe(now - self.arrival)
+                        else:
+                            for _ in range(n):
+                                metrics.itl.observe((now - last) / n)
+                        last = now
+                    choice.num_cached = msg.num_cached_tokens
+                    finish = msg.finish_reason or None
+                    # Token by token: a message may carry several (accepted speculative drafts), and a stop
+                    # string cuts them exactly where one token per message would have stopped.
+                    emit, stopped, used = "", False, n
+                    for i, token in enumerate(msg.token_ids if detok is not None else ()):
+                        text = detok.add([token])
+                        if finish and i == n - 1:
+                            text += detok.flush()
+                        part, stopped = stopper.feed(text)
+                        emit += part
+                        if stopped:
+                            used = i + 1
+                            break
+                    if not n and finish and detok is not None:
+                        emit, stopped = stopper.feed(detok.flush())
+                    choice.num_output = msg.num_output_tokens - (n - used)
+                    if stopped:
+                        finish = "stop"
+                    elif finish:
+                        emit += stopper.flush()
+                    lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs[:used]]
+                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish)
+                    choice.text.append(emit)
+                    choice.token_ids.extend(delta.token_ids)
+                    choice.logprobs.extend(lps)
+                    if finish:
+                        choice.finish_reason = finish
+                        self._finished(choice)
+                    yield delta
+                    if finish:
+                        return  # leaving the stream early (a stop string) cancels the engine request
+        finally:
+            if choice.finish_reason is None and last is not None:  # cancelled (the client left) or cut off
+                choice.finish_reason = ABORTED
+                self._finished(choice)
+
+    def _finished(self, choice: Choice) -> None:
+        first = choice.first_of_prompt
+        self.ctx.metrics.finished(
+            choice.finish_reason or ABORTED,
+            len(choice.prompt_ids) if first else 0,
+            choice.num_cached if first else 0,
+            choice.num_output,
+            time.monotonic() - self.arrival,
+        )
+
+    # ---- whole responses -----------------------------------------------------------------------
+    async def complete(self) -> None:
+        async def drain(choice: Choice) -> None:
+            async for _ in self.deltas(choice):
+                pass
+
+        await _gather_or_raise([drain(c) for c in self.choices], self.id)
+        if any(c.finish_reason == ABORTED for c in self.choices):
+            logger.warning("request %s: the engine aborted it", self.id)
+            raise unavailable(ENGINE_ABORTED)
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(c.prompt_ids) for c in self.choices if c.first_of_prompt)
+        cached = sum(c.num_cached for c in self.choices if c.first_of_prompt)
+        completion = sum(c.num_output for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def response(self, chat: bool) -> dict[str, Any]:
+        tokenizer = self.ctx.tokenizer
+        out = []
+        for c in self.choices:
+            text = "".join(c.text)
+            logprobs = None
+            if c.params.logprobs is not None and tokenizer is not None:
+                logprobs = (
+                    {"content": chat_logprobs(tokenizer, c.token_ids, c.logprobs)}
+                    if chat else completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0)
+                )
+            if chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": "chat.completion" if chat else "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": out, "usage": self.usage()}
+
+    # ---- streaming -----------------------------------------------------------------------------
+    async def stream(self, raw: Request, chat: bool) -> Response:
+        """Start every choice; answer with an error status if one fails before its first message,
+        else stream Server-Sent Events."""
+        queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        first: list[asyncio.Future] = [asyncio.get_running_loop().create_future() for _ in self.choices]
+
+        async def pump(choice: Choice) -> None:
+            fut = first[choice.index]
+            try:
+                async for delta in self.deltas(choice):
+                    if not fut.done():
+                        fut.set_result(None)
+                    await queue.put(ChoiceDelta(choice, delta))
+            except Exception as e:
+                if not fut.done():
+                    fut.set_exception(e)
+                else:
+                    await queue.put(ChoiceFailed(choice, e))
+            finally:
+                await queue.put(ChoiceDone(choice))
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            await until_disconnect(raw, _gather_or_raise(first, self.id))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        return StreamingResponse(self._events(queue, tasks, chat), media_type="text/event-stream")
+
+    async def _events(
+        self, queue: asyncio.Queue[ChoiceEvent], tasks: list[asyncio.Task], chat: bool
+    ) -> AsyncIterator[str]:
+        offsets = [0] * len(self.choices)
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": self.id, "object": kind, "created": self.created, "model": self.ctx.model_name}
+        try:
+            if chat:
+                for c in self.choices:
+                    yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                                     "logprobs": None, "finish_reason": None}],
+                                **({"usage": None} if include_usage else {})})
+            remaining = len(self.choices)
+            while remaining:
+                event = await queue.get()
+                if isinstance(event, ChoiceDone):
+                    remaining -= 1
+                    continue
+                if isinstance(event, ChoiceFailed):
+                    yield _sse(_stream_error(event.error, self.id).body())
+                    continue
+                choice, delta = event.choice, event.delta
+                if delta.finish_reason == ABORTED:
+                    logger.warning("request %s: the engine aborted choice %d", self.id, choice.index)
+                    delta = Delta(delta.text, delta.token_ids, delta.logprobs, None)
+                    if delta.text or delta.logprobs:
+                        yield self._chunk(head, choice, delta, offsets, include_usage, chat)
+                    yield _sse(unavailable(ENGINE_ABORTED).body())
+                    continue
+                if not delta.text and not delta.finish_reason and not delta.logprobs:
+                    continue
+                yield self._chunk(head, choice, delta, offsets, include_usage, chat)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage()})
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: cancel the engine requests
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _chunk(self, head: dict[str, Any], choice: Choice, delta: Delta, offsets: list[int], include_usage: bool,
+               chat: bool) -> str:
+        """One choice's chunk event (``offsets``: text already sent per choice, for completions' logprobs)."""
+        tokenizer = self.ctx.tokenizer
+        logprobs = None
+        if choice.params.logprobs is not None and tokenizer is not None and delta.token_ids:
+            if chat:
+                logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)}
+            else:
+                logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[choice.index])
+        offsets[choice.index] += len(delta.text)
+        if chat:
+            body = {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        else:
+            body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason}
+        return _sse({**head, "choices": [body], **({"usage": None} if include_usage else {})})
+
+
+def _stream_error(err: Exception, request_id: str) -> APIError:
+    """The error event of a choice that failed mid-stream."""
+    if isinstance(err, EngineUnavailable):
+        logger.warning("request %s: %s", request_id, err)
+        return unavailable(ENGINE_LOST)
+    if isinstance(err, EngineRequestError):
+        return APIError(str(err))
+    logger.error("request %s failed mid-stream", request_id, exc_info=err)
+    return APIError("Internal server error (the server's log has the details)", 500, "internal_server_error",
+                    "internal_error")
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _gather_or_raise(aws: list[Awaitable[Any]], request_id: str) -> None:
+    """Await all; the first failure cancels the rest and is raised as an APIError."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.gather(*tasks)
+    except EngineUnavailable as e:
+        logger.warning("request %s: %s", request_id, e)
+        raise unavailable() from None
+    except EngineRequestError as e:
+        raise APIError(str(e)) from None
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def until_disconnect(raw: Request, aw: Awaitable[Any]) -> Any:
+    """Await ``aw``, cancelling it if the HTTP client disconnects first."""
+    task = asyncio.ensure_future(aw)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await raw.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise APIError("client disconnected", 499, "invalid_request_error", "client_closed_request")

@@ -1,0 +1,97 @@
+"""Logprobs in the OpenAI response formats (completions and chat)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+# Logprobs are JSON numbers, and JSON has no -inf: clamp to this (vLLM and OpenAI do the same).
+MIN_LOGPROB = -9999.0
+
+class _Tokenizer(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+LogprobEntry = Any  # (logprob, [(token_id, logprob), ...]) or an object with .logprob and .top
+
+
+def _unpack(entry: LogprobEntry) -> tuple[float | None, Sequence[tuple[int, float]]]:
+    if entry is None:
+        return None, ()
+    if hasattr(entry, "logprob"):
+        return entry.logprob, getattr(entry, "top", ())
+    lp, top = entry
+    return lp, top or ()
+
+
+def _clamp(lp: float | None) -> float | None:
+    if lp is None:
+        return None
+    lp = float(lp)
+    return MIN_LOGPROB if math.isnan(lp) or lp < MIN_LOGPROB else lp
+
+
+def completion_logprobs(
+    tokenizer: _Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[LogprobEntry],
+    text_offset: int,
+    skip_special_tokens: bool = True,
+) -> dict[str, list[Any]]:
+    """The ``choices[i].logprobs`` object of ``/v1/completions``.
+
+    ``text_offset[i]`` is where token ``i``'s text starts in the completion text (decoded with
+    ``skip_special_tokens``), counting from ``text_offset``; a token that ends inside a multi-byte
+    character shares the offset of the character it belongs to. Token strings are decoded one by
+    one with special tokens kept; ``top_logprobs[i]`` maps the ``k`` top token strings to their
+    logprobs (of two ids with the same string, the higher logprob is kept).
+    """
+    from epserve.router.detokenize import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for tid, entry in zip(token_ids, logprobs):
+        offsets.append(text_offset + len(detok.text))
+        detok.add([tid])
+        tokens.append(tokenizer.decode([tid], skip_special_tokens=False))
+        lp, top = _unpack(entry)
+        token_logprobs.append(_clamp(lp))
+        if entry is None:
+            top_logprobs.append(None)
+            continue
+        tops: dict[str, float] = {}
+        for top_id, top_lp in top:
+            s = tokenizer.decode([top_id], skip_special_tokens=False)
+            value = _clamp(top_lp)
+            if s not in tops or value > tops[s]:
+                tops[s] = value
+        top_logprobs.append(tops)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }
+
+
+def _chat_token(tokenizer: _Tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
+    s = tokenizer.decode([token_id], skip_special_tokens=False)
+    return {"token": s, "logprob": _clamp(logprob), "bytes": list(s.encode("utf-8"))}
+
+
+def chat_logprobs(
+    tokenizer: _Tokenizer, token_ids: Sequence[int], logprobs: Sequence[LogprobEntry]
+) -> list[dict[str, Any]]:
+    """The ``choices[i].logprobs.content`` list of ``/v1/chat/completions``:
+    ``[{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]``."""
+    out = []
+    for tid, entry in zip(token_ids, logprobs):
+        lp, top = _unpack(entry)
+        item = _chat_token(tokenizer, tid, lp)
+        item["top_logprobs"] = [_chat_token(tokenizer, t, t_lp) for t, t_lp in top]
+        out.append(item)
+    return out

@@ -1,0 +1,135 @@
+"""The router process: its options, the app they build, and serving it with uvicorn (``epserve
+router``, or the process ``epserve serve`` starts). Nothing here imports torch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epserve import env
+from epserve.parallel.process import die_with_parent, name_process
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_MODEL_NAME = "epserve-tiny"
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    model: str | None  # checkpoint directory (tokenizer); None = the built-in tiny model
+    engines: tuple[str, ...]
+    prefill: tuple[str, ...] = ()  # disaggregation: prefill instances ...
+    decode: tuple[str, ...] = ()  # ... and decode instances (instead of engines)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    policy: str = "cache_aware"
+    served_model_name: str | None = None
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    max_tree_tokens: int = 1 << 22
+    refresh_interval_s: float = 1.0
+    engine_wait_s: float = 20.0  # a request not yet started waits this long for a healthy instance
+    log_level: str = "INFO"
+    max_request_bytes: int = 4 << 20
+    max_choices_per_request: int = 256
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
+    engine_token: str | None = field(default=None, repr=False)  # sent to the engines (None: the API key, if any)
+
+    def __post_init__(self) -> None:
+        _ = self.limits  # ValueError for bad limits, as soon as the options are made
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or (self.model if self.model is not None else BUILTIN_MODEL_NAME)
+
+    @property
+    def limits(self):
+        """The HTTP limits (an ``HTTPLimits``); ValueError for bad values."""
+        from epserve.router.http_limits import HTTPLimits
+
+        return HTTPLimits(
+            max_request_bytes=self.max_request_bytes, max_choices_per_request=self.max_choices_per_request,
+            header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+            keep_alive_timeout_s=self.keep_alive_timeout_s,
+        )
+
+
+def router_parts(options: RouterOptions):
+    """The policy and the tokenizer (None if the model directory has none); ValueError for bad options."""
+    from epserve.router.policy import make_policy
+    from epserve.tokenizer import load_tokenizer
+
+    policy = make_policy(
+        options.policy, cache_threshold=options.cache_threshold, balance_abs_threshold=options.balance_abs_threshold,
+        balance_rel_threshold=options.balance_rel_threshold, max_tree_tokens=options.max_tree_tokens,
+    )
+    if options.model is None:
+        path = env.builtin_model_dir()
+        if not (path / "config.json").is_file():  # written by the engine side first, unless run alone
+            from epserve.presets import default_model_path
+
+            path = default_model_path()
+    else:
+        path = Path(options.model)
+        if not path.is_dir():
+            raise ValueError(f"model directory {options.model} does not exist (the router reads its tokenizer)")
+    return policy, load_tokenizer(path)
+
+
+def build_router(options: RouterOptions, api_key: str | None = None):
+    """The router's ASGI server object (an OpenAIServer); ValueError for bad options."""
+    from epserve.router.app import OpenAIServer
+    from epserve.router.instances import Router
+
+    policy, tokenizer = router_parts(options)
+    router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token or api_key,
+                    engine_wait_s=options.engine_wait_s, prefill=options.prefill, decode=options.decode)
+    return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError naming the address when the HTTP port cannot be bound (before anything starts)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+
+
+def run_router(options: RouterOptions, api_key: str | None = None) -> None:
+    """Serve the OpenAI API until SIGINT/SIGTERM (uvicorn finishes open responses first)."""
+    import uvicorn
+
+    check_port_free(options.host, options.port)
+    server = build_router(options, api_key)
+    over = (f"engines {', '.join(options.engines)}" if options.engines else
+            f"prefill instances {', '.join(options.prefill)} and decode instances {', '.join(options.decode)}")
+    logger.info("router on http://%s:%d/v1 (model %r, policy %s) over %s", options.host, options.port,
+                options.model_name, options.policy, over)
+    from epserve.router.http_limits import http_protocol
+
+    limits = server.limits
+    config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level.lower(),
+                            access_log=False, timeout_graceful_shutdown=60, log_config=None,  # our log format
+                            http=http_protocol(limits.header_timeout_s), ws="none", server_header=False,
+                            timeout_keep_alive=limits.keep_alive_timeout_s)  # type: ignore[arg-type]
+    # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found;
+    # make that handler a no-op so a clean stop exits with code 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    uvicorn.Server(config).run()
+
+
+def router_main(options: RouterOptions, log_level: str) -> None:
+    """Entry of the router process that ``epserve serve`` starts."""
+    die_with_parent()
+    name_process("epserve-router")
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
+    run_router(options, env.api_key())

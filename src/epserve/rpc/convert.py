@@ -1,0 +1,92 @@
+"""What both ends of the gRPC engine service share: names, channel options, message conversion."""
+
+from __future__ import annotations
+
+from epserve.messages.expert_load import ExpertLoad
+from epserve.messages.kv import KVLayout
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
+from epserve.rpc.proto import engine_pb2 as pb
+
+SERVICE_NAME = "epserve.engine.v1.Engine"
+GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a port already taken is an error, not a silently shared port
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+# Upper bounds (seconds) of the transfer-time histogram: engines report cumulative counts per bound.
+KV_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The call metadata a router sends an engine that requires ``token`` (None: no token)."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else None
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """ValueError for values SamplingParams refuses."""
+    return SamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_k=p.top_k,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+    )
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_proto(token_id: int, msg: pb.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+
+
+def expert_load_to_proto(load: ExpertLoad) -> pb.GetExpertLoadResponse:
+    return pb.GetExpertLoadResponse(
+        layers=list(load.layers), num_experts=len(load.per_expert[0]) if load.per_expert else 0,
+        num_ranks=len(load.per_rank[0]) if load.per_rank else 0,
+        per_expert=[n for row in load.per_expert for n in row], per_rank=[n for row in load.per_rank for n in row],
+    )
+
+
+def _rows(flat: list[int], num_rows: int, width: int) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(flat[i * width:(i + 1) * width]) for i in range(num_rows))
+
+
+def expert_load_from_proto(msg: pb.GetExpertLoadResponse) -> ExpertLoad:
+    layers = len(msg.layers)
+    return ExpertLoad(tuple(msg.layers), _rows(list(msg.per_expert), layers, msg.num_experts),
+                      _rows(list(msg.per_rank), layers, msg.num_ranks))
+
+
+def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(num_layers=layout.num_layers, block_size=layout.block_size,
+                       token_bytes=layout.token_bytes, dtype=layout.dtype)
+
+
+def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
+    return KVLayout(msg.num_layers, msg.block_size, msg.token_bytes, msg.dtype)

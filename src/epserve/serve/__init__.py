@@ -1,1 +1,0 @@
-"""Online serving: gRPC engine service, router (policies, OpenAI API, metrics), launcher."""
