@@ -34,14 +34,14 @@ python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tee -a "$
 if [ "$PART" = engine ] || [ "$PART" = all ]; then
   # test_overlap: the overlap schedules (incl. two micro-batches) in one process on CUDA. Multi-rank NCCL
   # expert parallelism needs two GPUs (NCCL refuses two ranks on one device): not checkable on one H200.
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_engine.py tests/test_overlap.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/model/test_model_parity.py tests/engine/test_engine.py tests/parallel/test_overlap.py \
     2>&1 | tail -25 | tee "$OUT/tests.txt"
   timeout 180 python3 benchmarks/offline_throughput.py --device cuda --repeats 3 --json "$OUT/offline.json" \
     2>&1 | tail -30 | tee "$OUT/offline.txt"
 fi
 if [ "$PART" = kernels ] || [ "$PART" = all ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py tests/test_gate_kernel.py \
-    tests/test_mla_decode_kernel.py 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_kernels.py tests/kernels/test_gate_kernel.py \
+    tests/kernels/test_mla_decode_kernel.py 2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
   timeout 150 python3 benchmarks/fp8_gemm.py --json "$OUT/fp8_gemm.json" \
     2>&1 | tail -80 | tee "$OUT/fp8_gemm.txt"
 fi
@@ -52,7 +52,7 @@ if [ "$PART" = decode ] || [ "$PART" = all ]; then
     2>&1 | tail -10 | tee "$OUT/fp8_engine.txt"
 fi
 if [ "$PART" = mtp ] || [ "$PART" = all ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_mtp_engine.py tests/test_spec_decode.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_mtp_engine.py tests/engine/test_spec_decode.py \
     2>&1 | tail -25 | tee "$OUT/mtp_tests.txt"
   timeout 120 python3 -m epserve.cli make-checkpoint "$OUT/trained" --train --train-seconds 90 --dtype bfloat16 \
     2>&1 | tail -3 | tee "$OUT/mtp_train.txt"
@@ -60,7 +60,7 @@ if [ "$PART" = mtp ] || [ "$PART" = all ]; then
     --json "$OUT/mtp_decode.json" 2>&1 | tail -20 | tee "$OUT/mtp_decode.txt"
 fi
 if [ "$PART" = eplb ] || [ "$PART" = all ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_eplb.py tests/test_eplb_policy.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_eplb.py tests/parallel/test_eplb_policy.py \
     2>&1 | tail -25 | tee "$OUT/eplb_tests.txt"
 fi
 if [ "$PART" = recovery ] || [ "$PART" = all ]; then
@@ -70,7 +70,7 @@ if [ "$PART" = recovery ] || [ "$PART" = all ]; then
     --json "$OUT/recovery.json" 2>&1 | tail -10 | tee "$OUT/recovery.txt"
 fi
 if [ "$PART" = disagg ] || [ "$PART" = all ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kv_handoff.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kv_handoff.py \
     2>&1 | tail -25 | tee "$OUT/disagg_tests.txt"
   timeout 300 python3 benchmarks/disagg_mixed.py --device cuda --dtype bfloat16 --deployments disaggregated \
     --json "$OUT/disagg_mixed.json" 2>&1 | tail -10 | tee "$OUT/disagg_mixed.txt"

@@ -1,6 +1,6 @@
 """Regenerate the gRPC Python modules from src/epserve/rpc/proto/engine.proto (needs grpcio-tools).
 
-The generated modules are committed; tests/test_grpc_engine.py checks they match the .proto.
+The generated modules are committed; tests/serve/test_grpc_engine.py checks they match the .proto.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)
+    # the test file runs as a script from its area folder: the harness modules sit in tests/
+    path = os.pathsep.join(p for p in (str(ROOT / "src"), str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 

@@ -5,7 +5,7 @@ the GPU that holds the most, a DP group's leader: the attention of its DP group 
 ``q_b``/``q_proj``, ``kv_b`` and ``o_proj`` split by TP, the fused latent ``q_a`` + ``kv_a``
 replicated) with MLA's absorbed decode weights, the dense MLPs and the shared expert whole,
 ``slots / EP`` routed experts, the expert gate, the full embedding (replicated, not vocabulary-parallel)
-and the full LM head (a DP group's leader only). ``tests/test_planner_memory.py`` checks the figure
+and the full LM head (a DP group's leader only). ``tests/planner/test_planner_memory.py`` checks the figure
 against the engine's plan byte for byte. The MTP layer (``mtp_draft > 0``) is an addition on top,
 laid out like the other layers: the engine does not load it yet.
 
@@ -155,7 +155,7 @@ def planned_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", mtp_d
     """Latent cache per token of a deployment's KV dtype name (``bf16``, ``fp8``): ``kv_lora_rank +
     qk_rope_head_dim`` values per layer, plus the MTP layer's with ``mtp_draft``. The engine's
     allocation for a torch dtype and cached layers is ``engine.memory.kv_bytes_per_token``; the two
-    agree (``tests/test_config.py``), the planner staying torch-free."""
+    agree (``tests/engine/test_config.py``), the planner staying torch-free."""
     layers = model.num_hidden_layers + (1 if mtp_draft and model.num_nextn_predict_layers else 0)
     return layers * model.kv_cache_dim * KV_BYTES[kv_dtype]
 

@@ -135,7 +135,7 @@ def test_prefill_request_checks(ckpt, device):
 def test_mtp_layer_kv_travels_and_drafts_continue(counter_ckpt, device):
     """With MTP on both sides the draft layer's cache is one more layer of every block: the decode
     side's drafts (and so its tokens and acceptance) are those of one engine."""
-    from tests.test_mtp_engine import ENGINE
+    from tests.engine.test_mtp_engine import ENGINE
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[3, 4, 5, 6, 7], list(range(10, 40))]

@@ -16,8 +16,8 @@ import torch
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
+from tests.engine.test_eplb import assert_same, outputs
 from tests.serve_harness import Proc, metric, wait_http_ok
-from tests.test_eplb import assert_same, outputs
 
 pytestmark = pytest.mark.slow
 

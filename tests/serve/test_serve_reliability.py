@@ -3,7 +3,7 @@
 instance stops reporting healthy within the step timeout, the supervisor restarts the engine group
 and the server serves again, without an outside restart; requests sent meanwhile wait for it and
 succeed; SIGTERM afterwards still exits 0 with no process left. (Past ``--max-restarts`` the command
-exits non-zero: tests/test_serve_deploy.py, a world over two hosts, which has none.)"""
+exits non-zero: tests/serve/test_serve_deploy.py, a world over two hosts, which has none.)"""
 
 from __future__ import annotations
 

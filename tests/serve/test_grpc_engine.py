@@ -120,7 +120,7 @@ def test_generated_code_matches_the_proto(tmp_path):
     import importlib.util
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     try:
         from gen_proto import generate
     finally:
