@@ -129,3 +129,40 @@ def test_the_router_and_the_messages_load_without_torch():
             "'epserve.model', 'epserve.moe', 'epserve.kernels', 'numpy'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_running_router_has_no_torch_loaded(tiny_ckpt):
+    """``epserve router`` as a user starts it, serving (``/health`` answers 503: no engine is up): its
+    process has not loaded torch's library."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "epserve.cli", "router", str(tiny_ckpt), "--engine",
+                             f"127.0.0.1:{free_port()}", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr and proc.stderr.read()
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                break
+            except OSError:
+                time.sleep(0.05)
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" not in maps and "torch/_C" not in maps
+    finally:
+        proc.terminate()
+        proc.wait(30)

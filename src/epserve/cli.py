@@ -193,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    from epserve.engine.memory import OutOfMemoryError
-    from epserve.parallel.launch import RankFailure
+    from epserve.config import OutOfMemoryError
+    from epserve.parallel.process import (
+        RankFailure,  # (neither import loads torch: `epserve router` has none)
+    )
 
     try:
         return int(args.func(args) or 0)

@@ -29,6 +29,7 @@ from epserve.config.model import (
     SUPPORTED_TOPK_METHODS,
     ConfigError,
     ModelConfig,
+    OutOfMemoryError,
     RopeScaling,
     yarn_get_mscale,
 )
@@ -36,6 +37,6 @@ from epserve.config.model import (
 __all__ = [
     "DISPATCH_BACKENDS", "KV_CACHE_DTYPES", "MULTI_RANK_DISPATCH", "OVERLAP_CHOICES", "OVERLAP_MODES", "QUANTIZATIONS",
     "REPLICA_SELECTIONS", "SPECULATIVE_METHODS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SCORING", "SUPPORTED_TOPK_METHODS", "CacheConfig",
-    "ConfigError", "DispatchBackend", "EngineConfig", "EplbConfig", "KvCacheDtype", "ModelConfig", "OverlapMode", "OverlapSetting",
+    "ConfigError", "OutOfMemoryError", "DispatchBackend", "EngineConfig", "EplbConfig", "KvCacheDtype", "ModelConfig", "OverlapMode", "OverlapSetting",
     "ParallelConfig", "Quantization", "ReplicaSelection", "RopeScaling", "SchedulerConfig", "SpeculativeMethod", "yarn_get_mscale",
 ]

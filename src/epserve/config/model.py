@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """A checkpoint or option the engine cannot serve; the message names the problem."""
 
 
+class OutOfMemoryError(RuntimeError):
+    """The weights (or a single request) cannot fit in the memory budget (``engine/memory.py``)."""
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """YaRN rotary scaling as published in DeepSeek-V3's ``rope_scaling``."""

@@ -6,16 +6,12 @@ import logging
 
 import torch
 
-from epserve.config import CacheConfig, ModelConfig
+from epserve.config import CacheConfig, ModelConfig, OutOfMemoryError
 
 logger = logging.getLogger(__name__)
 
 # Headroom for activations and temporaries, as a fraction of the budget after weights.
 _ACTIVATION_RESERVE = 0.1
-
-
-class OutOfMemoryError(RuntimeError):
-    """The weights (or a single request) cannot fit in the memory budget."""
 
 
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:

@@ -21,16 +21,14 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from epserve.messages.kv import KVLayout, PrefilledKV
-from epserve.messages.sampling import SamplingParams
+from epserve.messages.kv import PrefilledKV, PrefillJob
 from epserve.rpc.convert import (
     GRPC_OPTIONS,
     KV_TRANSFER_BUCKETS,
     auth_metadata,
-    layout_to_proto,
     logprob_from_proto,
     logprob_to_proto,
-    sampling_to_proto,
+    prefill_job_to_proto,
 )
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
@@ -46,18 +44,6 @@ class KVTransferError(RuntimeError):
     def __init__(self, message: str, invalid: bool = False) -> None:
         super().__init__(message)
         self.invalid = invalid
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    """What a decode instance asks of a prefill instance for one request."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    first_block: int  # blocks before it are the decode instance's own prefix-cache hit
-    num_blocks: int  # blocks to receive
-    layout: KVLayout  # the decode instance's
 
 
 @dataclass
@@ -128,11 +114,7 @@ class GrpcKVTransport(KVTransport):
 
     async def receive(self, source: str, job: PrefillJob) -> PrefilledKV:
         layout = job.layout
-        request = pb.PrefillRequest(
-            request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
-            sampling_params=sampling_to_proto(job.params), first_block=job.first_block,
-            layout=layout_to_proto(layout),
-        )
+        request = prefill_job_to_proto(job)
         shape = (layout.num_layers, -1, layout.block_size, layout.token_bytes)
         parts: list[torch.Tensor] = []
         next_block = job.first_block

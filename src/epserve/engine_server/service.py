@@ -17,7 +17,6 @@ Threads of a rank process:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import socket
 import threading
@@ -34,19 +33,20 @@ from epserve.engine_server.kv_transport import (
     KVTransferError,
     KVTransferStats,
     KVTransport,
-    PrefillJob,
 )
 from epserve.engine_server.signals import SignalWatcher
-from epserve.engine_server.streams import ResponseStream, merge_responses, to_proto
+from epserve.engine_server.streams import ResponseStream, merge_responses
 from epserve.messages.engine import AbortRequest, AddRequest, KVReceived, LoopOutput, RequestFailed
-from epserve.messages.kv import KVTransferRole, KVWanted, PrefilledKV
+from epserve.messages.kv import KVTransferRole, KVWanted, PrefilledKV, PrefillJob
 from epserve.parallel.context import set_collective_timeout, store_client
 from epserve.rpc.convert import (
     GRPC_OPTIONS,
     SERVICE_NAME,
     expert_load_to_proto,
+    generated_to_proto,
     layout_from_proto,
     layout_to_proto,
+    load_to_proto,
     sampling_from_proto,
 )
 from epserve.rpc.proto import engine_pb2 as pb
@@ -110,7 +110,7 @@ class EngineService(pb_grpc.EngineServicer):
                 continue
             if out.finish_reason is not None:
                 del self.streams[out.request_id]
-            stream.push(to_proto(out))
+            stream.push(generated_to_proto(out))
 
     async def watch(self, step_timeout_s: float) -> None:
         """The step watchdog: when the loop's current pass has run past ``step_timeout_s`` (a rank hung
@@ -274,7 +274,7 @@ class EngineService(pb_grpc.EngineServicer):
         return pb.AbortResponse(found=found)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:  # noqa: N802
-        return pb.GetLoadResponse(**dataclasses.asdict(self.engine_loop.load()), **self.kv_stats.proto_fields())
+        return load_to_proto(self.engine_loop.load(), **self.kv_stats.proto_fields())
 
     async def GetExpertLoad(self, request: pb.GetExpertLoadRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> pb.GetExpertLoadResponse:

@@ -1,14 +1,13 @@
 """A Generate or Prefill call's messages on the leader's gRPC loop: what the step loop delivered and
-the call has not sent yet, and the conversion of a step's tokens to the gRPC message."""
+the call has not sent yet, and a slow reader's pile-up merged into one message."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 
-from epserve.messages.engine import GeneratedTokens, RequestFailed
+from epserve.messages.engine import RequestFailed
 from epserve.messages.kv import PrefilledKV
-from epserve.rpc.convert import logprob_to_proto
 from epserve.rpc.proto import engine_pb2 as pb
 
 
@@ -32,15 +31,6 @@ class ResponseStream:
         items = list(self.items)
         self.items.clear()
         return items
-
-
-def to_proto(out: GeneratedTokens) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(
-        token_ids=out.token_ids, num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason or "",
-    )
-    msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
-    return msg
 
 
 def merge_responses(msgs: list[pb.GenerateResponse]) -> pb.GenerateResponse:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-    from epserve.messages.sampling import TokenLogprobs
+    from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
 KVTransferRole = Literal["send", "receive"]
 
@@ -60,3 +60,16 @@ class PrefilledKV:
     first_token: int
     logprobs: TokenLogprobs | None  # when the request asked for logprobs
     num_cached_tokens: int  # the prefill instance's prefix-cache hit (what usage reports)
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """What a decode instance asks of a prefill instance for one request (its blocks from
+    ``first_block`` on, in the decode instance's layout)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    first_block: int  # blocks before it are the decode instance's own prefix-cache hit
+    num_blocks: int  # blocks to receive
+    layout: KVLayout  # the decode instance's

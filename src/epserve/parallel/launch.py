@@ -25,13 +25,9 @@ from typing import Any, Protocol
 import torch.multiprocessing as mp
 
 from epserve import env
-from epserve.parallel.process import name_process
+from epserve.parallel.process import RankFailure, name_process
 
 logger = logging.getLogger(__name__)
-
-
-class RankFailure(RuntimeError):
-    """A rank process died or failed; the other ranks were stopped."""
 
 
 class CommandRefused(ValueError):

@@ -7,6 +7,10 @@ import ctypes
 import signal
 
 
+class RankFailure(RuntimeError):
+    """A rank process died or failed; the other ranks were stopped."""
+
+
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent (our front end, or torchrun's agent) dies."""
     try:

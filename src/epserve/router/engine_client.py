@@ -8,7 +8,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epserve.messages.sampling import SamplingParams
-from epserve.rpc.convert import GRPC_OPTIONS, SERVICE_NAME, auth_metadata, sampling_to_proto
+from epserve.rpc.convert import GRPC_OPTIONS, SERVICE_NAME, auth_metadata, generate_request_to_proto
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 
@@ -56,13 +56,8 @@ class EngineClient:
         """The request's stream; closing the iterator early cancels the call (the engine aborts the
         request and frees its blocks). Raises EngineUnavailable or EngineRequestError. ``prefill_address``:
         a decode instance gets the prompt's KV from that prefill instance (PrefillUnavailable if it fails)."""
-        call = self.stub.Generate(
-            pb.GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_to_proto(params),
-                prefill_address=prefill_address,
-            ),
-            wait_for_ready=False, metadata=self.metadata,
-        )
+        call = self.stub.Generate(generate_request_to_proto(request_id, prompt_token_ids, params, prefill_address),
+                                  wait_for_ready=False, metadata=self.metadata)
         try:
             async for msg in call:
                 yield msg

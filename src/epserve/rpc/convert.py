@@ -1,9 +1,14 @@
-"""What both ends of the gRPC engine service share: names, channel options, message conversion."""
+"""What both ends of the gRPC engine service share: names, channel options, and every conversion between
+the message vocabulary (``epserve.messages``) and the protocol's messages. (The KV blocks themselves are
+framed into ``KVChunk`` bytes by ``engine_server/kv_transport.py``, the one side that holds tensors.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
+from epserve.messages.engine import EngineLoad, GeneratedTokens
 from epserve.messages.expert_load import ExpertLoad
-from epserve.messages.kv import KVLayout
+from epserve.messages.kv import KVLayout, PrefillJob
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.rpc.proto import engine_pb2 as pb
 
@@ -90,3 +95,29 @@ def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
 
 def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
     return KVLayout(msg.num_layers, msg.block_size, msg.token_bytes, msg.dtype)
+
+
+def generate_request_to_proto(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                              prefill_address: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                              sampling_params=sampling_to_proto(params), prefill_address=prefill_address)
+
+
+def generated_to_proto(out: GeneratedTokens) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(
+        token_ids=out.token_ids, num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
+        num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason or "",
+    )
+    msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
+    return msg
+
+
+def load_to_proto(load: EngineLoad, **kv_transfer_fields: object) -> pb.GetLoadResponse:
+    """A leader's load figures, with its KV-transfer counters (``KVTransferStats.proto_fields``)."""
+    return pb.GetLoadResponse(**dataclasses.asdict(load), **kv_transfer_fields)
+
+
+def prefill_job_to_proto(job: PrefillJob) -> pb.PrefillRequest:
+    return pb.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
+                             sampling_params=sampling_to_proto(job.params), first_block=job.first_block,
+                             layout=layout_to_proto(job.layout))
