@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
@@ -43,33 +43,17 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ServeOptions:
-    """A serving rank's options: its step loop's (``drain_timeout_s``, ``stats_every``,
-    ``step_timeout_s``, and ``restarts``/``role`` for its load figures) and its gRPC service's."""
+class LoopOptions:
+    """How a rank's step loop runs (a serving rank's come from ``engine_server.options.ServeOptions``)."""
 
-    host: str = "127.0.0.1"  # where leaders listen for gRPC
-    port: int = 0  # the leader of DP group i listens on port + i; 0 = any free port
-    ports: tuple[int, ...] = ()  # if set, DP group i's leader listens on ports[i] (a restart's old ports)
     drain_timeout_s: float = 30.0  # after a stop, running requests get this long before they are aborted
     stats_every: int = 64  # forward steps between expert-load gathers (also when going idle); 0: none
-    token: str | None = field(default=None, repr=False)  # required as gRPC call metadata (None: no check)
-    step_timeout_s: float = 60.0  # a leader whose loop makes no progress this long stops serving (watchdog)
-    dist_timeout_s: float | None = None  # collectives give up after this while serving (None: step_timeout_s)
-    restarts: int = 0  # times the supervisor restarted this group (reported in GetLoad)
-    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode disaggregation (see engine_server)
-    kv_transfer_timeout_s: float = 30.0  # a decode instance gives up a request's KV transfer after this
-
-    def port_of(self, dp_rank: int) -> int:
-        if self.ports:
-            return self.ports[dp_rank]
-        return self.port + dp_rank if self.port else 0
-
-    @property
-    def collective_timeout_s(self) -> float:
-        return self.step_timeout_s if self.dist_timeout_s is None else self.dist_timeout_s
+    step_timeout_s: float = 60.0  # a pass longer than this means a rank hung or died (the watchdog's limit)
+    restarts: int = 0  # times the supervisor restarted this group (reported in the load figures)
+    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode disaggregation (load figures)
 
 
-OFFLINE = ServeOptions(stats_every=0)  # the offline frontend's loop: nobody reads its statistics
+OFFLINE = LoopOptions(stats_every=0)  # the offline frontend's loop: nobody reads its statistics
 
 
 class Frontend(Protocol):
@@ -85,7 +69,7 @@ class EngineLoop:
     """The step loop of ``engine``'s rank (``rendezvous``: where the ranks met, for the doorbell of a
     serving loop; None in one process, and offline, where the loop never sleeps)."""
 
-    def __init__(self, engine: LLMEngine, options: ServeOptions = OFFLINE,
+    def __init__(self, engine: LLMEngine, options: LoopOptions = OFFLINE,
                  rendezvous: tuple[str, int] | None = None) -> None:
         self.engine = engine
         self.ctx = engine.ctx

@@ -25,7 +25,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epserve.engine.loop import EngineLoop, ServeOptions
+from epserve.engine.loop import EngineLoop
 from epserve.engine.worker import EngineWorker
 from epserve.engine_server.auth import TokenCheck
 from epserve.engine_server.kv_transport import (
@@ -34,6 +34,7 @@ from epserve.engine_server.kv_transport import (
     KVTransferStats,
     KVTransport,
 )
+from epserve.engine_server.options import ServeOptions
 from epserve.engine_server.signals import SignalWatcher
 from epserve.engine_server.streams import ResponseStream, merge_responses
 from epserve.messages.engine import AbortRequest, AddRequest, KVReceived, LoopOutput, RequestFailed
@@ -52,7 +53,7 @@ from epserve.rpc.convert import (
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 
-__all__ = ["EngineServer", "ServeOptions"]
+__all__ = ["EngineServer", "EngineService"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,9 @@ class EngineService(pb_grpc.EngineServicer):
     """The gRPC methods (on the leader's asyncio loop) and the loop's :class:`Frontend`: ``deliver``
     and ``set_draining`` come from the step loop's thread and hop onto the asyncio loop."""
 
-    def __init__(self, engine_loop: EngineLoop, transport: KVTransport | None = None) -> None:
+    def __init__(self, engine_loop: EngineLoop, options: ServeOptions, transport: KVTransport | None = None) -> None:
         self.engine_loop = engine_loop
-        self.options = options = engine_loop.options
+        self.options = options
         self.streams: dict[str, ResponseStream] = {}  # the asyncio loop's only
         self.aio_loop: asyncio.AbstractEventLoop | None = None
         self.health = health.aio.HealthServicer()
@@ -297,7 +298,7 @@ class EngineServer:
     thread of its own, until every rank has stopped."""
 
     def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
-        self.loop = EngineLoop(worker.engine, options, worker.rendezvous)
+        self.loop = EngineLoop(worker.engine, options.loop_options(), worker.rendezvous)
         self.ctx = worker.ctx
         self.options = options
         self.rendezvous = worker.rendezvous
@@ -317,7 +318,7 @@ class EngineServer:
         signals = SignalWatcher(self.loop.request_stop) if threading.current_thread() is threading.main_thread() else None
         try:
             if self.ctx.is_leader:
-                self._service = EngineService(self.loop)
+                self._service = EngineService(self.loop, self.options)
                 self._start_grpc(self._service)
                 logger.info("engine instance %d serving gRPC on %s", self.ctx.dp_rank, self.address)
             set_collective_timeout(self.ctx, self.options.collective_timeout_s)  # start-up had longer

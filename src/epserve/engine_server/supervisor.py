@@ -32,7 +32,8 @@ import grpc
 
 from epserve.config import EngineConfig
 from epserve.engine.worker import EngineWorker, spawn_ranks, start_rank
-from epserve.engine_server.service import EngineServer, ServeOptions
+from epserve.engine_server.options import ServeOptions
+from epserve.engine_server.service import EngineServer
 from epserve.parallel.context import store_client
 from epserve.parallel.launch import RankFailure, RankInfo
 from epserve.parallel.process import name_process

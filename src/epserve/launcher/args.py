@@ -5,32 +5,35 @@ they make."""
 from __future__ import annotations
 
 import argparse
+from typing import get_args
 
 from epserve import env
+from epserve.engine_server.options import Role, ServeOptions
+from epserve.router.server import RouterOptions
 
 
 def add_engine_serving_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine instances (gRPC)")
-    g.add_argument("--engine-host", default="127.0.0.1", help="where DP-group leaders listen for gRPC")
+    g.add_argument("--engine-host", default=ServeOptions.host, help="where DP-group leaders listen for gRPC")
     g.add_argument("--engine-port", type=int, default=None,
                    help="the leader of DP group i listens on ENGINE_PORT + i (serve: any free port; engine: 50051)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
+    g.add_argument("--drain-timeout", type=float, default=ServeOptions.drain_timeout_s,
                    help="seconds running requests get to finish after Ctrl-C/SIGTERM before they are aborted")
-    g.add_argument("--step-timeout", type=float, default=60.0,
+    g.add_argument("--step-timeout", type=float, default=ServeOptions.step_timeout_s,
                    help="an instance whose step makes no progress this long (a rank hung or died) stops serving, "
                    "fails its requests, and its group is restarted")
     g.add_argument("--dist-timeout", type=float, default=None,
                    help="while serving, collectives give up after this many seconds (default: --step-timeout)")
     g.add_argument("--max-restarts", type=int, default=3,
                    help="times the engine group is restarted after a rank dies or hangs (one host only)")
-    g.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+    g.add_argument("--kv-transfer-timeout", type=float, default=ServeOptions.kv_transfer_timeout_s,
                    help="prefill/decode disaggregation: a decode instance gives up a request's prefill and KV "
                    "transfer after this many seconds (the router retries it on another prefill instance)")
     add_engine_token_arg(g)
 
 
 def add_role_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", default="both", choices=("both", "prefill", "decode"),
+    p.add_argument("--role", default=ServeOptions.role, choices=get_args(Role),
                    help="prefill/decode disaggregation: prefill instances run prompts and send their KV to decode "
                    "instances, which only decode (a router with --prefill and --decode pairs them)")
 
@@ -76,40 +79,39 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     from epserve.router.policy import POLICIES
 
     g = p.add_argument_group("router (OpenAI API)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default=RouterOptions.host)
+    g.add_argument("--port", type=int, default=RouterOptions.port)
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: the MODEL argument)")
     key = g.add_mutually_exclusive_group()
     key.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 (or set EPSERVE_API_KEY)")
     key.add_argument("--api-key-file", default=None, metavar="PATH",
                      help="... with the key read from this file (keeps it off the command line)")
-    g.add_argument("--policy", default="cache_aware", choices=POLICIES)
-    g.add_argument("--cache-threshold", type=float, default=0.3,
+    g.add_argument("--policy", default=RouterOptions.policy, choices=POLICIES)
+    g.add_argument("--cache-threshold", type=float, default=RouterOptions.cache_threshold,
                    help="cache_aware: route to the longest prefix match above this fraction of the prompt")
-    g.add_argument("--balance-abs-threshold", type=int, default=32,
+    g.add_argument("--balance-abs-threshold", type=int, default=RouterOptions.balance_abs_threshold,
                    help="cache_aware: load is imbalanced when max - min exceeds this ...")
-    g.add_argument("--balance-rel-threshold", type=float, default=1.5, help="... and max > this x min")
-    g.add_argument("--max-tree-tokens", type=int, default=1 << 22,
+    g.add_argument("--balance-rel-threshold", type=float, default=RouterOptions.balance_rel_threshold, help="... and max > this x min")
+    g.add_argument("--max-tree-tokens", type=int, default=RouterOptions.max_tree_tokens,
                    help="cache_aware: prefix tokens remembered per instance (LRU beyond)")
-    g.add_argument("--engine-wait-timeout", type=float, default=20.0,
+    g.add_argument("--engine-wait-timeout", type=float, default=RouterOptions.engine_wait_s,
                    help="seconds a request that has not started waits for a healthy engine instance (one being "
                    "restarted) before a 503")
     lim = p.add_argument_group("router limits (per HTTP request)")
-    lim.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413 (default 4 MiB)")
-    lim.add_argument("--max-choices-per-request", type=int, default=256,
+    lim.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes, help="larger bodies get 413 (default 4 MiB)")
+    lim.add_argument("--max-choices-per-request", type=int, default=RouterOptions.max_choices_per_request,
                      help="most generations one request may ask for (prompts x n)")
-    lim.add_argument("--header-timeout", type=float, default=10.0,
+    lim.add_argument("--header-timeout", type=float, default=RouterOptions.header_timeout_s,
                      help="seconds for a request's headers to arrive, else the connection is closed")
-    lim.add_argument("--body-timeout", type=float, default=30.0,
+    lim.add_argument("--body-timeout", type=float, default=RouterOptions.body_timeout_s,
                      help="seconds for a request's body to arrive after its headers, else 408")
-    lim.add_argument("--keep-alive-timeout", type=float, default=5.0,
+    lim.add_argument("--keep-alive-timeout", type=float, default=RouterOptions.keep_alive_timeout_s,
                      help="seconds an idle kept-alive connection stays open")
 
 
 def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), prefill: tuple[str, ...] = (),
                    decode: tuple[str, ...] = ()):
-    from epserve.router.server import RouterOptions
 
     return RouterOptions(
         model=args.model, engines=engines, prefill=prefill, decode=decode, host=args.host, port=args.port, policy=args.policy,
@@ -123,7 +125,6 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
 
 
 def serve_options(args: argparse.Namespace, default_port: int):
-    from epserve.engine_server.service import ServeOptions
 
     port = default_port if args.engine_port is None else args.engine_port
     if not 0 <= port < 65536:

@@ -23,7 +23,8 @@ from multiprocessing.connection import wait
 from epserve import env
 from epserve.config import EngineConfig
 from epserve.engine.worker import join_torchrun
-from epserve.engine_server.service import EngineServer, ServeOptions
+from epserve.engine_server.options import ServeOptions
+from epserve.engine_server.service import EngineServer
 from epserve.engine_server.signals import StopSignals
 from epserve.engine_server.supervisor import EngineSupervisor
 from epserve.parallel.launch import (
