@@ -49,14 +49,15 @@ def alive(pid: int) -> bool:
 
 
 def named(pid: int, names: list[str], timeout: float = 30.0) -> list[int]:
-    """The descendants of ``pid`` called ``names`` (``/proc/PID/comm``: ``epserve-rank0``), in that
+    """The live descendants of ``pid`` called ``names`` (``/proc/PID/comm``: ``epserve-rank0``), in that
     order, once all of them run."""
     deadline = time.monotonic() + timeout
     while True:
         found = {}
         for kid in descendants(pid):
             try:
-                found[Path(f"/proc/{kid}/comm").read_text().strip()] = kid
+                if alive(kid):  # (a rank of a group torn down may linger as a zombie)
+                    found[Path(f"/proc/{kid}/comm").read_text().strip()] = kid
             except FileNotFoundError:
                 continue
         if all(name in found for name in names):

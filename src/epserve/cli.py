@@ -193,10 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # (neither import loads torch: `epserve router` runs without it)
     from epserve.config import OutOfMemoryError
-    from epserve.parallel.process import (
-        RankFailure,  # (neither import loads torch: `epserve router` has none)
-    )
+    from epserve.parallel.process import RankFailure
 
     try:
         return int(args.func(args) or 0)

@@ -15,7 +15,7 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
-from tests.serve_harness import Proc, alive, descendants, metric, wait_http_ok
+from tests.serve_harness import Proc, alive, descendants, metric, named, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -84,8 +84,7 @@ def test_engines_on_two_hosts_behind_a_router(ckpt, tmp_path):
         assert metric(m, "epserve:router_requests_total", engine="0") >= 1
         assert metric(m, "epserve:router_requests_total", engine="1") >= 1
         pids = {p for node in nodes for p in [node.pid, *descendants(node.pid)]}
-        rank1 = next(p for p in descendants(nodes[1].pid)
-                     if Path(f"/proc/{p}/comm").read_text().strip() == "epserve-rank1")
+        [rank1] = named(nodes[1].pid, ["epserve-rank1"])
         os.kill(rank1, signal.SIGSTOP)  # host 1's rank hangs
         hung = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(1) as pool:

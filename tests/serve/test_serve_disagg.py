@@ -24,7 +24,7 @@ from epserve.parallel.launch import free_port
 from epserve.rpc.convert import auth_metadata
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
-from tests.serve_harness import Proc, descendants, metric, wait_http_ok
+from tests.serve_harness import Proc, metric, named, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +32,6 @@ TOKEN = "disagg-token"
 ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "64", "--max-model-len", "256", "--engine-token", TOKEN]
 KV_TIMEOUT = 4.0
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-def rank_named(proc: Proc, name: str) -> int:
-    return next(p for p in descendants(proc.pid) if Path(f"/proc/{p}/comm").read_text().strip() == name)
 
 
 class Deployment:
@@ -70,7 +66,7 @@ class Deployment:
             "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
 
     def rank_of(self, proc: Proc) -> int:
-        return rank_named(proc, "epserve-p-rank0")
+        return named(proc.pid, ["epserve-p-rank0"])[0]
 
     def wait_healthy(self, index: int, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -250,7 +246,7 @@ def test_serve_disaggregate_on_one_host_and_a_dead_decode_rank(ckpt, offline, tm
         r = httpx.post(f"{url}/v1/completions", timeout=60, json={
             "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
-        decode_rank = rank_named(server, "epserve-d-rank0")
+        decode_rank = named(server.pid, ["epserve-d-rank0"])[0]
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
                 "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}) as s:
             lines = s.iter_lines()

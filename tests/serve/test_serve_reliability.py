@@ -43,18 +43,6 @@ def server(make_ckpt, tmp_path_factory):
             proc.kill_all()
 
 
-def ranks(proc: Proc, timeout: float = 30.0) -> list[int]:
-    """The two rank processes (named ``epserve-rank{i}``), rank 0 first."""
-    deadline = time.monotonic() + timeout
-    while True:
-        named = {psutil.Process(p).name(): p for p in descendants(proc.pid) if alive(p)}
-        found = [named.get(f"epserve-rank{i}") for i in range(2)]
-        if all(found):
-            return found  # type: ignore[return-value]
-        assert time.monotonic() < deadline, named
-        time.sleep(0.1)
-
-
 class Stream:
     """A long streamed completion read in a thread: its events, and how it ended."""
 
@@ -126,7 +114,7 @@ def test_soak_leaks_nothing(server):
 
 def test_a_killed_rank_is_restarted(server):
     proc, url = server
-    before = ranks(proc)
+    before = proc.ranks(2)
     stream = Stream(url)
     killed = time.monotonic()
     psutil.Process(before[1]).kill()
@@ -137,14 +125,14 @@ def test_a_killed_rank_is_restarted(server):
     assert r.status_code == 200, r.text
     wait_health(url, 200, 30)
     print(f"served again {time.monotonic() - killed:.1f} s after SIGKILL")
-    assert set(ranks(proc)).isdisjoint(before)
+    assert set(proc.ranks(2)).isdisjoint(before)
     assert metric(httpx.get(f"{url}/metrics").text, "epserve:engine_restarts_total") >= 1
     assert "restarting it (1 of 2)" in proc.output()
 
 
 def test_a_hung_rank_is_detected_and_restarted(server):
     proc, url = server
-    before = ranks(proc)
+    before = proc.ranks(2)
     stream = Stream(url)
     stopped = time.monotonic()
     psutil.Process(before[0]).suspend()  # SIGSTOP; rank 0 also hosts the rendezvous store

@@ -3,6 +3,7 @@ runs it (``engine``), with the mode types declared once."""
 
 from epserve.config.engine import (
     DISPATCH_BACKENDS,
+    ENGINE_ROLES,
     KV_CACHE_DTYPES,
     MULTI_RANK_DISPATCH,
     OVERLAP_CHOICES,
@@ -13,8 +14,10 @@ from epserve.config.engine import (
     CacheConfig,
     DispatchBackend,
     EngineConfig,
+    EngineRole,
     EplbConfig,
     KvCacheDtype,
+    LoopOptions,
     OverlapMode,
     OverlapSetting,
     ParallelConfig,
@@ -35,8 +38,8 @@ from epserve.config.model import (
 )
 
 __all__ = [
-    "DISPATCH_BACKENDS", "KV_CACHE_DTYPES", "MULTI_RANK_DISPATCH", "OVERLAP_CHOICES", "OVERLAP_MODES", "QUANTIZATIONS",
+    "DISPATCH_BACKENDS", "ENGINE_ROLES", "KV_CACHE_DTYPES", "MULTI_RANK_DISPATCH", "OVERLAP_CHOICES", "OVERLAP_MODES", "QUANTIZATIONS",
     "REPLICA_SELECTIONS", "SPECULATIVE_METHODS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SCORING", "SUPPORTED_TOPK_METHODS", "CacheConfig",
-    "ConfigError", "OutOfMemoryError", "DispatchBackend", "EngineConfig", "EplbConfig", "KvCacheDtype", "ModelConfig", "OverlapMode", "OverlapSetting",
+    "ConfigError", "OutOfMemoryError", "DispatchBackend", "EngineConfig", "EngineRole", "EplbConfig", "KvCacheDtype", "LoopOptions", "ModelConfig", "OverlapMode", "OverlapSetting",
     "ParallelConfig", "Quantization", "ReplicaSelection", "RopeScaling", "SchedulerConfig", "SpeculativeMethod", "yarn_get_mscale",
 ]

@@ -54,6 +54,19 @@ SPECULATIVE_METHODS: tuple[str | None, ...] = get_args(SpeculativeMethod)
 
 ReplicaSelection = Literal["position", "local"]  # how a token picks among an expert's replicas (moe/placement.py)
 REPLICA_SELECTIONS: tuple[str, ...] = get_args(ReplicaSelection)
+EngineRole = Literal["both", "prefill", "decode"]  # prefill/decode disaggregation (engine/kv_handoff.py)
+ENGINE_ROLES: tuple[str, ...] = get_args(EngineRole)
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How a rank's step loop (``engine/loop.py``) runs; a serving rank's come from its ``ServeOptions``."""
+
+    drain_timeout_s: float = 30.0  # after a stop, running requests get this long before they are aborted
+    stats_every: int = 64  # forward steps between expert-load gathers (also when going idle); 0: none
+    step_timeout_s: float = 60.0  # a pass longer than this means a rank hung or died (the watchdog's limit)
+    restarts: int = 0  # times the supervisor restarted this group (reported in the load figures)
+    role: EngineRole = "both"  # reported in the load figures
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default=EngineConfig.device, help="cpu or cuda[:N]")
-    p.add_argument("--quantization", default=EngineConfig.quantization or "none", choices=["auto", "fp8", "none"],
+    p.add_argument("--quantization", default=EngineConfig.quantization, choices=["auto", "fp8", "none"],
                    help="weights: fp8 keeps FP8 block-scaled weights (quantizes a bf16 checkpoint at load), "
                    "none dequantizes at load, auto = fp8 for an FP8 checkpoint on CUDA, none on CPU")
     p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,

@@ -148,9 +148,6 @@ class LLMEngine:
         """One lockstep step; every rank must call it (the step loop, :mod:`epserve.engine.loop`, does,
         and times it when profiling). Returns the leader's request updates. ``stopping`` is this rank's
         vote to drain and stop; the step's all-reduce tells every rank (``anybody_stopping``)."""
-        return self._step(stopping)
-
-    def _step(self, stopping: bool) -> list[RequestUpdate]:
         scheduler = self.scheduler
         writes, arrived = self._take_arrivals() if scheduler is not None else ([], [])
         output = scheduler.schedule() if scheduler is not None else None

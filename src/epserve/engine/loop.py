@@ -18,11 +18,11 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
+from epserve.config import LoopOptions
 from epserve.engine.engine import LLMEngine
 from epserve.engine.profiler import UNTIMED
 from epserve.engine.request import Request
@@ -40,17 +40,6 @@ from epserve.messages.expert_load import ExpertLoad
 from epserve.parallel.doorbell import Doorbell, LocalDoorbell
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoopOptions:
-    """How a rank's step loop runs (a serving rank's come from ``engine_server.options.ServeOptions``)."""
-
-    drain_timeout_s: float = 30.0  # after a stop, running requests get this long before they are aborted
-    stats_every: int = 64  # forward steps between expert-load gathers (also when going idle); 0: none
-    step_timeout_s: float = 60.0  # a pass longer than this means a rank hung or died (the watchdog's limit)
-    restarts: int = 0  # times the supervisor restarted this group (reported in the load figures)
-    role: Literal["both", "prefill", "decode"] = "both"  # prefill/decode disaggregation (load figures)
 
 
 OFFLINE = LoopOptions(stats_every=0)  # the offline frontend's loop: nobody reads its statistics

@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:
-    from epserve.engine.loop import LoopOptions
-
-Role = Literal["both", "prefill", "decode"]
+from epserve.config import EngineRole, LoopOptions
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """A serving rank's options: its gRPC service's and its step loop's (:attr:`loop`)."""
+    """A serving rank's options: its gRPC service's and its step loop's (:meth:`loop_options`)."""
 
     host: str = "127.0.0.1"  # where leaders listen for gRPC
     port: int = 0  # the leader of DP group i listens on port + i; 0 = any free port
     ports: tuple[int, ...] = ()  # if set, DP group i's leader listens on ports[i] (a restart's old ports)
-    drain_timeout_s: float = 30.0  # after a stop, running requests get this long before they are aborted
-    stats_every: int = 64  # forward steps between expert-load gathers (also when going idle); 0: none
+    drain_timeout_s: float = LoopOptions.drain_timeout_s  # after a stop, running requests get this long
+    stats_every: int = LoopOptions.stats_every  # forward steps between expert-load gathers; 0: none
     token: str | None = field(default=None, repr=False)  # required as gRPC call metadata (None: no check)
-    step_timeout_s: float = 60.0  # a leader whose loop makes no progress this long stops serving (watchdog)
+    step_timeout_s: float = LoopOptions.step_timeout_s  # a leader whose loop makes no progress this long stops serving
     dist_timeout_s: float | None = None  # collectives give up after this while serving (None: step_timeout_s)
-    restarts: int = 0  # times the supervisor restarted this group (reported in GetLoad)
-    role: Role = "both"  # prefill/decode disaggregation (see service.py)
+    restarts: int = LoopOptions.restarts  # times the supervisor restarted this group (reported in GetLoad)
+    role: EngineRole = LoopOptions.role  # prefill/decode disaggregation (see service.py)
     kv_transfer_timeout_s: float = 30.0  # a decode instance gives up a request's KV transfer after this
 
     def port_of(self, dp_rank: int) -> int:
@@ -38,7 +34,5 @@ class ServeOptions:
 
     def loop_options(self) -> LoopOptions:
         """The step loop's share."""
-        from epserve.engine.loop import LoopOptions  # the loop imports torch; these options do not
-
         return LoopOptions(drain_timeout_s=self.drain_timeout_s, stats_every=self.stats_every,
                            step_timeout_s=self.step_timeout_s, restarts=self.restarts, role=self.role)

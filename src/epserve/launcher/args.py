@@ -5,10 +5,10 @@ they make."""
 from __future__ import annotations
 
 import argparse
-from typing import get_args
 
 from epserve import env
-from epserve.engine_server.options import Role, ServeOptions
+from epserve.config import ENGINE_ROLES
+from epserve.engine_server.options import ServeOptions
 from epserve.router.server import RouterOptions
 
 
@@ -33,7 +33,7 @@ def add_engine_serving_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_role_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--role", default=ServeOptions.role, choices=get_args(Role),
+    p.add_argument("--role", default=ServeOptions.role, choices=ENGINE_ROLES,
                    help="prefill/decode disaggregation: prefill instances run prompts and send their KV to decode "
                    "instances, which only decode (a router with --prefill and --decode pairs them)")
 

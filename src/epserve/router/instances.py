@@ -23,8 +23,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
+from epserve.config import EngineRole
 from epserve.messages.expert_load import ExpertLoad
 from epserve.messages.sampling import SamplingParams
 from epserve.router.engine_client import EngineClient, EngineUnavailable, PrefillUnavailable
@@ -34,14 +34,13 @@ from epserve.rpc.proto import engine_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["both", "prefill", "decode"]
 _SERVES = {"both": ("both",), "prefill": ("prefill", "both"), "decode": ("decode", "both")}  # listed as -> may be
 
 
 @dataclass
 class Instance:
     client: EngineClient
-    role: Role = "both"  # what the router uses it for (``--engine``, ``--prefill``, ``--decode``)
+    role: EngineRole = "both"  # what the router uses it for (``--engine``, ``--prefill``, ``--decode``)
     healthy: bool = False
     in_flight: int = 0
     requests_total: int = 0
@@ -73,7 +72,7 @@ class Router:
             raise ValueError("--engine instances cannot be mixed with --prefill/--decode instances")
         if not (addresses or prefill):
             raise ValueError("the router needs at least one engine address (--engine HOST:PORT)")
-        roles: list[tuple[str, Role]] = [(a, "both") for a in addresses]
+        roles: list[tuple[str, EngineRole]] = [(a, "both") for a in addresses]
         roles += [(a, "prefill") for a in prefill] + [(a, "decode") for a in decode]
         for a, _ in roles:
             host, sep, port = a.rpartition(":")
@@ -187,7 +186,7 @@ class Router:
                 if isinstance(r, pb.GetExpertLoadResponse) and r.layers]
 
     # ---- requests ----------------------------------------------------------------------------
-    def choose(self, token_ids: list[int], exclude: Collection[int] = (), role: Role = "both",
+    def choose(self, token_ids: list[int], exclude: Collection[int] = (), role: EngineRole = "both",
                kv_from: Instance | None = None) -> Instance:
         """An instance of the ``role`` pool: by the policy, or the least loaded decode instance (one that
         can take the KV of ``kv_from``, the request's prefill instance)."""
@@ -209,7 +208,7 @@ class Router:
         return self.instances[index]
 
     async def _choose_or_wait(self, token_ids: list[int], tried: set[int], deadline: float,
-                              role: Role = "both", kv_from: Instance | None = None) -> Instance:
+                              role: EngineRole = "both", kv_from: Instance | None = None) -> Instance:
         """An instance for a request that has not started: one not tried yet, else (none healthy) the
         first to become healthy before ``deadline`` (loop time), tried or not (it may have restarted)."""
         while True:
