@@ -156,6 +156,8 @@ class EngineService(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
         if rid in self.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is already running")
+        if rid in self.engine_loop.requests:  # its call ended, the loop has not stopped it yet
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request id {rid!r} is still being stopped")
 
     async def _start(self, rid: str, prompt: list[int], sampling: pb.SamplingParams, context: grpc.aio.ServicerContext,
                      kv_transfer: KVTransferRole | None = None, kv_first_block: int = 0,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
@@ -227,11 +228,14 @@ class Router:
         EngineUnavailable (no instance could take it, or the serving one died mid-stream) or
         EngineRequestError (the instance refused the request). Disaggregated: a prefill instance by the
         policy, the least-loaded decode instance (which streams); a prefill that fails before the first
-        token is retried on another prefill instance."""
+        token is retried on another prefill instance. Each attempt has an id of its own on the engines
+        (``request_id``, then ``request_id.1``, …): an instance may still be stopping a failed attempt
+        when the next one reaches it, and must not take one for the other."""
         tried: set[int] = set()  # instances that failed the request before its first token
         tried_prefill: set[int] = set()
         deadline = asyncio.get_running_loop().time() + self.engine_wait_s
-        while True:
+        for attempt in itertools.count():
+            engine_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
             prefill = None
             if self.disaggregated:
                 prefill = await self._choose_or_wait(token_ids, tried_prefill, deadline, "prefill")
@@ -241,7 +245,7 @@ class Router:
                 held.requests_total += 1
             started = False
             try:
-                stream = inst.client.generate(request_id, token_ids, params, prefill.address if prefill else "")
+                stream = inst.client.generate(engine_id, token_ids, params, prefill.address if prefill else "")
                 async with contextlib.aclosing(stream) as stream:
                     async for msg in stream:
                         if prefill is not None and not started:
