@@ -42,15 +42,18 @@ def _epserve(*args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def serving(serve_args: list[str], log: Path, timeout_s: float = 300.0) -> Iterator[tuple[subprocess.Popen, str]]:
+def serving(serve_args: list[str], log: Path, timeout_s: float = 300.0, src: Path | None = None,
+            environ: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
     """``epserve serve *serve_args --port <free>`` until it answers ``/health``; yields the process and
-    its base URL; stops it (SIGTERM, drained) afterwards."""
+    its base URL; stops it (SIGTERM, drained) afterwards. ``src``: another tree's ``src/`` to run the
+    server from (a before/after comparison); ``environ``: more environment for it."""
     from epserve.parallel.launch import free_port
 
     port = free_port()
+    child_env = {**os.environ, env.NO_PROGRESS: "1", **(environ or {}), **({"PYTHONPATH": str(src)} if src else {})}
     with log.open("w") as out:
         proc = subprocess.Popen(_epserve("serve", *serve_args, "--port", str(port)), stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, env.NO_PROGRESS: "1"})
+                                stderr=subprocess.STDOUT, env=child_env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s

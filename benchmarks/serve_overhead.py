@@ -80,20 +80,22 @@ def served(model: str, dp: int, args: argparse.Namespace, seed: int, tmp: Path) 
         return result
 
 
-def over_grpc(model: str, datasets: list[list], tmp: Path) -> list[float]:
+def over_grpc(model: str, datasets: list[list], tmp: Path, token: str | None = None) -> list[float]:
     """Requests per second of one ``epserve engine`` (dp 1) driven straight over gRPC from this
-    process: the engine's online loop and gRPC streaming, without the router and HTTP."""
+    process: the engine's online loop and gRPC streaming, without the router and HTTP; with ``token``,
+    over mutual TLS under it, as routers call engines (``epserve serve`` always has one)."""
     import asyncio
 
     from epserve.router.engine_client import EngineClient
 
     port = free_port()
     log = (tmp / "engine.log").open("w")
-    engine = subprocess.Popen([sys.executable, "-m", "epserve.cli", "engine", model, "--engine-port", str(port)],
+    engine = subprocess.Popen([sys.executable, "-m", "epserve.cli", "engine", model, "--engine-port", str(port),
+                               *(["--engine-token", token] if token else [])],
                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, env.NO_PROGRESS: "1"})
 
     async def run() -> list[float]:
-        client = EngineClient(0, f"127.0.0.1:{port}")
+        client = EngineClient(0, f"127.0.0.1:{port}", token)
         deadline = time.monotonic() + 300
         while not await client.is_serving(timeout=1.0):
             if engine.poll() is not None or time.monotonic() > deadline:
@@ -111,7 +113,7 @@ def over_grpc(model: str, datasets: list[list], tmp: Path) -> list[float]:
             await asyncio.gather(*(one(f"{k}-{i}", r) for i, r in enumerate(requests)))
             wall = time.perf_counter() - start
             out.append(len(requests) / wall)
-            print(f"gRPC run {k} (0: warm-up): {wall:.2f} s wall; this client's CPU {time.process_time() - cpu:.2f} s")
+            print(f"gRPC{' (TLS)' if token else ''} run {k} (0: warm-up): {wall:.2f} s wall; this client's CPU {time.process_time() - cpu:.2f} s")
         await client.close()
         return out
 
@@ -150,21 +152,25 @@ def main() -> None:
     offline_rps = offline(str(model), args.dp, warmup, [dataset(s, args.num_prompts) for s in seeds])
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        grpc_rps = over_grpc(str(model), [warmup, *(dataset(s, args.num_prompts) for s in seeds)], Path(tmp))[1:] \
-            if args.dp == 1 else []
+        grpc_data = [warmup, *(dataset(s, args.num_prompts) for s in seeds)]
+        grpc_rps = over_grpc(str(model), grpc_data, Path(tmp))[1:] if args.dp == 1 else []
+        tls_rps = over_grpc(str(model), grpc_data, Path(tmp), "bench-token")[1:] if args.dp == 1 else []
         for seed in seeds:
             runs.append(served(str(model), args.dp, args, seed, Path(tmp)))
     served_rps = [float(r["request_throughput"]) for r in runs]
     off, srv = statistics.median(offline_rps), statistics.median(served_rps)
     out = args.out or cache_dir() / ("serve_overhead_quick.json" if args.quick else "serve_overhead.json")
     out.write_text(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": vars(args) |
-                               {"out": str(out)}, "offline_rps": offline_rps, "grpc_rps": grpc_rps, "served": runs},
+                               {"out": str(out)}, "offline_rps": offline_rps, "grpc_rps": grpc_rps, "grpc_tls_rps": tls_rps,
+                               "served": runs},
                               indent=2, default=str))
     print(f"| side | req/s (median of {args.rounds}) | per round |\n|---|---|---|")
     print(f"| offline `LLM.generate` | {off:.2f} | {', '.join(f'{x:.2f}' for x in offline_rps)} |")
     if grpc_rps:
         g = statistics.median(grpc_rps)
         print(f"| `epserve engine` over gRPC | {g:.2f} | {', '.join(f'{x:.2f}' for x in grpc_rps)} |")
+        t = statistics.median(tls_rps)
+        print(f"| `epserve engine` over gRPC, mutual TLS | {t:.2f} | {', '.join(f'{x:.2f}' for x in tls_rps)} |")
     print(f"| served (`epserve serve` + `bench serve`) | {srv:.2f} | {', '.join(f'{x:.2f}' for x in served_rps)} |")
     print(f"\nserved / offline: {srv / off:.2f}x" + (f"; gRPC / offline: {g / off:.2f}x" if grpc_rps else ""))
     for i, r in enumerate(runs):

@@ -4,6 +4,7 @@ request held open whatever the machine's speed, and stop them, checking nothing 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -286,3 +289,34 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
 def metric(text: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels``."""
     return sum(v for n, lab, v in parse_metrics(text) if n == name and labels.items() <= lab.items())
+
+
+class Stream:
+    """A long streamed completion read in a thread: its events, and how it ended."""
+
+    def __init__(self, url: str, max_tokens: int = 800) -> None:
+        self.events: list[dict] = []
+        self.done = False
+        self.started = threading.Event()
+        body = {"prompt": "a long one", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self.thread.start()
+        assert self.started.wait(30), "the stream never started"
+
+    def _read(self, url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+                        if len(self.events) == 2:
+                            self.started.set()
+        except httpx.HTTPError:
+            pass  # the server went away (the test asks how the stream ended)
+
+    def end(self) -> dict:
+        self.thread.join(60)
+        assert not self.thread.is_alive() and self.done, self.events[-3:]
+        return self.events[-1]

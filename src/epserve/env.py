@@ -101,6 +101,13 @@ def engine_token() -> str | None:
 
 
 
+def quiet_grpc() -> None:
+    """gRPC's core logs each refused TLS handshake (an impostor, a probe) at INFO, one line per
+    connection attempt, which our own warning already says once; it reads its level when it loads,
+    so call this first (processes started from here inherit it). An operator's GRPC_VERBOSITY wins."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+
 def collectives_on_loopback() -> None:
     """Make gloo and NCCL listen on the loopback interface (a world on one host whose rendezvous is
     loopback), unless the user chose interfaces with ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``."""

@@ -5,6 +5,7 @@ a decode engine out of blocks makes transfers wait, never drops them."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -161,3 +162,49 @@ def test_fp8_kv_travels_as_stored(ckpt, device):
     assert layout.mismatch(_engine(ckpt, device).runner.kv_layout()) is not None  # fp32 blocks cannot land here
     tokens, _ = disaggregated(prefill, decode, PROMPTS[:3], GREEDY)
     assert tokens == want
+
+
+class _Recorder:
+    """A frontend that keeps what the step loop hands it."""
+
+    def __init__(self) -> None:
+        self.outputs: list = []
+
+    def deliver(self, outputs: list) -> None:
+        self.outputs.extend(outputs)
+
+    def set_draining(self) -> None:
+        pass
+
+
+def test_each_streamed_update_carries_its_own_tokens_logprobs(ckpt, device):
+    """Through the step loop (what the gRPC service streams): the step a request's KV arrives in reports
+    the prefill's first token and the token it samples after it, as two updates; each carries the
+    logprobs of its own token, those of one engine (not the second token's twice)."""
+    from epserve.engine.loop import EngineLoop
+    from epserve.messages.engine import GeneratedTokens, KVReceived
+    from epserve.messages.kv import KVWanted
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = LLM(ckpt, dtype="float32", device=device, num_blocks=256, block_size=16).generate([PROMPTS[0]], params)[0]
+    prefill, decode = _engine(ckpt, device), _engine(ckpt, device)
+    loop, frontend = EngineLoop(decode), _Recorder()
+    loop.submit(AddRequest("r0", tuple(PROMPTS[0]), params, "receive"))
+    loop.run(frontend, until_idle=True)  # its blocks allocated: the transfer to start
+    [wanted] = [o for o in frontend.outputs if isinstance(o, KVWanted)]
+    export = _run_prefill(prefill, "r0", PROMPTS[0], params, wanted.first_block)
+    loop.submit(KVReceived(replace(export, request_id="r0")))
+    loop.run(frontend, until_idle=True)
+    generated = [o for o in frontend.outputs if isinstance(o, GeneratedTokens)]
+    assert len(generated[0].token_ids) == 1 and generated[-1].finish_reason == "length"
+    assert all(len(o.logprobs) == len(o.token_ids) for o in generated)
+    tokens = [t for o in generated for t in o.token_ids]
+    logprobs = [lp for o in generated for lp in o.logprobs]
+    assert tokens == alone.token_ids
+    assert [lp.token_id for lp in logprobs] == tokens
+    # and each says how many output tokens the request had as of it (the arrival's: 1, not 2)
+    assert [o.num_output_tokens for o in generated] == list(itertools.accumulate(len(o.token_ids) for o in generated))
+    for got, want in zip(logprobs, alone.logprobs, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-5)

@@ -1,9 +1,12 @@
-"""The doorbell idle ranks sleep on: a ring wakes every rank, a ring before the wait is not lost, and
-old keys are collected."""
+"""The doorbell idle ranks sleep on: a ring wakes every rank and is never lost; only ranks that hold
+the world's secret can ring it or be told, and a false bell is found out. Ranks here are threads of
+one process (the bell is plain sockets), with the rendezvous store they would meet through."""
 
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import threading
 import time
 
@@ -11,49 +14,124 @@ import pytest
 import torch.distributed as dist
 
 from epserve.parallel.context import store_client
-from epserve.parallel.doorbell import Doorbell, LocalDoorbell
-from tests.dist_harness import free_port, run_ranks
+from epserve.parallel.doorbell import _HELLO, _MAX_UNPROVEN, Doorbell, LocalDoorbell
+from tests.dist_harness import free_port
 
-pytestmark = pytest.mark.slow
+SECRET = "world-secret"
 
 
-def _doorbell_ranks(rank: int, world: int, port: int) -> dict:
-    master = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
-                           timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    bell = Doorbell("127.0.0.1", port)
-    out = {}
-    # 1. everyone sleeps; rank 0's "gRPC thread" rings after 0.3 s
-    dist.barrier()
-    if rank == 0:
-        threading.Timer(0.3, bell.ring).start()
-    start = time.monotonic()
-    bell.wait()
-    out["slept"] = time.monotonic() - start
-    dist.barrier()
-    bell.collect()
-    # 2. the ring comes before anybody waits: the wait returns at once
-    if rank == 0:
-        bell.ring()
-    dist.barrier()
-    start = time.monotonic()
-    bell.wait()
-    out["rang_before"] = time.monotonic() - start
-    dist.barrier()
-    bell.collect()
-    out["epoch"] = bell.epoch
-    client = store_client("127.0.0.1", port)
-    out["old_keys_left"] = [e for e in range(bell.epoch) if client.check([f"doorbell/wake/{e}"])]
-    dist.barrier()
+@pytest.fixture
+def store():
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    yield port
     del master
-    return out
 
 
-def test_ring_wakes_every_rank_and_is_never_lost():
-    results = run_ranks(_doorbell_ranks, 2, free_port())
-    for r in results:
-        assert 0.25 <= r["slept"] < 5.0
-        assert r["rang_before"] < 0.2
-        assert r["epoch"] == 2 and r["old_keys_left"] == []
+def two_ranks(port: int, secrets: tuple[str, str] = (SECRET, SECRET)) -> list[Doorbell]:
+    bells: list[Doorbell | None] = [None, None]
+    errors: list[BaseException] = []
+
+    def make(rank: int) -> None:
+        try:
+            bells[rank] = Doorbell("127.0.0.1", port, rank, secrets[rank], timeout_s=10)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (1, 0)]  # rank 1 first: it waits for rank 0
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return bells  # type: ignore[return-value]
+
+
+def sleeper(bell: Doorbell) -> threading.Thread:
+    t = threading.Thread(target=bell.wait, daemon=True)
+    t.start()
+    return t
+
+
+def test_ring_wakes_every_rank_and_is_never_lost(store):
+    bells = two_ranks(store)
+    sleeping = [sleeper(b) for b in bells]
+    time.sleep(0.2)
+    assert all(t.is_alive() for t in sleeping)  # nobody rang: both sleep
+    bells[1].ring()  # any rank may ring
+    for t in sleeping:
+        t.join(10)
+        assert not t.is_alive()
+    bells[0].ring()  # rung before anybody waits (epoch 1): the waits return at once
+    for b in bells:
+        sleeper(b).join(10)
+        assert b.epoch == 2
+    sleeping = [sleeper(b) for b in bells]  # epoch 2: the old rings do not wake it
+    time.sleep(0.2)
+    assert all(t.is_alive() for t in sleeping)
+    bells[0].ring()
+    for t in sleeping:
+        t.join(10)
+        assert not t.is_alive()
+    for b in bells:
+        b.close()
+
+
+def test_an_impostor_can_neither_ring_nor_crowd_the_bell(store):
+    bells = two_ranks(store)
+    host, _, port = store_client("127.0.0.1", store).get("doorbell/address").decode().rpartition(":")
+    sleeping = [sleeper(b) for b in bells]
+    # A forged proof followed by a ring: the bell closes the connection and nothing is rung.
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        hello = s.recv(64)
+        assert hello.startswith(_HELLO)
+        s.sendall(os.urandom(16) + os.urandom(32) + b"R" + (0).to_bytes(8, "big"))
+        assert s.recv(64) == b""  # closed: no proof of the secret
+    bell = bells[0]._bell
+    assert bell is not None and bell.rung == -1 and bell.refused >= 1
+    assert all(t.is_alive() for t in sleeping)
+    # Silent connections: past the cap of those still owing their proof, closed at once.
+    crowd = [socket.create_connection((host, int(port)), timeout=10) for _ in range(_MAX_UNPROVEN + 5)]
+    try:
+        for s in crowd:
+            s.recv(64)  # the hello (or the close, past the cap)
+        closed = sum(s.recv(64) == b"" for s in crowd[_MAX_UNPROVEN:])
+        assert closed == 5
+    finally:
+        for s in crowd:
+            s.close()
+    bells[1].ring()  # the world's own ring still works
+    for t in sleeping:
+        t.join(10)
+        assert not t.is_alive()
+    for b in bells:
+        b.close()
+
+
+def test_a_rank_with_another_secret_is_refused(store):
+    with pytest.raises(RuntimeError, match="refused this rank's proof"):
+        two_ranks(store, (SECRET, "another"))
+
+
+def test_a_false_bell_is_found_out(store):
+    """Anyone local can write the store: a bell address pointing elsewhere fails the rank's check."""
+    fake = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = fake.accept()
+        conn.sendall(_HELLO + os.urandom(16))
+        conn.recv(48)
+        conn.sendall(os.urandom(32))  # a proof it cannot make
+        time.sleep(1)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    store_client("127.0.0.1", store).set("doorbell/address", f"127.0.0.1:{fake.getsockname()[1]}".encode())
+    with pytest.raises(RuntimeError, match="does not hold the world's secret"):
+        Doorbell("127.0.0.1", store, 1, SECRET, timeout_s=10)
+    fake.close()
 
 
 def test_local_doorbell():

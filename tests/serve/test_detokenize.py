@@ -261,6 +261,68 @@ def test_matcher_agrees_with_whole_text_reference() -> None:
         )
 
 
+def feeds_reference(stops: Sequence[str], include: bool, chunks: Sequence[str]) -> tuple[list[tuple[str, bool]], str, str | None]:
+    """Brute force over the whole text after each feed: what each feed returns, what ``flush`` returns and
+    the stop matched. A feed returns the text up to the earliest index from which the rest could still
+    begin a stop (the held tail: a proper prefix of one), unless a complete stop starts at or before it:
+    then up to the earliest-starting one (of two, the shorter), through its end with ``include``."""
+    text, emitted, out, matched = "", 0, [], None
+    for chunk in chunks:
+        if matched is not None:
+            out.append(("", True))
+            continue
+        text += chunk
+        hits = [(i, i + len(s), s) for s in stops if (i := text.find(s)) >= 0]
+        hold = next(i for i in range(len(text) + 1)
+                    if any(len(text) - i < len(s) and s.startswith(text[i:]) for s in stops))
+        if hits and min(hits)[0] <= hold:
+            start, end, matched = min(hits)
+            out.append((text[emitted : end if include else start], True))
+        else:
+            out.append((text[emitted:hold], False))
+            emitted = hold
+    return out, ("" if matched is not None else text[emitted:]), matched
+
+
+def test_matcher_agrees_with_brute_force_after_every_feed() -> None:
+    """Random small alphabets (so stops overlap, repeat themselves and half-match often) and random
+    splits, empty pieces included: every feed returns what the brute force says, and so does flush."""
+    rng = random.Random(25)
+    for case in range(3000):
+        alphabet = rng.choice(["ab", "ab", "abc", "aab ", "xyz\n"])
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7))) for _ in range(rng.randint(1, 5))]
+        if rng.random() < 0.3:  # a periodic stop: long borders, the automata's hard case
+            unit = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3)))
+            stops.append((unit * 6)[: rng.randint(2, 12)] + rng.choice(alphabet))
+        if rng.random() < 0.3:
+            text = "".join(rng.choice(stops) + rng.choice(["", rng.choice(alphabet)]) for _ in range(rng.randint(0, 8)))
+        else:
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        chunks, i = [], 0
+        while i < len(text) or (not chunks and rng.random() < 0.5):
+            k = rng.choice([0, 1, 1, 1, 2, 3, 5, 40])
+            chunks.append(text[i : i + k])
+            i += k
+        include = rng.random() < 0.5
+        m = StopStringMatcher(stops, include)
+        got = [m.feed(c) for c in chunks]
+        expected, flushed, matched = feeds_reference(list(dict.fromkeys(stops)), include, chunks)
+        assert (got, m.flush(), m.matched) == (expected, flushed, matched), (case, stops, chunks, include)
+
+
+def test_matcher_work_grows_with_the_text_not_the_stops() -> None:
+    """15 stop strings of 60k characters, the text a prefix of the last one (held back as it grows) and
+    the others sharing its beginning: no automaton computes more of its stop's prefix function than
+    the text fed, and the tail held back is the text itself, returned whole by flush."""
+    text = "".join(random.Random(5).choice("ab ") for _ in range(6000))
+    stops = [text[: 100 * k] + "#" * (60_000 - 100 * k) for k in range(1, 15)] + [text + "#" * 54_000]
+    m = StopStringMatcher(stops)
+    for i in range(0, len(text), 4):
+        assert m.feed(text[i : i + 4]) == ("", False)
+    assert all(len(a._pi) <= len(text) + 1 for a in m._automata)
+    assert m.flush() == text
+
+
 def test_empty_stop_string_rejected() -> None:
     with pytest.raises(ValueError):
         StopStringMatcher(["ok", ""])

@@ -3,7 +3,9 @@ engine --role prefill``, and a ``both`` one that also serves plain requests: the
 a decode world of two instances (``--role decode --dp 2``) and ``epserve router --prefill ... --decode
 ...``. Greedy text equals the colocated instance's and the offline engine's; bytes moved are blocks x
 block bytes, fewer when the decode instance holds a prefix; an abort during a transfer frees blocks on
-both sides; a stalled transfer times out and a killed prefill instance is retried on the other one."""
+both sides; a stalled transfer times out and a killed prefill instance is retried on the other one;
+each token's logprobs are its own; a malformed reply from a (fake) prefill instance fails that request
+alone, and a router retries it on a real one."""
 
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
-from epserve.rpc.convert import auth_metadata
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+from epserve.rpc.security import engine_channel
+from tests.prefill_toys import MALFORMED, serve_fake_prefill
 from tests.serve_harness import Proc, metric, named, wait_http_ok
 
 pytestmark = pytest.mark.slow
@@ -50,13 +53,17 @@ class Deployment:
                             "--decode", f"127.0.0.1:{d}", "--decode", f"127.0.0.1:{d + 1}"], tmp / "router.log")
         self.procs.append(self.router)
         self.url = f"http://127.0.0.1:{http}"
-        wait_http_ok(f"{self.url}/health", self.router)
-        self.stubs = [pb_grpc.EngineStub(grpc.insecure_channel(f"127.0.0.1:{p}")) for p in self.ports[:4]]
-        for i in range(4):  # /health is ok with one prefill and one decode instance up
-            self.wait_healthy(i, timeout=120)
+        try:
+            wait_http_ok(f"{self.url}/health", self.router)
+            self.stubs = [pb_grpc.EngineStub(engine_channel(f"127.0.0.1:{p}", TOKEN)) for p in self.ports[:4]]
+            for i in range(4):  # /health is ok with one prefill and one decode instance up
+                self.wait_healthy(i, timeout=120)
+        except BaseException:  # leave nothing running
+            self.close()
+            raise
 
     def load(self, index: int) -> pb.GetLoadResponse:
-        return self.stubs[index].GetLoad(pb.GetLoadRequest(), timeout=5, metadata=auth_metadata(TOKEN))
+        return self.stubs[index].GetLoad(pb.GetLoadRequest(), timeout=5)
 
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", timeout=30).text
@@ -110,10 +117,10 @@ def test_greedy_text_equals_colocated_and_offline(deployment, offline):
     # The colocated server: the `both` instance serving a plain request itself.
     colocated = deployment.stubs[1].Generate(pb.GenerateRequest(
         request_id="colocated", prompt_token_ids=PROMPTS[0],
-        sampling_params=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)), metadata=auth_metadata(TOKEN))
+        sampling_params=pb.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)))
     assert [t for msg in colocated for t in msg.token_ids] == want[0].token_ids
     before = deployment.metrics()
-    layout = deployment.stubs[2].GetInfo(pb.GetInfoRequest(), metadata=auth_metadata(TOKEN)).kv_layout
+    layout = deployment.stubs[2].GetInfo(pb.GetInfoRequest()).kv_layout
     block_bytes = layout.num_layers * layout.block_size * layout.token_bytes
     for prompt, out in zip(PROMPTS, want):
         r = deployment.complete(prompt)
@@ -267,3 +274,118 @@ def test_serve_disaggregate_on_one_host_and_a_dead_decode_rank(ckpt, offline, tm
     finally:
         server.kill_all()
 
+
+# ---- issue 25: what a decode instance gets from its prefill peer -----------------------------------
+def test_disaggregated_logprobs_are_each_tokens_own(deployment, offline):
+    """The first token's logprob and top logprobs are its own (they were the second token's: both come
+    in the step the KV arrives in): per token those of the colocated instance and of the offline engine,
+    through the decode instance's stream and through the router's completions."""
+    prompt = PROMPTS[0]
+    want = offline.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[0]
+    sampling = pb.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+
+    def streamed(stub: pb_grpc.EngineStub, rid: str, prefill_address: str = "") -> tuple[list, list]:
+        msgs = list(stub.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=sampling,
+                                                     prefill_address=prefill_address), timeout=60))
+        return ([t for m in msgs for t in m.token_ids],
+                [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for m in msgs for lp in m.logprobs])
+
+    colocated = streamed(deployment.stubs[1], "logprobs-colocated")
+    disaggregated = streamed(deployment.stubs[2], "logprobs-disaggregated", f"127.0.0.1:{deployment.ports[1]}")
+    for tokens, logprobs in (colocated, disaggregated):
+        assert tokens == want.token_ids
+        assert len(logprobs) == len(want.logprobs)
+        for (lp, top), expected in zip(logprobs, want.logprobs):
+            assert lp == pytest.approx(expected.logprob, abs=1e-4)
+            assert [t for t, _ in top] == [t for t, _ in expected.top]
+            assert [v for _, v in top] == pytest.approx([v for _, v in expected.top], abs=1e-4)
+
+    r = httpx.post(f"{deployment.url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["logprobs"]
+
+    def text(token: int) -> str:
+        return offline.tokenizer.decode([token], skip_special_tokens=False)
+
+    def top_by_text(top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        out: dict[str, float] = {}  # (two ids of one text, a byte of a character, say: the likelier counts)
+        for token, value in top:
+            out[text(token)] = max(value, out.get(text(token), value))
+        return out
+
+    assert got["tokens"] == [text(t) for t in want.token_ids]
+    assert got["token_logprobs"] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert got["top_logprobs"] == [pytest.approx(top_by_text(lp.top), abs=1e-4) for lp in want.logprobs]
+    deployment.wait_free(2)
+
+
+@pytest.fixture(scope="module")
+def fake_prefill(deployment):
+    vocab = deployment.stubs[2].GetInfo(pb.GetInfoRequest(), timeout=10).vocab_size
+    fake, address, server = serve_fake_prefill(deployment.stubs[1], vocab, TOKEN)
+    yield fake, address
+    server.stop(0)
+
+
+@pytest.mark.parametrize("mode", MALFORMED)
+def test_a_malformed_prefill_reply_fails_that_request_not_the_decode_instance(deployment, offline, fake_prefill,
+                                                                              mode):
+    """A decode instance checks what its prefill peer sends like a client's input: a malformed reply
+    (an out-of-vocabulary first token used to kill the decode world in its step loop, and four such
+    calls spent its restarts) fails that request alone, as a failed KV transfer (ABORTED, which a
+    router retries elsewhere), and the instance serves on: the same rank processes, no restart."""
+    fake, address = fake_prefill
+    fake.mode = mode
+    ranks = named(deployment.decode.pid, ["epserve-d-rank0", "epserve-d-rank1"])
+    before, calls, k = deployment.load(2), fake.calls, MALFORMED[mode]
+    sampling = pb.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    if k is not None:
+        sampling.logprobs = k
+    with pytest.raises(grpc.RpcError) as failed:
+        list(deployment.stubs[2].Generate(pb.GenerateRequest(
+            request_id=f"malformed-{mode}", prompt_token_ids=PROMPTS[2], sampling_params=sampling,
+            prefill_address=address), timeout=30))
+    assert fake.calls == calls + 1
+    assert failed.value.code() == grpc.StatusCode.ABORTED, failed.value.details()
+    assert "malformed" in failed.value.details()
+    deployment.wait_free(2)  # its blocks freed
+    load = deployment.load(2)
+    assert (load.restarts, load.stalled, load.draining) == (before.restarts, False, False)
+    assert named(deployment.decode.pid, ["epserve-d-rank0", "epserve-d-rank1"]) == ranks
+    r = deployment.complete(PROMPTS[2])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == offline.generate([PROMPTS[2]], GREEDY)[0].text
+
+
+def test_router_retries_a_malformed_prefill_reply_on_another_instance(deployment, offline, fake_prefill, ckpt,
+                                                                      tmp_path):
+    """Behind a router (least load: an idle router tries the first prefill instance listed, the fake),
+    the decode instance's failed transfer sends the request to the real prefill instance: the client
+    gets the offline engine's text."""
+    fake, address = fake_prefill
+    fake.mode = "first_token_out_of_vocab"
+    http, d = free_port(), deployment.ports[2]
+    router = Proc(["router", str(ckpt), "--port", str(http), "--engine-token", TOKEN, "--policy", "least_load",
+                   "--engine-wait-timeout", "20", "--prefill", address,
+                   "--prefill", f"127.0.0.1:{deployment.ports[1]}",
+                   "--decode", f"127.0.0.1:{d}", "--decode", f"127.0.0.1:{d + 1}"], tmp_path / "router.log")
+    url = f"http://127.0.0.1:{http}"
+    try:
+        wait_http_ok(f"{url}/health", router)
+        deadline = time.monotonic() + 30
+        while not all(metric(httpx.get(f"{url}/metrics", timeout=30).text, "epserve:engine_healthy",
+                             engine=str(i)) == 1 for i in range(4)):
+            assert time.monotonic() < deadline, router.output()[-3000:]
+            time.sleep(0.2)
+        calls = fake.calls
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == offline.generate([PROMPTS[2]], GREEDY)[0].text
+        assert fake.calls == calls + 1  # tried first, then the real one
+        m = httpx.get(f"{url}/metrics", timeout=30).text
+        assert metric(m, "epserve:router_requests_total", role="prefill", engine="1") == 1
+    finally:
+        router.kill_all()
+    deployment.wait_free(2)

@@ -7,7 +7,6 @@ exits non-zero: tests/serve/test_serve_deploy.py, a world over two hosts, which 
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from benchmarks.soak import soak
 from epserve.parallel.launch import free_port
-from tests.serve_harness import Proc, alive, descendants, frozen, metric, wait_http_ok
+from tests.serve_harness import Proc, Stream, alive, descendants, frozen, metric, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -41,34 +40,6 @@ def server(make_ckpt, tmp_path_factory):
     finally:
         if proc.proc.poll() is None:
             proc.kill_all()
-
-
-class Stream:
-    """A long streamed completion read in a thread: its events, and how it ended."""
-
-    def __init__(self, url: str) -> None:
-        self.events: list[dict] = []
-        self.done = False
-        self.started = threading.Event()
-        body = {"prompt": "a long one", "max_tokens": 800, "ignore_eos": True, "stream": True}
-        self.thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
-        self.thread.start()
-        assert self.started.wait(30), "the stream never started"
-
-    def _read(self, url: str, body: dict) -> None:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    self.done = True
-                elif line.startswith("data: "):
-                    self.events.append(json.loads(line[6:]))
-                    if len(self.events) == 2:
-                        self.started.set()
-
-    def end(self) -> dict:
-        self.thread.join(60)
-        assert not self.thread.is_alive() and self.done, self.events[-3:]
-        return self.events[-1]
 
 
 def complete(url: str, prompt: str, timeout: float = 90) -> httpx.Response:

@@ -92,7 +92,9 @@ class LLMEngine:
 
     def receive_kv(self, arrival: PrefilledKV) -> None:
         """Decode side (leader): a receiving request's KV and first token; written into its blocks at
-        the start of the next step, on every rank of the DP group, before the forward."""
+        the start of the next step, on every rank of the DP group, before the forward. ``arrival`` comes
+        from another instance: checked where it arrives (``engine_server.kv_transport.check_prefilled``),
+        so that a malformed one fails its request there, never this engine's step."""
         assert self.scheduler is not None
         self.scheduler.handoff.receive(arrival)
 

@@ -55,15 +55,15 @@ class Frontend(Protocol):
 
 
 class EngineLoop:
-    """The step loop of ``engine``'s rank (``rendezvous``: where the ranks met, for the doorbell of a
-    serving loop; None in one process, and offline, where the loop never sleeps)."""
+    """The step loop of ``engine``'s rank (``doorbell``: what a serving loop of several ranks sleeps
+    on; by default one for a world in one process, and offline, where the loop never sleeps)."""
 
     def __init__(self, engine: LLMEngine, options: LoopOptions = OFFLINE,
-                 rendezvous: tuple[str, int] | None = None) -> None:
+                 doorbell: Doorbell | LocalDoorbell | None = None) -> None:
         self.engine = engine
         self.ctx = engine.ctx
         self.options = options
-        self.doorbell: Doorbell | LocalDoorbell = Doorbell(*rendezvous) if rendezvous is not None else LocalDoorbell()
+        self.doorbell = doorbell if doorbell is not None else LocalDoorbell()
         self.inbox: collections.deque[AddRequest | AbortRequest | KVReceived] = collections.deque()
         self.requests: dict[str, Request] = {}  # accepted by this leader, not finished (the loop's thread)
         self.stop_requested = False  # this rank's vote
@@ -167,8 +167,6 @@ class EngineLoop:
             updates = (UNTIMED if profiler is None else profiler).time_step(engine.step, self.stop_requested)
             if leader:
                 self._publish(updates)
-            if self.ctx.rank == 0:
-                self.doorbell.collect()  # every rank passed the all-reduce, so none waits on the old key
             if engine.anybody_stopping and not self.draining:
                 self._start_draining()
             if not engine.anybody_unfinished:
@@ -232,12 +230,11 @@ class EngineLoop:
                 del requests[rid]
                 continue
             new = update.new_token_ids
-            logprobs = ()
-            if new and request.sampling_params.logprobs is not None:
-                logprobs = tuple(request.output_logprobs[-len(new):])  # type: ignore[arg-type]
+            # (the update's own: a decode side's arrival and the step after it are two updates of one step)
+            logprobs = update.new_logprobs if request.sampling_params.logprobs is not None else ()
             # (positional: a frozen dataclass takes keywords markedly slower, and this runs per request)
             out.append(GeneratedTokens(rid, new, logprobs, request.num_prompt_tokens, request.num_cached_tokens,
-                                       request.num_output_tokens, update.finish_reason))
+                                       update.num_output_tokens, update.finish_reason))
             generated += len(new)
             if update.finished:
                 del requests[rid]

@@ -195,12 +195,17 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class RequestUpdate:
-    """What one ``update`` did to one request: the token it got (if any) and whether it ended."""
+    """What one ``update`` did to one request: the tokens it got (if any), their logprobs, and whether
+    it ended. A request may have two updates in one step (a decode side's arrival: the prefill's first
+    token, then the token the step sampled), so the logprobs travel with their tokens, never read back
+    from the request."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
+    new_logprobs: tuple[object, ...] = ()  # one per new token when the request asks for logprobs, else ()
+    num_output_tokens: int = 0  # the request's output tokens as of this update
 
 
 def check_prompt(

@@ -191,7 +191,9 @@ class Scheduler:
         else:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._arrival_of)
-        return RequestUpdate(request.request_id, (token,), status is not None, request.finish_reason)
+        # (its only output token so far: output_logprobs holds that token's logprobs, if it asked for any)
+        return RequestUpdate(request.request_id, (token,), status is not None, request.finish_reason,
+                             tuple(request.output_logprobs[-1:]), 1)
 
     def update(
         self,
@@ -209,7 +211,8 @@ class Scheduler:
         one by one: a stop condition cuts the rest, exactly where plain decoding would stop, and only
         the appended tokens' KV counts as computed (``SpecManager.verified`` rolls the rest back).
         ``drafts[request_id]``: the draft tokens to verify in the request's next decode."""
-        updates = [RequestUpdate(r.request_id, (), True, r.finish_reason) for r in self._unreported]
+        updates = [RequestUpdate(r.request_id, (), True, r.finish_reason, (), r.num_output_tokens)
+                   for r in self._unreported]
         for request in self._unreported:
             if self._requests.get(request.request_id) is request:  # aborted while in flight
                 self._release(request)
@@ -244,7 +247,8 @@ class Scheduler:
                 finished.append(request)
             else:
                 self.spec.verified(request, drafts)
-            updates.append(RequestUpdate(rid, tokens[:n], status is not None, request.finish_reason))
+            updates.append(RequestUpdate(rid, tokens[:n], status is not None, request.finish_reason,
+                                         lps[:n] if lps[0] is not None else (), request.num_output_tokens))
         if finished:
             done = {r.request_id for r in finished}
             self.running = [r for r in self.running if r.request_id not in done]

@@ -240,10 +240,12 @@ def join_torchrun(config: EngineConfig, info: RankInfo, world: int) -> EngineWor
 RankEntry = Callable[..., RankHandler]  # entry(info, config, log_level, *args) -> the rank's handler
 
 
-def spawn_ranks(config: EngineConfig, entry: RankEntry = start_rank, args: tuple = ()) -> RankProcesses:
+def spawn_ranks(config: EngineConfig, entry: RankEntry = start_rank, args: tuple = (),
+                wait: bool = True) -> RankProcesses:
     """This host's share of the world's ranks as spawned processes, each running
     ``entry(info, config, log_level, *args)`` (default: an offline :class:`EngineWorker`);
-    ``RankProcesses.infos`` says where each sits and where they meet."""
+    ``RankProcesses.infos`` says where each sits and where they meet. ``wait=False``: return as soon
+    as the processes run (``RankProcesses.wait_started`` waits for their entries)."""
     pc = config.parallel
     port = pc.master_port if pc.master_port is not None else free_port()
     local = pc.local_world_size
@@ -253,4 +255,4 @@ def spawn_ranks(config: EngineConfig, entry: RankEntry = start_rank, args: tuple
     # CPU ranks fork from a server that imported torch and the engine once (seconds saved per rank);
     # CUDA ranks are spawned fresh, so none inherits a CUDA driver from a parent.
     start = "spawn" if config.device.startswith("cuda") else "forkserver"
-    return RankProcesses(entry, infos, (config, logging.getLogger().getEffectiveLevel(), *args), start)
+    return RankProcesses(entry, infos, (config, logging.getLogger().getEffectiveLevel(), *args), start, wait)

@@ -1,1 +1,1 @@
-"""A rank serving: the leader's gRPC service over the step loop, its streams, KV transport, auth, supervisor."""
+"""A rank serving: the leader's gRPC service over the step loop, its streams, KV transport, supervisor."""

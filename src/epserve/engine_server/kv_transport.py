@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,15 +24,14 @@ import torch
 
 from epserve.messages.kv import PrefilledKV, PrefillJob
 from epserve.rpc.convert import (
-    GRPC_OPTIONS,
     KV_TRANSFER_BUCKETS,
-    auth_metadata,
     logprob_from_proto,
     logprob_to_proto,
     prefill_job_to_proto,
 )
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+from epserve.rpc.security import engine_channel
 
 CHUNK_BYTES = 4 << 20  # blocks per KVChunk message: as many as fit in this (at least one)
 
@@ -44,6 +44,53 @@ class KVTransferError(RuntimeError):
     def __init__(self, message: str, invalid: bool = False) -> None:
         super().__init__(message)
         self.invalid = invalid
+
+
+def check_prefilled(job: PrefillJob, arrival: PrefilledKV, vocab_size: int) -> None:
+    """KVTransferError unless ``arrival`` (what a prefill instance sent, through any transport) is a
+    well-formed answer to ``job``: its blocks exactly those wanted, in the job's layout, a first token in
+    the vocabulary, a prefix-cache hit within the prompt, and logprobs exactly when asked for (finite,
+    of that token, at most the top ones asked for, in the vocabulary). A peer instance's answer is
+    checked like a client's input: what passes cannot fail the decode instance's step loop."""
+    layout, lp, k = job.layout, arrival.logprobs, job.params.logprobs
+    data = arrival.data
+    want = (layout.num_layers, job.num_blocks, layout.block_size, layout.token_bytes)
+
+    def bad(why: str) -> KVTransferError:
+        return KVTransferError(f"the prefill instance sent a malformed reply: {why}")
+
+    if arrival.request_id != job.request_id or arrival.first_block != job.first_block:
+        raise bad(f"request {arrival.request_id!r} from block {arrival.first_block}, "
+                  f"{job.request_id!r} from block {job.first_block} wanted")
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or tuple(data.shape) != want:
+        raise bad(f"KV data {getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}, "
+                  f"uint8 {want} wanted")
+    if not _is_int(arrival.first_token) or not 0 <= arrival.first_token < vocab_size:
+        raise bad(f"first token {arrival.first_token!r} is outside the vocabulary [0, {vocab_size})")
+    if not _is_int(arrival.num_cached_tokens) or not 0 <= arrival.num_cached_tokens <= len(job.prompt_token_ids):
+        raise bad(f"{arrival.num_cached_tokens!r} cached tokens of a {len(job.prompt_token_ids)}-token prompt")
+    if k is None:
+        if lp is not None:
+            raise bad("logprobs the request did not ask for")
+        return
+    if lp is None:
+        raise bad("no logprobs for the first token (the request asked for them)")
+    if lp.token_id != arrival.first_token or not _is_logprob(lp.logprob):
+        raise bad(f"logprob {lp.logprob!r} of token {lp.token_id!r} for first token {arrival.first_token}")
+    if len(lp.top) > k:
+        raise bad(f"{len(lp.top)} top logprobs, at most {k} asked for")
+    for entry in lp.top:
+        if (not isinstance(entry, tuple) or len(entry) != 2 or not _is_int(entry[0])
+                or not 0 <= entry[0] < vocab_size or not _is_logprob(entry[1])):
+            raise bad(f"top logprob {entry!r} (a token in [0, {vocab_size}) and a finite logprob wanted)")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_logprob(x: object) -> bool:
+    return isinstance(x, float | int) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
@@ -80,7 +127,14 @@ class KVTransport(ABC):
     @abstractmethod
     async def receive(self, source: str, job: PrefillJob) -> PrefilledKV:
         """Decode side: have ``source`` (a prefill instance) prefill ``job`` and hand over its blocks;
-        KVTransferError when it fails. Cancelling it cancels the prefill."""
+        KVTransferError when it fails. Cancelling it cancels the prefill. What it returns came from
+        another instance, unchecked: the decode side calls :meth:`receive_checked`."""
+
+    async def receive_checked(self, source: str, job: PrefillJob, vocab_size: int) -> PrefilledKV:
+        """:meth:`receive`, then :func:`check_prefilled`: what the decode side hands its engine."""
+        arrival = await self.receive(source, job)
+        check_prefilled(job, arrival, vocab_size)
+        return arrival
 
     async def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Release connections."""
@@ -90,7 +144,7 @@ class GrpcKVTransport(KVTransport):
     """Blocks streamed over the engine service's ``Prefill`` call (one channel per prefill instance)."""
 
     def __init__(self, token: str | None = None) -> None:
-        self.metadata = auth_metadata(token)
+        self.token = token
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def send(self, export: PrefilledKV) -> Iterator[pb.KVChunk]:
@@ -109,7 +163,7 @@ class GrpcKVTransport(KVTransport):
     def _stub(self, source: str) -> pb_grpc.EngineStub:
         channel = self._channels.get(source)
         if channel is None:
-            channel = self._channels[source] = grpc.aio.insecure_channel(source, options=GRPC_OPTIONS)
+            channel = self._channels[source] = engine_channel(source, self.token, aio=True)
         return pb_grpc.EngineStub(channel)
 
     async def receive(self, source: str, job: PrefillJob) -> PrefilledKV:
@@ -118,7 +172,7 @@ class GrpcKVTransport(KVTransport):
         shape = (layout.num_layers, -1, layout.block_size, layout.token_bytes)
         parts: list[torch.Tensor] = []
         next_block = job.first_block
-        call = self._stub(source).Prefill(request, metadata=self.metadata)
+        call = self._stub(source).Prefill(request)
         try:
             async for chunk in call:
                 if chunk.done:
@@ -131,9 +185,11 @@ class GrpcKVTransport(KVTransport):
                                 if chunk.HasField("first_logprob") else None)
                     return PrefilledKV(job.request_id, job.first_block, data, chunk.first_token, logprobs,
                                        chunk.num_cached_tokens)
-                if chunk.first_block != next_block or len(chunk.data) != chunk.num_blocks * layout.block_bytes:
+                if (chunk.first_block != next_block or len(chunk.data) != chunk.num_blocks * layout.block_bytes
+                        or next_block + chunk.num_blocks > job.first_block + job.num_blocks):
                     raise KVTransferError(f"malformed KV chunk (blocks {chunk.first_block}+{chunk.num_blocks}, "
-                                          f"{len(chunk.data)} bytes; block {next_block} expected)")
+                                          f"{len(chunk.data)} bytes; block {next_block} expected, "
+                                          f"{job.first_block}+{job.num_blocks} wanted)")
                 parts.append(torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(shape))
                 next_block += chunk.num_blocks
             raise KVTransferError("the prefill instance ended the transfer without its first token")

@@ -21,13 +21,13 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epserve.engine.loop import EngineLoop
 from epserve.engine.worker import EngineWorker
-from epserve.engine_server.auth import TokenCheck
 from epserve.engine_server.kv_transport import (
     GrpcKVTransport,
     KVTransferError,
@@ -39,7 +39,9 @@ from epserve.engine_server.signals import SignalWatcher
 from epserve.engine_server.streams import ResponseStream, merge_responses
 from epserve.messages.engine import AbortRequest, AddRequest, KVReceived, LoopOutput, RequestFailed
 from epserve.messages.kv import KVTransferRole, KVWanted, PrefilledKV, PrefillJob
-from epserve.parallel.context import set_collective_timeout, store_client
+from epserve.parallel.context import set_collective_timeout
+from epserve.parallel.doorbell import Doorbell
+from epserve.parallel.launch import wait_port_free
 from epserve.rpc.convert import (
     GRPC_OPTIONS,
     SERVICE_NAME,
@@ -52,6 +54,7 @@ from epserve.rpc.convert import (
 )
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+from epserve.rpc.security import listen
 
 __all__ = ["EngineServer", "EngineService"]
 
@@ -225,7 +228,8 @@ class EngineService(pb_grpc.EngineServicer):
     async def _fetch(self, address: str, job: PrefillJob) -> None:
         rid, start, timeout = job.request_id, time.monotonic(), self.options.kv_transfer_timeout_s
         try:
-            arrival = await asyncio.wait_for(self.transport.receive(address, job), timeout)
+            vocab = self.engine_loop.engine.config.model.vocab_size  # a peer's reply, checked like a client's
+            arrival = await asyncio.wait_for(self.transport.receive_checked(address, job, vocab), timeout)
         except (KVTransferError, asyncio.TimeoutError) as e:
             why = str(e) if isinstance(e, KVTransferError) else f"the KV transfer took longer than {timeout:g} s"
             logger.warning("request %s: KV transfer from %s failed: %s", rid, address, why)
@@ -297,13 +301,16 @@ class EngineService(pb_grpc.EngineServicer):
 
 class EngineServer:
     """One rank serving: the step loop in the calling thread, and on a leader the gRPC service in a
-    thread of its own, until every rank has stopped."""
+    thread of its own, until every rank has stopped; ``on_listening(dp_rank, address)`` once a leader
+    listens (a spawned rank tells its supervisor; under torchrun the address is only logged)."""
 
-    def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
-        self.loop = EngineLoop(worker.engine, options.loop_options(), worker.rendezvous)
+    def __init__(self, worker: EngineWorker, options: ServeOptions,
+                 on_listening: Callable[[int, str], None] = lambda dp_rank, address: None) -> None:
+        bell = Doorbell(*worker.rendezvous, worker.ctx.rank, options.token) if worker.rendezvous is not None else None
+        self.loop = EngineLoop(worker.engine, options.loop_options(), bell)
         self.ctx = worker.ctx
         self.options = options
-        self.rendezvous = worker.rendezvous
+        self.on_listening = on_listening
         self.address: str | None = None  # host:port of the gRPC service (leaders), once it listens
         self._service: EngineService | None = None
         self._grpc_stop: asyncio.Event | None = None
@@ -323,10 +330,12 @@ class EngineServer:
                 self._service = EngineService(self.loop, self.options)
                 self._start_grpc(self._service)
                 logger.info("engine instance %d serving gRPC on %s", self.ctx.dp_rank, self.address)
+                self.on_listening(self.ctx.dp_rank, self.address)  # type: ignore[arg-type]
             set_collective_timeout(self.ctx, self.options.collective_timeout_s)  # start-up had longer
             self.loop.run(self._service)
         finally:
             self._stop_grpc()
+            self.loop.doorbell.close()
             if signals is not None:
                 signals.close()
         logger.info("rank %d stopped serving", self.ctx.rank)
@@ -351,21 +360,24 @@ class EngineServer:
         ready.wait()
         if failure:
             raise RuntimeError(f"gRPC server of engine instance {self.ctx.dp_rank} failed to start: {failure[0]}")
-        if self.rendezvous is not None:  # how `epserve serve` learns where the leaders listen
-            store_client(*self.rendezvous).set(f"engines/{self.ctx.dp_rank}", self.address.encode())  # type: ignore[union-attr]
 
     async def _grpc_main(self, service: EngineService, ready: threading.Event) -> None:
         service.aio_loop = asyncio.get_running_loop()
         self._grpc_stop = asyncio.Event()
-        token = self.options.token
-        server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[TokenCheck(token)] if token else None)
+        server = grpc.aio.server(options=GRPC_OPTIONS)
         pb_grpc.add_EngineServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(service.health, server)
         port = self.options.port_of(self.ctx.dp_rank)
+        if again := bool(self.options.ports and port):  # a restart's old port (not one the user asked for),
+            wait_port_free(self.options.host, port, timeout_s=0.5)  # held a moment by its closing connections
         try:
-            bound = server.add_insecure_port(f"{self.options.host}:{port}")
+            bound = listen(server, f"{self.options.host}:{port}", self.options.token)
         except RuntimeError as e:
-            raise RuntimeError(f"cannot listen on {self.options.host}:{port}: {e}") from None
+            if not again:
+                raise RuntimeError(f"cannot listen on {self.options.host}:{port}: {e}") from None
+            logger.warning("engine instance %d: its old port %d is taken; listening on a fresh one (the "
+                           "supervisor tells the router)", self.ctx.dp_rank, port)
+            bound = listen(server, f"{self.options.host}:0", self.options.token)
         await server.start()
         await service.set_health(health_pb2.HealthCheckResponse.SERVING)
         self.address = f"{advertised_host(self.options.host)}:{bound}"

@@ -1,7 +1,9 @@
 """Keeping this host's engine ranks serving (``epserve serve``, ``epserve engine``).
 
 :class:`EngineRanks` is one start of the ranks: spawned processes, each serving (the leaders over
-gRPC). :class:`EngineSupervisor` watches them from the process the user started:
+gRPC). A leader tells the supervisor where it listens over its rank's pipe (a :class:`Listening`
+notice), never through the rendezvous store, which any local process could write to.
+:class:`EngineSupervisor` watches them from the process the user started:
 
 - a rank that **dies** or fails ends the ranks' serve call at once (``RankProcesses`` watches every
   rank's pipe and process);
@@ -12,10 +14,18 @@ gRPC). :class:`EngineSupervisor` watches them from the process the user started:
   the step timeout.
 
 Either way it tears the whole group down (every rank killed, none orphaned) and starts it again with
-the same configuration and the same gRPC ports, so routers find the instances where they were, up to
-``max_restarts`` times; then, or with ``max_restarts=0`` (a world spread over hosts, which one host
-cannot restart alone), it raises :class:`RankFailure` and the command exits non-zero for the host's
-own supervisor (systemd, Kubernetes) to act on.
+the same configuration, up to ``max_restarts`` times. A restarted leader listens on its old gRPC port
+if it can, else (something took the port meanwhile) on a fresh one: :attr:`EngineSupervisor.addresses`
+then changes, and ``epserve serve`` tells its router. A restart that fails in turn (a rank dying
+while it starts, a port or the store it cannot bind, no leader listening within the start timeout)
+counts as another failure. Once no restart is left, or with ``max_restarts=0`` (a world spread over
+hosts, which one host cannot restart alone), :meth:`EngineSupervisor.check` raises
+:class:`RankFailure` and the command exits non-zero for the host's own supervisor (systemd,
+Kubernetes) to act on. A first start that fails before every leader listens (a bad checkpoint, too
+little memory) is not retried: it would fail again.
+
+Restarts never block: :meth:`EngineSupervisor.check` starts the new ranks and returns, and a later
+call sees them listening, so the command's loop goes on watching everything else meanwhile.
 """
 
 from __future__ import annotations
@@ -34,22 +44,30 @@ from epserve.config import EngineConfig
 from epserve.engine.worker import EngineWorker, spawn_ranks, start_rank
 from epserve.engine_server.options import ServeOptions
 from epserve.engine_server.service import EngineServer
-from epserve.parallel.context import store_client
-from epserve.parallel.launch import RankFailure, RankInfo
+from epserve.parallel.launch import RankFailure, RankInfo, RankProcesses, notify_parent
 from epserve.parallel.process import name_process
-from epserve.rpc.convert import GRPC_OPTIONS, auth_metadata
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+from epserve.rpc.security import engine_channel
 
 logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0
+START_TIMEOUT_S = 120.0  # a start (or restart) whose leaders do not all listen by then failed
 
 
 # ---- a spawned serving rank -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Serve:
     """The one command of a serving rank: serve until every rank has stopped."""
+
+
+@dataclass(frozen=True)
+class Listening:
+    """A serving leader -> its supervisor (a notice over the rank's pipe): its gRPC service listens."""
+
+    dp_rank: int
+    address: str
 
 
 class ServingRank:
@@ -60,10 +78,14 @@ class ServingRank:
     def handle(self, command: Serve) -> None:
         if not isinstance(command, Serve):
             raise TypeError(f"a serving rank takes Serve, not {command!r}")
-        EngineServer(self.worker, self.options).serve()
+        EngineServer(self.worker, self.options, on_listening=_tell_supervisor).serve()
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _tell_supervisor(dp_rank: int, address: str) -> None:
+    notify_parent(Listening(dp_rank, address))
 
 
 def serving_rank(info: RankInfo, config: EngineConfig, log_level: int, options: ServeOptions) -> ServingRank:
@@ -75,70 +97,94 @@ def serving_rank(info: RankInfo, config: EngineConfig, log_level: int, options: 
 
 
 class EngineRanks:
-    """One start of this host's engine ranks, serving in the background."""
+    """One start of this host's engine ranks, serving in the background: the processes are started
+    here, and a thread waits for their entries and runs the serve call (whose notices say where the
+    leaders listen). Never raises: a start that fails shows as :attr:`error`, with :attr:`running`
+    false."""
 
     def __init__(self, config: EngineConfig, options: ServeOptions) -> None:
-        self.ranks = spawn_ranks(config, serving_rank, (options,))
-        tp = config.parallel.tp
-        self.master_addr, self.master_port = self.ranks.infos[0].master_addr, self.ranks.infos[0].master_port
-        self.local_dp_ranks = sorted({info.rank // tp for info in self.ranks.infos if info.rank % tp == 0})
+        pc = config.parallel
+        local = range(pc.node_rank * pc.local_world_size, (pc.node_rank + 1) * pc.local_world_size)
+        self.local_dp_ranks = sorted({rank // pc.tp for rank in local if rank % pc.tp == 0})
         self.error: BaseException | None = None
+        self.started_at = time.monotonic()
+        self._listening: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self.ranks: RankProcesses | None = None
+        try:
+            self.ranks = spawn_ranks(config, serving_rank, (options,), wait=False)
+        except Exception as e:  # the processes could not even start
+            self.error = e
+        # (spawned here, on the caller's thread: a rank's PR_SET_PDEATHSIG follows the thread that
+        # started it, and this thread ends with the serve call)
         self._thread = threading.Thread(target=self._serve, name="ranks", daemon=True)
-        self._thread.start()
+        if self.ranks is not None:
+            self._thread.start()
 
     def _serve(self) -> None:
         try:
-            self.ranks.call(Serve())
+            self.ranks.call(Serve(), on_notice=self._notice)  # type: ignore[union-attr]
         except BaseException as e:
             self.error = e
+
+    def _notice(self, notice: object) -> None:
+        if isinstance(notice, Listening) and notice.dp_rank in self.local_dp_ranks:
+            with self._lock:
+                self._listening[notice.dp_rank] = notice.address
 
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def addresses(self, timeout_s: float = 120.0) -> list[str]:
-        """The gRPC address of each local DP group's leader, once it listens."""
-        store = store_client(self.master_addr, self.master_port, timeout_s)
-        keys = [f"engines/{i}" for i in self.local_dp_ranks]
-        deadline = time.monotonic() + timeout_s
-        while not store.check(keys):
-            if not self.running:
-                raise RankFailure(f"engine ranks stopped before serving: {self.error}")
-            if time.monotonic() > deadline:
-                raise RankFailure(f"engine instances did not start listening within {timeout_s:.0f} s")
-            time.sleep(0.05)
-        return [store.get(k).decode() for k in keys]
+    def addresses(self) -> list[str] | None:
+        """The gRPC address of each local DP group's leader once every one of them has listened
+        (even if the ranks stopped since); None until then."""
+        with self._lock:
+            if len(self._listening) < len(self.local_dp_ranks):
+                return None
+            return [self._listening[i] for i in self.local_dp_ranks]
+
+    @property
+    def pids(self) -> list[int]:
+        return self.ranks.pids if self.ranks is not None else []
 
     def stop(self) -> None:
         """Ask every rank to drain and stop (SIGTERM)."""
-        for pid in self.ranks.pids:
+        for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
 
     def join(self, timeout: float | None = None) -> None:
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def close(self) -> None:
-        self.ranks.close(timeout=10.0)
+        if self.ranks is not None:
+            self.ranks.close(timeout=10.0)
 
     def kill(self) -> None:
-        self.ranks.kill()
+        if self.ranks is not None:
+            self.ranks.kill()
         self.join(10.0)
 
 
 class EngineSupervisor:
     """This host's engine ranks, restarted when they die or hang (see the module's docstring).
-    :meth:`check` is called from the command's loop; the rest of the command sees :attr:`ranks`."""
+    :meth:`check` is called from the command's loop; the rest of the command sees :attr:`ranks`,
+    :attr:`serving` and :attr:`addresses`."""
 
-    def __init__(self, config: EngineConfig, options: ServeOptions, max_restarts: int) -> None:
+    def __init__(self, config: EngineConfig, options: ServeOptions, max_restarts: int,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.config = config
         self.options = options
         self.max_restarts = max_restarts
+        self.start_timeout_s = start_timeout_s
         self.restarts = 0
+        self.addresses: list[str] = []  # where the local leaders listen (the latest start's), once they do
+        self.serving = False  # the current start's leaders all listen
         self.ranks = EngineRanks(config, options)
-        self.addresses: list[str] = []
         self._channels: list[grpc.Channel] = []
         self._silent_since: dict[int, float] = {}
         self._probed_at = 0.0
@@ -147,46 +193,80 @@ class EngineSupervisor:
     def local_dp_ranks(self) -> list[int]:
         return self.ranks.local_dp_ranks
 
-    def wait_serving(self, timeout_s: float = 120.0) -> list[str]:
-        """The local leaders' gRPC addresses once they listen. Restarts reuse these ports."""
-        self.addresses = self.ranks.addresses(timeout_s)
-        ports = [0] * self.config.parallel.dp
-        for dp_rank, address in zip(self.local_dp_ranks, self.addresses):
+    def check(self) -> None:
+        """One look: a start whose leaders all listen now serves; a group that died or hung is
+        restarted (the restart goes on in the background). RankFailure when the first start failed
+        before serving, or no restart is left."""
+        if not self.serving:
+            self._check_start()
+            return
+        reason = self._failure()
+        if reason is not None:
+            self._restart(reason)
+
+    def _check_start(self) -> None:
+        addresses = self.ranks.addresses()
+        if addresses is not None:
+            self._serve_at(addresses)
+            return
+        if self.ranks.running and time.monotonic() - self.ranks.started_at < self.start_timeout_s:
+            return
+        if self.ranks.running:
+            reason = f"engine instances did not start listening within {self.start_timeout_s:.0f} s"
+        else:
+            reason = self._stopped()
+        if not self.addresses:  # the first start: what failed it would fail the next one too
+            self.ranks.kill()
+            raise RankFailure(f"engine ranks stopped before serving: {reason}")
+        self._restart(f"restart {self.restarts} failed: {reason}")
+
+    def _serve_at(self, addresses: list[str]) -> None:
+        """The current start serves: its ports become the ones the next restart asks for."""
+        first = not self.addresses
+        for dp_rank, old, new in zip(self.local_dp_ranks, self.addresses, addresses):
+            if old != new:
+                logger.warning("engine instance %d moved from %s to %s (its old port was taken)", dp_rank, old, new)
+        self.addresses = addresses
+        ports = list(self.options.ports) or [0] * self.config.parallel.dp
+        for dp_rank, address in zip(self.local_dp_ranks, addresses):
             ports[dp_rank] = int(address.rpartition(":")[2])
         self.options = dataclasses.replace(self.options, ports=tuple(ports))
+        self.serving = True
         self._open_probes()
-        return self.addresses
+        if not first:
+            logger.info("engine group serving again after %.1f s (restart %d)",
+                        time.monotonic() - self.ranks.started_at, self.restarts)
 
-    def check(self) -> None:
-        """Restart the group if it died or hung; RankFailure when no restart is left."""
-        reason = self._failure()
-        if reason is None:
-            return
+    def _restart(self, reason: str) -> None:
+        self._close_probes()
+        self.serving = False
         if self.restarts >= self.max_restarts:
-            self._close_probes()
             self.ranks.kill()  # a broken group is not drained: its hung ranks would never answer
             raise RankFailure(f"{reason} (restarts: {self.restarts} of --max-restarts {self.max_restarts})")
         self.restarts += 1
         logger.error("engine group failed: %s; restarting it (%d of %d)", reason, self.restarts, self.max_restarts)
-        start = time.monotonic()
-        self._close_probes()
         self.ranks.kill()
         self.ranks = EngineRanks(self.config, dataclasses.replace(self.options, restarts=self.restarts))
-        addresses = self.ranks.addresses()
-        if addresses != self.addresses:  # the same ports were asked for: a bind failure raises instead
-            raise RankFailure(f"restarted engine instances listen on {addresses}, not {self.addresses}")
-        self._open_probes()
-        logger.info("engine group serving again after %.1f s (restart %d)", time.monotonic() - start, self.restarts)
 
     def _failure(self) -> str | None:
+        """Why the group must be restarted (None: it serves): its ranks stopped (how, as RankProcesses
+        says: a rank that died first), or an instance stalled or stayed silent for the step timeout."""
         if not self.ranks.running:
-            return str(self.ranks.error) if self.ranks.error is not None else "the engine ranks stopped"
+            return self._stopped()
         now = time.monotonic()
         if now - self._probed_at < PROBE_INTERVAL_S:
             return None
         self._probed_at = now
-        metadata = auth_metadata(self.options.token)
-        calls = [pb_grpc.EngineStub(ch).GetLoad.future(pb.GetLoadRequest(), timeout=2.0, metadata=metadata)
+        verdict = self._probe(now)
+        if verdict is not None and not self.ranks.running:  # a rank died meanwhile: that is the cause
+            return self._stopped()
+        return verdict
+
+    def _stopped(self) -> str:
+        return str(self.ranks.error) if self.ranks.error is not None else "the engine ranks stopped"
+
+    def _probe(self, now: float) -> str | None:
+        calls = [pb_grpc.EngineStub(ch).GetLoad.future(pb.GetLoadRequest(), timeout=2.0)
                  for ch in self._channels]
         for dp_rank, address, call in zip(self.local_dp_ranks, self.addresses, calls):
             try:
@@ -201,7 +281,7 @@ class EngineSupervisor:
         return None
 
     def _open_probes(self) -> None:
-        self._channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+        self._channels = [engine_channel(a, self.options.token) for a in self.addresses]
         self._silent_since.clear()
 
     def _close_probes(self) -> None:

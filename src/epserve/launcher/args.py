@@ -71,8 +71,9 @@ def disaggregated_layouts(args: argparse.Namespace) -> dict[str, dict[str, int]]
 
 def add_engine_token_arg(g) -> None:
     g.add_argument("--engine-token", default=None,
-                   help="engines require it as gRPC call metadata, routers send it (or set EPSERVE_ENGINE_TOKEN; "
-                   "default: the API key; serve: a random one)")
+                   help="engines, routers and prefill/decode peers know each other by it: mutual TLS under a key "
+                   "derived from it, never sent (or set EPSERVE_ENGINE_TOKEN; serve: a random one; otherwise none: "
+                   "plaintext gRPC)")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +109,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                      help="seconds for a request's body to arrive after its headers, else 408")
     lim.add_argument("--keep-alive-timeout", type=float, default=RouterOptions.keep_alive_timeout_s,
                      help="seconds an idle kept-alive connection stays open")
+    lim.add_argument("--max-connections", type=int, default=RouterOptions.max_connections,
+                     help="connections open at once; one more is answered 503 too_many_connections and closed")
 
 
 def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), prefill: tuple[str, ...] = (),
@@ -120,7 +123,8 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         max_tree_tokens=args.max_tree_tokens, engine_wait_s=args.engine_wait_timeout, log_level=args.log_level.upper(),
         max_request_bytes=args.max_request_bytes, max_choices_per_request=args.max_choices_per_request,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-        keep_alive_timeout_s=args.keep_alive_timeout, engine_token=engine_token(args),
+        keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
+        engine_token=engine_token(args),
     )
 
 
@@ -145,8 +149,9 @@ def serve_options(args: argparse.Namespace, default_port: int):
 
 
 def engine_token(args: argparse.Namespace) -> str | None:
-    """--engine-token, else $EPSERVE_ENGINE_TOKEN, else the API key (--api-key or $EPSERVE_API_KEY)."""
-    return args.engine_token or env.engine_token() or getattr(args, "api_key", None) or env.api_key()
+    """--engine-token, else $EPSERVE_ENGINE_TOKEN. Never the API key: whoever may call the HTTP API must
+    not be able to pose as an engine or a router."""
+    return args.engine_token or env.engine_token()
 
 
 def set_api_key(args: argparse.Namespace) -> None:

@@ -4,17 +4,26 @@
 A spawned rank runs an *entry* function ``entry(info, *args)`` that builds its handler (a
 :class:`RankHandler`); the parent then drives the ranks SPMD-style: it sends every local rank the same
 command (a small frozen dataclass the handler knows) over its pipe, each rank runs it (collectives
-included) and replies with a :class:`Reply`, :class:`Refused` or :class:`Failed`. The parent watches
-every rank's pipe and process sentinel at once, so a rank that dies or fails stops the others and the
-call raises :class:`RankFailure` within moments instead of hanging; closing joins (then kills) every rank.
+included) and replies with a :class:`Reply`, :class:`Refused` or :class:`Failed`. While a command runs a
+rank may tell its parent things over the same pipe (:func:`notify_parent`: a :class:`Notice`, handed
+to the call's ``on_notice``). The parent watches every rank's pipe and process sentinel at once, so a
+rank that dies or fails stops the others and the call raises :class:`RankFailure` within moments
+instead of hanging; the report names the root cause (a rank that died, before the peers whose
+collectives failed because of it). Closing joins (then kills) every rank.
+
+A rank lives no longer than its parent: besides its command pipe it holds the read end of a pipe whose
+write end only the parent has, and a thread of the rank exits the process at once when that pipe
+closes (the parent died, even by SIGKILL). ``PR_SET_PDEATHSIG`` could not do it for a rank forked by
+the forkserver, whose parent is the forkserver; the forkserver and multiprocessing's resource tracker
+exit by themselves once the parent and the ranks have closed their pipes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -25,7 +34,15 @@ from typing import Any, Protocol
 import torch.multiprocessing as mp
 
 from epserve import env
-from epserve.parallel.process import RankFailure, name_process
+from epserve.parallel.process import (
+    RankFailure,
+    exit_with_parent,
+    failure_message,
+    last_line,
+    name_process,
+    process_state,
+    signal_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +88,14 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class Notice:
+    """Rank -> parent, while a command runs (:func:`notify_parent`): handed to the call's ``on_notice``;
+    the call goes on waiting for the rank's reply."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
 class RankInfo:
     """Where one rank sits: its global rank, its index on this host, and the rendezvous."""
 
@@ -85,6 +110,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_port_free(host: str, port: int, timeout_s: float) -> bool:
+    """Wait (at most ``timeout_s``) until ``host:port`` could be bound; whether it could."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            family, _, _, _, address = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+            with socket.create_server(address[:2], family=family):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def torchrun_rank() -> tuple[RankInfo, int] | None:
@@ -122,18 +162,36 @@ def pin_to_cores(local_rank: int, local_world_size: int) -> None:
         os.sched_setaffinity(0, cores[local_rank * per_rank : (local_rank + 1) * per_rank])
 
 
+_parent: Connection | None = None  # a spawned rank's pipe to its parent
+_parent_lock = threading.Lock()  # notices may come from any thread
+
+
+def notify_parent(value: object) -> bool:
+    """Send ``value`` to the parent as a :class:`Notice` while a command runs (a spawned rank); False in
+    a process no :class:`RankProcesses` started (one process, torchrun)."""
+    if _parent is None:
+        return False
+    with _parent_lock:
+        _parent.send(Notice(value))
+    return True
+
+
 def _rank_main(entry: Callable[..., RankHandler], info: RankInfo, conn: Connection, args: tuple,
-               environ: dict[str, str]) -> None:
+               environ: dict[str, str], watch: Connection) -> None:
     """A spawned rank: build the handler, then run commands until Shutdown or the parent leaves.
-    ``environ``: the parent's environment when it started the rank (a forkserver child has the server's)."""
+    ``environ``: the parent's environment when it started the rank (a forkserver child has the server's);
+    ``watch``: the pipe whose end tells that the parent is gone."""
+    global _parent
+    exit_with_parent(watch, f"epserve-rank{info.rank}")
     os.environ.clear()
     os.environ.update(environ)
     name_process(f"epserve-rank{info.rank}")
+    _parent = conn
     try:
         handler = entry(info, *args)
-        conn.send(Reply())
+        _send(conn, Reply())
     except BaseException:
-        conn.send(Failed(traceback.format_exc()))
+        _send(conn, Failed(traceback.format_exc()))
         os._exit(1)
     while True:
         try:
@@ -142,45 +200,20 @@ def _rank_main(entry: Callable[..., RankHandler], info: RankInfo, conn: Connecti
             os._exit(1)
         if isinstance(command, Shutdown):
             handler.close()
-            conn.send(Reply())
+            _send(conn, Reply())
             return
         try:
-            conn.send(Reply(handler.handle(command)))
+            _send(conn, Reply(handler.handle(command)))
         except CommandRefused as e:
-            conn.send(Refused(str(e)))
+            _send(conn, Refused(str(e)))
         except BaseException:
-            conn.send(Failed(traceback.format_exc()))
+            _send(conn, Failed(traceback.format_exc()))
             os._exit(1)
 
 
-def _last_line(trace: str) -> str:
-    lines = [line for line in trace.strip().splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else "unknown error"
-    kind, sep, text = last.partition(": ")
-    if sep and "." in kind:  # epserve.engine.memory.OutOfMemoryError -> OutOfMemoryError
-        last = kind.rsplit(".", 1)[1] + sep + text
-    return "failed: " + last.split(". This is typically caused")[0]  # gloo's advice adds nothing here
-
-
-def _failure_message(failures: dict[int, str]) -> str:
-    """``{rank: what happened}`` -> one line: deaths first (the likely root cause), ranks with the
-    same failure grouped."""
-    by_text: dict[str, list[int]] = {}
-    for rank in sorted(failures):
-        by_text.setdefault(failures[rank], []).append(rank)
-    parts = sorted(by_text.items(), key=lambda item: not item[0].startswith("died"))
-    return "; ".join(
-        f"{'ranks' if len(ranks) > 1 else 'rank'} {', '.join(map(str, ranks))} {text}" for text, ranks in parts
-    )
-
-
-def _signal_name(exitcode: int | None) -> str:
-    if exitcode is None or exitcode >= 0:
-        return ""
-    try:
-        return f" ({signal.Signals(-exitcode).name})"
-    except ValueError:
-        return ""
+def _send(conn: Connection, message: object) -> None:
+    with _parent_lock:
+        conn.send(message)
 
 
 class RankProcesses:
@@ -190,81 +223,114 @@ class RankProcesses:
     ``start_method``: ``spawn`` (a fresh interpreter per rank), or ``forkserver``: ranks are forked from
     one server process that imported torch and the entry's module once (started with the first ranks,
     kept for later ones), which saves every rank that import. Only for ranks that have not touched CUDA
-    before forking: the engine uses it on the CPU."""
+    before forking: the engine uses it on the CPU. ``wait=False``: return once the processes run, before
+    their handlers are built; :meth:`wait_started` (or the first :meth:`call`) waits for that."""
 
     def __init__(self, entry: Callable[..., RankHandler], infos: list[RankInfo], args: tuple = (),
-                 start_method: str = "spawn") -> None:
+                 start_method: str = "spawn", wait: bool = True) -> None:
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             ctx.set_forkserver_preload(["torch", entry.__module__])
         self.infos = list(infos)
         self.ranks = [info.rank for info in infos]
         self._conns: list[Connection] = []
+        self._watches: list[Connection] = []  # write ends, held here only: closed, the ranks exit
         self._procs = []
-        for info in infos:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_rank_main, args=(entry, info, child, args, dict(os.environ)), name=f"epserve-rank{info.rank}",
-                daemon=True
-            )
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        self._reaping = threading.Lock()  # a process's exit code is read once (the forkserver's pipe)
         self._closed = False
-        self._collect()
+        self._started = False
+        try:
+            for info in infos:
+                parent, child = ctx.Pipe()
+                watch_r, watch_w = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank_main, args=(entry, info, child, args, dict(os.environ), watch_r),
+                    name=f"epserve-rank{info.rank}", daemon=True
+                )
+                self._watches.append(watch_w)
+                proc.start()
+                child.close()
+                watch_r.close()
+                self._conns.append(parent)
+                self._procs.append(proc)
+        except BaseException:
+            self.kill()
+            raise
+        if wait:
+            self.wait_started()
 
-    def call(self, command: object) -> Any:
+    def wait_started(self) -> None:
+        """Wait until every rank has built its handler; RankFailure when one failed or died."""
+        if not self._started:
+            self._collect()
+            self._started = True
+
+    def call(self, command: object, on_notice: Callable[[Any], None] | None = None) -> Any:
         """Run ``handler.handle(command)`` on every local rank; returns the first local rank's result.
-        Raises ValueError when the ranks refused the command (and stay usable), RankFailure when a
-        rank failed or died (every rank is then stopped)."""
+        ``on_notice(value)`` gets each :class:`Notice` a rank sends meanwhile (in this thread). Raises
+        ValueError when the ranks refused the command (and stay usable), RankFailure when a rank failed
+        or died (every rank is then stopped)."""
         if self._closed:
             raise RankFailure("the rank processes were shut down")
+        self.wait_started()
         for conn in self._conns:
             try:
                 conn.send(command)
             except (BrokenPipeError, OSError):
                 pass  # its death is reported by _collect
-        return self._collect()
+        return self._collect(on_notice)
 
-    def _collect(self) -> Any:
-        pending = dict(zip(self._conns, range(len(self._conns))))
+    def _collect(self, on_notice: Callable[[Any], None] | None = None) -> Any:
+        """Every rank's answer. Once one has failed, wait briefly for every rank's fate (the root cause
+        is often another rank that died, which its pipe's end tells at once and its sentinel a moment
+        later, after its peers' collectives failed), so the report names it."""
+        pending = {conn: i for i, conn in enumerate(self._conns)}  # no answer yet
         sentinels = {proc.sentinel: i for i, proc in enumerate(self._procs)}
+        gone: set[int] = set()  # its pipe ended without a word: it died; the sentinel says how
         results: dict[int, Any] = {}
         refused: str | None = None
         failures: dict[int, str] = {}
-        deadline = None  # once a rank fails, wait briefly for the root cause (often another rank died)
-        while pending and (deadline is None or time.monotonic() < deadline):
+        deadline = None
+        while (pending or gone) and (deadline is None or time.monotonic() < deadline):
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             for ready in wait([*pending, *sentinels], timeout):
-                i = pending.get(ready, sentinels.get(ready))  # type: ignore[arg-type]
                 if ready in pending:
+                    i = pending[ready]
                     try:
                         message = ready.recv()
                     except (EOFError, OSError):
-                        del pending[ready]  # it died; its sentinel says how
-                        continue
-                    del pending[ready]
-                    if isinstance(message, Failed):
-                        failures[i] = _last_line(message.traceback)
-                        logger.debug("rank %d failed:\n%s", self.ranks[i], message.traceback)
-                    elif isinstance(message, Refused):
-                        refused = message.message
+                        del pending[ready]
+                        gone.add(i)
+                        failures.setdefault(i, "died")
                     else:
-                        results[i] = message.value
-                elif i not in failures:
+                        if isinstance(message, Notice):
+                            self._notice(on_notice, i, message.value)
+                            continue
+                        del pending[ready]
+                        if isinstance(message, Failed):
+                            failures[i] = last_line(message.traceback)
+                            logger.debug("rank %d failed:\n%s", self.ranks[i], message.traceback)
+                        elif isinstance(message, Refused):
+                            refused = message.message
+                        else:
+                            results[i] = message.value
+                elif ready in sentinels:
+                    i = sentinels[ready]
                     conn = self._conns[i]
                     if conn in pending and conn.poll():
                         continue  # read its last words first
-                    pending.pop(conn, None)
                     del sentinels[ready]
-                    proc = self._procs[i]
-                    proc.join(1.0)
-                    failures[i] = f"died with exit code {proc.exitcode}" + _signal_name(proc.exitcode)
+                    pending.pop(conn, None)
+                    gone.discard(i)
+                    if failures.get(i, "died") == "died":  # not a rank that said why it failed
+                        failures[i] = "died" + self._exit_status(i)
                 if failures and deadline is None:
                     deadline = time.monotonic() + 2.0
         if failures:
-            message = _failure_message({self.ranks[i]: text for i, text in failures.items()})
+            for i in pending.values():  # no word from it: a rank stopped (SIGSTOP) hangs its peers
+                if process_state(self._procs[i].pid) == "T":
+                    failures[i] = "was stopped (SIGSTOP)"
+            message = failure_message({self.ranks[i]: text for i, text in failures.items()})
             logger.error("%s; stopping the other ranks", message)
             self.kill()  # the world is broken: the others wait in collectives that cannot complete
             raise RankFailure(message)
@@ -272,36 +338,59 @@ class RankProcesses:
             raise ValueError(refused)
         return results.get(0)
 
+    def _notice(self, on_notice: Callable[[Any], None] | None, i: int, value: Any) -> None:
+        if on_notice is None:
+            logger.debug("rank %d: %r (nobody listens)", self.ranks[i], value)
+        else:
+            on_notice(value)
+
+    def _exit_status(self, i: int) -> str:
+        """`` with exit code -9 (SIGKILL)`` for a rank that exited, once it has (else ``""``)."""
+        proc = self._procs[i]
+        with self._reaping:
+            proc.join(1.0)
+        code = proc.exitcode
+        return "" if code is None else f" with exit code {code}" + signal_name(code)
+
     def kill(self) -> None:
         """Kill every rank at once (a broken world: nothing to drain, and a hung rank would not answer
         a polite shutdown). Leaves no process behind."""
         self._closed = True
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
-        for proc in self._procs:
-            proc.join(5)
+        with self._reaping:
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+            for proc in self._procs:
+                proc.join(5)
+        self._close_watches()
 
     def close(self, timeout: float = 30.0) -> None:
         """Shut every rank down: politely, then by signal. Leaves no process behind."""
         if self._closed:
             return
         self._closed = True
-        for conn, proc in zip(self._conns, self._procs):
-            if proc.is_alive():
-                try:
-                    conn.send(Shutdown())
-                except (BrokenPipeError, OSError):
-                    pass
         deadline = time.monotonic() + timeout
-        for proc in self._procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        with self._reaping:
+            for conn, proc in zip(self._conns, self._procs):
+                if proc.is_alive():
+                    try:
+                        conn.send(Shutdown())
+                    except (BrokenPipeError, OSError):
+                        pass
+            for proc in self._procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
         for conn in self._conns:
             conn.close()
+        self._close_watches()
+
+    def _close_watches(self) -> None:
+        for watch in self._watches:
+            watch.close()
+        self._watches = []
 
     @property
     def pids(self) -> list[int]:

@@ -5,8 +5,10 @@ route every choice (``n`` per prompt) through :class:`~epserve.router.instances.
 instance, detokenize incrementally and cut at stop strings (``generation``), and answer as one JSON
 body or as Server-Sent Events ending with ``data: [DONE]``. A client that goes away cancels its engine requests
 (the engines abort them and free their KV blocks). Errors are OpenAI-style bodies: 400 for bad input,
-401 without the API key, 404 for an unknown model, 408/413 for a body too slow or too large
-(``http_limits``), 503 when no engine instance can take the request.
+401 without the API key (told from the request head: served by uvicorn, ``http_limits.http_protocol``
+answers it before reading any of the body; in-process, the outermost middleware does), 404 for an
+unknown model, 408/413 for a body too slow or too large (``http_limits``), 503 when no engine instance
+can take the request (or past ``--max-connections``).
 
 One request cannot stall the others: a large body is parsed and a long text tokenized on a worker
 thread, a text that cannot fit the context is refused by its length before tokenizing (no token stands
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 import uuid
@@ -39,12 +40,11 @@ from epserve.router.errors import (
     internal_error,
     not_found_model,
     prompt_too_many_chars,
-    unauthorized,
     unavailable,
     validation_error,
 )
 from epserve.router.generation import Choice, Generation, GenerationContext, until_disconnect
-from epserve.router.http_limits import HTTPLimits, RequestLimitsMiddleware
+from epserve.router.http_limits import HTTPLimits, RequestGate, RequestLimitsMiddleware
 from epserve.router.instances import Router
 from epserve.router.json_body import load_json_body
 from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -83,6 +83,7 @@ class OpenAIServer:
         self.limits = limits or HTTPLimits()
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         self.metrics = RouterMetrics(router, model_name)
+        self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_limits.http_protocol
         self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name)
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-parse")  # GIL-bound work
         self.created = int(time.time())
@@ -100,10 +101,10 @@ class OpenAIServer:
 
         app = FastAPI(title="epserve", description="OpenAI-compatible API of the epserve router", lifespan=lifespan)
         openapi_doc.install(app, (CompletionRequest, ChatCompletionRequest))
-        if self.api_key:
-            app.add_middleware(_APIKeyMiddleware, key=self.api_key, reject=self._error)
-        app.add_middleware(RequestLimitsMiddleware, limits=self.limits, reject=self._error,  # outermost
+        app.add_middleware(RequestLimitsMiddleware, limits=self.limits, reject=self._error,
                            on_disconnect=lambda: self.metrics.error(499))
+        if self.api_key:  # outermost: before any body is read
+            app.add_middleware(_APIKeyMiddleware, gate=self.gate, reject=self._error)
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -266,19 +267,19 @@ class OpenAIServer:
 
 
 class _APIKeyMiddleware:
-    """``/v1/*`` needs ``Authorization: Bearer KEY``. Plain ASGI: Starlette's BaseHTTPMiddleware would
-    relay every streamed chunk through a memory stream (a quarter of the router's CPU when streaming)."""
+    """``/v1/*``, and any request with a body, needs ``Authorization: Bearer KEY`` (``RequestGate``),
+    answered before the body is read. Plain ASGI: Starlette's BaseHTTPMiddleware would relay every
+    streamed chunk through a memory stream (a quarter of the router's CPU when streaming)."""
 
-    def __init__(self, app: Any, key: str, reject: Callable[[APIError], JSONResponse]) -> None:
+    def __init__(self, app: Any, gate: RequestGate, reject: Callable[[APIError], JSONResponse]) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.gate = gate
         self.reject = reject
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = self.reject(unauthorized("Invalid or missing API key (Authorization: Bearer ...)"))
-                await response(scope, receive, send)
-                return
+        if scope["type"] == "http" and (error := self.gate.refusal(scope["path"], scope["headers"])) is not None:
+            response = self.reject(error)
+            response.headers["connection"] = "close"  # its body is not read
+            await response(scope, receive, send)
+            return
         await self.app(scope, receive, send)

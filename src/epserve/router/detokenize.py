@@ -8,11 +8,13 @@ half-decoded character, and their concatenation (plus ``flush()``) equals
 sequence, so the cost per token does not grow with the output length.
 
 ``StopStringMatcher`` scans that streamed text for stop strings, holding back just the tail that
-could still turn out to be the beginning of one.
+could still turn out to be the beginning of one, in time linear in the text (one KMP automaton per
+stop string, never re-scanning what it holds back).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -115,6 +117,11 @@ class StopStringMatcher:
     The stop whose occurrence starts earliest in the whole text wins (of two starting at the same
     place, the shorter one), however the text is split into feeds: a match is only reported once
     no stop string starting earlier can still complete.
+
+    Linear in the text fed: each stop string has its own Knuth-Morris-Pratt automaton
+    (:class:`_StopAutomaton`), which sees every character once; what is held back is the longest
+    suffix of the text that is a proper prefix of some stop, kept as pieces (:class:`_Tail`), never
+    re-scanned. Nothing costs in proportion to a stop string's length until that much text has come.
     """
 
     def __init__(self, stops: Sequence[str], include_stop_str: bool = False) -> None:
@@ -124,9 +131,14 @@ class StopStringMatcher:
             raise ValueError(f"stop strings must be non-empty strings, got {list(stops)!r}")
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
         self.include_stop_str = include_stop_str
-        self._buffer = ""
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text, once stopped
+        self._automata = [_StopAutomaton(s) for s in self.stops]
+        self._firsts = frozenset(s[0] for s in self.stops)
+        self._tail = _Tail()  # the text from _emitted to _fed
+        self._fed = 0  # characters fed so far
+        self._emitted = 0  # of them, returned by feed
+        self._best: tuple[int, int, str] | None = None  # earliest complete occurrence: (start, end, stop)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Return ``(text safe to emit now, stopped)``. On a stop the text runs up to the start of
@@ -135,33 +147,139 @@ class StopStringMatcher:
             return "", True
         if not self.stops:
             return text, False
-        buf = self._buffer + text
-        best: tuple[int, int, str] | None = None  # (start, end, stop) of the earliest complete match
-        for stop in self.stops:
-            i = buf.find(stop)
-            if i >= 0 and (best is None or (i, i + len(stop)) < best[:2]):
-                best = (i, i + len(stop), stop)
-        hold_from = self._partial_start(buf)
-        if best is not None and best[0] <= hold_from:
-            start, end, stop = best
-            self.stopped, self.matched, self._buffer = True, stop, ""
-            return buf[: end if self.include_stop_str else start], True
-        self._buffer = buf[hold_from:]
-        return buf[:hold_from], False
-
-    def _partial_start(self, buf: str) -> int:
-        """Earliest index from which the rest of ``buf`` is a proper prefix of some stop string."""
-        start = len(buf)
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buf)), 0, -1):
-                if len(buf) - k >= start:
-                    break
-                if buf.endswith(stop[:k]):
-                    start = len(buf) - k
-                    break
-        return start
+        base = self._fed
+        self._fed += len(text)
+        if self._emitted == base and self._firsts.isdisjoint(text):
+            # Nothing held (no stop begun) and no stop can begin in ``text``: every automaton is, or
+            # would return to, its start (one left at the end of a complete stop does so at its next
+            # character, which is what it would have done here).
+            self._emitted = self._fed
+            return text, False
+        self._tail.append(text)
+        for automaton in self._automata:
+            if not automaton.state and automaton.first not in text:
+                continue  # at its start, and its stop cannot begin in ``text``
+            end = automaton.feed(text)
+            if end >= 0:
+                found = (base + end - len(automaton.stop), base + end, automaton.stop)
+                if self._best is None or found[:2] < self._best[:2]:
+                    self._best = found
+        hold_from = self._fed - max((a.partial() for a in self._automata if a.state), default=0)
+        if self._best is not None and self._best[0] <= hold_from:
+            start, end, stop = self._best
+            self.stopped, self.matched = True, stop
+            out = self._tail.take((end if self.include_stop_str else start) - self._emitted)
+            self._tail = _Tail()
+            return out, True
+        out = self._tail.take(hold_from - self._emitted)
+        self._emitted = hold_from
+        return out, False
 
     def flush(self) -> str:
-        """Held-back text at the end of generation (empty once a stop matched)."""
-        held, self._buffer = self._buffer, ""
-        return "" if self.stopped else held
+        """Held-back text at the end of generation (empty once a stop matched). Text fed after it is
+        matched afresh: a stop begun before the flush no longer counts."""
+        if self.stopped:
+            return ""
+        held = self._tail.take(self._fed - self._emitted)
+        self._emitted, self._best = self._fed, None
+        for automaton in self._automata:
+            automaton.state = 0
+        return held
+
+
+class _StopAutomaton:
+    """Knuth-Morris-Pratt over one stop string. ``state`` is the length of the longest suffix of the
+    text fed so far that is a prefix of the stop (the whole stop right after an occurrence). The
+    prefix function (``_pi[k - 1]``: the longest proper border of ``stop[:k]``) is computed lazily,
+    only as far as the states reached: the work is linear in the text fed, whatever the stop's length.
+    Runs of text are skipped or matched with ``str.find``/``str.startswith`` where they can be."""
+
+    __slots__ = ("stop", "first", "_pi", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.first = stop[0]
+        self._pi = [0]
+        self.state = 0
+
+    def _border(self, k: int) -> int:
+        """The longest proper border of ``stop[:k]`` (1 <= k <= len(stop))."""
+        pi = self._pi
+        if k > len(pi):
+            s, j = self.stop, pi[-1]
+            for i in range(len(pi), k):
+                c = s[i]
+                while j and s[j] != c:
+                    j = pi[j - 1]
+                if s[j] == c:
+                    j += 1
+                pi.append(j)
+        return pi[k - 1]
+
+    def partial(self) -> int:
+        """The length of the longest suffix of the text that is a proper prefix of the stop."""
+        return self.state if self.state < len(self.stop) else self._border(self.state)
+
+    def feed(self, text: str) -> int:
+        """Advance over ``text``; the offset in it just past the first occurrence of the stop that ends
+        in it, else -1."""
+        s, n, size = self.stop, len(text), len(self.stop)
+        m, i, first = self.state, 0, -1
+        window = 8  # compare this many characters at once; 0 after a failed try, until its mismatch
+        while i < n:
+            if m == size:
+                m = self._border(size)
+            if m == 0:
+                j = text.find(self.first, i)
+                if j < 0:
+                    break
+                i, m, window = j + 1, 1, 8
+            elif window and text.startswith(s[m : m + (r := min(size - m, n - i, window))], i):
+                i, m, window = i + r, m + r, 2 * window
+            else:
+                c = text[i]
+                i += 1
+                if s[m] == c:
+                    m, window = m + 1, 0  # the window's mismatch is further on
+                else:
+                    m = self._border(m)
+                    while m and s[m] != c:
+                        m = self._border(m)
+                    if s[m] == c:
+                        m += 1
+                    window = 8
+            if m == size and first < 0:
+                first = i
+        self.state = m
+        return first
+
+
+class _Tail:
+    """Text held back, as the pieces it came in: appending costs nothing and taking from the front
+    costs what it takes, however long the rest."""
+
+    __slots__ = ("_pieces", "_offset")
+
+    def __init__(self) -> None:
+        self._pieces: deque[str] = deque()
+        self._offset = 0  # into _pieces[0]
+
+    def append(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
+
+    def take(self, count: int) -> str:
+        """Remove and return the first ``count`` characters."""
+        out = []
+        while count > 0:
+            piece, offset = self._pieces[0], self._offset
+            if len(piece) - offset <= count:
+                out.append(piece[offset:] if offset else piece)
+                count -= len(piece) - offset
+                self._pieces.popleft()
+                self._offset = 0
+            else:
+                out.append(piece[offset : offset + count])
+                self._offset += count
+                count = 0
+        return "".join(out)

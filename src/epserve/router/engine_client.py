@@ -8,12 +8,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epserve.messages.sampling import SamplingParams
-from epserve.rpc.convert import GRPC_OPTIONS, SERVICE_NAME, auth_metadata, generate_request_to_proto
+from epserve.rpc.convert import SERVICE_NAME, generate_request_to_proto
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
+from epserve.rpc.security import engine_channel, handshake_refused
 
 # Codes that say "this instance cannot take the request now" rather than "the request is bad".
-# UNAUTHENTICATED too: an engine that refuses our token cannot serve us (and the router says why).
+# UNAUTHENTICATED too: an engine that refuses us cannot serve us (and the router says why).
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                 grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAUTHENTICATED}
 
@@ -35,18 +36,20 @@ def _translate(e: grpc.aio.AioRpcError, address: str) -> Exception:
     if e.code() == grpc.StatusCode.ABORTED:
         return PrefillUnavailable(e.details() or "the prefill instance failed")
     if e.code() in _UNAVAILABLE:
+        if handshake_refused(e.details()):
+            return EngineUnavailable(f"engine {address}: the TLS handshake failed: it does not hold this router's "
+                                     "engine token (or speaks plaintext); nothing was sent to it")
         return EngineUnavailable(f"engine {address}: {e.details() or e.code().name}")
     return EngineRequestError(e.details() or e.code().name)
 
 
 class EngineClient:
-    """``token``: sent as call metadata to engines that require it (``--engine-token``)."""
+    """``token``: the engine token (``--engine-token``): the channel is mutual TLS under it (rpc/security)."""
 
     def __init__(self, index: int, address: str, token: str | None = None) -> None:
         self.index = index
         self.address = address
-        self.metadata = auth_metadata(token)
-        self.channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = engine_channel(address, token, aio=True)
         self.stub = pb_grpc.EngineStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -57,7 +60,7 @@ class EngineClient:
         request and frees its blocks). Raises EngineUnavailable or EngineRequestError. ``prefill_address``:
         a decode instance gets the prompt's KV from that prefill instance (PrefillUnavailable if it fails)."""
         call = self.stub.Generate(generate_request_to_proto(request_id, prompt_token_ids, params, prefill_address),
-                                  wait_for_ready=False, metadata=self.metadata)
+                                  wait_for_ready=False)
         try:
             async for msg in call:
                 yield msg
@@ -68,7 +71,7 @@ class EngineClient:
 
     async def _unary(self, method: str, request: object, timeout: float):
         try:
-            return await getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
+            return await getattr(self.stub, method)(request, timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, self.address) from None
 

@@ -78,6 +78,12 @@ def unavailable(message: str = NO_ENGINE) -> APIError:
     return APIError(message, 503, "service_unavailable_error", "engine_unavailable")
 
 
+def too_many_connections(limit: int) -> APIError:
+    """503 for a connection past ``--max-connections`` (answered as it opens, then closed)."""
+    return APIError(f"This server has reached its limit of {limit} open connections; try again later", 503,
+                    "service_unavailable_error", "too_many_connections")
+
+
 def request_too_large(limit: int) -> APIError:
     return APIError(f"The request body is larger than this server's limit of {limit} bytes", 413,
                     "invalid_request_error", "request_too_large")

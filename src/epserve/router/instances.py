@@ -7,6 +7,8 @@ of the router's own in-flight count for the instance (exact and immediate) and t
 running + waiting count (which also sees requests from other routers). A request that an instance
 refuses as unavailable before streaming anything is retried on another healthy instance; when none is
 healthy (an engine group being restarted by its supervisor) it waits up to ``engine_wait_s`` for one.
+An instance restarted on another port (its old one was taken meanwhile) is moved there
+(:meth:`Router.move`, which ``epserve serve``'s supervisor asks for).
 
 Prefill/decode disaggregation (``--prefill`` and ``--decode`` instances): the policy picks a prefill
 instance (cache-aware: prefix hits save prefill compute) and the least-loaded decode instance gets the
@@ -22,8 +24,9 @@ import collections
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 from epserve.config import EngineRole
 from epserve.messages.expert_load import ExpertLoad
@@ -36,6 +39,26 @@ from epserve.rpc.proto import engine_pb2 as pb
 logger = logging.getLogger(__name__)
 
 _SERVES = {"both": ("both",), "prefill": ("prefill", "both"), "decode": ("decode", "both")}  # listed as -> may be
+
+
+def _cancelled_here() -> bool:
+    """Whether the current task itself is being cancelled (not merely a call on a closed channel);
+    always True before Python 3.11, which cannot tell."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return cancelling is None or cancelling() > 0
+
+
+def _moved(address: str) -> str:
+    return f"moved to {address}; not contacted there yet"
+
+
+@dataclass(frozen=True)
+class EngineMoved:
+    """Supervisor -> router process: instance ``index`` (in the router's order: engines, then prefill,
+    then decode instances) now listens at ``address``."""
+
+    index: int
+    address: str
 
 
 @dataclass
@@ -89,11 +112,65 @@ class Router:
         self.instances: list[Instance] = []
         self.decisions: collections.Counter[str] = collections.Counter()  # why requests went where they went
         self._task: asyncio.Task | None = None
+        self._closing: set[asyncio.Future] = set()  # old clients of moved instances, closing
+        self._control: Connection | None = None
+        self._control_closed: Callable[[], None] = lambda: None
+
+    def follow(self, control: Connection, on_closed: Callable[[], None]) -> None:
+        """Once started, read the supervisor's messages (:class:`EngineMoved`) from ``control`` on the
+        event loop; ``on_closed()`` when it ends (the supervisor is gone)."""
+        self._control, self._control_closed = control, on_closed
+
+    def _read_control(self) -> None:
+        try:
+            message = self._control.recv()  # type: ignore[union-attr]
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self._control.fileno())  # type: ignore[union-attr]
+            self._control_closed()
+            return
+        if isinstance(message, EngineMoved):
+            self.move(message.index, message.address)
+        else:
+            logger.warning("ignoring an unknown message from the supervisor: %r", message)
 
     async def start(self) -> None:
         self.instances = [Instance(EngineClient(i, a, self.token), role) for i, (a, role) in enumerate(self.roles)]
+        if self._control is not None:
+            asyncio.get_running_loop().add_reader(self._control.fileno(), self._read_control)
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_forever())
+
+    def move(self, index: int, address: str) -> None:
+        """Instance ``index`` now listens at ``address`` (its engine group was restarted and its old port
+        was taken): talk to it there. Calls in flight to the old address fail and are retried; until
+        the next refresh finds it healthy it gets no new request."""
+        role = self.roles[index][1]
+        self.roles[index] = (address, role)
+        self.addresses[index] = address
+        if index >= len(self.instances):  # not started yet: start() uses the new address
+            return
+        inst = self.instances[index]
+        old = inst.client
+        logger.warning("engine %d moved from %s to %s", index, old.address, address)
+        self._mark_down(inst, _moved(address))
+        inst.client = EngineClient(index, address, self.token)
+        inst.info = inst.load = None
+        task = asyncio.ensure_future(old.close())
+        self._closing.add(task)  # (held until done: the loop keeps only weak references to tasks)
+        task.add_done_callback(self._closing.discard)
+
+    async def _stream(self, inst: Instance, *call: object) -> AsyncIterator[pb.GenerateResponse]:
+        """``inst.client.generate(*call)``'s messages. A call that a move of the instance cut short (the
+        old address's channel was closed under it) raises EngineUnavailable, so it is retried."""
+        client = inst.client
+        try:
+            async with contextlib.aclosing(client.generate(*call)) as stream:  # type: ignore[arg-type]
+                async for msg in stream:
+                    yield msg
+        except asyncio.CancelledError:
+            if client is inst.client or _cancelled_here():
+                raise
+            raise EngineUnavailable(_moved(inst.address)) from None
 
     async def close(self) -> None:
         if self._task is not None:
@@ -108,8 +185,9 @@ class Router:
         errors = await asyncio.gather(*(self._poll(inst) for inst in self.instances))
         for inst, error in zip(self.instances, errors):
             refusal = None if error else self._unusable(inst)
-            if refusal and refusal != inst.last_error and not inst.healthy:  # say it once, even at start
-                logger.warning("engine %d at %s is not used: %s", inst.index, inst.address, refusal)
+            why = error or refusal
+            if why and why != inst.last_error and not inst.healthy:  # say it once, even at start
+                logger.warning("engine %d at %s is not used: %s", inst.index, inst.address, why)
             if error or refusal:
                 self._mark_down(inst, error or refusal)
                 continue
@@ -119,12 +197,22 @@ class Router:
 
     async def _poll(self, inst: Instance) -> str | None:
         """Ask for the instance's info (once) and load; why it cannot be asked (None: it answered)."""
+        client = inst.client
         try:
             if inst.info is None:
-                inst.info = await inst.client.get_info(timeout=2.0)
-            inst.load = await inst.client.get_load(timeout=2.0)
+                info = await client.get_info(timeout=2.0)
+                if client is inst.client:
+                    inst.info = info
+            load = await client.get_load(timeout=2.0)
+        except asyncio.CancelledError:
+            if client is inst.client or _cancelled_here():
+                raise
+            return _moved(inst.address)  # the move closed the old address's channel
         except Exception as e:  # unreachable, or an answer we cannot use: either way not routable
             return str(e)
+        if client is not inst.client:  # it moved meanwhile: this answer came from the old address
+            return _moved(inst.address)
+        inst.load = load
         return None
 
     def _unusable(self, inst: Instance) -> str | None:
@@ -245,7 +333,7 @@ class Router:
                 held.requests_total += 1
             started = False
             try:
-                stream = inst.client.generate(engine_id, token_ids, params, prefill.address if prefill else "")
+                stream = self._stream(inst, engine_id, token_ids, params, prefill.address if prefill else "")
                 async with contextlib.aclosing(stream) as stream:
                     async for msg in stream:
                         if prefill is not None and not started:

@@ -1,5 +1,6 @@
 """The router process: its options, the app they build, and serving it with uvicorn (``epserve
-router``, or the process ``epserve serve`` starts). Nothing here imports torch."""
+router``, or the process ``epserve serve`` starts, which also reads its supervisor's pipe: engine
+instances that moved, and its end when the supervisor is gone). Nothing here imports torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import socket
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 from epserve import env
@@ -40,6 +42,7 @@ class RouterOptions:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
+    max_connections: int = 2048
     engine_token: str | None = field(default=None, repr=False)  # sent to the engines (None: the API key, if any)
 
     def __post_init__(self) -> None:
@@ -57,7 +60,7 @@ class RouterOptions:
         return HTTPLimits(
             max_request_bytes=self.max_request_bytes, max_choices_per_request=self.max_choices_per_request,
             header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
-            keep_alive_timeout_s=self.keep_alive_timeout_s,
+            keep_alive_timeout_s=self.keep_alive_timeout_s, max_connections=self.max_connections,
         )
 
 
@@ -103,12 +106,16 @@ def check_port_free(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
 
 
-def run_router(options: RouterOptions, api_key: str | None = None) -> None:
-    """Serve the OpenAI API until SIGINT/SIGTERM (uvicorn finishes open responses first)."""
+def run_router(options: RouterOptions, api_key: str | None = None, control: Connection | None = None) -> None:
+    """Serve the OpenAI API until SIGINT/SIGTERM (uvicorn finishes open responses first). ``control``:
+    the pipe from ``epserve serve``'s supervisor (engine instances that moved); when it ends the
+    supervisor is gone, and so is this process, at once."""
     import uvicorn
 
     check_port_free(options.host, options.port)
     server = build_router(options, api_key)
+    if control is not None:
+        server.router.follow(control, _supervisor_gone)
     over = (f"engines {', '.join(options.engines)}" if options.engines else
             f"prefill instances {', '.join(options.prefill)} and decode instances {', '.join(options.decode)}")
     logger.info("router on http://%s:%d/v1 (model %r, policy %s) over %s", options.host, options.port,
@@ -116,9 +123,10 @@ def run_router(options: RouterOptions, api_key: str | None = None) -> None:
     from epserve.router.http_limits import http_protocol
 
     limits = server.limits
+    _raise_open_files_limit(2 * limits.max_connections + 256)  # open and refused connections, engines, files
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level.lower(),
                             access_log=False, timeout_graceful_shutdown=60, log_config=None,  # our log format
-                            http=http_protocol(limits.header_timeout_s), ws="none", server_header=False,
+                            http=http_protocol(limits, server.gate), ws="none", server_header=False,
                             timeout_keep_alive=limits.keep_alive_timeout_s)  # type: ignore[arg-type]
     # uvicorn stops gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler it found;
     # make that handler a no-op so a clean stop exits with code 0.
@@ -127,9 +135,29 @@ def run_router(options: RouterOptions, api_key: str | None = None) -> None:
     uvicorn.Server(config).run()
 
 
-def router_main(options: RouterOptions, log_level: str) -> None:
-    """Entry of the router process that ``epserve serve`` starts."""
+def _raise_open_files_limit(wanted: int) -> None:
+    """Raise this process's soft limit on open files towards ``wanted`` (up to the hard limit); warn
+    when it stays below."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if soft < wanted:
+            logger.warning("the open-file limit (%d) is below the %d that --max-connections may need; "
+                           "lower --max-connections or raise the limit (ulimit -n)", soft, wanted)
+
+
+def _supervisor_gone() -> None:
+    logger.error("the supervisor (epserve serve) is gone; exiting")
+    os._exit(1)
+
+
+def router_main(options: RouterOptions, log_level: str, control: Connection | None = None) -> None:
+    """Entry of the router process that ``epserve serve`` starts; ``control``: the supervisor's pipe
+    (see :func:`run_router`)."""
     die_with_parent()
     name_process("epserve-router")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
-    run_router(options, env.api_key())
+    run_router(options, env.api_key(), control)

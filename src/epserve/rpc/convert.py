@@ -22,14 +22,6 @@ GRPC_OPTIONS = [
 KV_TRANSFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-AUTH_METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
-
-
-def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
-    """The call metadata a router sends an engine that requires ``token`` (None: no token)."""
-    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else None
-
-
 def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         max_tokens=p.max_tokens,
