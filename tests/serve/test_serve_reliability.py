@@ -70,11 +70,13 @@ def test_nothing_listens_beyond_loopback(server):
 
 
 def test_a_burst_of_long_prompts_preempts_and_keeps_the_text(server):
-    """Eight 250-token prompts (16 of an instance's 64 blocks each) sent while the ranks are frozen, so
-    four reach each instance together however fast the machine: their decodes run out of blocks at
-    token 257 and the newest is preempted, recomputed later, and every text equals the prompt's alone."""
+    """Eight 241-token prompts (16 of an instance's 64 blocks each) sent while the ranks are frozen (for
+    less than the step timeout), so that four or more reach one instance at once however fast the
+    machine: all are admitted before the first has decoded the 15 tokens left in its last block (that
+    is the slack), their decodes then run out of blocks at token 257, the newest is preempted,
+    recomputed later, and every text equals the prompt's alone."""
     proc, url = server
-    prompts = [[3 + (7 * i + 11 * j) % 490 for j in range(250)] for i in range(8)]
+    prompts = [[3 + (7 * i + 11 * j) % 490 for j in range(241)] for i in range(8)]
 
     def post(prompt: list[int]) -> httpx.Response:
         return httpx.post(f"{url}/v1/completions", timeout=120, json={
