@@ -320,3 +320,12 @@ class Stream:
         self.thread.join(60)
         assert not self.thread.is_alive() and self.done, self.events[-3:]
         return self.events[-1]
+
+
+def wait_output(proc: Proc, text: str, timeout: float = 120.0) -> None:
+    """Until ``text`` is in ``proc``'s output (it must stay alive meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while text not in proc.output():
+        assert proc.proc.poll() is None, proc.output()[-3000:]
+        assert time.monotonic() < deadline, proc.output()[-3000:]
+        time.sleep(0.05)

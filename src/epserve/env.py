@@ -108,8 +108,18 @@ def quiet_grpc() -> None:
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
-def collectives_on_loopback() -> None:
-    """Make gloo and NCCL listen on the loopback interface (a world on one host whose rendezvous is
-    loopback), unless the user chose interfaces with ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``."""
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(name, "lo")
+COLLECTIVE_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def collectives_on(interface: str) -> dict[str, str]:
+    """Make gloo and NCCL bind their sockets to ``interface`` (set before the process groups are
+    made), unless the user chose interfaces with ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``
+    (theirs win); returns what it set."""
+    updates = {name: interface for name in COLLECTIVE_IFNAMES if not os.environ.get(name)}
+    os.environ.update(updates)
+    return updates
+
+
+def collectives_on_loopback() -> dict[str, str]:
+    """:func:`collectives_on` the loopback interface (a world on one host whose rendezvous is loopback)."""
+    return collectives_on("lo")

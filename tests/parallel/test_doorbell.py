@@ -14,7 +14,17 @@ import pytest
 import torch.distributed as dist
 
 from epserve.parallel.context import store_client
-from epserve.parallel.doorbell import _HELLO, _MAX_UNPROVEN, Doorbell, LocalDoorbell
+from epserve.parallel.doorbell import (
+    _FRAME,
+    _HELLO,
+    _MAC,
+    _MAX_UNPROVEN,
+    Doorbell,
+    LocalDoorbell,
+    PeerLost,
+    _key,
+    _mac,
+)
 from tests.dist_harness import free_port
 
 SECRET = "world-secret"
@@ -29,13 +39,15 @@ def store():
     del master
 
 
-def two_ranks(port: int, secrets: tuple[str, str] = (SECRET, SECRET)) -> list[Doorbell]:
+def two_ranks(port: int, secrets: tuple[str, str] = (SECRET, SECRET), heartbeat_timeout_s: float = 60.0,
+              ) -> list[Doorbell]:
     bells: list[Doorbell | None] = [None, None]
     errors: list[BaseException] = []
 
     def make(rank: int) -> None:
         try:
-            bells[rank] = Doorbell("127.0.0.1", port, rank, secrets[rank], timeout_s=10)
+            bells[rank] = Doorbell("127.0.0.1", port, rank, secrets[rank], timeout_s=10,
+                                   heartbeat_timeout_s=heartbeat_timeout_s)
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors.append(e)
 
@@ -132,6 +144,57 @@ def test_a_false_bell_is_found_out(store):
     with pytest.raises(RuntimeError, match="does not hold the world's secret"):
         Doorbell("127.0.0.1", store, 1, SECRET, timeout_s=10)
     fake.close()
+
+
+def test_a_rank_that_goes_away_wakes_the_others_with_the_news(store):
+    """A rank whose process dies (its connection closes without a goodbye) while the world sleeps:
+    every other rank's wait raises at once, naming it; a rank that leaves on purpose is not lost."""
+    bells = two_ranks(store)
+    errors: list[BaseException] = []
+
+    def sleep_on(bell: Doorbell) -> None:
+        try:
+            bell.wait()
+        except PeerLost as e:
+            errors.append(e)
+
+    sleeping = threading.Thread(target=sleep_on, args=(bells[0],), daemon=True)
+    sleeping.start()
+    bells[1]._sock.close()  # as a killed process's socket: no goodbye
+    sleeping.join(10)
+    assert not sleeping.is_alive() and len(errors) == 1
+    assert "rank 1" in str(errors[0]) and "died" in str(errors[0])
+    bells[0].close()
+
+    store_client("127.0.0.1", store).delete_key("doorbell/address")  # (a new world would have a new store)
+    bells = two_ranks(store)
+    bells[1].close()  # leaving with a goodbye
+    bells[0].ring()
+    bells[0].wait()  # still a world: its own ring wakes it
+    assert bells[0].lost is None
+    bells[0].close()
+
+
+def test_a_rank_that_stops_answering_is_lost_within_the_heartbeat_timeout(store):
+    """A rank that holds the secret but answers no ping (as a SIGSTOPped process): the sleeping ranks
+    learn within the heartbeat timeout (counted in missed pings)."""
+    bells: list[Doorbell] = []
+    rank0 = threading.Thread(target=lambda: bells.append(
+        Doorbell("127.0.0.1", store, 0, SECRET, timeout_s=10, heartbeat_timeout_s=0.8)), daemon=True)
+    rank0.start()
+    rank0.join(10)
+    host, _, port = store_client("127.0.0.1", store).get("doorbell/address").decode().rpartition(":")
+    hung = socket.create_connection((host, int(port)), timeout=10)  # proves, says who it is, then is silent
+    hello = hung.recv(len(_HELLO) + 16)
+    mine = os.urandom(16)
+    hung.sendall(mine + _mac(_key(SECRET), b"rank", hello[len(_HELLO):], mine) + _FRAME.pack(b"I", 1))
+    assert len(hung.recv(_MAC)) == _MAC
+    start = time.monotonic()
+    with pytest.raises(PeerLost, match="rank 1 .*stopped answering"):
+        bells[0].wait()
+    assert time.monotonic() - start < 5.0
+    hung.close()
+    bells[0].close()
 
 
 def test_local_doorbell():

@@ -16,7 +16,7 @@ from epserve import LLM, SamplingParams
 from epserve.engine.llm import build_engine_config
 from epserve.engine.worker import EngineWorker
 from epserve.engine_server.options import ServeOptions
-from epserve.engine_server.service import EngineServer
+from epserve.engine_server.server import EngineServer
 from epserve.messages.engine import AbortRequest
 from epserve.router.engine_client import EngineClient, EngineRequestError, EngineUnavailable
 from epserve.rpc.convert import SERVICE_NAME

@@ -15,7 +15,7 @@ import pytest
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
-from tests.serve_harness import Proc, alive, descendants, metric, named, wait_http_ok
+from tests.serve_harness import Proc, alive, descendants, metric, named, wait_http_ok, wait_output
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +27,6 @@ def ckpt(make_ckpt) -> Path:
     return make_ckpt("tiny", dtype="float32")
 
 
-def _wait_output(proc: Proc, text: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in proc.output():
-        assert proc.proc.poll() is None, proc.output()[-3000:]
-        assert time.monotonic() < deadline, proc.output()[-3000:]
-        time.sleep(0.1)
 
 
 def _stop(procs: list[Proc], timeout: float = 60.0) -> list[int]:
@@ -66,7 +60,7 @@ def test_engines_on_two_hosts_behind_a_router(ckpt, tmp_path):
     procs = list(nodes)
     try:
         for i, node in enumerate(nodes):
-            _wait_output(node, f"engine instance {i} listening on 127.0.0.1:{engine_port + i}")
+            wait_output(node, f"engine instance {i} listening on 127.0.0.1:{engine_port + i}")
         router = Proc(["router", str(ckpt), "--port", str(http_port), "--policy", "round_robin",
                        "--engine-wait-timeout", "2", "--engine-token", "t0ken",
                        "--engine", f"127.0.0.1:{engine_port}", "--engine", f"127.0.0.1:{engine_port + 1}"],
@@ -118,7 +112,7 @@ def test_router_routes_around_a_dead_engine_and_503_when_none(ckpt, tmp_path):
     procs = list(engines)
     try:
         for e in engines:
-            _wait_output(e, "listening on")
+            wait_output(e, "listening on")
         http_port = free_port()
         router = Proc(["router", str(ckpt), "--port", str(http_port), "--policy", "round_robin",
                        "--engine-wait-timeout", "2",  # none healthy: a request waits this long, then 503
@@ -163,7 +157,7 @@ def test_engine_under_torchrun(ckpt, tmp_path):
     procs = [node]
     try:
         for i in range(2):
-            _wait_output(node, f"engine instance {i} serving gRPC on 127.0.0.1:{engine_port + i}")
+            wait_output(node, f"engine instance {i} serving gRPC on 127.0.0.1:{engine_port + i}")
         router = Proc(["router", str(ckpt), "--port", str(http_port), "--engine", f"127.0.0.1:{engine_port}",
                        "--engine", f"127.0.0.1:{engine_port + 1}"], tmp_path / "router.log")
         procs.append(router)

@@ -101,7 +101,8 @@ class ParallelConfig:
     half has at least ``microbatch_threshold`` tokens; default: 256 on CUDA, never on CPU, where the
     collectives run on the cores the compute needs and micro-batching measured slower at every batch
     size, docs/benchmarks.md). ``nnodes``/``node_rank``/``master_addr``/``master_port``: a world spread
-    over hosts, each running ``dp*tp/nnodes`` ranks. ``num_redundant_experts``: extra expert slots
+    over hosts, each running ``dp*tp/nnodes`` ranks; ``node_ip``: this host's address towards them
+    (default: the one that routes to ``master_addr``, parallel/addresses.py). ``num_redundant_experts``: extra expert slots
     holding replicas of the busiest experts (placed by load when ``eplb`` rebalances)."""
 
     dp: int = 1
@@ -115,7 +116,9 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    node_ip: str | None = None  # this host's address the peers reach (its interface carries gloo/NCCL)
     timeout_s: float = 600.0
+    rendezvous_timeout_s: float = 60.0  # a rank gives up reaching the rank-0 store after this
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "nnodes", "microbatch_threshold"):
@@ -136,8 +139,8 @@ class ParallelConfig:
             raise ConfigError(f"node_rank {self.node_rank} is outside [0, {self.nnodes})")
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("a multi-node launch needs master_port (and master_addr of node 0)")
-        if self.timeout_s <= 0:
-            raise ConfigError("timeout_s must be > 0")
+        if self.timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
+            raise ConfigError("timeout_s and rendezvous_timeout_s must be > 0")
 
     @property
     def fixed_shape_dispatch(self) -> bool:

@@ -4,6 +4,7 @@ precision, the KV cache, the scheduler, the parallel layout and EPLB, and the en
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from epserve.config import (
     DISPATCH_BACKENDS,
@@ -73,6 +74,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     par.add_argument("--node-rank", type=int, default=ParallelConfig.node_rank)
     par.add_argument("--master-addr", default=ParallelConfig.master_addr, help="address of node 0 (rendezvous)")
     par.add_argument("--master-port", type=int, default=ParallelConfig.master_port, help="rendezvous port (default: a free one)")
+    par.add_argument("--node-ip", default=ParallelConfig.node_ip,
+                     help="this host's address the other hosts reach; gloo/NCCL use its interface (default: the "
+                     "interface that routes to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win)")
+    par.add_argument("--rendezvous-timeout", type=float, default=ParallelConfig.rendezvous_timeout_s,
+                     help="seconds a rank waits for the rendezvous store at --master-addr to answer (default %(default)s)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -98,4 +104,7 @@ def engine_config(args: argparse.Namespace, **overrides: object):
     """The engine config of the options (``overrides``: keywords that replace some, e.g. a layout)."""
     from epserve.engine.llm import build_engine_config
 
-    return build_engine_config(args.model, **{**engine_options(args), **overrides})
+    config = build_engine_config(args.model, **{**engine_options(args), **overrides})
+    parallel = dataclasses.replace(config.parallel, node_ip=getattr(args, "node_ip", ParallelConfig.node_ip),
+                                   rendezvous_timeout_s=getattr(args, "rendezvous_timeout", ParallelConfig.rendezvous_timeout_s))
+    return dataclasses.replace(config, parallel=parallel)

@@ -21,13 +21,13 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from epserve.config import EngineConfig, OverlapSetting
+from epserve.config import EngineConfig, OverlapSetting, ParallelConfig
 from epserve.engine.engine import LLMEngine, RequestError
 from epserve.engine.loop import EngineLoop
 from epserve.engine.profiler import StepRecord
 from epserve.engine.runner import resolve_device
 from epserve.engine.spec_decode import merge_stats
-from epserve.env import collectives_on_loopback, pinning_enabled
+from epserve.env import collectives_on, pinning_enabled
 from epserve.messages.commands import (
     Generate,
     GetCacheInfo,
@@ -45,13 +45,16 @@ from epserve.messages.commands import (
 )
 from epserve.messages.engine import AddRequest, GeneratedTokens, LoopOutput, RequestFailed
 from epserve.messages.sampling import TokenLogprobs
+from epserve.parallel.addresses import facing_peers, wait_reachable
 from epserve.parallel.comm import gather_objects
 from epserve.parallel.context import (
     ParallelContext,
+    Store,
     init_parallel,
-    is_loopback,
     make_store,
+    serves_store,
     shutdown_parallel,
+    wait_for_ranks,
 )
 from epserve.parallel.launch import (
     RankHandler,
@@ -223,11 +226,26 @@ def start_rank(info: RankInfo, config: EngineConfig, log_level: int = logging.WA
         torch.set_num_threads(threads_per_rank(info.local_world_size))
         if pinning_enabled():
             pin_to_cores(info.local_rank, info.local_world_size)
-    if pc.nnodes == 1 and is_loopback(info.master_addr):
-        collectives_on_loopback()  # nothing of a one-host world listens beyond loopback
-    store = make_store(info.master_addr, info.master_port, pc.world_size, info.rank, pc.timeout_s)
+    store = _rendezvous(info, pc)
     ctx = init_parallel(pc.dp, pc.tp, info.rank, device, store, pc.timeout_s)
     return EngineWorker(config, ctx, (info.master_addr, info.master_port))
+
+
+def _rendezvous(info: RankInfo, pc: ParallelConfig) -> Store:
+    """Bind gloo/NCCL to the interface that faces the peers (parallel/addresses.py: ``lo`` for a
+    loopback world, else the route to the master or ``--node-ip``; the user's *_SOCKET_IFNAME win),
+    reach the store within the rendezvous timeout and wait for every rank: a peer that cannot be
+    reached fails here in one line, not in gloo."""
+    addr, port = info.master_addr, info.master_port
+    multi_host = pc.nnodes > 1 or info.local_world_size < pc.world_size
+    peer = facing_peers(addr, multi_host, pc.node_ip)
+    collectives_on(peer.interface)
+    logger.info("rank %d: peers meet this host at %s (%s)", info.rank, peer.describe(), peer.reason)
+    if not serves_store(info.rank):
+        wait_reachable(addr, port, pc.rendezvous_timeout_s, peer)
+    store = make_store(addr, port, pc.world_size, info.rank, pc.timeout_s, multi_host=multi_host)
+    wait_for_ranks(store, pc.world_size, pc.timeout_s, f"{addr}:{port}")
+    return store
 
 
 def join_torchrun(config: EngineConfig, info: RankInfo, world: int) -> EngineWorker:

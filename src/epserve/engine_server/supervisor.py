@@ -43,7 +43,7 @@ import grpc
 from epserve.config import EngineConfig
 from epserve.engine.worker import EngineWorker, spawn_ranks, start_rank
 from epserve.engine_server.options import ServeOptions
-from epserve.engine_server.service import EngineServer
+from epserve.engine_server.server import EngineServer
 from epserve.parallel.launch import RankFailure, RankInfo, RankProcesses, notify_parent
 from epserve.parallel.process import name_process
 from epserve.rpc.proto import engine_pb2 as pb
@@ -176,11 +176,12 @@ class EngineSupervisor:
     :attr:`serving` and :attr:`addresses`."""
 
     def __init__(self, config: EngineConfig, options: ServeOptions, max_restarts: int,
-                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+                 start_timeout_s: float | None = None) -> None:
         self.config = config
         self.options = options
         self.max_restarts = max_restarts
-        self.start_timeout_s = start_timeout_s
+        # (a start loads the checkpoint: a large one takes minutes, as long as the world's start-up timeout)
+        self.start_timeout_s = start_timeout_s or max(START_TIMEOUT_S, config.parallel.timeout_s)
         self.restarts = 0
         self.addresses: list[str] = []  # where the local leaders listen (the latest start's), once they do
         self.serving = False  # the current start's leaders all listen

@@ -35,7 +35,7 @@ from epserve import env
 from epserve.config import EngineConfig
 from epserve.engine.worker import join_torchrun
 from epserve.engine_server.options import ServeOptions
-from epserve.engine_server.service import EngineServer
+from epserve.engine_server.server import EngineServer
 from epserve.engine_server.signals import StopSignals
 from epserve.engine_server.supervisor import START_TIMEOUT_S, EngineSupervisor
 from epserve.parallel.launch import (

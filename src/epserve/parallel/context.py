@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import datetime
 import errno
-import ipaddress
 import logging
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from epserve.parallel.addresses import RendezvousError, store_listens_everywhere
+
 logger = logging.getLogger(__name__)
 
 ProcessGroup = dist.ProcessGroup
+Store = dist.Store
 
 
 @dataclass(frozen=True)
@@ -104,13 +107,25 @@ def init_parallel(
     return ctx
 
 
-def make_store(host: str, port: int, world_size: int, rank: int, timeout_s: float = 600.0) -> dist.Store:
+def serves_store(rank: int) -> bool:
+    """Whether this rank serves the rendezvous store (rank 0, unless torchrun's agent serves it)."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+
+
+def make_store(host: str, port: int, world_size: int, rank: int, timeout_s: float = 600.0,
+               multi_host: bool = False) -> dist.Store:
     """The rendezvous store: under torchrun the agent already serves it, so every rank is a client;
     otherwise rank 0 serves it, listening on ``host`` only (loopback on a single host; the master
-    address across hosts), not on every interface."""
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    is_master = rank == 0 and not agent_store
-    listener = _listen_on(host, port) if is_master else None
+    address across hosts), not on every interface. Exception: a world across hosts whose master name
+    resolves to loopback on the master's own host (``/etc/hosts``) listens on every interface, for
+    the peers reach it by that name at another address."""
+    is_master = serves_store(rank)
+    listener = None
+    if is_master and not store_listens_everywhere(host, multi_host):
+        listener = _listen_on(host, port)
+    elif is_master:
+        logger.info("rendezvous store: %s is loopback on this host but the world spans hosts; "
+                    "listening on every interface", host)
     store = dist.TCPStore(
         host,
         port,
@@ -128,14 +143,17 @@ def make_store(host: str, port: int, world_size: int, rank: int, timeout_s: floa
 _LISTENERS: list[socket.socket] = []
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback (``localhost``, ``127.x``, ``::1``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+def wait_for_ranks(store: dist.Store, world_size: int, timeout_s: float, where: str) -> None:
+    """Every rank checks in at the store, then waits (at most ``timeout_s``) until all have:
+    RendezvousError in one line naming how many came, instead of a gloo stack per rank."""
+    arrived = store.add("rendezvous/arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    while arrived < world_size:
+        if time.monotonic() >= deadline:
+            raise RendezvousError(f"only {arrived} of {world_size} ranks reached the rendezvous at {where} "
+                                  f"within {timeout_s:g} s")
+        time.sleep(0.05)
+        arrived = store.add("rendezvous/arrived", 0)
 
 
 def _listen_on(host: str, port: int) -> socket.socket | None:

@@ -20,6 +20,7 @@ exit by themselves once the parent and the ranks have closed their pipes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -388,9 +389,11 @@ class RankProcesses:
         self._close_watches()
 
     def _close_watches(self) -> None:
-        for watch in self._watches:
-            watch.close()
-        self._watches = []
+        with self._reaping:  # (a failed call's thread and the supervisor may both kill at once)
+            watches, self._watches = self._watches, []
+        for watch in watches:
+            with contextlib.suppress(OSError):
+                watch.close()
 
     @property
     def pids(self) -> list[int]:
