@@ -4,7 +4,6 @@ precision, the KV cache, the scheduler, the parallel layout and EPLB, and the en
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from epserve.config import (
     DISPATCH_BACKENDS,
@@ -90,7 +89,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
         microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port,
+        master_addr=args.master_addr, master_port=args.master_port, node_ip=args.node_ip,
+        rendezvous_timeout_s=args.rendezvous_timeout,
         quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph=False if args.no_cuda_graph else None, compile=args.compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
@@ -104,7 +104,4 @@ def engine_config(args: argparse.Namespace, **overrides: object):
     """The engine config of the options (``overrides``: keywords that replace some, e.g. a layout)."""
     from epserve.engine.llm import build_engine_config
 
-    config = build_engine_config(args.model, **{**engine_options(args), **overrides})
-    parallel = dataclasses.replace(config.parallel, node_ip=getattr(args, "node_ip", ParallelConfig.node_ip),
-                                   rendezvous_timeout_s=getattr(args, "rendezvous_timeout", ParallelConfig.rendezvous_timeout_s))
-    return dataclasses.replace(config, parallel=parallel)
+    return build_engine_config(args.model, **{**engine_options(args), **overrides})

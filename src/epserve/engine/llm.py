@@ -252,6 +252,8 @@ def build_engine_config(
     node_rank: int = ParallelConfig.node_rank,
     master_addr: str = ParallelConfig.master_addr,
     master_port: int | None = ParallelConfig.master_port,
+    node_ip: str | None = ParallelConfig.node_ip,
+    rendezvous_timeout_s: float = ParallelConfig.rendezvous_timeout_s,
     quantization: Quantization = EngineConfig.quantization,
     kv_cache_dtype: KvCacheDtype = CacheConfig.kv_cache_dtype,
     cuda_graph: bool | None = EngineConfig.cuda_graph,
@@ -287,7 +289,8 @@ def build_engine_config(
         num_redundant_experts=num_redundant_experts, nnodes=nnodes,
         eplb=EplbConfig(enabled=enable_eplb, window_size=eplb_window_size, step_interval=eplb_step_interval,
                         replica_selection=eplb_replica_selection), node_rank=node_rank,
-        master_addr=master_addr, master_port=master_port,
+        master_addr=master_addr, master_port=master_port, node_ip=node_ip,
+        rendezvous_timeout_s=rendezvous_timeout_s,
     )
     parallel.check_model(model_config)
     if device.startswith("cuda") and parallel.world_size > 1:
