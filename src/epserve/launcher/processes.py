@@ -166,15 +166,19 @@ class RouterProcess:
         self._control.close()
 
 
+def _by_role(engines: list[EngineSupervisor]) -> dict[str, tuple[str, ...]]:
+    """The instances' addresses by role, in the router's order (engines, prefill, then decode instances)."""
+    return {role: tuple(a for s in engines if s.options.role == role for a in s.addresses)
+            for role in ("both", "prefill", "decode")}
+
+
 def _router_addresses(engines: list[EngineSupervisor]) -> list[str]:
-    """Every instance's address in the router's order: engines, then prefill, then decode instances."""
-    return [a for role in ("both", "prefill", "decode") for supervisor in engines
-            if supervisor.options.role == role for a in supervisor.addresses]
+    """Every instance's address as the router numbers them."""
+    return [a for addresses in _by_role(engines).values() for a in addresses]
 
 
 def _with_engines(options: RouterOptions, engines: list[EngineSupervisor]) -> RouterOptions:
-    by_role = {role: tuple(a for s in engines if s.options.role == role for a in s.addresses)
-               for role in ("both", "prefill", "decode")}
+    by_role = _by_role(engines)
     return dataclasses.replace(options, engines=by_role["both"], prefill=by_role["prefill"], decode=by_role["decode"])
 
 

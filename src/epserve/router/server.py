@@ -43,7 +43,7 @@ class RouterOptions:
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
     max_connections: int = 2048
-    engine_token: str | None = field(default=None, repr=False)  # sent to the engines (None: the API key, if any)
+    engine_token: str | None = field(default=None, repr=False)  # the engines' mutual TLS key (None: plaintext)
 
     def __post_init__(self) -> None:
         _ = self.limits  # ValueError for bad limits, as soon as the options are made
