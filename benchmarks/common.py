@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,13 +22,16 @@ from epserve.engine.engine import LLMEngine
 from epserve.messages.sampling import SamplingParams
 
 
-def start_decode_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int, tag: str) -> None:
+def start_decode_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int, seed: int, tag: str,
+                       params: SamplingParams | None = None) -> None:
     """Queue ``batch`` requests of ``prompt_len`` random tokens that will decode for at least ``steps``
     more steps, run their prefills, then one warm decode step: the next ``engine.step()`` is a pure
-    decode step of ``batch`` sequences."""
+    decode step of ``batch`` sequences. ``params``: theirs (greedy, ``ignore_eos``, by default; its
+    ``max_tokens`` is set to last the steps)."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.config.model.vocab_size
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    base = params if params is not None else SamplingParams(temperature=0.0, ignore_eos=True)
+    params = replace(base, max_tokens=steps + 2)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", torch.randint(10, vocab, (prompt_len,), generator=g).tolist(), params)
     while engine.scheduler.num_waiting or any(

@@ -20,7 +20,10 @@
 #           cache and written into another's (decode inside captured CUDA graphs; MTP layer's KV too; tokens
 #           = one engine), then `serve --disaggregate --device cuda` (one prefill, one decode process sharing
 #           the GPU) on the mixed workload of benchmarks/disagg_mixed.py.
-# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|recovery|disagg|all]   (default all; each < 10 min)
+#   sampling: logits processing (penalties, logit_bias, min_tokens; MTP drafts and verification) and prompt
+#           logprobs with the engine on CUDA against the references, then the decode step with and without
+#           processing at batch 1 and 64 and a prefill with and without prompt_logprobs (small preset, vocab 129280).
+# Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|recovery|disagg|sampling|all]   (default all; each < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART=${1:-all}
@@ -74,4 +77,10 @@ if [ "$PART" = disagg ] || [ "$PART" = all ]; then
     2>&1 | tail -25 | tee "$OUT/disagg_tests.txt"
   timeout 300 python3 benchmarks/disagg_mixed.py --device cuda --dtype bfloat16 --deployments disaggregated \
     --json "$OUT/disagg_mixed.json" 2>&1 | tail -10 | tee "$OUT/disagg_mixed.txt"
+fi
+if [ "$PART" = sampling ] || [ "$PART" = all ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_logits_processing.py \
+    2>&1 | tail -25 | tee "$OUT/sampling_tests.txt"
+  (cd benchmarks && timeout 300 python3 logits_processing.py --device cuda --batches 1 64 --json "../$OUT/logits_processing.json") \
+    2>&1 | tail -10 | tee "$OUT/logits_processing.txt"
 fi

@@ -10,6 +10,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from epserve.cli import main
 
 
@@ -48,7 +50,7 @@ def test_default_model_is_built_once(tmp_path):
 
 
 def test_bad_option_values_are_one_line_errors(tmp_path):
-    out = run_cli("generate", "--max-tokens", "0", env={"EPSERVE_CACHE_DIR": str(tmp_path)})
+    out = run_cli("generate", "--max-tokens", "-1", env={"EPSERVE_CACHE_DIR": str(tmp_path)})
     assert out.returncode == 2 and "max_tokens" in out.stderr and "Traceback" not in out.stderr
     out = run_cli("make-checkpoint", str(tmp_path / "x"), "--preset", "huge")
     assert out.returncode == 2 and "invalid choice" in out.stderr
@@ -141,7 +143,8 @@ def test_engine_defaults_are_the_config_dataclasses(tmp_path, monkeypatch):
     for command in ("generate", "serve", "engine"):
         options = engine_options(build_parser().parse_args([command]))
         assert options == {k: keywords[k] for k in options}, command
-    assert set(keywords) - set(options) == {"memory_utilization"}  # no option for it (yet)
+    assert set(keywords) - set(options) == {"memory_utilization"}  # no option for it (--gpu-memory-utilization
+    # is memory_fraction: a share of the device's total memory, not of what the weights leave free)
     llm_init = inspect.signature(LLM.__init__).parameters
     assert (llm_init["dtype"].default, llm_init["device"].default) == (keywords["dtype"], keywords["device"])
 
@@ -149,3 +152,53 @@ def test_engine_defaults_are_the_config_dataclasses(tmp_path, monkeypatch):
     config = build_engine_config()  # the built-in tiny model
     assert (config.cache, config.scheduler, config.parallel) == (CacheConfig(), SchedulerConfig(), ParallelConfig())
     assert config == EngineConfig(config.model, config.model_path)
+
+
+def test_vllm_and_sglang_flag_names_are_aliases_of_ours():
+    from epserve.cli import build_parser
+    from epserve.engine.args import apply_model_path, engine_options
+
+    parse = build_parser().parse_args
+    common = ["--max-model-len", "512", "--no-prefix-caching", "--no-cuda-graph"]
+    ours = engine_options(parse(["serve", "--tp", "2", "--dp", "4", "--max-num-seqs", "8", *common,
+                                 "--speculative", "mtp", "--num-speculative-tokens", "2"]))
+    assert (ours["tp"], ours["dp"], ours["speculative"], ours["num_speculative_tokens"]) == (2, 4, "mtp", 2)
+    vllm = ["--max-num-seqs", "8", "--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
+            "--enable-expert-parallel", "--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 2}']
+    sglang = ["--tp-size", "2", "--dp-size", "4", "--max-running-requests", "8", "--context-length", "512",
+              "--disable-radix-cache", "--disable-cuda-graph", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+    for argv in (["--tensor-parallel-size", "2", "--data-parallel-size", "4", *vllm], ["-tp", "2", "-dp", "4", *vllm],
+                 sglang):
+        for command in ("serve", "engine"):
+            assert engine_options(parse([command, *argv])) == ours, (command, argv)
+    assert engine_options(parse(["serve", "--speculative-config", '{"method": "mtp"}']))["num_speculative_tokens"] == 1
+    for flag in ("--gpu-memory-utilization", "--mem-fraction-static"):
+        options = engine_options(parse(["serve", flag, "0.85"]))
+        assert (options["memory_fraction"], options["memory_budget_bytes"]) == (0.85, None)
+    args = parse(["serve", "--model-path", "/ckpt"])
+    apply_model_path(args)
+    assert args.model == "/ckpt"
+
+
+def test_bad_alias_values_are_one_line_errors(tmp_path, capsys):
+    cases = [
+        (["serve", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+        (["engine", "--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["serve", "--speculative-config", "mtp"], "--speculative-config is not JSON"),
+        (["serve", "--speculative-config", "[1]"], "--speculative-config must be a JSON object"),
+        (["serve", "--speculative-config", '{"method": "eagle"}'], "method 'eagle' is not supported"),
+        (["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "must be an integer >= 1"),
+        (["serve", "--speculative-config", '{"method": "mtp", "model": "x"}'], "'model' not supported"),
+        (["serve", "--speculative", "mtp", "--speculative-config", '{"method": "mtp"}'], "give one or the other"),
+        (["serve", "/a", "--model-path", "/b"], "name different checkpoints"),
+        (["serve", "--chat-template", "{% if %}"], "--chat-template (given as text): the chat template does not compile"),
+        (["router", "--engine", "h:1", "--chat-template", str(tmp_path / "none.jinja")], "looks like a file path"),
+    ]
+    for args, message in cases:  # in this process: refused before anything starts
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
+    assert multiprocessing.active_children() == []
+    with pytest.raises(SystemExit) as info:  # argparse's own one-line error
+        main(["serve", "--memory-budget-gb", "8", "--gpu-memory-utilization", "0.5"])
+    assert info.value.code == 2 and "not allowed with argument --memory-budget-gb" in capsys.readouterr().err

@@ -16,6 +16,7 @@ PACKAGE = ROOT / "src" / "epserve"
 # module may import its own package and any of a lower rank, never one of the same or a higher rank.
 RANKS = {
     "env": 0, "config": 0,
+    "chat_template": 0,
     "kernels": 1, "parallel": 1, "checkpoint": 1, "tokenizer": 1,
     "eplb": 1,
     "moe": 2, "presets": 2,
@@ -26,6 +27,7 @@ RANKS = {
     "engine_server": 5, "router": 5, "planner": 5, "bench": 5, "training": 5,
     "launcher": 6,
     "cli": 7, "__init__": 8,
+    "__version__": 0,  # `from epserve import __version__`: a constant (epserve/__init__ imports nothing eagerly)
 }
 TOP_LEVEL_NAMES = {"LLM": "engine", "SamplingParams": "engine"}  # what `from epserve import X` reaches
 
@@ -99,10 +101,12 @@ def _imported_modules(tree: ast.AST) -> set[str]:
 
 
 # The router process (HTTP, tokenizer, routing) reaches the engines through gRPC only: of the code below
-# it, it may import the message vocabulary, the gRPC conversions, the tokenizer, env and config, the
-# torch-free process helpers, and (lazily, when it runs alone on the built-in model) the preset writer.
+# it, it may import the message vocabulary, the gRPC conversions, the tokenizer and its chat templates, env and config, the
+# torch-free process helpers, (lazily, when it runs alone on the built-in model) the preset writer, and
+# the package's version (``epserve/__init__`` imports nothing eagerly).
 ROUTER_MAY_IMPORT = ("epserve.router", "epserve.messages", "epserve.rpc", "epserve.tokenizer", "epserve.env",
-                     "epserve.config", "epserve.parallel.process", "epserve.presets")
+                     "epserve.config", "epserve.parallel.process", "epserve.presets", "epserve.__version__",
+                     "epserve.chat_template")
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "router").glob("*.py")), ids=lambda p: p.name)

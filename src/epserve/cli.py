@@ -9,7 +9,7 @@ import secrets
 import sys
 
 from epserve import env
-from epserve.engine.args import add_engine_args, engine_config, engine_options
+from epserve.engine.args import add_engine_args, apply_model_path, engine_config, engine_options
 from epserve.launcher.args import (
     add_disaggregation_args,
     add_engine_serving_args,
@@ -38,6 +38,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.nnodes != 1:
         raise ValueError("serve runs on one host; across hosts run `epserve engine` per host and `epserve router`")
     set_api_key(args)
+    router = router_options(args)  # (first: a bad --chat-template is refused before the checkpoint is read)
     options = serve_options(args, 0)
     if options.token is None:  # one host: the router and the engines share a random token
         options = dataclasses.replace(options, token=secrets.token_urlsafe(24))
@@ -50,7 +51,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                    dataclasses.replace(options, role=role, port=options.port + prefill_dp if options.port and
                                        role == "decode" else options.port))
                   for role in ("prefill", "decode")]
-    return serve(groups, router_options(args), args.log_level.upper(), args.max_restarts)
+    return serve(groups, router, args.log_level.upper(), args.max_restarts)
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     from epserve.parallel.process import RankFailure
 
     try:
+        apply_model_path(args)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, OutOfMemoryError) as e:  # ConfigError, CheckpointError: ValueError
         print(f"epserve: error: {e}", file=sys.stderr)

@@ -6,8 +6,8 @@ small English corpus below (deterministically) and writes ``tokenizer.json`` and
 the end-of-sentence token, ``<｜User｜>``/``<｜Assistant｜>`` mark chat turns, and a jinja
 ``chat_template`` renders conversations. ``transformers.AutoTokenizer`` loads the result too.
 
-``Tokenizer.from_dir(dir)`` is what the engine uses: encode, decode, chat template (rendered in
-jinja2's immutable sandbox).
+``Tokenizer.from_dir(dir)`` is what the engine uses: encode, decode, chat template (found and rendered
+as transformers does it: ``chat_template``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from epserve.chat_template import ChatTemplate, configured_templates, read_chat_templates
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -29,7 +29,6 @@ ASSISTANT_TOKEN = "<｜Assistant｜>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)  # ids 0, 1, 2, 3
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-ROLES = ("system", "user", "assistant")
 
 # DeepSeek-style: bos, then the system prompt(s), then turns; an assistant turn ends with eos.
 CHAT_TEMPLATE = (
@@ -184,45 +183,31 @@ def write_tokenizer_files(
     return path
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check that ``messages`` is a list of ``{"role": system|user|assistant, "content": str}``."""
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-        raise ValueError(f"messages must be a list of {{role, content}} dicts, got {type(messages).__name__}")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content', got {m!r}")
-        if m["role"] not in ROLES:
-            raise ValueError(
-                f"messages[{i}] has unsupported role {m['role']!r}; supported: {', '.join(ROLES)}"
-            )
-        if not isinstance(m["content"], str):
-            raise ValueError(f"messages[{i}]['content'] must be a string, got {type(m['content']).__name__}")
-        out.append({"role": m["role"], "content": m["content"]})
-    return out
-
-
 class Tokenizer:
-    """Text ↔ token ids for a checkpoint directory (``tokenizer.json`` + ``tokenizer_config.json``)."""
+    """Text ↔ token ids for a checkpoint directory (``tokenizer.json`` + ``tokenizer_config.json``, the
+    chat template as transformers finds it). ``chat_template``: template text that replaces the
+    checkpoint's (``--chat-template``)."""
 
-    def __init__(self, backend: _BackendTokenizer, config: Mapping[str, Any]) -> None:
+    def __init__(self, backend: _BackendTokenizer, config: Mapping[str, Any],
+                 chat_template: str | None = None, templates: Mapping[str, str] | None = None) -> None:
         self._backend = backend
         self.config = dict(config)
         self.bos_token: str | None = _token_str(config.get("bos_token"))
         self.eos_token: str | None = _token_str(config.get("eos_token"))
+        self.pad_token: str | None = _token_str(config.get("pad_token"))
         self.add_bos_token = bool(config.get("add_bos_token", True)) and self.bos_token is not None
         self.model_max_length: int | None = config.get("model_max_length")
-        self.chat_template: str | None = config.get("chat_template")
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        self._env.globals["raise_exception"] = _raise_exception
-        self._template = None if self.chat_template is None else self._env.from_string(self.chat_template)
+        if templates is None:
+            templates = configured_templates(config)
+        self._template_names = sorted(templates)
+        self.chat_template: str | None = chat_template if chat_template is not None else templates.get("default")
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "pad_token": self.pad_token or ""}
+        self._template = None if self.chat_template is None else ChatTemplate(self.chat_template, special)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer of a checkpoint directory; ``chat_template`` (text) replaces its template."""
         path = Path(path)
         tok_file, cfg_file = path / TOKENIZER_FILE, path / TOKENIZER_CONFIG_FILE
         if not tok_file.is_file():
@@ -230,7 +215,8 @@ class Tokenizer:
                 f"no {TOKENIZER_FILE} in {path}; the model directory needs tokenizer files"
             )
         config = json.loads(cfg_file.read_text(encoding="utf-8")) if cfg_file.is_file() else {}
-        return cls(_BackendTokenizer.from_file(str(tok_file)), config)
+        templates = read_chat_templates(path, config) if chat_template is None else {}
+        return cls(_BackendTokenizer.from_file(str(tok_file)), config, chat_template, templates)
 
     # -- vocabulary
     @property
@@ -240,6 +226,11 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (byte-level: ``Ġ`` for a space); ids must be in
+        the vocabulary."""
+        return [self._backend.id_to_token(int(i)) or "" for i in ids]
 
     @property
     def bos_token_id(self) -> int | None:
@@ -267,33 +258,33 @@ class Tokenizer:
         )
 
     # -- chat
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render a conversation to the prompt text (which already starts with the bos token)."""
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Render a conversation to the prompt text (which already starts with the bos token); see
+        ``ChatTemplate.render``. ValueError (``ChatTemplateError`` when the template itself fails)."""
         if self._template is None:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
-        checked = validate_messages(messages)
-        try:
-            return self._template.render(
-                messages=checked,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        except TemplateError as e:
-            raise ValueError(f"chat template failed: {e}") from None
+            if self._template_names:
+                raise ValueError(f"this model has several chat templates ({', '.join(self._template_names)}) and "
+                                 "none named 'default'; choose one with --chat-template")
+            raise ValueError("this tokenizer has no chat template (chat_template.jinja or tokenizer_config.json)")
+        return self._template.render(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered conversation (bos comes from the template, not added twice)."""
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: Mapping[str, Any] | None = None,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the rendered conversation (bos comes from the template; ``add_special_tokens``
+        adds the tokenizer's on top, as vLLM's ``/tokenize`` does when asked)."""
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message, chat_template_kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer | None:
-    """The tokenizer of a checkpoint directory, or None if it has no ``tokenizer.json``."""
+def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory (``chat_template``: text replacing its template), or None
+    if it has no ``tokenizer.json``."""
     if not (Path(path) / TOKENIZER_FILE).is_file():
         return None
-    return Tokenizer.from_dir(path)
+    return Tokenizer.from_dir(path, chat_template)
 
 
 def _token_str(token: Any) -> str | None:

@@ -94,3 +94,30 @@ def test_planner_prices_the_engines_kv_bytes_per_token(kv_dtype, mtp):
     dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[kv_dtype]
     layers = model.num_hidden_layers + mtp  # the engine caches the MTP layer too when it drafts
     assert planned_kv_bytes_per_token(model, kv_dtype, mtp) == kv_bytes_per_token(model, dtype, layers)
+
+
+def test_gpu_memory_utilization_is_a_share_of_total_memory(monkeypatch):
+    """``memory_fraction`` (--gpu-memory-utilization) budgets weights + KV cache + headroom out of the
+    device's total memory, whatever is free; more than is free is refused, and it is checked when made."""
+    import torch
+
+    from epserve.config import CacheConfig, OutOfMemoryError
+    from epserve.engine import memory
+
+    model, gib, cpu = ModelConfig.from_dict(build_config("tiny")), 2**30, torch.device("cpu")
+    monkeypatch.setattr(memory, "total_memory", lambda device: 10 * gib)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 8 * gib)
+    per_block = memory.kv_bytes_per_block(model, 16, torch.float32)
+
+    def blocks(**cache) -> int:
+        return memory.determine_num_blocks(model, CacheConfig(**cache), torch.float32, cpu, gib, 10**9)
+
+    # 0.5 of 10 GiB = 5 GiB for everything: 1 GiB of weights, 90 % of the other 4 GiB for the KV cache
+    assert blocks(memory_fraction=0.5) == int(4 * gib * 0.9) // per_block
+    assert blocks() == int(0.5 * 8 * gib * 0.9) // per_block  # the default: half of what is free
+    with pytest.raises(OutOfMemoryError, match="only 8192.0 MiB is free"):
+        blocks(memory_fraction=1.0)  # 9 GiB left for the cache, 8 free
+    with pytest.raises(OutOfMemoryError, match="weights need"):
+        blocks(memory_fraction=0.05)  # 0.5 GiB: less than the weights
+    with pytest.raises(ConfigError, match="memory_fraction must be in"):
+        CacheConfig(memory_fraction=1.5)

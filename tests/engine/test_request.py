@@ -30,7 +30,7 @@ def test_sampling_params_defaults_and_valid_edges() -> None:
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-1), "max_tokens"),
         (dict(max_tokens=-3), "max_tokens"),
         (dict(max_tokens=2.5), "max_tokens"),
         (dict(temperature=-0.1), "temperature"),
@@ -48,6 +48,16 @@ def test_sampling_params_defaults_and_valid_edges() -> None:
         (dict(stop_token_ids=[True]), "stop_token_ids"),
         (dict(stop_token_ids=5), "stop_token_ids"),
         (dict(seed=1.5), "seed"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=math.nan), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={3: 101.0}), "logit_bias"),
+        (dict(logit_bias={3: True}), "logit_bias"),
+        (dict(logit_bias=((3, 1.0), (3, 2.0))), "logit_bias"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
     ],
 )
 def test_sampling_params_rejects_bad_values_naming_the_field(kwargs: dict, field: str) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import RankFailure, free_port
-from tests.serve_harness import children
+from tests.serve_harness import children, cpu_seconds
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,12 @@ PROMPTS = [
     list(range(450, 410, -1)),
     SHARED + [8],
 ]
-PARAMS = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=3) for i in range(7)]
+# Logits processing and prompt logprobs ride along: every layout must give the same processed tokens.
+PROCESSING = [{}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+              {"prompt_logprobs": 2}, {"logit_bias": {7: 5.0, 300: -100.0}}, {}, {"min_tokens": 4, "prompt_logprobs": 0},
+              {"frequency_penalty": -0.5}]
+PARAMS = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=3, **PROCESSING[i])
+          for i in range(7)]
 ENGINE = dict(dtype="float32", num_blocks=256, max_num_batched_tokens=48)
 LOGPROB_ATOL = 1e-4
 
@@ -50,6 +55,10 @@ def reference(ckpt):
 def assert_same(outputs, reference, label: str) -> None:
     for i, (out, ref) in enumerate(zip(outputs, reference)):
         assert out.token_ids == ref.token_ids, f"{label}: prompt {i} tokens differ"
+        assert (out.prompt_logprobs is None) == (ref.prompt_logprobs is None)
+        for pos, (a, b) in enumerate(zip(out.prompt_logprobs or (), ref.prompt_logprobs or ())):
+            assert (a is None and b is None) or (a.token_id == b.token_id and abs(a.logprob - b.logprob) <= LOGPROB_ATOL
+                                                 and [t for t, _ in a.top] == [t for t, _ in b.top]), f"{label}: {pos}"
         for step, (a, b) in enumerate(zip(out.logprobs, ref.logprobs)):
             assert abs(a.logprob - b.logprob) <= LOGPROB_ATOL, f"{label}: prompt {i} step {step}"
             for (ta, la), (tb, lb) in zip(a.top, b.top):
@@ -115,16 +124,12 @@ def test_idle_group_and_refused_request_keep_ranks_usable(ckpt, reference):
             llm.generate([[1, 2, 10**6]])
         assert llm.generate([PROMPTS[1]], [PARAMS[1]])[0].token_ids == ref_outputs[1].token_ids
         # No work anywhere: the ranks block (on their pipes), they do not spin.
-        before = [_cpu_seconds(p) for p in pids]
+        before = [cpu_seconds(p) for p in pids]
         time.sleep(1.0)
-        assert all(_cpu_seconds(p) - b < 0.05 for p, b in zip(pids, before))
+        assert all(cpu_seconds(p) - b < 0.05 for p, b in zip(pids, before))
     assert not any(_alive(p) for p in pids)  # shutdown leaves no process behind
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def test_bytes_moved_match_the_rows_sent(ckpt):

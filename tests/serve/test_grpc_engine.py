@@ -17,7 +17,7 @@ from epserve.engine.llm import build_engine_config
 from epserve.engine.worker import EngineWorker
 from epserve.engine_server.options import ServeOptions
 from epserve.engine_server.server import EngineServer
-from epserve.messages.engine import AbortRequest
+from epserve.messages.engine import ITERATION_TOKENS_BUCKETS, AbortRequest
 from epserve.router.engine_client import EngineClient, EngineRequestError, EngineUnavailable
 from epserve.rpc.convert import SERVICE_NAME
 from epserve.rpc.proto import engine_pb2 as pb
@@ -176,7 +176,7 @@ def test_status_codes_for_bad_rpcs(engine):
             from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 
             stub = pb_grpc.EngineStub(channel)
-            bad_params = pb.SamplingParams(max_tokens=0)
+            bad_params = pb.SamplingParams(max_tokens=1, min_tokens=5)  # SamplingParams refuses it
             codes = []
             for req in (pb.GenerateRequest(request_id="", prompt_token_ids=[1]),
                         pb.GenerateRequest(request_id="z", prompt_token_ids=[1], sampling_params=bad_params)):
@@ -255,6 +255,34 @@ def test_load_counts_prefix_hits_and_tokens(engine):
     assert after.generation_tokens_total - before.generation_tokens_total == 20
     assert after.expert_imbalance >= 1.0
     assert (info.max_model_len, info.vocab_size, info.dp, info.tp, info.num_blocks) == (2048, 512, 1, 1, 64)
+
+
+def test_load_counts_tokens_per_step_and_info_has_the_cache_config(engine):
+    """One request of a 40-token prompt and 10 tokens: a 40-token step, then 9 steps of one token."""
+    async def go():
+        client = EngineClient(0, engine.address)
+        before = await client.get_load()
+        msgs = await collect(client, "steps", list(range(440, 480)), GREEDY)
+        after = await client.get_load()
+        info = await client.get_info()
+        await client.close()
+        return before, msgs, after, info
+
+    before, msgs, after, info = run(go())
+    assert msgs[-1].num_cached_tokens == 0  # (a prompt no other test sends: all 40 tokens computed)
+    # the router's per-request histograms: the engine's times, on the last message only
+    assert msgs[-1].prefill_seconds > 0 and msgs[-1].decode_seconds > 0 and msgs[-1].queued_seconds >= 0
+    # the first message with a token has the queue and prefill times, no decode time yet; the ones between none
+    first = next(m for m in msgs if m.token_ids)
+    assert first is not msgs[-1] and first.prefill_seconds == msgs[-1].prefill_seconds and not first.decode_seconds
+    assert first.queued_seconds == msgs[-1].queued_seconds
+    assert not any(m.prefill_seconds or m.decode_seconds for m in msgs[1:-1] if m is not first)
+    grew = dict(zip(ITERATION_TOKENS_BUCKETS, (b - a for a, b in zip(before.iteration_tokens_buckets,
+                                                                      after.iteration_tokens_buckets))))
+    assert (grew[1], grew[8], grew[32], grew[64], grew[16384]) == (9, 9, 9, 10, 10)
+    assert after.iteration_steps_total - before.iteration_steps_total == 10
+    assert after.iteration_tokens_sum - before.iteration_tokens_sum == 40 + 9
+    assert (info.block_size, info.cache_dtype, info.enable_prefix_caching) == (16, "auto", True)
 
 
 def test_health_and_drain_on_stop(ckpt):

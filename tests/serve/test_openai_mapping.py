@@ -9,12 +9,9 @@ import pytest
 from openai_toys import api_error, chat, completion
 
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
+from epserve.router.checks import resolve_max_tokens, stop_strings, to_sampling_params
+from epserve.router.generation_defaults import GenerationDefaults
 from epserve.router.logprobs import chat_logprobs, completion_logprobs
-from epserve.router.protocol import (
-    resolve_max_tokens,
-    stop_strings,
-    to_sampling_params,
-)
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
 
 
@@ -105,8 +102,48 @@ def test_chat_logprobs_mapping() -> None:
 
 
 def test_sampling_params_errors_become_api_errors() -> None:
-    e = api_error(to_sampling_params, completion(), 0)
-    assert e.status == 400 and "max_tokens" in e.message
+    e = api_error(to_sampling_params, completion(min_tokens=5), 3)
+    assert e.status == 400 and "min_tokens" in e.message
+
+
+def test_logits_processing_fields_map_onto_the_engine() -> None:
+    r = completion(presence_penalty=-0.5, frequency_penalty=1.25, repetition_penalty=1.1, min_tokens=2,
+                   logit_bias={"7": -100, "12": 3.5}, prompt_logprobs=4)
+    sp = to_sampling_params(r, 8)
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty, sp.min_tokens) == (-0.5, 1.25, 1.1, 2)
+    assert sp.logit_bias == ((7, -100.0), (12, 3.5)) and sp.prompt_logprobs == 4
+    # echo with logprobs asks the engine for the prompt tokens' logprobs too (at least as many top ones)
+    assert to_sampling_params(completion(echo=True, logprobs=2), 1).prompt_logprobs == 2
+    assert to_sampling_params(completion(echo=True, logprobs=2, prompt_logprobs=5), 1).prompt_logprobs == 5
+    assert to_sampling_params(completion(echo=True), 1).prompt_logprobs is None
+    assert to_sampling_params(completion(max_tokens=0, echo=True, logprobs=1), 0).max_tokens == 0
+
+
+def test_generation_config_fills_only_what_a_request_leaves_unset(tmp_path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05,
+         "eos_token_id": [1, 77], "bos_token_id": 0}))
+    defaults = GenerationDefaults.resolve("auto", tmp_path)
+    sp = to_sampling_params(completion(), 8, defaults=defaults)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (0.6, 0.95, 20, 0.0, 1.05)
+    assert sp.stop_token_ids == (1, 77)  # the file's EOS ids stop generation
+    sp = to_sampling_params(completion(temperature=1.0, top_k=-1, stop_token_ids=[77, 9]), 8, defaults=defaults)
+    assert (sp.temperature, sp.top_k, sp.top_p) == (1.0, -1, 0.95)  # set by the request, even to the API's default
+    assert sp.stop_token_ids == (77, 9, 1)
+    assert to_sampling_params(completion(ignore_eos=True), 8, defaults=defaults).stop_token_ids == ()
+    assert to_sampling_params(completion(temperature=None), 8, defaults=defaults).temperature == 0.6  # null: unset
+    assert GenerationDefaults.resolve("vllm", tmp_path) == GenerationDefaults()
+    assert GenerationDefaults.resolve(str(tmp_path), None).top_k == 20
+    assert "temperature=0.6" in defaults.describe() and "eos_token_ids=[1, 77]" in defaults.describe()
+    assert GenerationDefaults.resolve("auto", tmp_path / "nothing-here") == GenerationDefaults()
+    with pytest.raises(ValueError, match="generation_config.json"):
+        GenerationDefaults.resolve(str(tmp_path / "missing"), None)
+    (tmp_path / "generation_config.json").write_text('{"temperature": "hot"}')
+    with pytest.raises(ValueError, match="temperature must be a number"):
+        GenerationDefaults.resolve("auto", tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"top_p": 0}')
+    with pytest.raises(ValueError, match="top_p"):
+        GenerationDefaults.resolve("auto", tmp_path)
 
 
 def test_stop_strings() -> None:

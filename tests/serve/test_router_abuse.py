@@ -9,7 +9,6 @@ is measured; the cap held by kept-alive connections), never by sleeping."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import pytest
 
 from epserve.parallel.launch import free_port
 from epserve.router.http_limits import RequestGate
-from tests.serve_harness import ROOT, Proc, metric, named, wait_http_ok
+from tests.serve_harness import ROOT, Proc, cpu_seconds, metric, named, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -46,9 +45,7 @@ class Server:
         return socket.create_connection(("127.0.0.1", self.port), timeout=30)
 
     def cpu_s(self) -> float:
-        with open(f"/proc/{self.router}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.router)
 
 
 @pytest.fixture(scope="module")

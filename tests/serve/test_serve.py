@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import signal
 import time
@@ -169,7 +168,7 @@ BAD = [
     ({"model": "tiny", "prompt": []}, 400, "prompt"),
     ({"model": "tiny", "prompt": [1] * MAX_MODEL_LEN}, 400, "context_length_exceeded"),
     ({"model": "tiny", "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "context_length_exceeded"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"model": "tiny", "prompt": "x", "top_k": -5}, 400, "top_k"),
@@ -339,11 +338,15 @@ def test_metrics_are_exported(server):
                  "epserve:prompt_tokens_total", "epserve:generation_tokens_total",
                  "epserve:time_to_first_token_seconds_count", "epserve:inter_token_latency_seconds_count",
                  "epserve:e2e_request_latency_seconds_count", "epserve:expert_load_imbalance",
-                 "epserve:engine_load", "epserve:engine_healthy"]:
+                 "epserve:engine_load", "epserve:engine_healthy", "epserve:request_prompt_tokens_count"]:
         assert name in m, name
-    assert m["epserve:engine_healthy"] == 2
-    assert m["epserve:prompt_tokens_total"] > 0 and m["epserve:generation_tokens_total"] > 0
-    assert m["epserve:time_to_first_token_seconds_count"] > 0
+    assert m["epserve:engine_healthy"] == 2 == m["epserve:cache_config_info"]  # and vLLM's request histograms
+    assert 0 < m["epserve:request_inference_time_seconds_count"] <= m["epserve:request_queue_time_seconds_count"]
+    # (choices a stop string ended count only their queue and prefill time: no decode time from the engine)
+    assert m["epserve:request_inference_time_seconds_sum"] <= 1e-6 + m["epserve:request_prefill_time_seconds_sum"] \
+        + m["epserve:request_decode_time_seconds_sum"]
+    assert m["epserve:iteration_tokens_total_sum"] >= m["epserve:generation_tokens_total"] > 0
+    assert m["epserve:prompt_tokens_total"] > 0 and m["epserve:time_to_first_token_seconds_count"] > 0
     assert m["epserve:prefix_cache_hits_total"] <= m["epserve:prefix_cache_queries_total"]
     assert m["epserve:expert_load_imbalance"] >= 2.0  # two instances, each >= 1.0
 
@@ -352,28 +355,20 @@ def test_bench_client_against_the_server(server, tmp_path):
     out = tmp_path / "bench.json"
     from epserve.cli import main
 
-    rc = main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--dataset", "shared-prefix",
-               "--num-groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "48", "--question-len", "8",
-               "--output-len", "4", "--max-concurrency", "2", "--json", str(out), "--disable-tqdm"])
-    assert rc == 0
+    assert main(["bench", "serve", "--base-url", server.url, "--api-key", API_KEY, "--dataset", "shared-prefix",
+                 "--num-groups", "2", "--prompts-per-group", "3", "--system-prompt-len", "48", "--question-len", "8",
+                 "--output-len", "4", "--max-concurrency", "2", "--json", str(out), "--disable-tqdm"]) == 0
     result = json.loads(out.read_text())
-    assert result["completed"] == 6 and result["failed"] == 0
-    assert result["cache_hit_rate"] > 0
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    assert result["completed"] == 6 and result["failed"] == 0 and result["cache_hit_rate"] > 0
 
 
 def test_idle_server_does_not_spin(server):
     """With no requests, the ranks sleep on the doorbell and the router only polls loads once a second."""
     time.sleep(1.0)
     pids = sorted(server.proc.pids_seen)
-    before = {p: _cpu_seconds(p) for p in pids}
+    before = {p: harness.cpu_seconds(p) for p in pids}
     time.sleep(2.0)
-    used = {p: _cpu_seconds(p) - before[p] for p in pids}
+    used = {p: harness.cpu_seconds(p) - before[p] for p in pids}
     assert max(used.values()) < 0.15, used
 
 

@@ -22,6 +22,7 @@ from epserve.cli import main
 from epserve.parallel.launch import free_port
 from epserve.router.errors import APIError
 from epserve.router.http_limits import HTTPLimits, RequestLimitsMiddleware
+from epserve.tokenizer import CHAT_TEMPLATE
 from tests.serve_harness import Proc, metric, wait_http_ok
 
 pytestmark = pytest.mark.slow
@@ -51,9 +52,11 @@ class Server:
 def server(make_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hardening")
     (tmp / "key").write_text(API_KEY + "\n")
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE + "{% if flag is defined %}[flag]{% endif %}")
     port = free_port()
     proc = Proc(["serve", str(make_ckpt("tiny", dtype="float32")), "--dp", "1", "--port", str(port),
-                 "--api-key-file", str(tmp / "key"), "--header-timeout", str(HEADER_TIMEOUT_S),
+                 "--api-key-file", str(tmp / "key"), "--chat-template", str(tmp / "chat.jinja"),
+                 "--header-timeout", str(HEADER_TIMEOUT_S),
                  "--body-timeout", str(BODY_TIMEOUT_S), "--drain-timeout", "0", "--dtype", "float32",
                  "--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN)], tmp / "serve.log")
     url = f"http://127.0.0.1:{port}"
@@ -95,6 +98,14 @@ def _is_closed(sock: socket.socket, wait_s: float) -> bool:
 def test_api_key_from_a_file(server):
     assert httpx.get(f"{server.url}/v1/models").status_code == 401
     assert httpx.get(f"{server.url}/v1/models", headers=AUTH).json()["data"][0]["id"]
+
+
+def test_the_chat_template_option_reaches_the_router(server):
+    """``--chat-template FILE`` travels with the router's options: its variable shows in /tokenize."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"flag": 1}}
+    tokens = httpx.post(f"{server.url}/tokenize", headers=AUTH, json=body).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", headers=AUTH, json={"tokens": tokens}).json()["prompt"]
+    assert text.endswith("<｜User｜>hi<｜Assistant｜>[flag]")
 
 
 def test_unreadable_key_files_are_one_line_errors(tmp_path, capsys):

@@ -11,12 +11,15 @@ from epserve.config.model import ConfigError, ModelConfig
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged latent KV cache. ``num_blocks=None`` sizes the pool from ``memory_budget_bytes`` or,
-    if that is also None, from free memory (``memory_utilization`` of it)."""
+    """Paged latent KV cache. ``num_blocks=None`` sizes the pool from ``memory_budget_bytes``, else
+    from ``memory_fraction`` of the device's total memory (vLLM's ``gpu_memory_utilization``: weights,
+    KV cache and activation headroom together), else from ``memory_utilization`` of the memory free
+    once the weights are loaded (``engine/memory.py``)."""
 
     block_size: int = 16
     num_blocks: int | None = None
     memory_budget_bytes: int | None = None
+    memory_fraction: float | None = None
     memory_utilization: float = 0.5
     enable_prefix_caching: bool = True
     kv_cache_dtype: KvCacheDtype = "auto"  # auto: the model dtype; fp8: e4m3 with a per-layer scale
@@ -24,6 +27,8 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from {KV_CACHE_DTYPES}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The engine's command-line options (``epserve generate``, ``serve``, ``engine``): the model, its
-precision, the KV cache, the scheduler, the parallel layout and EPLB, and the engine config they make."""
+precision, the KV cache, the scheduler, the parallel layout and EPLB, and the engine config they make.
+vLLM's and SGLang's names for the same options are accepted too (docs/serving.md has the table)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from epserve.config import (
     DISPATCH_BACKENDS,
@@ -23,6 +25,8 @@ from epserve.config import (
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
+    p.add_argument("--model-path", default=None, metavar="MODEL",
+                   help="the MODEL argument given as an option (SGLang's --model-path)")
     p.add_argument("--dtype", default=EngineConfig.dtype, choices=["bfloat16", "float32", "float16"])
     p.add_argument("--device", default=EngineConfig.device, help="cpu or cuda[:N]")
     p.add_argument("--quantization", default=EngineConfig.quantization, choices=["auto", "fp8", "none"],
@@ -30,27 +34,50 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "none dequantizes at load, auto = fp8 for an FP8 checkpoint on CUDA, none on CPU")
     p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="latent KV cache: auto (the model dtype) or fp8 (e4m3, twice the blocks)")
-    p.add_argument("--no-cuda-graph", action="store_true", help="CUDA: run decode steps eagerly, not as graphs")
+    p.add_argument("--no-cuda-graph", "--enforce-eager", "--disable-cuda-graph", action="store_true",
+                   help="CUDA: run decode steps eagerly, not as graphs (vLLM: --enforce-eager, SGLang: "
+                   "--disable-cuda-graph)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=EngineConfig.cuda_graph_max_bs,
                    help="largest decode batch captured (CUDA graphs) or compiled (--compile); default max-num-seqs")
     p.add_argument("--compile", action="store_true",
                    help="CPU: decode steps through torch.compile(fullgraph=True), one graph per batch bucket")
     p.add_argument("--speculative", default=EngineConfig.speculative, choices=[m for m in SPECULATIVE_METHODS if m],
                    help="speculative decoding: mtp drafts with the checkpoint's multi-token prediction layer")
-    p.add_argument("--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
-                   help="draft tokens per decode step with --speculative (the MTP layer chained on itself; default %(default)s)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft tokens per decode step with --speculative (the MTP layer chained on itself; default "
+                   f"{EngineConfig.num_speculative_tokens})")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative decoding option: '{\"method\": \"deepseek_mtp\" (or \"mtp\"), "
+                   "\"num_speculative_tokens\": K}' is --speculative mtp --num-speculative-tokens K")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block (default %(default)s)")
     p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks, help="KV blocks (default: from memory)")
-    p.add_argument("--memory-budget-gb", type=float, default=None, help="memory for weights + KV cache")
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="running requests at most (default %(default)s)")
+    memory = p.add_mutually_exclusive_group()
+    memory.add_argument("--memory-budget-gb", type=float, default=None,
+                        help="memory for weights + KV cache (default: half of what is free once the weights are "
+                        "loaded)")
+    memory.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=None,
+                        metavar="FRACTION",
+                        help="the fraction (0, 1] of the device's total memory for weights + KV cache + activation "
+                        "headroom, as vLLM's --gpu-memory-utilization (--mem-fraction-static: SGLang's name); "
+                        "refused at start when that much is not free")
+    p.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=SchedulerConfig.max_num_seqs,
+                   help="running requests at most (default %(default)s; --max-running-requests: SGLang's name)")
     p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
                    help="tokens per step at most, prefill chunks and decodes (default %(default)s)")
-    p.add_argument("--max-model-len", type=int, default=SchedulerConfig.max_model_len)
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-model-len", "--context-length", type=int, default=SchedulerConfig.max_model_len,
+                   help="the context: prompt + completion tokens (--context-length: SGLang's name)")
+    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache", action="store_true",
+                   help="no prefix caching (vLLM: --no-enable-prefix-caching, SGLang: --disable-radix-cache)")
     par = p.add_argument_group("parallelism (world = dp x tp = EP ranks)")
-    par.add_argument("--dp", type=int, default=ParallelConfig.dp, help="data-parallel attention groups (engine instances)")
-    par.add_argument("--tp", type=int, default=ParallelConfig.tp, help="tensor-parallel ranks per DP group")
+    par.add_argument("--dp", "--data-parallel-size", "-dp", "--dp-size", type=int, default=ParallelConfig.dp,
+                     help="data-parallel attention groups (engine instances); --data-parallel-size and -dp (vLLM), "
+                     "--dp-size (SGLang) are aliases")
+    par.add_argument("--tp", "--tensor-parallel-size", "-tp", "--tp-size", type=int, default=ParallelConfig.tp,
+                     help="tensor-parallel ranks per DP group; --tensor-parallel-size and -tp (vLLM), --tp-size "
+                     "(SGLang) are aliases")
+    par.add_argument("--enable-expert-parallel", action="store_true",
+                     help="accepted for vLLM's command lines, changes nothing: epserve always runs the MoE layers "
+                     "expert-parallel over all DP x TP ranks")
     par.add_argument("--dispatch", default=ParallelConfig.dispatch, choices=DISPATCH_BACKENDS,
                      help="MoE token exchange (auto: local for EP 1, else all_to_all)")
     par.add_argument("--overlap", default=ParallelConfig.overlap, choices=OVERLAP_CHOICES)
@@ -80,12 +107,55 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                      help="seconds a rank waits for the rendezvous store at --master-addr to answer (default %(default)s)")
 
 
+def apply_model_path(args: argparse.Namespace) -> None:
+    """``--model-path`` (SGLang's) as the MODEL argument; ValueError when both name different models."""
+    path = getattr(args, "model_path", None)
+    if path is not None:
+        if args.model is not None and args.model != path:
+            raise ValueError(f"MODEL {args.model} and --model-path {path} name different checkpoints; give one")
+        args.model = path
+
+
+def speculative_options(args: argparse.Namespace) -> tuple[str | None, int]:
+    """``--speculative`` and ``--num-speculative-tokens``, or vLLM's ``--speculative-config`` JSON as
+    them; ValueError naming what it cannot take."""
+    num = EngineConfig.num_speculative_tokens if args.num_speculative_tokens is None else args.num_speculative_tokens
+    if args.speculative_config is None:
+        return args.speculative, num
+    flag = "--speculative-config"
+    if args.speculative is not None or args.num_speculative_tokens is not None:
+        raise ValueError(f"{flag} replaces --speculative and --num-speculative-tokens; give one or the other")
+    try:
+        spec = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"method\": \"deepseek_mtp\", "
+                         f"\"num_speculative_tokens\": 1}}'")
+    method = spec.get("method")
+    if method not in ("deepseek_mtp", "mtp"):
+        raise ValueError(f"{flag}: method {method!r} is not supported; epserve drafts with the checkpoint's own MTP "
+                         "layer: \"deepseek_mtp\" or \"mtp\"")
+    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(f"{flag}: {', '.join(map(repr, unknown))} not supported (only method and "
+                         "num_speculative_tokens)")
+    num = spec.get("num_speculative_tokens", EngineConfig.num_speculative_tokens)
+    if type(num) is not int or num < 1:
+        raise ValueError(f"{flag}: num_speculative_tokens must be an integer >= 1, got {num!r}")
+    return "mtp", num
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """The engine options of ``_add_engine_args`` as keywords of ``build_engine_config`` / ``LLM``."""
     budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
+    fraction = args.gpu_memory_utilization
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
+    speculative, num_speculative_tokens = speculative_options(args)
     return dict(
         dtype=args.dtype, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
-        memory_budget_bytes=budget, enable_prefix_caching=not args.no_prefix_caching,
+        memory_budget_bytes=budget, memory_fraction=fraction, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
         microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
@@ -93,7 +163,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         rendezvous_timeout_s=args.rendezvous_timeout,
         quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph=False if args.no_cuda_graph else None, compile=args.compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        speculative=speculative, num_speculative_tokens=num_speculative_tokens,
         num_redundant_experts=args.num_redundant_experts, enable_eplb=args.enable_eplb,
         eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
         eplb_replica_selection=args.eplb_replica_selection,

@@ -3,7 +3,7 @@ leader sampled from it (``StepResult``); ``BatchPlan.to_batch`` makes the forwar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,8 @@ class StepResult:
 
     sampled: dict[str, int | tuple[int, ...]]
     logprobs: dict[str, TokenLogprobs | tuple[TokenLogprobs, ...]]
+    # the prompt positions' logprobs the step computed, for requests that asked (``request.prompt_logprobs``)
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]] = field(default_factory=dict)
 
 
 def block_tables(block_ids: list[list[int]], seq_lens: list[int], block_size: int) -> tuple[tuple[int, ...], ...]:

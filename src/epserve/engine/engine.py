@@ -50,6 +50,7 @@ class LLMEngine:
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
         self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
         self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
+        self.step_tokens = 0  # tokens the leader's last step scheduled (the loop's histogram of them)
 
     def check_request(self, request: AddRequest) -> AddRequest:
         """The one check of a request, where it enters (the offline command on every rank, the gRPC
@@ -61,6 +62,13 @@ class LLMEngine:
         bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        params = request.params
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        if request.kv_transfer == "receive" and (params.prompt_logprobs is not None or params.max_tokens == 0):
+            raise RequestError("prompt_logprobs and max_tokens 0 need the prompt computed where the request "
+                               "runs: not with prefill/decode disaggregation")
         try:
             check_prompt(request.request_id, len(prompt), request.params.max_tokens, self.config.max_model_len,
                          self.config.cache.block_size, self.runner.num_blocks, self.config.num_spec_tokens)
@@ -69,7 +77,8 @@ class LLMEngine:
         if request.kv_transfer == "send":
             if not 0 <= request.kv_first_block <= -(-len(prompt) // self.config.cache.block_size):
                 raise RequestError(f"first KV block {request.kv_first_block} is past the prompt's blocks")
-            request = replace(request, params=replace(request.params, max_tokens=1))
+            request = replace(request, params=replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1),
+                                                      prompt_logprobs=None))
         return request
 
     def enqueue(self, request: AddRequest) -> Request:
@@ -157,6 +166,7 @@ class LLMEngine:
         plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
         if writes:
             plan = replace(plan, kv_writes=tuple(writes))
+        self.step_tokens = plan.num_tokens
         prefilling = plan.num_tokens > plan.num_decode_seqs
         receiving = scheduler.handoff.num_receiving if scheduler is not None else 0
         max_tokens, unfinished, stop, any_prefill, any_writes, any_receiving = all_reduce_max(
@@ -183,7 +193,8 @@ class LLMEngine:
         if scheduler is None:
             return []
         updates = arrived + scheduler.update(output, result.sampled if result else {},
-                                             result.logprobs if result else None, drafts)
+                                             result.logprobs if result else None, drafts,
+                                             result.prompt_logprobs if result else None)
         if not chunks and not updates and scheduler.has_unfinished_requests():
             # Cannot happen while the scheduler keeps its invariants; never spin silently.
             raise RuntimeError(

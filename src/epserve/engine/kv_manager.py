@@ -74,6 +74,8 @@ class KVCacheManager:
         if self.prefix_cache is None or request.num_computed_tokens > 0:
             return ComputedBlocks([], 0)
         self._update_block_hashes(request)
+        if request.wants_prompt_logprobs:  # its prompt's logprobs come from computing it: no hit
+            return ComputedBlocks([], 0)
         num_matchable = (request.num_tokens - 1) // self.block_size
         block_ids = self.prefix_cache.match_hashes(request.block_hashes[:num_matchable])
         return ComputedBlocks(block_ids, len(block_ids) * self.block_size)

@@ -68,6 +68,7 @@ class RequestOutput:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # asked for: None, then one per prompt token
 
 
 class LLM:
@@ -150,6 +151,7 @@ class LLM:
             out.finish_reason = res.finish_reason
             out.num_cached_tokens = res.num_cached_tokens
             out.logprobs = res.logprobs
+            out.prompt_logprobs = res.prompt_logprobs
             if self.tokenizer is not None:
                 out.text = self.tokenizer.decode(out.token_ids)
         return outputs
@@ -233,6 +235,7 @@ def build_engine_config(
     block_size: int = CacheConfig.block_size,
     num_blocks: int | None = CacheConfig.num_blocks,
     memory_budget_bytes: int | None = CacheConfig.memory_budget_bytes,
+    memory_fraction: float | None = CacheConfig.memory_fraction,
     memory_utilization: float = CacheConfig.memory_utilization,
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
     max_num_seqs: int = SchedulerConfig.max_num_seqs,
@@ -266,7 +269,8 @@ def build_engine_config(
     tiny checkpoint); ValueError for an inconsistent one. ``quantization``: ``"fp8"`` keeps FP8
     block-scaled weights (quantizing a higher-precision checkpoint at load), ``None`` dequantizes at
     load, ``"auto"`` keeps an FP8 checkpoint's weights on CUDA and dequantizes on the CPU.
-    ``kv_cache_dtype``: ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3, per-layer scale: twice the
+    ``memory_fraction``: the share of the device's total memory for weights, KV cache and activations
+    (vLLM's ``gpu_memory_utilization``; ``CacheConfig``). ``kv_cache_dtype``: ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3, per-layer scale: twice the
     blocks in the same memory). ``cuda_graph`` (default on for CUDA) / ``compile`` (CPU): pure-decode
     steps run one captured CUDA graph / one ``torch.compile(fullgraph=True)`` forward per batch bucket up
     to ``cuda_graph_max_bs`` (default: ``max_num_seqs``, at most 256). ``speculative="mtp"``: decode with
@@ -310,6 +314,7 @@ def build_engine_config(
             block_size=block_size,
             num_blocks=num_blocks,
             memory_budget_bytes=memory_budget_bytes,
+            memory_fraction=memory_fraction,
             memory_utilization=memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             kv_cache_dtype=kv_cache_dtype,

@@ -15,7 +15,9 @@ running ones finish (or are aborted after ``drain_timeout_s``), and all ranks le
 
 from __future__ import annotations
 
+import bisect
 import collections
+import itertools
 import logging
 import time
 from typing import Protocol
@@ -28,6 +30,7 @@ from epserve.engine.profiler import UNTIMED
 from epserve.engine.request import Request
 from epserve.engine.scheduler import RequestUpdate
 from epserve.messages.engine import (
+    ITERATION_TOKENS_BUCKETS,
     AbortRequest,
     AddRequest,
     EngineLoad,
@@ -35,6 +38,7 @@ from epserve.messages.engine import (
     KVReceived,
     LoopOutput,
     RequestFailed,
+    RequestTimes,
 )
 from epserve.messages.expert_load import ExpertLoad
 from epserve.parallel.doorbell import Doorbell, LocalDoorbell
@@ -70,6 +74,10 @@ class EngineLoop:
         self.draining = False  # some rank voted: take no new requests
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # tokens per step (steps that computed any): the count in each bucket of ITERATION_TOKENS_BUCKETS
+        # (the last: above them all), and their sum
+        self.step_token_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.step_tokens_sum = 0
         self.expert_imbalance = 1.0
         self.expert_load: ExpertLoad | None = None  # since the last rebalance, from the last gather
         self.expert_load_total: ExpertLoad | None = None  # since start-up, from the same gather
@@ -129,6 +137,9 @@ class EngineLoop:
             restarts=self.options.restarts,
             role=self.options.role,
             num_receiving=scheduler.handoff.num_receiving,
+            iteration_tokens_buckets=tuple(itertools.accumulate(self.step_token_counts[:-1])),
+            iteration_tokens_sum=self.step_tokens_sum,
+            iteration_steps_total=sum(self.step_token_counts),
         )
 
     @property
@@ -166,6 +177,9 @@ class EngineLoop:
             profiler = engine.runner.profiler
             updates = (UNTIMED if profiler is None else profiler).time_step(engine.step, self.stop_requested)
             if leader:
+                if n := engine.step_tokens:  # (counted before its outputs go out)
+                    self.step_token_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, n)] += 1
+                    self.step_tokens_sum += n
                 self._publish(updates)
             if engine.anybody_stopping and not self.draining:
                 self._start_draining()
@@ -232,9 +246,15 @@ class EngineLoop:
             new = update.new_token_ids
             # (the update's own: a decode side's arrival and the step after it are two updates of one step)
             logprobs = update.new_logprobs if request.sampling_params.logprobs is not None else ()
+            # the prompt's logprobs, when asked for, go with the request's first message
+            prompt_lps = (tuple(request.prompt_logprobs)  # type: ignore[arg-type]
+                          if request.prompt_logprobs and update.num_output_tokens == len(new) else ())
+            # the engine's times: queue and prefill with the first token, all three at the finish
+            times = (_times(request, update.finished)
+                     if update.finished or (new and update.num_output_tokens == len(new)) else None)
             # (positional: a frozen dataclass takes keywords markedly slower, and this runs per request)
             out.append(GeneratedTokens(rid, new, logprobs, request.num_prompt_tokens, request.num_cached_tokens,
-                                       update.num_output_tokens, update.finish_reason))
+                                       update.num_output_tokens, update.finish_reason, prompt_lps, times))
             generated += len(new)
             if update.finished:
                 del requests[rid]
@@ -267,3 +287,13 @@ class EngineLoop:
         self.expert_load_total, self.expert_load = self.engine.expert_loads()
         self.expert_imbalance = self.expert_load.imbalance
         self._stats_at = self.engine.num_forwards
+
+
+def _times(request: Request, finished: bool) -> RequestTimes:
+    """A request's queue, prefill and (when ``finished``) decode time; 0 for a stage it never reached."""
+    now = time.monotonic()
+    scheduled = request.first_scheduled_time
+    if scheduled is None:
+        return RequestTimes(now - request.arrival_time, 0.0, 0.0)
+    first = request.first_token_time if request.first_token_time is not None else now
+    return RequestTimes(scheduled - request.arrival_time, max(first - scheduled, 0.0), now - first if finished else 0.0)

@@ -33,14 +33,27 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype, 
 
 
 def available_memory(device: torch.device) -> int:
+    """Free device memory now (CPU: the host's available memory)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
+    return _meminfo("MemAvailable")
+
+
+def total_memory(device: torch.device) -> int:
+    """All of the device's memory (CPU: the host's)."""
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return int(total)
+    return _meminfo("MemTotal")
+
+
+def _meminfo(field: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise OutOfMemoryError("cannot read available memory; pass num_blocks or a memory budget")
+    raise OutOfMemoryError(f"cannot read {field} from /proc/meminfo; pass num_blocks or a memory budget")
 
 
 def determine_num_blocks(
@@ -53,12 +66,26 @@ def determine_num_blocks(
     num_layers: int | None = None,
 ) -> int:
     """Blocks for the KV pool: explicit, or what the budget leaves after weights and headroom, never
-    more than the scheduler could ever use (``max_blocks_needed``)."""
+    more than the scheduler could ever use (``max_blocks_needed``). The budget: ``memory_budget_bytes``;
+    else ``memory_fraction`` of the device's total memory (vLLM's ``--gpu-memory-utilization``: the
+    weights, the KV cache and the activation headroom all within it; OutOfMemoryError when what it leaves
+    for the cache is not free now, other processes holding it); else the weights plus
+    ``memory_utilization`` of the memory free once they are loaded."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.memory_budget_bytes is not None:
         budget = cache.memory_budget_bytes
         source = "the memory budget"
+    elif cache.memory_fraction is not None:
+        total = total_memory(device)
+        budget = int(total * cache.memory_fraction)
+        source = f"{cache.memory_fraction:g} of the device's {total / 2**30:.1f} GiB"
+        free = available_memory(device)
+        if budget - weight_bytes > free:
+            raise OutOfMemoryError(
+                f"{source} leaves {(budget - weight_bytes) / 2**20:.1f} MiB for the KV cache after "
+                f"{weight_bytes / 2**20:.1f} MiB of weights, but only {free / 2**20:.1f} MiB is free (other "
+                "processes use the device): lower --gpu-memory-utilization")
     else:
         # Weights are already resident, so free memory excludes them.
         budget = int(available_memory(device) * cache.memory_utilization) + weight_bytes

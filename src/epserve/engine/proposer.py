@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
+from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
 from epserve.engine.spec_manager import draft_room
@@ -64,6 +65,7 @@ class MTPProposer:
         num_spec: int,
         max_model_len: int,
         noise: Noise,
+        logits_processor: LogitsProcessor,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -73,6 +75,7 @@ class MTPProposer:
         self.num_spec = num_spec
         self.max_model_len = max_model_len
         self.noise = noise
+        self.logits_processor = logits_processor  # drafts see the processing their verification applies
         self.stats = SpecStats(num_spec)
         self._probs: dict[str, list[torch.Tensor | None]] = {}  # the draft distributions of sampled requests
 
@@ -108,6 +111,9 @@ class MTPProposer:
                 params = [d.request.sampling_params for d in active]
                 positions = [d.next_position + 1 + depth for d in active]  # where each draft would sit
                 logits = self.model.compute_mtp_logits(h[torch.tensor(rows, dtype=torch.long, device=h.device)])
+                # (each draft follows this step's tokens and the drafts before it, not yet the request's)
+                extras = [(*_tokens(result, d.request.request_id), *drafts[d.request.request_id]) for d in active]
+                logits = self.logits_processor.apply(logits, [d.request for d in active], extras, in_place=True)
                 ids, q = draft_tokens(logits, params, positions, self.noise)
                 for d, t, qq in zip(active, ids.tolist(), q):
                     drafts[d.request.request_id].append(t)
@@ -144,11 +150,14 @@ class MTPProposer:
         for chunk in chunks:
             request = chunk.request
             known = request.all_token_ids
-            if chunk.needs_sample:  # (a leader with chunks has sampled them: ``result`` is set)
+            sampled = chunk.needs_sample and request.sampling_params.max_tokens > 0  # (0: the prompt only)
+            if sampled:  # (a leader with chunks has sampled them: ``result`` is set)
                 got = result.sampled[request.request_id]  # type: ignore[union-attr]  # a tuple with drafts on
                 tokens = [*known[chunk.start + 1 : chunk.start + chunk.num_known], *got]  # type: ignore[misc]
             else:  # a prompt chunk short of the end: the token after its last position is a prompt token
                 tokens = known[chunk.start + 1 : chunk.end + 1]
+                if chunk.needs_sample:  # a prompt-only request (max_tokens 0) ends here: nothing follows its
+                    tokens.append(known[chunk.end - 1])  # last position, whose MTP KV no token will read
             if chunk.drafts:  # one decode row per verified position: keep the accepted ones
                 rows = len(tokens)
                 keep.extend(range(token, token + rows))
@@ -163,7 +172,7 @@ class MTPProposer:
                 seq += 1
             ids.extend(tokens[:rows])
             token += chunk.num_tokens
-            if chunk.needs_sample:
+            if sampled:
                 n = min(self.num_spec, draft_room(request, self.max_model_len, len(got)))
                 if n > 0:
                     draft_rows.append(len(ids) - 1)
@@ -212,3 +221,9 @@ class MTPProposer:
         batch = step.plan.to_batch(hidden.device, self.block_size)
         hidden = hidden[torch.tensor(step.hidden_rows, dtype=torch.long, device=hidden.device)]
         return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]
+
+
+def _tokens(result: StepResult | None, request_id: str) -> tuple[int, ...]:
+    """The tokens a request got from this step's sampling (none for a request that did not sample)."""
+    sampled = result.sampled.get(request_id, ()) if result is not None else ()
+    return (sampled,) if isinstance(sampled, int) else tuple(sampled)

@@ -60,6 +60,9 @@ class Request:
         "num_preemptions",
         "kv_transfer",
         "kv_first_block",
+        "prompt_logprobs",
+        "first_scheduled_time",
+        "first_token_time",
         "_all_token_ids",
     )
 
@@ -92,10 +95,16 @@ class Request:
         self.num_preemptions = 0
         self.kv_transfer = kv_transfer
         self.kv_first_block = kv_first_block
+        # Asked-for prompt logprobs so far: entry p is the prompt token at p + 1's (the scheduler appends).
+        self.prompt_logprobs: list[object] = []
+        self.first_scheduled_time: float | None = None  # the engine's clock (time.monotonic)
+        self.first_token_time: float | None = None
         # prompt + outputs in one list, appended to, so reading it costs no copy.
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
 
     def append_output_token(self, token_id: int, logprobs: object | None = None) -> None:
+        if not self.output_token_ids:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         if logprobs is not None:
@@ -117,6 +126,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt positions still lack theirs."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def is_finished(self) -> bool:

@@ -13,6 +13,7 @@ from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.graphs import DecodeGraphs, pad_decode
 from epserve.engine.kv_handoff import KVWrite
+from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
 from epserve.engine.profiler import OpProfiler
 from epserve.engine.proposer import MTPProposer
@@ -21,7 +22,7 @@ from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, VerifyGroup, verify
 from epserve.messages.kv import KVLayout
-from epserve.messages.sampling import SamplingParams
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.model.batch import ForwardBatch
 from epserve.model.loader import load_model, model_bytes
 from epserve.model.quantization import resolve_fp8_weights
@@ -87,7 +88,8 @@ class ModelRunner:
         max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
         cache = config.cache
         if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
-            cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size)
+            cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size,
+                            memory_fraction=cache.memory_fraction and cache.memory_fraction / pc.local_world_size)
         num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, weight_bytes, max_blocks,
                                           self.num_cache_layers)
         self.num_blocks = -all_reduce_max([-num_blocks], ctx)[0]  # every rank agrees: the smallest pool
@@ -106,9 +108,10 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.noise = Noise(self.sampler.default_generator)  # speculative decoding's draws
+        self.logits_processor = LogitsProcessor(mc.vocab_size, self.device)
         self.proposer = None if not self.num_spec else MTPProposer(
             self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
-            self.noise)
+            self.noise, self.logits_processor)
         self.profiler: OpProfiler | None = None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
@@ -210,35 +213,96 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan) -> StepResult:
-        sampling = [c for c in chunks if c.needs_sample]
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden)
+        sampling: list[ScheduledChunk] = []
+        rows: list[int] = []  # of plan.logits_indices: a request with max_tokens 0 samples nothing
+        first = 0
+        for c in chunks:
+            if not c.needs_sample:
+                continue
+            n = c.num_tokens if c.drafts else 1
+            if c.request.sampling_params.max_tokens:
+                sampling.append(c)
+                rows.extend(plan.logits_indices[first : first + n])
+            first += n
         if not sampling:
-            return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[torch.tensor(plan.logits_indices, dtype=torch.long,
-                                                               device=hidden.device)])
+            return StepResult({}, {}, prompt_logprobs)
+        raw = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
         if self.proposer is not None:
-            return self._verify(sampling, logits)
-        params = [c.request.sampling_params for c in sampling]
-        gens = [self._generator(c.request, p) for c, p in zip(sampling, params)]
-        out = self.sampler.sample(logits, params, gens)
-        ids = [c.request.request_id for c in sampling]
+            return self._verify(sampling, raw, prompt_logprobs)
+        requests = [c.request for c in sampling]
+        params = [r.sampling_params for r in requests]
+        # (the unprocessed logits are kept only for logprobs, which are the model's own)
+        logits = self.logits_processor.apply(raw, requests, in_place=all(p.logprobs is None for p in params))
+        gens = [self._generator(r, p) for r, p in zip(requests, params)]
+        out = self.sampler.sample(logits, params, gens, raw)
+        ids = [r.request_id for r in requests]
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(ids, out.token_ids)), logprobs)
+        return StepResult(dict(zip(ids, out.token_ids)), logprobs, prompt_logprobs)
 
-    def _verify(self, sampling: list[ScheduledChunk], logits: torch.Tensor) -> StepResult:
+    def _verify(self, sampling: list[ScheduledChunk], raw: torch.Tensor,
+                prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]]) -> StepResult:
         assert self.proposer is not None
-        groups = []
+        groups, requests, extras = [], [], []
         for c in sampling:
             rid, params = c.request.request_id, c.request.sampling_params
             probs = self.proposer.draft_probs(rid, len(c.drafts)) if c.drafts and not params.is_greedy else None
             groups.append(VerifyGroup(c.drafts, probs, params, c.start + c.num_known))
-        outcomes = verify(logits, groups, self.noise)
+            for j in range(len(c.drafts) + 1):  # row j follows the request's first j drafts
+                requests.append(c.request)
+                extras.append(c.drafts[:j])
+        in_place = all(g.params.logprobs is None for g in groups)
+        logits = self.logits_processor.apply(raw, requests, extras, in_place=in_place)
+        outcomes = verify(logits, groups, self.noise, raw)
         sampled, logprobs = {}, {}
         for c, out in zip(sampling, outcomes):
             self.proposer.stats.record(len(c.drafts), out.num_accepted)
             sampled[c.request.request_id] = out.token_ids
             if out.logprobs is not None:
                 logprobs[c.request.request_id] = out.logprobs
-        return StepResult(sampled, logprobs)  # type: ignore[arg-type]
+        return StepResult(sampled, logprobs, prompt_logprobs)  # type: ignore[arg-type]
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                         rows_per_pass: int = 512) -> dict[str, tuple[TokenLogprobs, ...]]:
+        """The logprobs of the prompt tokens the step's prefill chunks predict (position ``p``'s hidden
+        state predicts token ``p + 1``), for requests that asked and lack them: the model's own
+        (unprocessed) log-softmax, the prompt token's and the top ``k``; ``rows_per_pass`` rows of
+        logits at a time."""
+        rows: list[int] = []
+        targets: list[int] = []
+        wanted: list[tuple[Request, int, int]] = []  # request, its first row in rows, its row count
+        offset = 0  # the chunk's first row of ``hidden`` (the plan lays chunks out in order)
+        for c in chunks:
+            request = c.request
+            if request.wants_prompt_logprobs:
+                first = max(c.start, len(request.prompt_logprobs))
+                last = min(c.end, request.num_prompt_tokens - 1)
+                if first < last:
+                    wanted.append((request, len(rows), last - first))
+                    rows.extend(range(offset + first - c.start, offset + last - c.start))
+                    targets.extend(request.prompt_token_ids[first + 1 : last + 1])
+            offset += c.num_tokens
+        if not rows:
+            return {}
+        k = max(request.sampling_params.prompt_logprobs or 0 for request, _, _ in wanted)
+        device = hidden.device
+        parts = []
+        for start in range(0, len(rows), rows_per_pass):
+            index = torch.tensor(rows[start : start + rows_per_pass], dtype=torch.long, device=device)
+            target = torch.tensor(targets[start : start + rows_per_pass], dtype=torch.long, device=device)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
+            top = torch.topk(lp, k, dim=-1) if k else None
+            parts.append(torch.cat([lp.gather(1, target[:, None]).double(),
+                                    *((top.values.double(), top.indices.double()) if top is not None else ())], 1))
+        table = torch.cat(parts).tolist()  # one transfer: [rows, 1 + 2k]
+        out: dict[str, tuple[TokenLogprobs, ...]] = {}
+        for request, first_row, count in wanted:
+            n = request.sampling_params.prompt_logprobs or 0
+            out[request.request_id] = tuple(
+                TokenLogprobs(targets[r], row[0], tuple((int(t), v) for v, t in zip(row[1 : 1 + n], row[1 + k : 1 + k + n])))
+                for r, row in enumerate(table[first_row : first_row + count], start=first_row)
+            )
+        return out
 
     def _generator(self, request: Request, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:
@@ -252,8 +316,9 @@ class ModelRunner:
         return gen
 
     def release(self, request_id: str) -> None:
-        """Forget per-request state (its sampling generator) once it finished."""
+        """Forget per-request state (its sampling generator, its token counts) once it finished."""
         self._generators.pop(request_id, None)
+        self.logits_processor.release(request_id)
         if self.proposer is not None:
             self.proposer.release(request_id)
 

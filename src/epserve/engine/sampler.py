@@ -71,8 +71,11 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """logits [S, V] fp32, one SamplingParams and optional per-request generator per row."""
+        """logits [S, V] fp32 (after ``LogitsProcessor``), one SamplingParams and optional per-request
+        generator per row. Logprobs are the model's own: of ``raw_logits`` (the logits before processing),
+        when given."""
         ids = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
@@ -90,7 +93,7 @@ class Sampler:
         if not wanted:
             return SamplerOutput(ids.tolist(), [None] * len(params))
         k = max(params[i].logprobs or 0 for i in wanted)
-        lp = torch.log_softmax(logits[wanted], dim=-1)
+        lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[wanted], dim=-1)
         chosen = lp.gather(1, ids[wanted, None])  # [W, 1]
         top = torch.topk(lp, k, dim=-1)
         packed = torch.cat([ids.double(), chosen.double().flatten(), top.values.double().flatten(),

@@ -11,6 +11,7 @@ One engine step is ``output = scheduler.schedule()``, the runner's forward over 
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -167,6 +168,8 @@ class Scheduler:
                 request.num_cached_tokens = hit.num_tokens
             request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             bisect.insort(self.running, request, key=self._arrival_of)
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
             budget -= num_new
@@ -191,6 +194,8 @@ class Scheduler:
         else:
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=self._arrival_of)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         # (its only output token so far: output_logprobs holds that token's logprobs, if it asked for any)
         return RequestUpdate(request.request_id, (token,), status is not None, request.finish_reason,
                              tuple(request.output_logprobs[-1:]), 1)
@@ -201,6 +206,7 @@ class Scheduler:
         sampled: dict[str, int | Sequence[int]],
         logprobs: dict[str, object] | None = None,
         drafts: Mapping[str, Sequence[int]] | None = None,
+        prompt_logprobs: Mapping[str, Sequence[object]] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a finished step: advance computed tokens, append sampled tokens (and
         ``logprobs[request_id]`` to ``request.output_logprobs`` when given), cache full blocks,
@@ -210,7 +216,10 @@ class Scheduler:
         With speculative decoding a request's ``sampled`` entry is a sequence (``step_tokens``), appended
         one by one: a stop condition cuts the rest, exactly where plain decoding would stop, and only
         the appended tokens' KV counts as computed (``SpecManager.verified`` rolls the rest back).
-        ``drafts[request_id]``: the draft tokens to verify in the request's next decode."""
+        ``drafts[request_id]``: the draft tokens to verify in the request's next decode;
+        ``prompt_logprobs[request_id]``: the logprobs of the prompt positions the step computed, appended
+        to ``request.prompt_logprobs``. A request with ``max_tokens`` 0 finishes ("length") when its
+        prompt is computed, with no token."""
         updates = [RequestUpdate(r.request_id, (), True, r.finish_reason, (), r.num_output_tokens)
                    for r in self._unreported]
         for request in self._unreported:
@@ -227,8 +236,16 @@ class Scheduler:
             if request.num_computed_tokens != chunk.start:
                 raise RuntimeError(f"request {rid!r}: update() must follow each schedule() exactly once")
             request.num_computed_tokens = chunk.end
+            if prompt_logprobs and rid in prompt_logprobs:
+                request.prompt_logprobs.extend(prompt_logprobs[rid])
             if not chunk.needs_sample:
                 self.kv_manager.cache_full_blocks(request)
+                continue
+            if request.sampling_params.max_tokens == 0:  # the prompt alone (for its logprobs)
+                self.kv_manager.cache_full_blocks(request)
+                request.status = RequestStatus.FINISHED_LENGTH
+                finished.append(request)
+                updates.append(RequestUpdate(rid, (), True, request.finish_reason, (), 0))
                 continue
             if rid not in sampled:
                 raise KeyError(f"no sampled token for request {rid!r}")

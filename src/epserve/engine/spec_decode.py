@@ -146,9 +146,11 @@ def draft_tokens(
     return ids, probs
 
 
-def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise) -> list[VerifyOutcome]:
-    """Verify every group's drafts against the target ``logits`` [R, V] (fp32; the groups' rows in order)
-    and sample the token after the accepted ones (see the module docstring)."""
+def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
+           raw_logits: torch.Tensor | None = None) -> list[VerifyOutcome]:
+    """Verify every group's drafts against the target ``logits`` [R, V] (fp32, after ``LogitsProcessor``;
+    the groups' rows in order) and sample the token after the accepted ones (see the module docstring).
+    Logprobs are of ``raw_logits`` (before processing) when given."""
     device = logits.device
     firsts = [0]
     for g in groups:
@@ -183,7 +185,7 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise) -> lis
     k = max((g.params.logprobs or 0 for g, _ in wanted), default=0)
     if wanted:
         lp_rows = torch.cat([torch.arange(first, first + g.num_rows, device=device) for g, first in wanted])
-        lp = torch.log_softmax(logits[lp_rows], dim=-1)
+        lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[lp_rows], dim=-1)
         top = torch.topk(lp, k, dim=-1)
         packed = [lp.gather(1, nxt[lp_rows, None].clamp(min=0)).flatten(), lp.gather(1, candidate[lp_rows, None]).flatten(),
                   top.values.flatten(), top.indices.double().flatten()]

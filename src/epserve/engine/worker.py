@@ -90,6 +90,7 @@ class OfflineFrontend:
         self.token_ids: dict[str, list[int]] = {r.request_id: [] for r in requests}
         self.logprobs: dict[str, list[TokenLogprobs] | None] = {
             r.request_id: [] if r.params.logprobs is not None else None for r in requests}
+        self.prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self.last: dict[str, GeneratedTokens] = {}  # each finished request's last message
         self.failure: str | None = None  # the first request that did not run, why
 
@@ -103,6 +104,8 @@ class OfflineFrontend:
                 tokens.extend(out.token_ids)
                 if out.logprobs:
                     self.logprobs[out.request_id].extend(out.logprobs)  # type: ignore[union-attr]
+                if out.prompt_logprobs:
+                    self.prompt_logprobs[out.request_id] = [None, *out.prompt_logprobs]
                 if out.finish_reason is not None:
                     self.last[out.request_id] = out
                     self.bar.update(1)
@@ -117,7 +120,8 @@ class OfflineFrontend:
         for rid, tokens in self.token_ids.items():
             last = self.last.get(rid)
             out[rid] = OfflineResult(tokens, last.finish_reason if last else None,
-                                     last.num_cached_tokens if last else 0, self.logprobs[rid])
+                                     last.num_cached_tokens if last else 0, self.logprobs[rid],
+                                     self.prompt_logprobs.get(rid))
         return out
 
 

@@ -273,4 +273,5 @@ class EngineService(pb_grpc.EngineServicer):
             dp_rank=ctx.dp_rank, dp=ctx.dp, tp=ctx.tp, block_size=engine.runner.block_size,
             num_blocks=engine.runner.num_blocks, eos_token_ids=list(config.model.eos_token_ids),
             role=self.options.role, kv_layout=layout_to_proto(self.layout),
+            cache_dtype=config.cache.kv_cache_dtype, enable_prefix_caching=config.cache.enable_prefix_caching,
         )

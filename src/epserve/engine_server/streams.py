@@ -39,7 +39,9 @@ def merge_responses(msgs: list[pb.GenerateResponse]) -> pb.GenerateResponse:
     merged.CopyFrom(msgs[-1])
     del merged.token_ids[:]
     del merged.logprobs[:]
+    del merged.prompt_logprobs[:]
     for m in msgs:
         merged.token_ids.extend(m.token_ids)
         merged.logprobs.extend(m.logprobs)
+        merged.prompt_logprobs.extend(m.prompt_logprobs)
     return merged

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from epserve import env
+from epserve.chat_template import load_chat_template
 from epserve.config import ENGINE_ROLES
 from epserve.engine_server.options import ServeOptions
 from epserve.router.server import RouterOptions
@@ -99,6 +100,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-wait-timeout", type=float, default=RouterOptions.engine_wait_s,
                    help="seconds a request that has not started waits for a healthy engine instance (one being "
                    "restarted) before a 503")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template instead of the checkpoint's: a file's path, or the jinja template itself "
+                   "(as vLLM's --chat-template)")
+    g.add_argument("--generation-config", default=RouterOptions.generation_config, metavar="auto|vllm|DIR",
+                   help="default sampling for requests that do not set it: auto = the checkpoint's "
+                   "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, extra EOS ids), "
+                   "vllm = none (OpenAI's defaults), or a directory holding a generation_config.json")
     lim = p.add_argument_group("router limits (per HTTP request)")
     lim.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes, help="larger bodies get 413 (default 4 MiB)")
     lim.add_argument("--max-choices-per-request", type=int, default=RouterOptions.max_choices_per_request,
@@ -125,6 +133,8 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
         engine_token=engine_token(args),
+        chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+        generation_config=args.generation_config,
     )
 
 

@@ -82,3 +82,4 @@ class OfflineResult:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # None first (the first prompt token has none)

@@ -39,8 +39,20 @@ class KVReceived:
 
 # ---- the step loop -> a frontend -------------------------------------------------------------
 @dataclass(frozen=True)
+class RequestTimes:
+    """Where a finished request's time went, on the engine's clock (vLLM's per-request histograms):
+    from arrival to first scheduled, from then to its first token, and from that to its finish."""
+
+    queued_s: float
+    prefill_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
 class GeneratedTokens:
-    """What one step added to a request (``finish_reason`` set on its last message)."""
+    """What one step added to a request (``finish_reason`` set on its last message; ``times`` on its
+    first with tokens (no decode time yet) and its last; ``prompt_logprobs``, when asked for, on its
+    first: one per prompt token from the second on)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -49,6 +61,8 @@ class GeneratedTokens:
     num_cached_tokens: int
     num_output_tokens: int
     finish_reason: str | None
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    times: RequestTimes | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,10 @@ class RequestFailed:
 # The loop's outputs: a request's tokens or failure, and for disaggregation a decode request's blocks
 # allocated (its transfer can start) or a finished prefill's blocks copied out (to be sent).
 LoopOutput = GeneratedTokens | RequestFailed | KVWanted | PrefilledKV
+
+
+# vLLM's ``iteration_tokens_total`` buckets: the tokens a step computes (the loop's histogram of them)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(frozen=True)
@@ -92,3 +110,8 @@ class EngineLoad:
     restarts: int = 0
     role: str = "both"
     num_receiving: int = 0  # requests waiting for their prompt's KV (blocks or transfer)
+    # tokens per step that computed any here: cumulative counts per bound of ITERATION_TOKENS_BUCKETS,
+    # their sum, and the number of such steps
+    iteration_tokens_buckets: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
+    iteration_steps_total: int = 0

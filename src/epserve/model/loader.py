@@ -17,7 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -31,6 +31,7 @@ from epserve.checkpoint import (
     fp8_block_dequantize,
     fp8_block_quantize,
     iter_with_progress,
+    progress_enabled,
 )
 from epserve.config import ModelConfig
 from epserve.kernels.fp8 import BLOCK
@@ -293,6 +294,34 @@ def _rows_shape(reader: CheckpointReader, piece: Piece) -> tuple[int, ...]:
     return shape if piece.rows is None else (piece.rows[1] - piece.rows[0], *shape[1:])
 
 
+class _ProgressLog:
+    """Loading's progress as log lines where stderr is no terminal (systemd, Kubernetes; a terminal gets
+    tqdm's bar): one when another tenth of the bytes is in, or after 30 s without one, at most one per
+    ``interval_s``; ``load_model``'s last line gives the whole load."""
+
+    def __init__(self, path: str, rank: int, total: int, interval_s: float) -> None:
+        self.path, self.rank, self.total, self.interval_s = path, rank, total, interval_s
+        self.done = self._logged = 0
+        self.start = self._at = time.perf_counter()
+
+    def counted(self, names: list[str], nbytes: dict[str, int]) -> Iterator[str]:
+        """``names``, each one's bytes counted once the loop's body is done with it."""
+        for name in names:
+            yield name
+            self.add(nbytes.get(name, 0))
+
+    def add(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        quiet = now - self._at
+        if quiet >= self.interval_s and (self.done - self._logged >= self.total / 10 or quiet >= 30.0):
+            self._at, self._logged = now, self.done
+            rate = self.done / max(now - self.start, 1e-9)
+            logger.info("loading %s: %.2f of %.2f GiB on rank %d (%.0f%%), %.1f MB/s, about %.0f s left", self.path,
+                        self.done / 2**30, self.total / 2**30, self.rank, 100 * self.done / max(self.total, 1),
+                        rate / 1e6, (self.total - self.done) / max(rate, 1e-9))
+
+
 def load_model(
     config: ModelConfig,
     path: str,
@@ -303,11 +332,13 @@ def load_model(
     ctx: ParallelContext,
     fp8: bool = False,
     mtp: bool = False,
+    progress_interval_s: float = 5.0,
 ) -> DeepseekV3ForCausalLM:
     """Build on the meta device, then materialize every tensor on ``device`` from the checkpoint at
     ``path`` (this rank's experts and heads only); ``fp8``: keep FP8 block-scaled weights; ``mtp``: load
     the MTP layer too (speculative decoding), sharing the main model's embedding and head where the
-    checkpoint's copies are equal."""
+    checkpoint's copies are equal. Rank 0 shows its progress (a bar on a terminal, else log lines at most
+    every ``progress_interval_s``)."""
     start = time.perf_counter()
     reader = CheckpointReader(path)
     mtp_layer = f"model.layers.{config.num_hidden_layers}"
@@ -318,7 +349,11 @@ def load_model(
     local_experts = placement.local_logical_experts(ctx.rank)
     tensors = {name: (module, attr, t) for name, module, attr, t in _named_tensors(model)}
     shared = []
-    for name in iter_with_progress(list(tensors), desc="Loading weights", disable=ctx.rank != 0):
+    names: Iterable[str] = list(tensors)
+    if ctx.rank == 0 and not progress_enabled():  # (derived tensors are computed, not loaded)
+        nbytes = {n: t.nbytes for n, (_, _, t) in tensors.items() if not n.endswith(_DERIVED)}
+        names = _ProgressLog(path, ctx.rank, sum(nbytes.values()), progress_interval_s).counted(list(tensors), nbytes)
+    for name in iter_with_progress(names, desc="Loading weights", total=len(tensors), disable=ctx.rank != 0):
         module, attr, meta = tensors[name]
         if name.endswith(SCALE_SUFFIX) or name.endswith(_DERIVED):
             continue  # scales are filled with their weight; derived tensors computed below
@@ -356,6 +391,7 @@ def load_model(
     if device.type == "cuda":  # (on the CPU every temporary is already freed: no reference cycles)
         gc.collect()
         torch.cuda.empty_cache()
-    logger.info("loaded %s: %.2f GiB on rank %d (%s weights) in %.1f s", path, model_bytes(model) / 2**30, ctx.rank,
-                "FP8" if fp8 else str(dtype).removeprefix("torch."), time.perf_counter() - start)
+    size, seconds = model_bytes(model), time.perf_counter() - start
+    logger.info("loaded %s: %.2f GiB on rank %d (%s weights) in %.1f s, %.1f MB/s", path, size / 2**30, ctx.rank,
+                "FP8" if fp8 else str(dtype).removeprefix("torch."), seconds, size / max(seconds, 1e-9) / 1e6)
     return model.eval()

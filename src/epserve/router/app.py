@@ -8,7 +8,9 @@ body or as Server-Sent Events ending with ``data: [DONE]``. A client that goes a
 401 without the API key (told from the request head: served by uvicorn, ``http_limits.http_protocol``
 answers it before reading any of the body; in-process, the outermost middleware does), 404 for an
 unknown model, 408/413 for a body too slow or too large (``http_limits``), 503 when no engine instance
-can take the request (or past ``--max-connections``).
+can take the request (or past ``--max-connections``). vLLM's ``/tokenize`` and ``/detokenize``
+(``tokenize``) go through the same tokenizer and chat-template path; a template that fails on a
+conversation is a 400 ``chat_template_error``.
 
 One request cannot stall the others: a large body is parsed and a long text tokenized on a worker
 thread, a text that cannot fit the context is refused by its length before tokenizing (no token stands
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -33,7 +36,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from epserve import __version__
+from epserve.chat_template import ChatTemplateError
 from epserve.router import openapi_doc
+from epserve.router.checks import (
+    check_request,
+    logit_bias,
+    resolve_max_tokens,
+    stop_strings,
+    to_sampling_params,
+)
 from epserve.router.errors import (
     APIError,
     bad_request,
@@ -44,17 +56,19 @@ from epserve.router.errors import (
     validation_error,
 )
 from epserve.router.generation import Choice, Generation, GenerationContext, until_disconnect
+from epserve.router.generation_defaults import GenerationDefaults
 from epserve.router.http_limits import HTTPLimits, RequestGate, RequestLimitsMiddleware
 from epserve.router.instances import Router
 from epserve.router.json_body import load_json_body
 from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
-from epserve.router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    check_request,
-    resolve_max_tokens,
-    stop_strings,
-    to_sampling_params,
+from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from epserve.router.tokenize import (
+    REQUEST_MODELS,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    check_tokenize_request,
+    tokenize_request_model,
 )
 from epserve.tokenizer import Tokenizer
 
@@ -63,7 +77,7 @@ logger = logging.getLogger(__name__)
 _INLINE_PARSE_BYTES = 64 << 10  # larger bodies are parsed on a worker thread
 _INLINE_TOKENIZE_CHARS = 8 << 10  # longer texts are tokenized on a worker thread
 _T = TypeVar("_T")
-_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest)
+_Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, DetokenizeRequest)
 
 
 def max_chars_per_token(tokenizer: Tokenizer) -> int:
@@ -75,12 +89,14 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int:
 
 class OpenAIServer:
     def __init__(self, router: Router, tokenizer: Tokenizer | None, model_name: str,
-                 api_key: str | None = None, limits: HTTPLimits | None = None) -> None:
+                 api_key: str | None = None, limits: HTTPLimits | None = None,
+                 generation_defaults: GenerationDefaults | None = None) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.limits = limits or HTTPLimits()
+        self.generation_defaults = generation_defaults  # the checkpoint's generation_config.json
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         self.metrics = RouterMetrics(router, model_name)
         self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_limits.http_protocol
@@ -100,7 +116,7 @@ class OpenAIServer:
             self.workers.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="epserve", description="OpenAI-compatible API of the epserve router", lifespan=lifespan)
-        openapi_doc.install(app, (CompletionRequest, ChatCompletionRequest))
+        openapi_doc.install(app, (CompletionRequest, ChatCompletionRequest, *REQUEST_MODELS))
         app.add_middleware(RequestLimitsMiddleware, limits=self.limits, reject=self._error,
                            on_disconnect=lambda: self.metrics.error(499))
         if self.api_key:  # outermost: before any body is read
@@ -128,6 +144,10 @@ class OpenAIServer:
         app.add_api_route("/v1/chat/completions", self.chat_completions,
                           **openapi_doc.generation_route(ChatCompletionRequest, chat=True))
         app.get("/v1/models", **openapi_doc.MODELS_ROUTE)(self.models)
+        app.get("/v1/models/{model_id:path}", **openapi_doc.MODEL_ROUTE)(self.model_card)
+        app.add_api_route("/tokenize", self.tokenize, **openapi_doc.TOKENIZE_ROUTE)
+        app.add_api_route("/detokenize", self.detokenize, **openapi_doc.DETOKENIZE_ROUTE)
+        app.get("/version", **openapi_doc.VERSION_ROUTE)(self.version)
         app.get("/health", **openapi_doc.HEALTH_ROUTE)(self.health)
         app.get("/metrics", **openapi_doc.METRICS_ROUTE)(self.metrics_endpoint)
         app.get("/expert_load")(self.expert_load)
@@ -139,12 +159,24 @@ class OpenAIServer:
 
     # ---- simple endpoints ---------------------------------------------------------------------
     async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model_card(self, model_id: str) -> dict[str, Any]:
+        """``GET /v1/models/{model}``: the served model's card; 404 for any other id."""
+        if model_id != self.model_name:
+            raise not_found_model(model_id)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
         card: dict[str, Any] = {"id": self.model_name, "object": "model", "created": self.created,
                                 "owned_by": "epserve", "root": self.model_name}
         info = self.router.info
         if info is not None:
             card.update(max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-        return {"object": "list", "data": [card]}
+        return card
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
 
     async def health(self) -> JSONResponse:
         """Whether the router can serve, and how many of its engine instances can (not where they are)."""
@@ -173,6 +205,7 @@ class OpenAIServer:
         else:
             prompts = list(req.prompt)
         self._check_fan_out(len(prompts) * req.n, "n" if len(prompts) == 1 else "prompt")
+        originals = [p if isinstance(p, str) else None for p in prompts]  # echo repeats a text as sent
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             tokenizer = self._need_tokenizer("text prompts")
@@ -183,21 +216,65 @@ class OpenAIServer:
                 return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
             prompts = await self._offload(sum(map(len, texts)) > _INLINE_TOKENIZE_CHARS, encode)
-        return await self._generate(raw, req, prompts, max_model_len, vocab, chat=False)
+        return await self._generate(raw, req, prompts, max_model_len, vocab, chat=False, prompt_texts=originals)
 
     async def chat_completions(self, raw: Request) -> Response:
         req = await self._parse(raw, ChatCompletionRequest)
         max_model_len, vocab = self._limits()
         tokenizer = self._need_tokenizer("chat completions")
         self._check_fan_out(req.n, "n")
+        prompt = await self._encode_chat(tokenizer, req, max_model_len)
+        return await self._generate(raw, req, [prompt], max_model_len, vocab, chat=True)
+
+    async def _encode_chat(self, tokenizer: Tokenizer, req: ChatCompletionRequest | TokenizeChatRequest,
+                           max_model_len: int | None, add_special_tokens: bool = False) -> list[int]:
+        """The conversation's token ids through the chat template, on a worker thread when long; a text
+        that cannot fit ``max_model_len`` is refused first. A template that fails is a 400 naming why."""
         messages = req.message_dicts()
         num_chars = sum(len(m["content"]) for m in messages)
-        self._check_chars(num_chars, max_model_len, "messages")
+        if max_model_len is not None:
+            self._check_chars(num_chars, max_model_len, "messages")
+        options = req.template_options()
+        heavy = num_chars + (len(repr(req.chat_template_kwargs)) if req.chat_template_kwargs else 0)
+        encode = functools.partial(tokenizer.encode_chat, messages, add_special_tokens=add_special_tokens, **options)
         try:
-            prompt = await self._offload(num_chars > _INLINE_TOKENIZE_CHARS, tokenizer.encode_chat, messages)
+            return await self._offload(heavy > _INLINE_TOKENIZE_CHARS, encode)
+        except ChatTemplateError as e:
+            raise bad_request(str(e), "messages", "chat_template_error") from None
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-        return await self._generate(raw, req, [prompt], max_model_len, vocab, chat=True)
+
+    # ---- tokenizer endpoints (vLLM's) -------------------------------------------------------------
+    async def tokenize(self, raw: Request) -> JSONResponse:
+        """``POST /tokenize``: a text (``prompt``) or a conversation (``messages``, through the chat
+        template as chat completions are) to token ids."""
+        req = await self._parse(raw, TokenizeCompletionRequest)  # (a body with messages: TokenizeChatRequest)
+        tokenizer = self._need_tokenizer("/tokenize and /detokenize")
+        max_model_len, _ = self._limits()
+        if isinstance(req, TokenizeChatRequest):
+            tokens = await self._encode_chat(tokenizer, req, None, req.add_special_tokens)
+        else:
+            tokens = await self._offload(len(req.prompt) > _INLINE_TOKENIZE_CHARS, tokenizer.encode, req.prompt,
+                                         req.add_special_tokens)
+        body: dict[str, Any] = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+        if req.return_token_strs:
+            body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+        return JSONResponse(body)
+
+    async def detokenize(self, raw: Request) -> JSONResponse:
+        """``POST /detokenize``: token ids to their text (special tokens included, as vLLM's); 400 for an
+        id outside the tokenizer's vocabulary."""
+        req = await self._parse(raw, DetokenizeRequest)
+        tokenizer = self._need_tokenizer("/tokenize and /detokenize")
+
+        def decode() -> str:
+            vocab = tokenizer.vocab_size
+            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+            return tokenizer.decode(req.tokens, skip_special_tokens=False)
+
+        return JSONResponse({"prompt": await self._offload(len(req.tokens) > _INLINE_TOKENIZE_CHARS, decode)})
 
     async def _offload(self, heavy: bool, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``, on a worker thread when ``heavy`` (the event loop keeps serving meanwhile)."""
@@ -211,13 +288,18 @@ class OpenAIServer:
 
     def _validate(self, body: bytes, model: type[_Req]) -> _Req:
         data = load_json_body(body)
+        if model is TokenizeCompletionRequest:
+            model = tokenize_request_model(data)  # type: ignore[assignment]
         try:
             req = model.model_validate(data)
         except ValidationError as e:
             raise validation_error(e) from None
         if req.model is not None and req.model != self.model_name:
             raise not_found_model(req.model)
-        check_request(req)
+        if isinstance(req, (CompletionRequest, ChatCompletionRequest)):
+            check_request(req)
+        else:
+            check_tokenize_request(req)
         return req
 
     def _need_tokenizer(self, what: str) -> Tokenizer:
@@ -245,17 +327,22 @@ class OpenAIServer:
         return info.max_model_len, info.vocab_size
 
     async def _generate(self, raw: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                        max_model_len: int, vocab: int, chat: bool) -> Response:
+                        max_model_len: int, vocab: int, chat: bool,
+                        prompt_texts: list[str | None] | None = None) -> Response:
         choices: list[Choice] = []
-        for ids in prompts:
+        bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
+        if bad_bias is not None:
+            raise bad_request(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})", "logit_bias")
+        for i, ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(req, len(ids), max_model_len)  # first: a huge prompt is not scanned
             # check_request already refused negative ids; the vocabulary's size is known only now
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
                 raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             for j in range(req.n):
-                params = to_sampling_params(req, max_tokens, index=j)
-                choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0))
+                params = to_sampling_params(req, max_tokens, index=j, defaults=self.generation_defaults)
+                choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0,
+                                      prompt_text=prompt_texts[i] if prompt_texts else None))
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -24,11 +24,12 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from epserve.messages.sampling import SamplingParams
+from epserve.router.checks import stop_strings
 from epserve.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from epserve.router.engine_client import EngineRequestError, EngineUnavailable
 from epserve.router.errors import ENGINE_ABORTED, ENGINE_LOST, APIError, unavailable
-from epserve.router.logprobs import chat_logprobs, completion_logprobs
-from epserve.router.protocol import ChatCompletionRequest, CompletionRequest, stop_strings
+from epserve.router.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
     from epserve.router.metrics import RouterMetrics
@@ -75,6 +76,10 @@ class Choice:
     finish_reason: str | None = None
     num_cached: int = 0
     num_output: int = 0
+    prompt_text: str | None = None  # as the client sent it (echo repeats it), None for token ids
+    engine_times: tuple[float, float] | None = None  # the engine's queue and prefill seconds, from its first token
+    # asked-for prompt logprobs: None for the first prompt token, then (logprob, top) per prompt token
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 
 
 # ---- what a choice's task sends to the response stream -------------------------------------------
@@ -115,6 +120,7 @@ class Generation:
         self.id = request_id
         self.created = int(time.time())
         self.arrival = time.monotonic()
+        self._started: set[int] = set()  # choices whose first chunk was streamed
 
     # ---- one choice ----------------------------------------------------------------------------
     async def deltas(self, choice: Choice) -> AsyncIterator[Delta]:
@@ -125,14 +131,22 @@ class Generation:
         metrics = ctx.metrics
         last = None
         rid = f"{self.id}-{choice.index}"
+        echo = self._echo if isinstance(req, CompletionRequest) and req.echo else None
         try:
             async with contextlib.aclosing(ctx.generate(rid, choice.prompt_ids, choice.params)) as stream:
                 async for msg in stream:
                     now = time.monotonic()
+                    if msg.prompt_logprobs:
+                        choice.prompt_logprobs = [None, *((lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+                                                          for lp in msg.prompt_logprobs)]
+                    if echo is not None:  # the prompt first: its text, and its logprobs when asked
+                        yield echo(choice)
+                        echo = None
                     n = len(msg.token_ids)
                     if n:
                         if last is None:
                             metrics.ttft.observe(now - self.arrival)
+                            choice.engine_times = (msg.queued_seconds, msg.prefill_seconds) if msg.prefill_seconds else None
                         else:
                             for _ in range(n):
                                 metrics.itl.observe((now - last) / n)
@@ -165,7 +179,7 @@ class Generation:
                     choice.logprobs.extend(lps)
                     if finish:
                         choice.finish_reason = finish
-                        self._finished(choice)
+                        self._finished(choice, msg)
                     yield delta
                     if finish:
                         return  # leaving the stream early (a stop string) cancels the engine request
@@ -174,15 +188,27 @@ class Generation:
                 choice.finish_reason = ABORTED
                 self._finished(choice)
 
-    def _finished(self, choice: Choice) -> None:
-        first = choice.first_of_prompt
-        self.ctx.metrics.finished(
-            choice.finish_reason or ABORTED,
-            len(choice.prompt_ids) if first else 0,
-            choice.num_cached if first else 0,
-            choice.num_output,
-            time.monotonic() - self.arrival,
-        )
+    def _echo(self, choice: Choice) -> Delta:
+        """A completion's echoed prompt, as the choice's first delta (its logprobs when asked for)."""
+        tokenizer = self.ctx.tokenizer
+        text = choice.prompt_text
+        if text is None:
+            text = tokenizer.decode(choice.prompt_ids, skip_special_tokens=self.req.skip_special_tokens) if tokenizer else ""
+        want = choice.params.logprobs is not None
+        logprobs = list(choice.prompt_logprobs or [None] * len(choice.prompt_ids)) if want else []
+        delta = Delta(text, list(choice.prompt_ids) if want else [], logprobs, None)  # type: ignore[arg-type]
+        choice.text.append(text)
+        choice.token_ids.extend(delta.token_ids)
+        choice.logprobs.extend(logprobs)  # type: ignore[arg-type]
+        return delta
+
+    def _finished(self, choice: Choice, msg: pb.GenerateResponse | None = None) -> None:
+        """Counts it; ``msg``: its last engine message (with the engine's times if the engine finished it)."""
+        n = self.req.n  # a prompt's choices: n in a row
+        group = self.choices[choice.index - choice.index % n:][:n]
+        self.ctx.metrics.finished(choice, time.monotonic() - self.arrival,
+                                  msg if msg is not None and msg.finish_reason else None,
+                                  group if all(c.finish_reason for c in group) else None)
 
     # ---- whole responses -----------------------------------------------------------------------
     async def complete(self) -> None:
@@ -217,9 +243,19 @@ class Generation:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                             "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
-                out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
-        return {"id": self.id, "object": "chat.completion" if chat else "text_completion", "created": self.created,
+                out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                            **self._prompt_logprobs(c)})
+        body = {"id": self.id, "object": "chat.completion" if chat else "text_completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": out, "usage": self.usage()}
+        if chat and self.req.prompt_logprobs is not None:  # vLLM puts a chat's beside its choices
+            body.update(self._prompt_logprobs(self.choices[0]))
+        return body
+
+    def _prompt_logprobs(self, choice: Choice) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` field, when asked for."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs(self.ctx.tokenizer, choice.prompt_ids, choice.prompt_logprobs)}
 
     # ---- streaming -----------------------------------------------------------------------------
     async def stream(self, raw: Request, chat: bool) -> Response:
@@ -303,14 +339,20 @@ class Generation:
                 logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)}
             else:
                 logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[choice.index])
+        first = choice.index not in self._started
+        self._started.add(choice.index)
         offsets[choice.index] += len(delta.text)
         if chat:
             body = {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
                     "logprobs": logprobs, "finish_reason": delta.finish_reason}
         else:
             body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason}
-        return _sse({**head, "choices": [body], **({"usage": None} if include_usage else {})})
+                    "finish_reason": delta.finish_reason, **(self._prompt_logprobs(choice) if first else {})}
+        usage: dict[str, Any] = {}
+        if include_usage:  # with continuous_usage_stats (vLLM), the usage so far in every chunk
+            options = self.req.stream_options
+            usage["usage"] = self.usage() if options is not None and options.continuous_usage_stats else None
+        return _sse({**head, "choices": [body], **usage})
 
 
 def _stream_error(err: Exception, request_id: str) -> APIError:

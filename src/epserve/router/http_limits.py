@@ -162,9 +162,13 @@ class RequestLimitsMiddleware:
 
 class RequestGate:
     """What is refused from a request's head alone, before any of its body is read. With an API key:
-    a ``/v1`` request without ``Authorization: Bearer KEY``, and any request without it that carries a
-    body (no open route takes one): 401. ``on_refused(status)`` counts each refusal made by
-    :func:`http_protocol` (the ASGI middleware that also asks the gate counts its own)."""
+    a request for ``/v1/*`` or another path of ``KEYED_PATHS`` without ``Authorization: Bearer KEY``,
+    and any request without it that carries a body (no open route takes one): 401. Open without the
+    key: ``/health``, ``/metrics``, ``/expert_load``, ``/openapi.json``, ``/docs``.
+    ``on_refused(status)`` counts each refusal made by :func:`http_protocol` (the ASGI middleware that
+    also asks the gate counts its own)."""
+
+    KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/version"})
 
     def __init__(self, api_key: str | None, on_refused: Callable[[int], None] = lambda status: None) -> None:
         self._expected = f"Bearer {api_key}".encode() if api_key else None
@@ -182,7 +186,7 @@ class RequestGate:
                 has_body = True
         if given is not None and hmac.compare_digest(given, self._expected):
             return None
-        if path.startswith("/v1") or has_body:
+        if path.startswith("/v1") or path in self.KEYED_PATHS or has_body:
             return unauthorized("Invalid or missing API key (Authorization: Bearer ...)")
         return None
 

@@ -95,3 +95,26 @@ def chat_logprobs(
         item["top_logprobs"] = [_chat_token(tokenizer, t, t_lp) for t, t_lp in top]
         out.append(item)
     return out
+
+
+def prompt_logprobs(tokenizer: _Tokenizer | None, prompt_ids: Sequence[int],
+                    entries: Sequence[LogprobEntry] | None) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
+    ``{id: {"logprob", "rank", "decoded_token"}}`` for it and the top ones (``rank`` 1 is the most
+    likely; the prompt token's own rank is given when it is among the top)."""
+    out: list[dict[str, Any] | None] = []
+    for token, entry in zip(prompt_ids, entries or ()):
+        if entry is None:
+            out.append(None)
+            continue
+        lp, top = _unpack(entry)
+        ranks = {t: r for r, (t, _) in enumerate(top, start=1)}
+        row = {str(t): _logprob_object(tokenizer, t, v, r) for r, (t, v) in enumerate(top, start=1)}
+        row[str(token)] = _logprob_object(tokenizer, token, lp, ranks.get(token))
+        out.append(row)
+    return out
+
+
+def _logprob_object(tokenizer: _Tokenizer | None, token: int, logprob: float | None, rank: int | None) -> dict[str, Any]:
+    decoded = tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else None
+    return {"logprob": _clamp(logprob), "rank": rank, "decoded_token": decoded}

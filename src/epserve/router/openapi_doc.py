@@ -2,8 +2,9 @@
 
 The generation endpoints parse their bodies by hand (for the OpenAI-style error messages), so FastAPI
 cannot see their request models: the request bodies are declared here (``CompletionRequest`` and
-``ChatCompletionRequest``, whose JSON schemas carry the ranges ``check_request`` enforces), with every
-answer they give: 200 as JSON or Server-Sent Events, and the errors, each with the OpenAI error body.
+``ChatCompletionRequest``, whose JSON schemas carry the ranges ``check_request`` enforces; vLLM's
+``/tokenize`` and ``/detokenize`` bodies likewise), with every answer they give: 200 as JSON or
+Server-Sent Events, and the errors, each with the OpenAI error body.
 """
 
 from __future__ import annotations
@@ -80,6 +81,36 @@ HEALTH_ROUTE: dict[str, Any] = {"responses": {
     503: {"description": "No engine instance is healthy", "content": _HEALTH},
 }}
 MODELS_ROUTE: dict[str, Any] = {"responses": _errors(401)}
+MODEL_ROUTE: dict[str, Any] = {"responses": _errors(401, 404)}  # (404: `model_not_found` for another id)
+VERSION_ROUTE: dict[str, Any] = {"responses": {
+    200: {"description": "The server's version",
+          "content": {"application/json": {"schema": _object({"version": _STR})}}},
+    **_errors(401)}}
+
+
+def _body(*models: str) -> dict[str, Any]:
+    """``openapi_extra`` declaring a JSON request body of one of ``models`` (names of installed schemas)."""
+    refs = [{"$ref": f"#/components/schemas/{m}"} for m in models]
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
+
+
+def _json(description: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_INTS = {"type": "array", "items": _INT}
+TOKENIZE_ROUTE: dict[str, Any] = {
+    "methods": ["POST"], "openapi_extra": _body("TokenizeCompletionRequest", "TokenizeChatRequest"),
+    "responses": {200: _json("The token ids (`token_strs`: as the vocabulary spells them, when asked for)", _object(
+        {"count": _INT, "max_model_len": _INT, "tokens": _INTS}, token_strs={"type": "array", "items": _STR})),
+        **_errors(400, 401, 404, 408, 413, 503)},
+}
+DETOKENIZE_ROUTE: dict[str, Any] = {
+    "methods": ["POST"], "openapi_extra": _body("DetokenizeRequest"),
+    "responses": {200: _json("The text of the token ids, special tokens included", _object({"prompt": _STR})),
+                  **_errors(400, 401, 404, 408, 413)},
+}
 METRICS_ROUTE: dict[str, Any] = {"responses": {200: {"description": "Prometheus text format",
                                                      "content": {"text/plain": {"schema": _STR}}}}}
 

@@ -1,23 +1,19 @@
-"""OpenAI-compatible request models and their validation for the HTTP layer (errors in ``errors``,
-logprobs formatting in ``logprobs``).
+"""OpenAI-compatible request models of the HTTP layer (their checks and their mapping onto the engine
+in ``checks``, errors in ``errors``, logprobs formatting in ``logprobs``).
 
 The request models parse ``/v1/completions`` and ``/v1/chat/completions`` bodies in pydantic's
 strict mode, so a value of the wrong JSON type (``"temperature": "hot"``, ``"n": true``) is an
 error rather than being coerced; a JSON integer is still a valid float. ``null`` for a parameter
-that has a default means the default, as in OpenAI's API. Unknown fields are ignored.
-
-``check_request`` then checks value ranges (also what the engine's gRPC fields can hold: ``top_k``
-int32, ``top_p`` float32, token ids and counts uint32, ``seed`` int64) and unsupported options,
-``resolve_max_tokens`` fits the completion into the model's context, and ``to_sampling_params`` maps a
-request onto the engine's ``SamplingParams``. Every problem is raised as an ``APIError`` whose
-``body()`` is the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``). The models'
-JSON schemas (the OpenAPI document) say the same: ``null`` allowed where it means the default, and
-the ranges ``check_request`` enforces.
+that has a default means the default, as in OpenAI's API. Unknown fields are ignored, each name said
+once in the log; fields OpenAI or vLLM define that this server does not implement are declared, so
+that ``checks`` can refuse them unless they hold the value that means "off". The models' JSON schemas
+(the OpenAPI document) say what ``checks.check_request`` enforces: ``null`` allowed where it means the
+default, and the ranges.
 """
 
 from __future__ import annotations
 
-import struct
+import logging
 import typing
 from types import NoneType, UnionType
 from typing import Any
@@ -33,36 +29,48 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from epserve.messages.sampling import MAX_LOGPROBS, SamplingParams
-from epserve.router.errors import bad_request, context_length_exceeded
-from epserve.tokenizer import ROLES
+from epserve.chat_template import ROLES
+from epserve.messages.sampling import (
+    MAX_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+)
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
 MAX_TEMPERATURE = 2.0
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_INT32_MAX, _UINT32_MAX = 2**31 - 1, 2**32 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
 
 # What check_request enforces, as JSON-schema keywords for the OpenAPI document (a keyword such as
 # `minimum` constrains numbers only, so it may sit next to the `null` that _null_means_default allows).
-_COUNT = {"minimum": 1, "maximum": _UINT32_MAX}
+_COUNT = {"minimum": 1, "maximum": UINT32_MAX}
 _SCHEMA_BOUNDS: dict[str, dict[str, Any]] = {
     "n": {"minimum": 1, "maximum": MAX_N},
     "temperature": {"minimum": 0, "maximum": MAX_TEMPERATURE},
     "top_p": {"exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {"minimum": -1, "maximum": _INT32_MAX},
+    "top_k": {"minimum": -1, "maximum": INT32_MAX},
     "min_p": {"minimum": 0, "maximum": 1},
-    "seed": {"minimum": _INT64_MIN, "maximum": _INT64_MAX},
+    "seed": {"minimum": INT64_MIN, "maximum": INT64_MAX},
     "stop": {"minLength": 1, "maxItems": MAX_STOP_STRINGS, "items": {"minLength": 1}},
-    "stop_token_ids": {"items": {"minimum": 0, "maximum": _UINT32_MAX}},
-    "presence_penalty": {"minimum": 0, "maximum": 0},
-    "frequency_penalty": {"minimum": 0, "maximum": 0},
+    "stop_token_ids": {"items": {"minimum": 0, "maximum": UINT32_MAX}},
+    "presence_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
+    "frequency_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
+    "repetition_penalty": {"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY},
+    "logit_bias": {"additionalProperties": {"minimum": -MAX_BIAS, "maximum": MAX_BIAS}},
+    "min_tokens": {"minimum": 0, "maximum": UINT32_MAX},
+    "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "max_tokens": _COUNT,
     "max_completion_tokens": _COUNT,
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "prompt": {"minLength": 1, "minItems": 1},
     "messages": {"minItems": 1},
     "role": {"enum": list(ROLES)},
+    "tokens": {"items": {"minimum": 0, "maximum": UINT32_MAX}},  # /detokenize (and the vocabulary's size)
+    "chat_template": {"type": "null"},  # a request's own template is refused
     "type": {"enum": ["text"]},  # of a content part
 }
 
@@ -90,12 +98,29 @@ def _document_schema(schema: dict[str, Any], cls: type[BaseModel]) -> None:
         prop.pop("title", None)
         if name == "logprobs":  # completions: a count; chat: a flag
             prop.update({} if field.annotation is bool else {"minimum": 0, "maximum": MAX_LOGPROBS})
+        elif name == "max_tokens" and cls.__name__ == "CompletionRequest":  # 0: the prompt alone
+            prop.update({"minimum": 0, "maximum": UINT32_MAX})
         else:
             prop.update(_SCHEMA_BOUNDS.get(name, {}))
 
 
-class _Model(BaseModel):
+_warned_unknown: set[tuple[str, str]] = set()
+
+
+class RequestModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra=_document_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown(cls, data: Any) -> Any:
+        """An unknown field is ignored, with one warning per field name in the log (vLLM's behaviour)."""
+        if isinstance(data, dict):
+            for key in data.keys() - cls.model_fields.keys():
+                if (cls.__name__, key) not in _warned_unknown and len(_warned_unknown) < 1024:
+                    _warned_unknown.add((cls.__name__, key))
+                    logger.warning("ignoring the unknown field %r of %s (said once per field)",
+                                   str(key)[:64], cls.__name__)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -134,18 +159,19 @@ def _union_error(value: Any, handler: ValidatorFunctionWrapHandler, expected: st
         ) from None
 
 
-class StreamOptions(_Model):
+class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): usage so far in every chunk
 
 
-class ContentPart(_Model):
+class ContentPart(RequestModel):
     """One part of a chat message's content; only ``{"type": "text", "text": ...}`` is supported."""
 
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Model):
+class ChatMessage(RequestModel):
     role: str
     content: str | list[ContentPart]
     name: str | None = None
@@ -164,7 +190,7 @@ class ChatMessage(_Model):
         return "\n".join(p.text or "" for p in self.content)
 
 
-class _SamplingFields(_Model):
+class _SamplingFields(RequestModel):
     """Fields that completions and chat completions share."""
 
     model: str | None = None
@@ -178,12 +204,25 @@ class _SamplingFields(_Model):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0  # only 0 is supported
-    frequency_penalty: float = 0.0  # only 0 is supported
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias
+    min_tokens: int = 0  # extension (vLLM)
+    prompt_logprobs: int | None = None  # extension (vLLM)
     ignore_eos: bool = False  # extension
     include_stop_str_in_output: bool = False  # extension
     skip_special_tokens: bool = True  # extension
     user: str | None = None
+    # Defined by OpenAI or vLLM, not implemented: a value other than "off" is refused (``_check_unsupported``).
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    response_format: Any = None
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -197,7 +236,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None  # 0..20
-    echo: bool = False  # only False is supported
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too)
+    best_of: int | None = None  # only equal to n: the n choices are the n best of n
+    suffix: Any = None  # not supported
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -214,165 +255,49 @@ class CompletionRequest(_SamplingFields):
             raise PydanticCustomError("type_error", "Input should be {expected}", {"expected": expected}) from None
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatFields(RequestModel):
+    """A conversation and how the chat template renders it (chat completions, ``/tokenize``)."""
+
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # wins over max_tokens when both are given
-    logprobs: bool = False
-    top_logprobs: int | None = None  # 0..20, needs logprobs=true
+    add_generation_prompt: bool = True  # extension (vLLM)
+    continue_final_message: bool = False  # extension (vLLM): the last (assistant) message is left open
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): more variables for the template
+    chat_template: str | None = None  # vLLM's per-request template: refused (the server's applies)
 
     def message_dicts(self) -> list[dict[str, str]]:
         """``[{"role", "content"}]`` for the tokenizer's chat template, text parts joined."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def template_options(self) -> dict[str, Any]:
+        """Keywords of ``Tokenizer.encode_chat``: continuing the final message adds no generation prompt."""
+        return {"add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+                "continue_final_message": self.continue_final_message,
+                "chat_template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(_SamplingFields, ChatFields):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # wins over max_tokens when both are given
+    logprobs: bool = False
+    top_logprobs: int | None = None  # 0..20, needs logprobs=true
+    # Defined by OpenAI, not implemented: a value other than "off" is refused (``_check_unsupported``).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    store: Any = None
+    # Defined by OpenAI and accepted: they change nothing here (tags and hints for OpenAI's own service).
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
-
-
-# ---------------------------------------------------------------------------------------------- checks
-
-
-def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
-    ok = (lo < value if lo_open else lo <= value) and value <= hi  # NaN fails both
-    if not ok:
-        lo_bracket = "(" if lo_open else "["
-        raise bad_request(f"{param} must be in {lo_bracket}{lo:g}, {hi:g}], got {value!r}", param)
-
-
-def check_request(req: AnyRequest) -> None:
-    """Raise ``APIError(400)`` for values out of range and options this server does not support."""
-    _check_range(req.n, 1, MAX_N, "n")
-    _check_range(req.temperature, 0, MAX_TEMPERATURE, "temperature")
-    _check_range(req.top_p, 0, 1, "top_p", lo_open=True)
-    if struct.unpack("f", struct.pack("f", req.top_p))[0] == 0:  # the engine's field is a float32
-        raise bad_request(f"top_p must be in (0, 1], got {req.top_p!r} (0 as a 32-bit float)", "top_p")
-    if not -1 <= req.top_k <= _INT32_MAX:
-        raise bad_request(
-            f"top_k must be -1 or 0 (disabled) or a positive integer up to {_INT32_MAX}, got {req.top_k}", "top_k"
-        )
-    _check_range(req.min_p, 0, 1, "min_p")
-    if req.seed is not None and not _INT64_MIN <= req.seed <= _INT64_MAX:
-        raise bad_request(f"seed must be a 64-bit signed integer, in [{_INT64_MIN}, {_INT64_MAX}]", "seed")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value != 0:  # also catches NaN
-            raise bad_request(
-                f"{name} is not supported: only 0 is allowed, got {value!r}", name, "unsupported_value"
-            )
-    stops = stop_strings(req)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
-    if any(s == "" for s in stops):
-        raise bad_request("stop strings must not be empty", "stop")
-    if req.stop_token_ids and any(not 0 <= t <= _UINT32_MAX for t in req.stop_token_ids):
-        raise bad_request(f"stop_token_ids must be token ids in [0, {_UINT32_MAX}]", "stop_token_ids")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if isinstance(req, CompletionRequest):
-        _check_completion(req)
-    else:
-        _check_chat(req)
-
-
-def _check_max_tokens(value: int | None, param: str) -> None:
-    if value is not None and not 1 <= value <= _UINT32_MAX:
-        raise bad_request(f"{param} must be in [1, {_UINT32_MAX}], got {value}", param)
-
-
-def _check_completion(req: CompletionRequest) -> None:
-    _check_max_tokens(req.max_tokens, "max_tokens")
-    if req.logprobs is not None:
-        _check_range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
-    if req.echo:
-        raise bad_request("echo is not supported: only false is allowed", "echo", "unsupported_value")
-    prompt = req.prompt
-    if isinstance(prompt, str) or not prompt:
-        prompts: list[Any] = [prompt]
-    elif isinstance(prompt[0], int):
-        prompts = [prompt]  # one prompt given as token ids
-    else:
-        prompts = list(prompt)
-    for i, p in enumerate(prompts):
-        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-        if len(p) == 0:
-            raise bad_request(f"{where} must not be empty", "prompt")
-        if not isinstance(p, str) and any(t < 0 for t in p):
-            raise bad_request(f"{where} holds a negative token id", "prompt")
-
-
-def _check_chat(req: ChatCompletionRequest) -> None:
-    _check_max_tokens(req.max_tokens, "max_tokens")
-    _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        _check_range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
-    if not req.messages:
-        raise bad_request("messages must hold at least one message", "messages")
-    for i, m in enumerate(req.messages):
-        if isinstance(m.content, str):
-            continue
-        for j, part in enumerate(m.content):
-            where = f"messages[{i}].content[{j}]"
-            if part.type != "text":
-                raise bad_request(
-                    f"{where}.type is {part.type!r}: only text content is supported",
-                    f"{where}.type",
-                    "unsupported_value",
-                )
-            if part.text is None:
-                raise bad_request(f"{where} has type 'text' but no text", f"{where}.text")
-
-
-def resolve_max_tokens(req: AnyRequest, num_prompt_tokens: int, max_model_len: int) -> int:
-    """How many tokens to generate: as requested (completions default 16; chat ``max_completion_tokens``
-    over ``max_tokens``), else whatever room the context leaves. Raises ``context_length_exceeded``.
-    ``req`` has passed ``check_request`` (which refuses a requested count below 1)."""
-    if isinstance(req, ChatCompletionRequest):
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        prompt_param = "messages"
-    else:
-        requested, param, prompt_param = req.max_tokens, "max_tokens", "prompt"
-    if num_prompt_tokens >= max_model_len:
-        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested, prompt_param)
-    if requested is None:
-        return max_model_len - num_prompt_tokens
-    if num_prompt_tokens + requested > max_model_len:
-        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested, param)
-    return requested
-
-
-def _wrap_int64(x: int) -> int:
-    return (x - _INT64_MIN) % 2**64 + _INT64_MIN
-
-
-def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0) -> SamplingParams:
-    """The engine's ``SamplingParams`` for choice ``index`` of ``req`` (its seed is ``seed + index``)."""
-    if isinstance(req, ChatCompletionRequest):
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(req.temperature),
-            top_k=req.top_k,
-            top_p=float(req.top_p),
-            min_p=float(req.min_p),
-            seed=None if req.seed is None else _wrap_int64(req.seed + index),
-            stop_token_ids=tuple(req.stop_token_ids or ()),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-        )
-    except ValueError as e:
-        raise bad_request(str(e)) from None
-
-
-def stop_strings(req: AnyRequest) -> list[str]:
-    """``stop`` as a list: ``[]``, ``[s]`` or the given list."""
-    if req.stop is None:
-        return []
-    if isinstance(req.stop, str):
-        return [req.stop]
-    return list(req.stop)

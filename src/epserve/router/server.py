@@ -44,9 +44,15 @@ class RouterOptions:
     keep_alive_timeout_s: float = 5.0
     max_connections: int = 2048
     engine_token: str | None = field(default=None, repr=False)  # the engines' mutual TLS key (None: plaintext)
+    chat_template: str | None = field(default=None, repr=False)  # template text replacing the checkpoint's
+    generation_config: str = "auto"  # sampling defaults: auto (the checkpoint's), vllm (none) or a directory
 
     def __post_init__(self) -> None:
         _ = self.limits  # ValueError for bad limits, as soon as the options are made
+        if self.chat_template is not None:
+            from epserve.chat_template import compile_chat_template
+
+            compile_chat_template(self.chat_template)  # ValueError naming the syntax error
 
     @property
     def model_name(self) -> str:
@@ -65,7 +71,9 @@ class RouterOptions:
 
 
 def router_parts(options: RouterOptions):
-    """The policy and the tokenizer (None if the model directory has none); ValueError for bad options."""
+    """The policy, the tokenizer (None if the model directory has none) and the sampling defaults of
+    ``--generation-config``; ValueError for bad options."""
+    from epserve.router.generation_defaults import GenerationDefaults
     from epserve.router.policy import make_policy
     from epserve.tokenizer import load_tokenizer
 
@@ -83,7 +91,10 @@ def router_parts(options: RouterOptions):
         path = Path(options.model)
         if not path.is_dir():
             raise ValueError(f"model directory {options.model} does not exist (the router reads its tokenizer)")
-    return policy, load_tokenizer(path)
+    tokenizer = load_tokenizer(path, options.chat_template)
+    if tokenizer is None and options.chat_template is not None:
+        raise ValueError(f"--chat-template needs a tokenizer; the model directory {path} has no tokenizer.json")
+    return policy, tokenizer, GenerationDefaults.resolve(options.generation_config, path)
 
 
 def build_router(options: RouterOptions, api_key: str | None = None):
@@ -91,10 +102,11 @@ def build_router(options: RouterOptions, api_key: str | None = None):
     from epserve.router.app import OpenAIServer
     from epserve.router.instances import Router
 
-    policy, tokenizer = router_parts(options)
+    policy, tokenizer, defaults = router_parts(options)
+    defaults.log()
     router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token or api_key,
                     engine_wait_s=options.engine_wait_s, prefill=options.prefill, decode=options.decode)
-    return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits)
+    return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits, defaults)
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -31,11 +31,19 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         min_p=p.min_p,
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias],
+        min_tokens=p.min_tokens,
     )
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -51,6 +59,12 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple((b.token_id, b.bias) for b in p.logit_bias),
+        min_tokens=p.min_tokens,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -101,6 +115,11 @@ def generated_to_proto(out: GeneratedTokens) -> pb.GenerateResponse:
         num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason or "",
     )
     msg.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs)
+    if out.prompt_logprobs:
+        msg.prompt_logprobs.extend(logprob_to_proto(lp) for lp in out.prompt_logprobs)
+    if out.times is not None:
+        msg.queued_seconds, msg.prefill_seconds, msg.decode_seconds = (
+            out.times.queued_s, out.times.prefill_s, out.times.decode_s)
     return msg
 
 

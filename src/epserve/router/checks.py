@@ -1,0 +1,256 @@
+"""What a parsed OpenAI request may hold, and what it asks the engine.
+
+``check_request`` checks value ranges (also what the engine's gRPC fields can hold: ``top_k`` int32,
+``top_p`` float32, token ids and counts uint32, ``seed`` int64) and refuses the fields this server does
+not implement; ``resolve_max_tokens`` fits the completion into the model's context, and
+``to_sampling_params`` maps a request onto the engine's ``SamplingParams`` (the checkpoint's generation
+defaults filling what it leaves unset). Every problem is raised as an ``APIError`` whose ``body()`` is
+the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from epserve.chat_template import RESERVED_TEMPLATE_VARIABLES
+from epserve.messages.sampling import (
+    MAX_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    SamplingParams,
+)
+from epserve.router.errors import bad_request, context_length_exceeded
+from epserve.router.generation_defaults import GenerationDefaults
+from epserve.router.protocol import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    UINT32_MAX,
+    AnyRequest,
+    ChatCompletionRequest,
+    ChatFields,
+    CompletionRequest,
+)
+
+
+def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
+    ok = (lo < value if lo_open else lo <= value) and value <= hi  # NaN fails both
+    if not ok:
+        lo_bracket = "(" if lo_open else "["
+        raise bad_request(f"{param} must be in {lo_bracket}{lo:g}, {hi:g}], got {value!r}", param)
+
+
+def check_request(req: AnyRequest) -> None:
+    """Raise ``APIError(400)`` for values out of range and options this server does not support."""
+    _check_range(req.n, 1, MAX_N, "n")
+    _check_range(req.temperature, 0, MAX_TEMPERATURE, "temperature")
+    _check_range(req.top_p, 0, 1, "top_p", lo_open=True)
+    if struct.unpack("f", struct.pack("f", req.top_p))[0] == 0:  # the engine's field is a float32
+        raise bad_request(f"top_p must be in (0, 1], got {req.top_p!r} (0 as a 32-bit float)", "top_p")
+    if not -1 <= req.top_k <= INT32_MAX:
+        raise bad_request(
+            f"top_k must be -1 or 0 (disabled) or a positive integer up to {INT32_MAX}, got {req.top_k}", "top_k"
+        )
+    _check_range(req.min_p, 0, 1, "min_p")
+    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
+        raise bad_request(f"seed must be a 64-bit signed integer, in [{INT64_MIN}, {INT64_MAX}]", "seed")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _check_range(getattr(req, name), -MAX_PENALTY, MAX_PENALTY, name)
+    _check_range(req.repetition_penalty, 0, MAX_REPETITION_PENALTY, "repetition_penalty", lo_open=True)
+    logit_bias(req)  # its keys and values
+    if not 0 <= req.min_tokens <= UINT32_MAX:
+        raise bad_request(f"min_tokens must be in [0, {UINT32_MAX}], got {req.min_tokens}", "min_tokens")
+    if req.prompt_logprobs is not None:
+        _check_range(req.prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
+    _check_unsupported(req)
+    stops = stop_strings(req)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if any(s == "" for s in stops):
+        raise bad_request("stop strings must not be empty", "stop")
+    if req.stop_token_ids and any(not 0 <= t <= UINT32_MAX for t in req.stop_token_ids):
+        raise bad_request(f"stop_token_ids must be token ids in [0, {UINT32_MAX}]", "stop_token_ids")
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if isinstance(req, CompletionRequest):
+        _check_completion(req)
+    else:
+        _check_chat(req)
+
+
+def _check_max_tokens(value: int | None, param: str, least: int = 1) -> None:
+    if value is not None and not least <= value <= UINT32_MAX:
+        raise bad_request(f"{param} must be in [{least}, {UINT32_MAX}], got {value}", param)
+
+
+# Fields defined by OpenAI or vLLM that this server does not implement, and the values that mean "off".
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "bad_words": (None, []), "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}), "suffix": (None, ""), "tools": (None, []),
+    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+    "reasoning_effort": (None,), "verbosity": (None,), "store": (None, False),
+}
+
+
+def _check_unsupported(req: AnyRequest) -> None:
+    for name, off in _UNSUPPORTED.items():
+        if name in type(req).model_fields and not any(_same(getattr(req, name), v) for v in off):
+            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def logit_bias(req: AnyRequest) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as (token id, bias) pairs: keys are token ids written as strings (OpenAI's form)."""
+    pairs = []
+    for key, bias in (req.logit_bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) > UINT32_MAX:
+            raise bad_request(f"logit_bias keys must be token ids, got {key[:32]!r}", "logit_bias")
+        _check_range(bias, -MAX_BIAS, MAX_BIAS, f"logit_bias[{key!r}]")
+        pairs.append((int(key), float(bias)))
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise bad_request("logit_bias names a token id twice", "logit_bias")
+    return tuple(pairs)
+
+
+def _check_completion(req: CompletionRequest) -> None:
+    _check_max_tokens(req.max_tokens, "max_tokens", least=0)  # 0: the prompt only (with echo, its logprobs)
+    if req.logprobs is not None:
+        _check_range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of must equal n ({req.n}) when given: this server returns every choice it "
+                          f"generates, got best_of={req.best_of}", "best_of", "unsupported_value")
+    prompt = req.prompt
+    if isinstance(prompt, str) or not prompt:
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt[0], int):
+        prompts = [prompt]  # one prompt given as token ids
+    else:
+        prompts = list(prompt)
+    for i, p in enumerate(prompts):
+        where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if len(p) == 0:
+            raise bad_request(f"{where} must not be empty", "prompt")
+        if not isinstance(p, str) and any(t < 0 for t in p):
+            raise bad_request(f"{where} holds a negative token id", "prompt")
+
+
+def _check_chat(req: ChatCompletionRequest) -> None:
+    _check_max_tokens(req.max_tokens, "max_tokens")
+    _check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        _check_range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
+    check_chat_fields(req)
+
+
+def check_chat_fields(req: ChatFields) -> None:
+    """The conversation's checks (chat completions, ``/tokenize``): content parts, template options."""
+    if not req.messages:
+        raise bad_request("messages must hold at least one message", "messages")
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, str):
+            continue
+        for j, part in enumerate(m.content):
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise bad_request(
+                    f"{where}.type is {part.type!r}: only text content is supported",
+                    f"{where}.type",
+                    "unsupported_value",
+                )
+            if part.text is None:
+                raise bad_request(f"{where} has type 'text' but no text", f"{where}.text")
+    if req.chat_template is not None:
+        raise bad_request("chat_template is not accepted in a request: the server's chat template applies "
+                          "(start it with --chat-template to choose another)", "chat_template", "unsupported_value")
+    if req.continue_final_message:
+        if req.add_generation_prompt and "add_generation_prompt" in req.model_fields_set:
+            raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise bad_request(f"continue_final_message needs the last message to be the assistant's, not the "
+                              f"{req.messages[-1].role}'s", "continue_final_message")
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(req.chat_template_kwargs or ()))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(reserved)}: the request's own field does",
+                          "chat_template_kwargs")
+
+
+def resolve_max_tokens(req: AnyRequest, num_prompt_tokens: int, max_model_len: int) -> int:
+    """How many tokens to generate: as requested (completions default 16; chat ``max_completion_tokens``
+    over ``max_tokens``), else whatever room the context leaves. Raises ``context_length_exceeded``.
+    ``req`` has passed ``check_request`` (which refuses a requested count below 1, or below 0 for
+    completions: 0 asks for the prompt alone)."""
+    if isinstance(req, ChatCompletionRequest):
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        prompt_param = "messages"
+    else:
+        requested, param, prompt_param = req.max_tokens, "max_tokens", "prompt"
+    if num_prompt_tokens >= max_model_len:
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested, prompt_param)
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise context_length_exceeded(max_model_len, num_prompt_tokens, requested, param)
+    return requested
+
+
+def _wrap_int64(x: int) -> int:
+    return (x - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
+                       defaults: GenerationDefaults | None = None) -> SamplingParams:
+    """The engine's ``SamplingParams`` for choice ``index`` of ``req`` (its seed is ``seed + index``);
+    ``defaults`` (the checkpoint's ``generation_config.json``) fill the sampling fields it did not set."""
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
+    prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)  # echo shows the prompt tokens' logprobs
+    sampling = {"temperature": float(req.temperature), "top_k": req.top_k, "top_p": float(req.top_p),
+                "min_p": float(req.min_p), "repetition_penalty": float(req.repetition_penalty)}
+    stop_ids = tuple(req.stop_token_ids or ())
+    if defaults is not None:
+        sampling = defaults.fill(req.model_fields_set, sampling)
+        if not req.ignore_eos:  # the file's EOS ids stop generation like the model's own
+            stop_ids += tuple(t for t in defaults.eos_token_ids if t not in stop_ids)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            **sampling,
+            seed=None if req.seed is None else _wrap_int64(req.seed + index),
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=float(req.presence_penalty),
+            frequency_penalty=float(req.frequency_penalty),
+            logit_bias=logit_bias(req),
+            min_tokens=req.min_tokens,
+            prompt_logprobs=prompt_logprobs,
+        )
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def stop_strings(req: AnyRequest) -> list[str]:
+    """``stop`` as a list: ``[]``, ``[s]`` or the given list."""
+    if req.stop is None:
+        return []
+    if isinstance(req.stop, str):
+        return [req.stop]
+    return list(req.stop)

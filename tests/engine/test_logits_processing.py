@@ -1,0 +1,197 @@
+"""Logits processing and prompt logprobs in the engine: penalties, ``logit_bias`` and ``min_tokens``
+against a torch reference of vLLM's formulas on the same logits, the engine's greedy decode against the
+same reference step by step, exactness under MTP verification, ``max_tokens`` 0, and prompt logprobs
+against transformers' log-softmax (chunked prefill and prefix-cache hits included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epserve import LLM, SamplingParams
+from epserve.engine.logits_processor import LogitsProcessor
+from epserve.engine.request import Request
+from tests.model.test_model_parity import engine_logits
+
+V = 50
+
+
+def reference(logits: torch.Tensor, request: Request, extra: tuple[int, ...] = ()) -> torch.Tensor:
+    """vLLM's definitions, one row, written out plainly."""
+    p = request.sampling_params
+    out = logits.clone()
+    outputs = [*request.output_token_ids, *extra]
+    counts = torch.zeros(out.shape[-1])
+    for t in outputs:
+        counts[t] += 1
+    if p.repetition_penalty != 1:
+        for t in set(outputs) | set(request.prompt_token_ids):
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    out -= p.frequency_penalty * counts
+    out -= p.presence_penalty * (counts > 0).float()
+    for t, b in p.logit_bias:
+        out[t] += b
+    if len(outputs) < p.min_tokens:
+        for t in (*p.stop_token_ids, *(() if p.ignore_eos else request.eos_token_ids)):
+            out[t] = float("-inf")
+    return out
+
+
+def make(rid: str, prompt: list[int], outputs: list[int], **kw) -> Request:
+    request = Request(rid, prompt, SamplingParams(max_tokens=20, **kw), eos_token_ids=(1,))
+    for t in outputs:
+        request.append_output_token(t)
+    return request
+
+
+def test_processor_matches_the_reference_formulas() -> None:
+    gen = torch.Generator().manual_seed(0)
+    proc = LogitsProcessor(V, torch.device("cpu"))
+    requests = [
+        make("plain", [3, 4], [5]),
+        make("rep", [3, 4, 4, 9], [5, 5, 9], repetition_penalty=1.7),
+        make("freq", [2], [6, 6, 6, 7], frequency_penalty=0.8, presence_penalty=-0.4),
+        make("all", [10, 11], [10, 12, 12], repetition_penalty=0.6, frequency_penalty=-1.1, presence_penalty=1.5,
+             logit_bias={0: 3.0, 12: -100.0, 49: 7.5}),
+        make("min", [8], [9], min_tokens=4, stop_token_ids=[20, 21]),
+        make("min-noeos", [8], [], min_tokens=2, ignore_eos=True, stop_token_ids=[22]),
+        make("min-done", [8], [9, 9, 9, 9], min_tokens=4, stop_token_ids=[20]),
+    ]
+    # rows past tokens the requests do not hold yet: a verification's drafts
+    rows = [*requests, requests[1], requests[3], requests[3]]
+    extras = [(), (), (), (), (), (), (), (5, 40), (12,), (12, 12)]
+    for step in range(3):  # the counts follow the outputs appended between steps
+        logits = torch.randn(len(rows), V, generator=gen) * 3
+        ours = proc.apply(logits, rows, extras)
+        for r, (req, extra) in enumerate(zip(rows, extras)):
+            assert torch.allclose(ours[r], reference(logits[r], req, extra), atol=1e-5), (step, req.request_id)
+        for req in requests:
+            req.append_output_token(int(torch.randint(V, (1,), generator=gen)))
+    assert proc.num_tracked == 3  # only the requests with penalties keep counts
+    untouched = torch.randn(2, V)
+    assert proc.apply(untouched, [requests[0], requests[0]]) is untouched  # nothing to do: no copy, no op
+    for req in requests:
+        proc.release(req.request_id)
+    assert proc.num_tracked == 0
+    reused = make("new", [1], [2], presence_penalty=1.0)  # a released row is reused, its old counts gone
+    logits = torch.randn(1, V, generator=gen)
+    assert torch.allclose(proc.apply(logits, [reused]), reference(logits[0], reused))
+
+
+def test_in_place_over_every_row_matches_the_reference() -> None:
+    """Every row penalized (no gather of rows) and processed in place, repeated tokens among the extras."""
+    gen = torch.Generator().manual_seed(1)
+    proc = LogitsProcessor(V, torch.device("cpu"))
+    a = make("a", [3, 3, 4], [4, 9], repetition_penalty=1.3, presence_penalty=0.7)
+    b = make("b", [5], [], frequency_penalty=1.9)
+    rows, extras = [a, a, a, b], [(), (9,), (9, 30), (5, 5)]
+    for _ in range(2):
+        logits = torch.randn(len(rows), V, generator=gen) * 2
+        want = torch.stack([reference(logits[r], req, extra) for r, (req, extra) in enumerate(zip(rows, extras))])
+        out = proc.apply(logits, rows, extras, in_place=True)
+        assert out is logits and torch.allclose(out, want, atol=1e-5)
+        a.append_output_token(30), b.append_output_token(5)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt, device):
+    return LLM(tiny_ckpt, dtype="float32", num_blocks=128, block_size=8, max_num_batched_tokens=24, device=device)
+
+
+PROMPT = [5, 17, 99, 3, 3, 3, 8, 40, 41, 42]
+
+
+def test_greedy_decode_with_processing_follows_the_reference_step_by_step(llm) -> None:
+    kw = dict(repetition_penalty=2.0, frequency_penalty=1.5, presence_penalty=1.0, logit_bias={257: -4.0, 3: 2.0})
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, **kw)
+    out = llm.generate([PROMPT], params)[0]
+    state = Request("ref", PROMPT, params)
+    for _ in range(14):
+        raw = engine_logits(llm, state.all_token_ids)[-1].cpu()
+        state.append_output_token(int(reference(raw, state).argmax()))
+    assert out.token_ids == state.output_token_ids
+    plain = llm.generate([PROMPT], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))[0]
+    assert plain.token_ids != out.token_ids  # the processing changed the text
+
+
+def test_logprobs_stay_the_models_own(llm) -> None:
+    biased = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0, logprobs=2,
+                                                   logit_bias={77: 100.0}))[0]
+    assert biased.token_ids == [77, 77, 77]
+    raw = torch.log_softmax(engine_logits(llm, PROMPT)[-1].cpu(), -1)
+    assert biased.logprobs[0].logprob == pytest.approx(float(raw[77]), abs=1e-4)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens(llm) -> None:
+    eos = llm.config.model.eos_token_ids[0]
+    forced = {eos: 100.0, 300: 50.0}  # EOS is always the best token, then 300
+    first = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, logit_bias=forced))[0]
+    assert first.token_ids == [eos] and first.finish_reason == "stop"
+    held = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, logit_bias=forced, min_tokens=4))[0]
+    assert held.token_ids == [300, 300, 300, 300, eos] and held.finish_reason == "stop"
+    stop = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, min_tokens=3, ignore_eos=True,
+                                                 stop_token_ids=[300], logit_bias={300: 100.0, 301: 50.0}))[0]
+    assert stop.token_ids == [301, 301, 301, 300] and stop.finish_reason == "stop"
+    sampled = llm.generate([PROMPT] * 4, SamplingParams(max_tokens=6, temperature=1.0, seed=3, min_tokens=6,
+                                                        logit_bias={eos: 8.0}))
+    assert all(len(o.token_ids) == 6 and eos not in o.token_ids for o in sampled)
+
+
+def test_max_tokens_zero_runs_the_prompt_only(llm) -> None:
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
+    kv = llm.engine.scheduler.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_prompt_logprobs_match_transformers(tiny_ckpt, llm) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tiny_ckpt), dtype=torch.float32).eval()
+    long = list(range(100, 170))  # chunked: 24 tokens a step
+    prompts = [PROMPT, long, long]  # the second copy of `long` finds its prefix cached: recomputed
+    warm = llm.generate([long], SamplingParams(max_tokens=1))[0]  # caches `long`'s blocks
+    assert warm.token_ids
+    params = [SamplingParams(max_tokens=2, prompt_logprobs=k) for k in (3, 0, 5)]
+    outs = llm.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        assert out.num_cached_tokens == 0  # a request that wants its prompt's logprobs recomputes it
+        for pos, lp in enumerate(out.prompt_logprobs[1:], start=1):
+            assert lp.token_id == prompt[pos]
+            assert lp.logprob == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+            top = torch.topk(ref[pos - 1], p.prompt_logprobs)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    plain = llm.generate([long], SamplingParams(max_tokens=2))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # others still hit the cache
+
+
+def test_processing_is_exact_under_mtp_verification(counter_ckpt, device) -> None:
+    engine = dict(dtype="float32", num_blocks=256, block_size=8, device=device)
+    prompts = [[5, 6, 7, 8], [30, 31], [12, 13, 14, 15, 16, 17]]
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **kw) for kw in (
+        {"repetition_penalty": 1.2, "frequency_penalty": 0.3},
+        {"logit_bias": {40: 2.0}, "presence_penalty": 0.5, "prompt_logprobs": 1},
+        {"min_tokens": 5, "frequency_penalty": -0.2})]
+    plain = LLM(counter_ckpt, **engine).generate(prompts, params)
+    mtp = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **engine)
+    outs = mtp.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert [lp.token_id for lp in outs[1].prompt_logprobs[1:]] == prompts[1][1:]
+    stats = mtp.speculative_stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # drafts accepted and rejected
+    # sampled requests under MTP: reproducible with a seed and never below min_tokens
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, seed=7, min_tokens=12, repetition_penalty=1.3,
+                              logit_bias={mtp.config.model.eos_token_ids[0]: 5.0})] * 2
+    a, b = mtp.generate(prompts[:2], sampled), mtp.generate(prompts[:2], sampled)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 12 for o in a)
+    # a prompt-only request beside drafting ones: no token, its prompt logprobs, the others unchanged
+    mixed = mtp.generate(prompts, [SamplingParams(max_tokens=0, prompt_logprobs=1), *params[1:]])
+    assert mixed[0].token_ids == [] and len(mixed[0].prompt_logprobs) == len(prompts[0])
+    assert [o.token_ids for o in mixed[1:]] == [o.token_ids for o in plain[1:]]
+    kv = mtp.engine.scheduler.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks

@@ -1,0 +1,212 @@
+"""The OpenAI surface a vLLM user reaches for, against a real ``epserve serve`` through the official
+``openai`` client and raw HTTP: penalties, ``logit_bias`` and ``min_tokens`` change the text exactly as
+the offline engine does; ``echo`` with ``logprobs`` answers lm-evaluation-harness's loglikelihood request
+(checked against transformers); ``prompt_logprobs`` on both endpoints; ``max_tokens`` 0;
+``continuous_usage_stats``; the checkpoint's ``generation_config.json`` as defaults; fields this server
+does not implement refused by name, unknown ones said once in the log."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from epserve import LLM, SamplingParams
+from epserve.parallel.launch import free_port
+from tests.serve_harness import Proc, wait_http_ok
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny"
+ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "128", "--max-model-len", "512"]
+PROMPT = [5, 17, 99, 230, 41, 41, 7]
+REPEATS = [5, 17, 99, 3, 3, 3, 8]  # its greedy continuation repeats a token from the seventh on
+STOPPER = 3  # the position, in PROMPT's greedy continuation, of the token the generation config makes an EOS
+
+
+@pytest.fixture(scope="module")
+def offline(make_ckpt):
+    return LLM(make_ckpt("tiny", dtype="float32"), dtype="float32", num_blocks=128, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def greedy(offline) -> list[int]:
+    return offline.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def ckpt(make_ckpt, tmp_path_factory, greedy) -> Path:
+    """The tiny checkpoint with a generation_config.json: greedy by default (top_k 1) and one more EOS id."""
+    path = tmp_path_factory.mktemp("gencfg") / "model"
+    shutil.copytree(make_ckpt("tiny", dtype="float32"), path)
+    (path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "top_k": 1, "temperature": 0.9, "eos_token_id": [1, greedy[STOPPER]]}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("surface") / "serve.log"
+    proc = Proc(["serve", str(ckpt), "--dp", "1", "--port", str(port), "--served-model-name", MODEL, *ENGINE_ARGS], log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", proc)
+        yield proc, url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill_all()
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+
+def test_logit_bias_penalties_and_min_tokens_change_the_text_as_offline(server, offline):
+    _, url, client = server
+    cases = [
+        ({"logit_bias": {"77": 100}}, {"logit_bias": {77: 100.0}}),
+        ({"frequency_penalty": 2.0, "presence_penalty": 1.5},
+         {"frequency_penalty": 2.0, "presence_penalty": 1.5}),
+        ({"extra_body": {"repetition_penalty": 3.0, "ignore_eos": True}}, {"repetition_penalty": 3.0}),
+    ]
+    plain = client.completions.create(model=MODEL, prompt=REPEATS, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    for api, engine in cases:
+        extra = api.pop("extra_body", {"ignore_eos": True})
+        out = client.completions.create(model=MODEL, prompt=REPEATS, max_tokens=12, temperature=0, extra_body=extra,
+                                        **api)
+        want = offline.generate([REPEATS], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **engine))[0]
+        assert out.choices[0].text == want.text, api
+        assert out.choices[0].text != plain, api  # the field was not ignored
+    # min_tokens: EOS forced by a bias, then held off until min_tokens tokens
+    eos = offline.config.model.eos_token_ids[0]
+    forced = {str(eos): 100, "300": 50}
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logit_bias=forced)
+    assert first.usage.completion_tokens == 1 and first.choices[0].finish_reason == "stop"
+    held = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logit_bias=forced,
+                                     extra_body={"min_tokens": 4})
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logit_bias={"77": 100})
+    assert chat.choices[0].message.content == offline.tokenizer.decode([77] * 4)
+
+
+def test_loglikelihood_request_shaped_as_lm_eval_sends_it(server, ckpt):
+    """lm-evaluation-harness's local-completions: token-id prompts, echo, logprobs 1, max_tokens 1; it reads
+    ``token_logprobs[ctxlen:-1]`` and checks greediness against ``top_logprobs``."""
+    _, url, _ = server
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    context, continuations = [9, 120, 33, 41, 250], [[7, 8], [300], [41, 41, 2]]
+    prompts = [context + c for c in continuations]
+    body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    for prompt, choice in zip(prompts, choices):
+        lp = choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][0] is None
+        assert lp["top_logprobs"][0] is None
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+        want = [float(ref[p - 1, prompt[p]]) for p in range(len(context), len(prompt))]
+        got = lp["token_logprobs"][len(context):-1]
+        assert got == pytest.approx(want, abs=1e-4)
+        greedy = [prompt[p] == int(ref[p - 1].argmax()) for p in range(len(context), len(prompt))]
+        tops = lp["top_logprobs"][len(context):-1]
+        assert [tok == max(top.values()) for tok, top in zip(got, tops)] == greedy
+    # max_tokens 0: the prompt alone, with its logprobs
+    r = post(url, "/v1/completions", {**body, "prompt": prompts[0], "max_tokens": 0})
+    choice = r.json()["choices"][0]
+    assert r.json()["usage"]["completion_tokens"] == 0 and choice["finish_reason"] == "length"
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompts[0])
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        choices[0]["logprobs"]["token_logprobs"][1:-1], abs=1e-5)
+
+
+def test_echo_text_streamed_and_not(server):
+    _, _, client = server
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, echo=True, logprobs=2)
+    whole = client.completions.create(**kw)
+    assert whole.choices[0].text.startswith("Once upon a time")
+    assert whole.usage.completion_tokens == 5
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    expected = whole.choices[0].logprobs.token_logprobs
+    n_prompt = whole.usage.prompt_tokens
+    assert len(expected) == n_prompt + 5 and expected[0] is None and streamed[0] is None
+    assert streamed[1:] == pytest.approx(expected[1:], abs=1e-5)
+    only = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=0, echo=True)
+    assert only.choices[0].text == "Once upon a time" and only.usage.completion_tokens == 0
+
+
+def test_prompt_logprobs_on_both_endpoints(server, offline):
+    _, url, _ = server
+    want = offline.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 2})
+    got = r.json()["choices"][0]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(PROMPT)
+    for pos in range(1, len(PROMPT)):
+        entry = got[pos]
+        token = str(PROMPT[pos])
+        assert entry[token]["logprob"] == pytest.approx(want[pos].logprob, abs=1e-4)
+        ranked = sorted((v["rank"], k) for k, v in entry.items() if v["rank"] is not None)
+        assert [k for _, k in ranked][:2] == [str(t) for t, _ in want[pos].top]
+        assert all(isinstance(v["decoded_token"], str) for v in entry.values())
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                           "max_tokens": 2, "prompt_logprobs": 0})
+    body = r.json()
+    assert body["prompt_logprobs"][0] is None
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+
+
+def test_continuous_usage_stats(server):
+    _, _, client = server
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True},
+                                            extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(PROMPT) for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
+
+
+def test_generation_config_is_the_default(server, greedy):
+    proc, _, client = server
+    assert "default sampling from" in proc.output() and "top_k=1" in proc.output()
+    # unset sampling fields take the file's: top_k 1 is greedy, and its extra EOS id stops the text
+    for _ in range(2):
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8)
+        assert out.usage.completion_tokens == STOPPER + 1 and out.choices[0].finish_reason == "stop"
+    # a request that sets a field keeps its own value; ignore_eos drops the extra EOS too
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 8
+    sampled = {client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, top_p=1.0,
+                                         extra_body={"top_k": -1, "ignore_eos": True}).choices[0].text
+               for _ in range(4)}
+    assert len(sampled) > 1  # top_k -1 given: no longer greedy
+
+
+def test_unimplemented_fields_refused_unknown_ones_logged(server):
+    proc, url, client = server
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", best_of=3, n=1)
+    assert info.value.body["param"] == "best_of"
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"100000": 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias" and "vocabulary" in r.text
+    assert client.completions.create(model=MODEL, prompt="x", best_of=2, n=2, max_tokens=2).choices[1].index == 1
+    for _ in range(2):
+        r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1, "frobnicate": True})
+        assert r.status_code == 200
+    assert proc.output().count("'frobnicate'") == 1

@@ -1,0 +1,29 @@
+"""Every sampling field and a request's prompt logprobs and times survive the engine's protobuf."""
+
+from __future__ import annotations
+
+from epserve.messages.engine import GeneratedTokens, RequestTimes
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
+from epserve.rpc.convert import generated_to_proto, sampling_from_proto, sampling_to_proto
+
+
+def test_sampling_params_round_trip() -> None:
+    cases = [
+        SamplingParams(),
+        SamplingParams(max_tokens=0, prompt_logprobs=0),
+        SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.75, min_p=0.125, seed=-3, stop_token_ids=(4, 9),
+                       ignore_eos=True, logprobs=2, presence_penalty=-1.5, frequency_penalty=0.25,
+                       repetition_penalty=1.125, logit_bias={3: -100.0, 8: 2.5}, min_tokens=5, prompt_logprobs=20),
+    ]
+    for params in cases:
+        assert sampling_from_proto(sampling_to_proto(params)) == params
+
+
+def test_generated_tokens_carry_prompt_logprobs_and_times() -> None:
+    lps = (TokenLogprobs(5, -1.5, ((5, -1.5), (2, -2.0))), TokenLogprobs(6, -0.25, ()))
+    msg = generated_to_proto(GeneratedTokens("r", (1,), (), 3, 0, 1, "length", lps, RequestTimes(0.5, 0.25, 2.0)))
+    assert [(p.logprob, [(t.token_id, t.logprob) for t in p.top]) for p in msg.prompt_logprobs] == [
+        (-1.5, [(5, -1.5), (2, -2.0)]), (-0.25, [])]
+    assert (msg.queued_seconds, msg.prefill_seconds, msg.decode_seconds) == (0.5, 0.25, 2.0)
+    plain = generated_to_proto(GeneratedTokens("r", (1,), (), 3, 0, 1, None))
+    assert not plain.prompt_logprobs and plain.decode_seconds == 0
