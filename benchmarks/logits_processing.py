@@ -3,7 +3,7 @@
 Decode: the step time (``engine.step()``: forward, processing, sampling, scheduler) of a steady decode
 batch whose requests all use repetition, frequency and presence penalties, a 16-token ``logit_bias``
 and ``min_tokens``, against the same batch without them; greedy and sampled (temperature 0.8, top-p
-0.95). Prefill: one step prefilling ``--prefill-batch`` prompts with ``prompt_logprobs=5`` against
+0.95), and the processing alone (``LogitsProcessor.apply`` on the same shape). Prefill: one step prefilling ``--prefill-batch`` prompts with ``prompt_logprobs=5`` against
 without. The `small` preset (bf16), with its vocabulary widened to DeepSeek-V3's 129280 by default
 (processing costs batch x vocabulary; ``--vocab 0`` keeps the preset's 8192). Rounds alternate.
 
@@ -24,6 +24,8 @@ import torch
 from common import start_decode_batch
 
 from epserve import LLM, SamplingParams
+from epserve.engine.logits_processor import LogitsProcessor
+from epserve.engine.request import Request
 from epserve.presets import make_checkpoint
 
 PROCESSED = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=4,
@@ -40,6 +42,34 @@ def decode_ms(llm: LLM, batch: int, params: SamplingParams, steps: int, seed: in
         times.append(time.perf_counter() - t)
     while engine.has_unfinished_requests():
         engine.step()
+    return 1e3 * statistics.median(times)
+
+
+def processor_ms(batch: int, vocab: int, device: str, steps: int = 20) -> float:
+    """``LogitsProcessor.apply`` alone, in place, on [batch, vocab] logits: each request with a 64-token
+    prompt and 10 outputs, one more output token per step (the median step)."""
+    g = torch.Generator().manual_seed(0)
+    proc = LogitsProcessor(vocab, torch.device(device))
+    requests = []
+    for i in range(batch):
+        r = Request(f"r{i}", torch.randint(vocab, (64,), generator=g).tolist(),
+                    SamplingParams(max_tokens=1000, **PROCESSED), eos_token_ids=(1,))
+        for t in torch.randint(vocab, (10,), generator=g).tolist():
+            r.append_output_token(t)
+        requests.append(r)
+    logits = torch.randn(batch, vocab, generator=g).to(device)
+    times = []
+    for _ in range(steps):
+        x = logits.clone()
+        for r in requests:
+            r.append_output_token(int(torch.randint(vocab, (1,), generator=g)))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        proc.apply(x, requests, in_place=True)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
 
 
@@ -92,9 +122,11 @@ def main() -> None:
             row = {"batch": batch, "temperature": temperature, "off_ms": statistics.median(off),
                    "on_ms": statistics.median(on), "rounds_off": off, "rounds_on": on}
             row["ratio"] = row["on_ms"] / row["off_ms"]
+            row["processor_alone_ms"] = processor_ms(batch, llm.config.model.vocab_size, args.device)
             results["decode"].append(row)
             print(f"decode batch {batch} temperature {temperature}: off {row['off_ms']:.2f} ms, on "
-                  f"{row['on_ms']:.2f} ms ({row['ratio']:.3f}x)", flush=True)
+                  f"{row['on_ms']:.2f} ms ({row['ratio']:.3f}x); the processing alone "
+                  f"{row['processor_alone_ms']:.3f} ms", flush=True)
     prefill_ms(llm, args.prefill_batch, args.prefill_len, None, 0)  # warm-up
     off, on = [], []
     for r in range(args.rounds):

@@ -5,7 +5,7 @@ may use it.
 | variable | meaning | default |
 |---|---|---|
 | ``EPSERVE_CACHE_DIR`` | built-in model and compiled CPU kernels | ``~/.cache/epserve`` |
-| ``EPSERVE_NO_PROGRESS`` | ``1``: no progress bars | progress bars on a terminal |
+| ``EPSERVE_NO_PROGRESS`` | ``1``: no progress bars (loading logs progress lines instead) | progress bars on a terminal |
 | ``EPSERVE_CPU_KERNELS`` | ``0``: torch only, no C decode kernels (bf16: AVX512-BF16, fp32: AVX2) | on where supported |
 | ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
 | ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |

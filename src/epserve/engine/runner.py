@@ -263,7 +263,7 @@ class ModelRunner:
         return StepResult(sampled, logprobs, prompt_logprobs)  # type: ignore[arg-type]
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-                         rows_per_pass: int = 512) -> dict[str, tuple[TokenLogprobs, ...]]:
+                         rows_per_pass: int = 128) -> dict[str, tuple[TokenLogprobs, ...]]:
         """The logprobs of the prompt tokens the step's prefill chunks predict (position ``p``'s hidden
         state predicts token ``p + 1``), for requests that asked and lack them: the model's own
         (unprocessed) log-softmax, the prompt token's and the top ``k``; ``rows_per_pass`` rows of
@@ -290,10 +290,12 @@ class ModelRunner:
         for start in range(0, len(rows), rows_per_pass):
             index = torch.tensor(rows[start : start + rows_per_pass], dtype=torch.long, device=device)
             target = torch.tensor(targets[start : start + rows_per_pass], dtype=torch.long, device=device)
-            lp = torch.log_softmax(self.model.compute_logits(hidden[index]).float(), dim=-1)
-            top = torch.topk(lp, k, dim=-1) if k else None
-            parts.append(torch.cat([lp.gather(1, target[:, None]).double(),
-                                    *((top.values.double(), top.indices.double()) if top is not None else ())], 1))
+            logits = self.model.compute_logits(hidden[index]).float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (no [rows, V] log-softmax made)
+            top = torch.topk(logits, k, dim=-1) if k else None
+            parts.append(torch.cat([(logits.gather(1, target[:, None]) - lse).double(),
+                                    *(((top.values - lse).double(), top.indices.double()) if top is not None else ())],
+                                   1))
         table = torch.cat(parts).tolist()  # one transfer: [rows, 1 + 2k]
         out: dict[str, tuple[TokenLogprobs, ...]] = {}
         for request, first_row, count in wanted:
