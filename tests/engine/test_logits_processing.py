@@ -34,6 +34,9 @@ def reference(logits: torch.Tensor, request: Request, extra: tuple[int, ...] = (
     if len(outputs) < p.min_tokens:
         for t in (*p.stop_token_ids, *(() if p.ignore_eos else request.eos_token_ids)):
             out[t] = float("-inf")
+    for word in p.bad_words:
+        if len(word) == 1 or (len(outputs) >= len(word) - 1 and tuple(outputs[len(outputs) - len(word) + 1:]) == word[:-1]):
+            out[word[-1]] = float("-inf")
     return out
 
 
@@ -56,10 +59,11 @@ def test_processor_matches_the_reference_formulas() -> None:
         make("min", [8], [9], min_tokens=4, stop_token_ids=[20, 21]),
         make("min-noeos", [8], [], min_tokens=2, ignore_eos=True, stop_token_ids=[22]),
         make("min-done", [8], [9, 9, 9, 9], min_tokens=4, stop_token_ids=[20]),
+        make("bad", [8], [9, 30, 31], bad_words=[(44,), (30, 31, 32), (31, 33), (5, 40, 41)], frequency_penalty=0.1),
     ]
     # rows past tokens the requests do not hold yet: a verification's drafts
-    rows = [*requests, requests[1], requests[3], requests[3]]
-    extras = [(), (), (), (), (), (), (), (5, 40), (12,), (12, 12)]
+    rows = [*requests, requests[1], requests[3], requests[3], requests[7]]
+    extras = [(), (), (), (), (), (), (), (), (5, 40), (12,), (12, 12), (5, 40)]
     for step in range(3):  # the counts follow the outputs appended between steps
         logits = torch.randn(len(rows), V, generator=gen) * 3
         ours = proc.apply(logits, rows, extras)
@@ -67,7 +71,7 @@ def test_processor_matches_the_reference_formulas() -> None:
             assert torch.allclose(ours[r], reference(logits[r], req, extra), atol=1e-5), (step, req.request_id)
         for req in requests:
             req.append_output_token(int(torch.randint(V, (1,), generator=gen)))
-    assert proc.num_tracked == 3  # only the requests with penalties keep counts
+    assert proc.num_tracked == 4  # only the requests with penalties keep counts
     untouched = torch.randn(2, V)
     assert proc.apply(untouched, [requests[0], requests[0]]) is untouched  # nothing to do: no copy, no op
     for req in requests:
@@ -135,6 +139,19 @@ def test_min_tokens_masks_eos_and_stop_tokens(llm) -> None:
     sampled = llm.generate([PROMPT] * 4, SamplingParams(max_tokens=6, temperature=1.0, seed=3, min_tokens=6,
                                                         logit_bias={eos: 8.0}))
     assert all(len(o.token_ids) == 6 and eos not in o.token_ids for o in sampled)
+
+
+def test_bad_words_are_never_completed(llm) -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    plain = llm.generate([PROMPT], greedy)[0].token_ids
+    a, b = plain[2], plain[3]
+    one = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                bad_words=[(plain[0],)]))[0].token_ids
+    assert plain[0] not in one and one != plain
+    two = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                bad_words=[(a, b)]))[0].token_ids
+    assert two[:3] == plain[:3] and two[3] != b  # `a` may still come; `b` never right after it
+    assert all(two[i : i + 2] != [a, b] for i in range(len(two) - 1))
 
 
 def test_max_tokens_zero_runs_the_prompt_only(llm) -> None:

@@ -9,7 +9,7 @@ import pytest
 from openai_toys import api_error, chat, completion
 
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
-from epserve.router.checks import resolve_max_tokens, stop_strings, to_sampling_params
+from epserve.router.checks import bad_words_token_ids, resolve_max_tokens, stop_strings, to_sampling_params
 from epserve.router.generation_defaults import GenerationDefaults
 from epserve.router.logprobs import chat_logprobs, completion_logprobs
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
@@ -117,6 +117,18 @@ def test_logits_processing_fields_map_onto_the_engine() -> None:
     assert to_sampling_params(completion(echo=True, logprobs=2, prompt_logprobs=5), 1).prompt_logprobs == 5
     assert to_sampling_params(completion(echo=True), 1).prompt_logprobs is None
     assert to_sampling_params(completion(max_tokens=0, echo=True, logprobs=1), 0).max_tokens == 0
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tok: Tokenizer) -> None:
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    words = bad_words_token_ids(["hello", "  world", "x"], encode)
+    assert tuple(encode("hello")) in words and tuple(encode("world")) in words and tuple(encode("x")) in words
+    spaced = tuple(encode(" hello"))  # after another word: kept when it is as long and starts differently
+    assert (spaced in words) == (len(spaced) == len(encode("hello")) and spaced[0] != encode("hello")[0])
+    sp = to_sampling_params(completion(bad_words=["hello"]), 8, bad_words=words)
+    assert sp.bad_words == words
 
 
 def test_generation_config_fills_only_what_a_request_leaves_unset(tmp_path) -> None:

@@ -95,6 +95,11 @@ def test_logit_bias_penalties_and_min_tokens_change_the_text_as_offline(server, 
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logit_bias={"77": 100})
     assert chat.choices[0].message.content == offline.tokenizer.decode([77] * 4)
+    # bad_words: the word as the tokenizer spells it is never completed
+    word = offline.tokenizer.decode([77])
+    out = client.completions.create(model=MODEL, prompt=REPEATS, max_tokens=4, temperature=0,
+                                    logit_bias={"77": 100}, extra_body={"bad_words": [word]})
+    assert word not in out.choices[0].text and out.usage.completion_tokens == 4
 
 
 def test_loglikelihood_request_shaped_as_lm_eval_sends_it(server, ckpt):

@@ -13,7 +13,8 @@ def test_sampling_params_round_trip() -> None:
         SamplingParams(max_tokens=0, prompt_logprobs=0),
         SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.75, min_p=0.125, seed=-3, stop_token_ids=(4, 9),
                        ignore_eos=True, logprobs=2, presence_penalty=-1.5, frequency_penalty=0.25,
-                       repetition_penalty=1.125, logit_bias={3: -100.0, 8: 2.5}, min_tokens=5, prompt_logprobs=20),
+                       repetition_penalty=1.125, logit_bias={3: -100.0, 8: 2.5}, min_tokens=5, prompt_logprobs=20,
+                       bad_words=[(4,), (5, 6, 7)]),
     ]
     for params in cases:
         assert sampling_from_proto(sampling_to_proto(params)) == params

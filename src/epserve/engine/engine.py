@@ -66,6 +66,9 @@ class LLMEngine:
         bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
         if bad is not None:
             raise RequestError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab})")
+        bad = next((t for word in params.bad_words for t in word if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"bad_words token id {bad} is outside the vocabulary [0, {vocab})")
         if request.kv_transfer == "receive" and (params.prompt_logprobs is not None or params.max_tokens == 0):
             raise RequestError("prompt_logprobs and max_tokens 0 need the prompt computed where the request "
                                "runs: not with prefill/decode disaggregation")

@@ -13,7 +13,7 @@ and their output counts, extended at the output tokens appended since its last s
 the host; the host keeps each request's token -> column map). A step gathers the processed rows'
 logits at those columns, penalizes them and scatters them back: work in the tokens seen, not in the
 vocabulary (a DeepSeek-V3 vocabulary is 129280 entries a row). ``logit_bias`` and the ``min_tokens``
-masks are one more small scatter. Rows without processing are untouched.
+masks and ``bad_words`` are one more small scatter. Rows without processing are untouched.
 """
 
 from __future__ import annotations
@@ -82,6 +82,11 @@ class LogitsProcessor:
                 for token in stops:
                     if token < vocab:
                         index_r.append(r), index_t.append(token), values.append(float("-inf"))
+            for word in params.bad_words:  # its last token, where the output ends with the rest of it
+                n = len(word) - 1
+                if n and tuple((*req.output_token_ids[-n:], *extras[r])[-n:]) != word[:-1]:
+                    continue
+                index_r.append(r), index_t.append(word[-1]), values.append(float("-inf"))
         if index_r:
             device = logits.device
             logits.index_put_((torch.tensor(index_r, device=device), torch.tensor(index_t, device=device)),

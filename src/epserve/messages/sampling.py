@@ -25,7 +25,8 @@ class SamplingParams:
     the prompt or the output so far; ``frequency_penalty`` subtracts itself times the token's count in
     the output, ``presence_penalty`` itself once for a token the output holds; ``logit_bias`` adds to
     the given tokens' logits; until ``min_tokens`` tokens were generated, the stop tokens and EOS cannot
-    be drawn. ``prompt_logprobs=k`` returns each prompt token's logprob (from the second on) and the
+    be drawn; ``bad_words`` (token id sequences) are never completed: a word's last token cannot be drawn
+    where the output ends with the rest of it (a one-token word: never). ``prompt_logprobs=k`` returns each prompt token's logprob (from the second on) and the
     ``k`` most likely tokens at its position.
     """
 
@@ -44,6 +45,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
@@ -87,6 +89,13 @@ class SamplingParams:
         if len({t for t, _ in bias}) != len(bias):
             raise ValueError("logit_bias names a token id twice")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in bias)))
+        words = self.bad_words
+        if isinstance(words, (str, bytes)) or not isinstance(words, Iterable):
+            raise ValueError(f"bad_words must be a sequence of token id sequences, got {words!r}")
+        words = tuple(tuple(w) if isinstance(w, Iterable) and not isinstance(w, (str, bytes)) else w for w in words)
+        if any(not isinstance(w, tuple) or not w or any(not _is_int(t) or t < 0 for t in w) for w in words):
+            raise ValueError(f"bad_words must be non-empty sequences of token ids, got {words[:3]!r}")
+        object.__setattr__(self, "bad_words", words)
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {stop!r}")
@@ -109,7 +118,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether anything changes this request's logits before sampling (``engine/logits_processor``)."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words)
 
 
 def _is_int(x: object) -> bool:

@@ -40,6 +40,7 @@ from epserve import __version__
 from epserve.chat_template import ChatTemplateError
 from epserve.router import openapi_doc
 from epserve.router.checks import (
+    bad_words_token_ids,
     check_request,
     logit_bias,
     resolve_max_tokens,
@@ -333,6 +334,10 @@ class OpenAIServer:
         bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
         if bad_bias is not None:
             raise bad_request(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})", "logit_bias")
+        bad_words = ()
+        if req.bad_words:
+            tokenizer = self._need_tokenizer("bad_words")
+            bad_words = bad_words_token_ids(req.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
         for i, ids in enumerate(prompts):
             max_tokens = resolve_max_tokens(req, len(ids), max_model_len)  # first: a huge prompt is not scanned
             # check_request already refused negative ids; the vocabulary's size is known only now
@@ -340,7 +345,8 @@ class OpenAIServer:
             if bad is not None:
                 raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             for j in range(req.n):
-                params = to_sampling_params(req, max_tokens, index=j, defaults=self.generation_defaults)
+                params = to_sampling_params(req, max_tokens, index=j, defaults=self.generation_defaults,
+                                            bad_words=bad_words)
                 choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0,
                                       prompt_text=prompt_texts[i] if prompt_texts else None))
         if stop_strings(req) and self.tokenizer is None:

@@ -11,6 +11,7 @@ the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``).
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from epserve.chat_template import RESERVED_TEMPLATE_VARIABLES
@@ -67,6 +68,10 @@ def check_request(req: AnyRequest) -> None:
         raise bad_request(f"min_tokens must be in [0, {UINT32_MAX}], got {req.min_tokens}", "min_tokens")
     if req.prompt_logprobs is not None:
         _check_range(req.prompt_logprobs, 0, MAX_LOGPROBS, "prompt_logprobs")
+    words = req.bad_words or []
+    if len(words) > MAX_BAD_WORDS or any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+        raise bad_request(f"bad_words may hold at most {MAX_BAD_WORDS} words, each with a non-space character and "
+                          f"at most {MAX_BAD_WORD_CHARS} characters", "bad_words")
     _check_unsupported(req)
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_STRINGS:
@@ -88,9 +93,11 @@ def _check_max_tokens(value: int | None, param: str, least: int = 1) -> None:
         raise bad_request(f"{param} must be in [{least}, {UINT32_MAX}], got {value}", param)
 
 
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # (tokenized on the event loop: bounded)
+
 # Fields defined by OpenAI or vLLM that this server does not implement, and the values that mean "off".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "bad_words": (None, []), "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
     "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "response_format": (None, {"type": "text"}), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -212,9 +219,11 @@ def _wrap_int64(x: int) -> int:
 
 
 def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
-                       defaults: GenerationDefaults | None = None) -> SamplingParams:
+                       defaults: GenerationDefaults | None = None,
+                       bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice ``index`` of ``req`` (its seed is ``seed + index``);
-    ``defaults`` (the checkpoint's ``generation_config.json``) fill the sampling fields it did not set."""
+    ``defaults`` (the checkpoint's ``generation_config.json``) fill the sampling fields it did not set;
+    ``bad_words``: the request's, tokenized (``bad_words_token_ids``)."""
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -242,6 +251,7 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
             logit_bias=logit_bias(req),
             min_tokens=req.min_tokens,
             prompt_logprobs=prompt_logprobs,
+            bad_words=bad_words,
         )
     except ValueError as e:
         raise bad_request(str(e)) from None
@@ -254,3 +264,18 @@ def stop_strings(req: AnyRequest) -> list[str]:
     if isinstance(req.stop, str):
         return [req.stop]
     return list(req.stop)
+
+
+def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """``bad_words`` as token id sequences, as vLLM tokenizes them: each word as written (leading spaces
+    dropped) and with one leading space, when that is a different token sequence of the same length
+    (the word's spelling after another word)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(encode(word.lstrip()))
+        if plain:
+            out.append(plain)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return tuple(out)

@@ -63,6 +63,7 @@ _SCHEMA_BOUNDS: dict[str, dict[str, Any]] = {
     "logit_bias": {"additionalProperties": {"minimum": -MAX_BIAS, "maximum": MAX_BIAS}},
     "min_tokens": {"minimum": 0, "maximum": UINT32_MAX},
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+    "bad_words": {"maxItems": 256, "items": {"maxLength": 256, "pattern": "\\S"}},
     "max_tokens": _COUNT,
     "max_completion_tokens": _COUNT,
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
@@ -210,12 +211,12 @@ class _SamplingFields(RequestModel):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's form) -> bias
     min_tokens: int = 0  # extension (vLLM)
     prompt_logprobs: int | None = None  # extension (vLLM)
+    bad_words: list[str] | None = None  # extension (vLLM): words never completed
     ignore_eos: bool = False  # extension
     include_stop_str_in_output: bool = False  # extension
     skip_special_tokens: bool = True  # extension
     user: str | None = None
     # Defined by OpenAI or vLLM, not implemented: a value other than "off" is refused (``_check_unsupported``).
-    bad_words: Any = None
     allowed_token_ids: Any = None
     guided_json: Any = None
     guided_regex: Any = None

@@ -35,6 +35,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=p.frequency_penalty,
         logit_bias=[pb.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias],
         min_tokens=p.min_tokens,
+        bad_words=[pb.TokenIds(token_ids=w) for w in p.bad_words],
     )
     if p.seed is not None:
         msg.seed = p.seed
@@ -65,6 +66,7 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple((b.token_id, b.bias) for b in p.logit_bias),
         min_tokens=p.min_tokens,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        bad_words=tuple(tuple(w.token_ids) for w in p.bad_words),
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65pserve/rpc/proto/engine.proto\x12\x11\x65pserve.engine.v1\"\xdb\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x30\n\nlogit_bias\x18\r \x03(\x0b\x32\x1c.epserve.engine.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.epserve.engine.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"V\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.epserve.engine.v1.SamplingParams\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.epserve.engine.v1.KVLayout\"\xb6\x01\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x36\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"K\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.epserve.engine.v1.TopLogprob\"\xc3\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x38\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x16\n\x0equeued_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\n \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x83\x07\n\x0fGetLoadResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x06 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x18\n\x10\x65xpert_imbalance\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\t \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\n \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x17\n\x0fspec_num_drafts\x18\r \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0e \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0f \x01(\x04\x12\"\n\x1aspec_accepted_per_position\x18\x10 \x03(\x04\x12\x15\n\rexpert_layers\x18\x11 \x03(\r\x12\x1e\n\x16\x65xpert_layer_imbalance\x18\x12 \x03(\x01\x12\x1d\n\x15\x65plb_rebalances_total\x18\x13 \x01(\x04\x12\x0f\n\x07stalled\x18\x14 \x01(\x08\x12\x10\n\x08restarts\x18\x15 \x01(\x04\x12\x0c\n\x04role\x18\x16 \x01(\t\x12\x15\n\rnum_receiving\x18\x17 \x01(\r\x12\"\n\x1akv_transfer_bytes_received\x18\x18 \x01(\x04\x12\x1e\n\x16kv_transfer_bytes_sent\x18\x19 \x01(\x04\x12#\n\x1bkv_transfer_seconds_buckets\x18\x1a \x03(\x04\x12\x1f\n\x17kv_transfer_seconds_sum\x18\x1b \x01(\x01\x12\x1a\n\x12kv_transfers_total\x18\x1c \x01(\x04\x12\"\n\x1akv_transfer_failures_total\x18\x1d \x01(\x04\x12 \n\x18iteration_tokens_buckets\x18\x1e \x03(\x04\x12\x1c\n\x14iteration_tokens_sum\x18\x1f \x01(\x04\x12\x1d\n\x15iteration_steps_total\x18  \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xaa\x02\n\x0fGetInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\n\n\x02\x64p\x18\x05 \x01(\r\x12\n\n\x02tp\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x0c\n\x04role\x18\n \x01(\t\x12.\n\tkv_layout\x18\x0b \x01(\x0b\x32\x1b.epserve.engine.v1.KVLayout\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x0c \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\r \x01(\x08\"\x16\n\x14GetExpertLoadRequest\"u\n\x15GetExpertLoadResponse\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x11\n\tnum_ranks\x18\x03 \x01(\r\x12\x12\n\nper_expert\x18\x04 \x03(\x04\x12\x10\n\x08per_rank\x18\x05 \x03(\x04\x32\xff\x03\n\x06\x45ngine\x12U\n\x08Generate\x12\".epserve.engine.v1.GenerateRequest\x1a#.epserve.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.epserve.engine.v1.AbortRequest\x1a .epserve.engine.v1.AbortResponse\x12P\n\x07GetLoad\x12!.epserve.engine.v1.GetLoadRequest\x1a\".epserve.engine.v1.GetLoadResponse\x12P\n\x07GetInfo\x12!.epserve.engine.v1.GetInfoRequest\x1a\".epserve.engine.v1.GetInfoResponse\x12\x62\n\rGetExpertLoad\x12\'.epserve.engine.v1.GetExpertLoadRequest\x1a(.epserve.engine.v1.GetExpertLoadResponse\x12J\n\x07Prefill\x12!.epserve.engine.v1.PrefillRequest\x1a\x1a.epserve.engine.v1.KVChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x65pserve/rpc/proto/engine.proto\x12\x11\x65pserve.engine.v1\"\x8b\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x02\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x04\x88\x01\x01\x12\x30\n\nlogit_bias\x18\r \x03(\x0b\x32\x1c.epserve.engine.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12.\n\tbad_words\x18\x10 \x03(\x0b\x32\x1b.epserve.engine.v1.TokenIdsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"\x94\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.epserve.engine.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\"V\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12:\n\x0fsampling_params\x18\x03 \x01(\x0b\x32!.epserve.engine.v1.SamplingParams\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\r\x12+\n\x06layout\x18\x05 \x01(\x0b\x32\x1b.epserve.engine.v1.KVLayout\"\xb6\x01\n\x07KVChunk\x12\x13\n\x0b\x66irst_block\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x36\n\rfirst_logprob\x18\x06 \x01(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"K\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12*\n\x03top\x18\x02 \x03(\x0b\x32\x1d.epserve.engine.v1.TopLogprob\"\xc3\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x38\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x1f.epserve.engine.v1.TokenLogprob\x12\x16\n\x0equeued_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_seconds\x18\n \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\x83\x07\n\x0fGetLoadResponse\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\x06 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x07 \x01(\x04\x12\x18\n\x10\x65xpert_imbalance\x18\x08 \x01(\x01\x12\x1b\n\x13prompt_tokens_total\x18\t \x01(\x04\x12\x1f\n\x17generation_tokens_total\x18\n \x01(\x04\x12\x1d\n\x15num_preemptions_total\x18\x0b \x01(\x04\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x17\n\x0fspec_num_drafts\x18\r \x01(\x04\x12\x1d\n\x15spec_num_draft_tokens\x18\x0e \x01(\x04\x12 \n\x18spec_num_accepted_tokens\x18\x0f \x01(\x04\x12\"\n\x1aspec_accepted_per_position\x18\x10 \x03(\x04\x12\x15\n\rexpert_layers\x18\x11 \x03(\r\x12\x1e\n\x16\x65xpert_layer_imbalance\x18\x12 \x03(\x01\x12\x1d\n\x15\x65plb_rebalances_total\x18\x13 \x01(\x04\x12\x0f\n\x07stalled\x18\x14 \x01(\x08\x12\x10\n\x08restarts\x18\x15 \x01(\x04\x12\x0c\n\x04role\x18\x16 \x01(\t\x12\x15\n\rnum_receiving\x18\x17 \x01(\r\x12\"\n\x1akv_transfer_bytes_received\x18\x18 \x01(\x04\x12\x1e\n\x16kv_transfer_bytes_sent\x18\x19 \x01(\x04\x12#\n\x1bkv_transfer_seconds_buckets\x18\x1a \x03(\x04\x12\x1f\n\x17kv_transfer_seconds_sum\x18\x1b \x01(\x01\x12\x1a\n\x12kv_transfers_total\x18\x1c \x01(\x04\x12\"\n\x1akv_transfer_failures_total\x18\x1d \x01(\x04\x12 \n\x18iteration_tokens_buckets\x18\x1e \x03(\x04\x12\x1c\n\x14iteration_tokens_sum\x18\x1f \x01(\x04\x12\x1d\n\x15iteration_steps_total\x18  \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xaa\x02\n\x0fGetInfoResponse\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x04 \x01(\r\x12\n\n\x02\x64p\x18\x05 \x01(\r\x12\n\n\x02tp\x18\x06 \x01(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x0c\n\x04role\x18\n \x01(\t\x12.\n\tkv_layout\x18\x0b \x01(\x0b\x32\x1b.epserve.engine.v1.KVLayout\x12\x13\n\x0b\x63\x61\x63he_dtype\x18\x0c \x01(\t\x12\x1d\n\x15\x65nable_prefix_caching\x18\r \x01(\x08\"\x16\n\x14GetExpertLoadRequest\"u\n\x15GetExpertLoadResponse\x12\x0e\n\x06layers\x18\x01 \x03(\r\x12\x13\n\x0bnum_experts\x18\x02 \x01(\r\x12\x11\n\tnum_ranks\x18\x03 \x01(\r\x12\x12\n\nper_expert\x18\x04 \x03(\x04\x12\x10\n\x08per_rank\x18\x05 \x03(\x04\x32\xff\x03\n\x06\x45ngine\x12U\n\x08Generate\x12\".epserve.engine.v1.GenerateRequest\x1a#.epserve.engine.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.epserve.engine.v1.AbortRequest\x1a .epserve.engine.v1.AbortResponse\x12P\n\x07GetLoad\x12!.epserve.engine.v1.GetLoadRequest\x1a\".epserve.engine.v1.GetLoadResponse\x12P\n\x07GetInfo\x12!.epserve.engine.v1.GetInfoRequest\x1a\".epserve.engine.v1.GetInfoResponse\x12\x62\n\rGetExpertLoad\x12\'.epserve.engine.v1.GetExpertLoadRequest\x1a(.epserve.engine.v1.GetExpertLoadResponse\x12J\n\x07Prefill\x12!.epserve.engine.v1.PrefillRequest\x1a\x1a.epserve.engine.v1.KVChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,39 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epserve.rpc.proto.engine_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=54
-  _globals['_SAMPLINGPARAMS']._serialized_end=529
-  _globals['_LOGITBIAS']._serialized_start=531
-  _globals['_LOGITBIAS']._serialized_end=574
-  _globals['_GENERATEREQUEST']._serialized_start=577
-  _globals['_GENERATEREQUEST']._serialized_end=725
-  _globals['_KVLAYOUT']._serialized_start=727
-  _globals['_KVLAYOUT']._serialized_end=813
-  _globals['_PREFILLREQUEST']._serialized_start=816
-  _globals['_PREFILLREQUEST']._serialized_end=1004
-  _globals['_KVCHUNK']._serialized_start=1007
-  _globals['_KVCHUNK']._serialized_end=1189
-  _globals['_TOPLOGPROB']._serialized_start=1191
-  _globals['_TOPLOGPROB']._serialized_end=1238
-  _globals['_TOKENLOGPROB']._serialized_start=1240
-  _globals['_TOKENLOGPROB']._serialized_end=1315
-  _globals['_GENERATERESPONSE']._serialized_start=1318
-  _globals['_GENERATERESPONSE']._serialized_end=1641
-  _globals['_ABORTREQUEST']._serialized_start=1643
-  _globals['_ABORTREQUEST']._serialized_end=1677
-  _globals['_ABORTRESPONSE']._serialized_start=1679
-  _globals['_ABORTRESPONSE']._serialized_end=1709
-  _globals['_GETLOADREQUEST']._serialized_start=1711
-  _globals['_GETLOADREQUEST']._serialized_end=1727
-  _globals['_GETLOADRESPONSE']._serialized_start=1730
-  _globals['_GETLOADRESPONSE']._serialized_end=2629
-  _globals['_GETINFOREQUEST']._serialized_start=2631
-  _globals['_GETINFOREQUEST']._serialized_end=2647
-  _globals['_GETINFORESPONSE']._serialized_start=2650
-  _globals['_GETINFORESPONSE']._serialized_end=2948
-  _globals['_GETEXPERTLOADREQUEST']._serialized_start=2950
-  _globals['_GETEXPERTLOADREQUEST']._serialized_end=2972
-  _globals['_GETEXPERTLOADRESPONSE']._serialized_start=2974
-  _globals['_GETEXPERTLOADRESPONSE']._serialized_end=3091
-  _globals['_ENGINE']._serialized_start=3094
-  _globals['_ENGINE']._serialized_end=3605
+  _globals['_SAMPLINGPARAMS']._serialized_end=577
+  _globals['_TOKENIDS']._serialized_start=579
+  _globals['_TOKENIDS']._serialized_end=608
+  _globals['_LOGITBIAS']._serialized_start=610
+  _globals['_LOGITBIAS']._serialized_end=653
+  _globals['_GENERATEREQUEST']._serialized_start=656
+  _globals['_GENERATEREQUEST']._serialized_end=804
+  _globals['_KVLAYOUT']._serialized_start=806
+  _globals['_KVLAYOUT']._serialized_end=892
+  _globals['_PREFILLREQUEST']._serialized_start=895
+  _globals['_PREFILLREQUEST']._serialized_end=1083
+  _globals['_KVCHUNK']._serialized_start=1086
+  _globals['_KVCHUNK']._serialized_end=1268
+  _globals['_TOPLOGPROB']._serialized_start=1270
+  _globals['_TOPLOGPROB']._serialized_end=1317
+  _globals['_TOKENLOGPROB']._serialized_start=1319
+  _globals['_TOKENLOGPROB']._serialized_end=1394
+  _globals['_GENERATERESPONSE']._serialized_start=1397
+  _globals['_GENERATERESPONSE']._serialized_end=1720
+  _globals['_ABORTREQUEST']._serialized_start=1722
+  _globals['_ABORTREQUEST']._serialized_end=1756
+  _globals['_ABORTRESPONSE']._serialized_start=1758
+  _globals['_ABORTRESPONSE']._serialized_end=1788
+  _globals['_GETLOADREQUEST']._serialized_start=1790
+  _globals['_GETLOADREQUEST']._serialized_end=1806
+  _globals['_GETLOADRESPONSE']._serialized_start=1809
+  _globals['_GETLOADRESPONSE']._serialized_end=2708
+  _globals['_GETINFOREQUEST']._serialized_start=2710
+  _globals['_GETINFOREQUEST']._serialized_end=2726
+  _globals['_GETINFORESPONSE']._serialized_start=2729
+  _globals['_GETINFORESPONSE']._serialized_end=3027
+  _globals['_GETEXPERTLOADREQUEST']._serialized_start=3029
+  _globals['_GETEXPERTLOADREQUEST']._serialized_end=3051
+  _globals['_GETEXPERTLOADRESPONSE']._serialized_start=3053
+  _globals['_GETEXPERTLOADRESPONSE']._serialized_end=3170
+  _globals['_ENGINE']._serialized_start=3173
+  _globals['_ENGINE']._serialized_end=3684
 # @@protoc_insertion_point(module_scope)
