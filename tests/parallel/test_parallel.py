@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from epserve import LLM, SamplingParams
+from epserve.messages.sampling import StructuredOutput
 from epserve.parallel.launch import RankFailure, free_port
 from tests.serve_harness import children, cpu_seconds
 
@@ -34,7 +35,8 @@ PROMPTS = [
 ]
 # Logits processing and prompt logprobs ride along: every layout must give the same processed tokens.
 PROCESSING = [{}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3},
-              {"prompt_logprobs": 2}, {"logit_bias": {7: 5.0, 300: -100.0}}, {}, {"min_tokens": 4, "prompt_logprobs": 0},
+              {"prompt_logprobs": 2}, {"logit_bias": {7: 5.0, 300: -100.0}},
+              {"structured": StructuredOutput("regex", "[a-z]{2,5}-[0-9]{2}")}, {"min_tokens": 4, "prompt_logprobs": 0},
               {"frequency_penalty": -0.5}]
 PARAMS = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=3, **PROCESSING[i])
           for i in range(7)]

@@ -48,8 +48,14 @@ from epserve.router.protocol import CompletionRequest
         ({"logit_bias": {"5": 101}}, "logit_bias['5']"),
         ({"bad_words": [" "]}, "bad_words"),
         ({"bad_words": ["x"] * 257}, "bad_words"),
-        ({"guided_json": {"type": "object"}}, "guided_json"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": 5}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"structured_outputs": {"xml": "x"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
     ],
 )
 @pytest.mark.parametrize("kind", ["completion", "chat"])

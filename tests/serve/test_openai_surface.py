@@ -8,11 +8,14 @@ does not implement refused by name, unknown ones said once in the log."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 import torch
 
@@ -203,8 +206,8 @@ def test_unimplemented_fields_refused_unknown_ones_logged(server):
     proc, url, client = server
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       response_format={"type": "json_object"})
-    assert info.value.body["param"] == "response_format"
+                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert info.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", best_of=3, n=1)
     assert info.value.body["param"] == "best_of"
@@ -215,3 +218,31 @@ def test_unimplemented_fields_refused_unknown_ones_logged(server):
         r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1, "frobnicate": True})
         assert r.status_code == 200
     assert proc.output().count("'frobnicate'") == 1
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=120)
+    tags: list[Literal["a", "b", "c"]] = pydantic.Field(max_length=3)
+
+
+def test_structured_outputs_through_the_client(server):
+    _, url, client = server
+    for seed in range(3):  # the openai client's own parse(): a pydantic model as the schema
+        parsed = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "a person"}],
+                                               response_format=Person, max_tokens=200, temperature=1.0, seed=seed)
+        person = parsed.choices[0].message.parsed
+        assert isinstance(person, Person) and parsed.choices[0].finish_reason == "stop"
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=100,
+                                         response_format={"type": "json_object"}, temperature=0)
+    assert out.choices[0].finish_reason == "length" or isinstance(json.loads(out.choices[0].message.content), dict)
+    choice = client.completions.create(model=MODEL, prompt="Pick:", max_tokens=10, temperature=1.0, seed=4,
+                                       extra_body={"guided_choice": ["left", "right"]})
+    assert choice.choices[0].text in ("left", "right")
+    streamed = client.completions.create(model=MODEL, prompt="Code:", max_tokens=10, temperature=0, stream=True,
+                                         extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{3}", "".join(c.choices[0].text for c in streamed))
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": {"type": "objectx"}})
+    assert r.status_code == 400 and "objectx" in r.json()["error"]["message"], r.text
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "(", "stream": True})
+    assert r.status_code == 400 and "parenthesis" in r.json()["error"]["message"], r.text

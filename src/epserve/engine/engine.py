@@ -69,6 +69,14 @@ class LLMEngine:
         bad = next((t for word in params.bad_words for t in word if t >= vocab), None)
         if bad is not None:
             raise RequestError(f"bad_words token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured is not None:
+            if self.config.num_spec_tokens:
+                raise RequestError("structured outputs do not run with speculative decoding yet (--speculative mtp): "
+                                   "serve without it for constrained requests")
+            if request.kv_transfer is not None:
+                raise RequestError("structured outputs do not run with prefill/decode disaggregation yet")
+            if not self.runner.grammars.available:
+                raise RequestError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
         if request.kv_transfer == "receive" and (params.prompt_logprobs is not None or params.max_tokens == 0):
             raise RequestError("prompt_logprobs and max_tokens 0 need the prompt computed where the request "
                                "runs: not with prefill/decode disaggregation")

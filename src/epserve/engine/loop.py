@@ -20,6 +20,7 @@ import collections
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from typing import Protocol
 
 import torch
@@ -35,6 +36,7 @@ from epserve.messages.engine import (
     AddRequest,
     EngineLoad,
     GeneratedTokens,
+    GrammarCompiled,
     KVReceived,
     LoopOutput,
     RequestFailed,
@@ -68,7 +70,10 @@ class EngineLoop:
         self.ctx = engine.ctx
         self.options = options
         self.doorbell = doorbell if doorbell is not None else LocalDoorbell()
-        self.inbox: collections.deque[AddRequest | AbortRequest | KVReceived] = collections.deque()
+        self.inbox: collections.deque[AddRequest | AbortRequest | KVReceived | GrammarCompiled] = collections.deque()
+        # requests waiting for their constraint to compile (``engine/structured.py``), and its future
+        self.compiling: dict[str, tuple[AddRequest, Future]] = {}
+        self._offline = False
         self.requests: dict[str, Request] = {}  # accepted by this leader, not finished (the loop's thread)
         self.stop_requested = False  # this rank's vote
         self.draining = False  # some rank voted: take no new requests
@@ -87,7 +92,7 @@ class EngineLoop:
         self._busy_since: float | None = None  # start of the loop's current pass; None while asleep
 
     # ---- any thread ----------------------------------------------------------------------------
-    def submit(self, message: AddRequest | AbortRequest | KVReceived, ring: bool = True) -> None:
+    def submit(self, message: AddRequest | AbortRequest | KVReceived | GrammarCompiled, ring: bool = True) -> None:
         """Queue ``message`` for the loop; ``ring=False`` when the loop is known to be busy (a stalled
         loop's store may not answer a ring)."""
         self.inbox.append(message)
@@ -116,7 +121,8 @@ class EngineLoop:
         return EngineLoad(
             dp_rank=self.ctx.dp_rank,
             num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting + sum(isinstance(m, AddRequest) for m in list(self.inbox)),
+            num_waiting=scheduler.num_waiting + len(self.compiling) + sum(isinstance(m, AddRequest)
+                                                                          for m in list(self.inbox)),
             kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
             kv_blocks_total=kv.num_blocks,
             prefix_query_tokens=kv.num_prefix_query_tokens,
@@ -156,6 +162,7 @@ class EngineLoop:
         has work; every rank calls it, ``frontend`` on leaders. On failure every accepted request is
         aborted and fails as unavailable, and the error is raised."""
         self._frontend = frontend
+        self._offline = until_idle  # (offline, a constraint compiles where the request is taken)
         if self.ctx.device.type == "cuda":
             torch.cuda.set_device(self.ctx.device)
         try:
@@ -196,7 +203,9 @@ class EngineLoop:
     def _fail_accepted(self) -> None:
         """After a failure: every accepted or queued request fails as unavailable, and the accepted
         ones are aborted, so the engine holds none of them (offline, the next call runs without them)."""
-        pending = [*self.requests, *(m.request_id for m in list(self.inbox) if isinstance(m, AddRequest))]
+        pending = [*self.requests, *self.compiling,
+                   *(m.request_id for m in list(self.inbox) if isinstance(m, AddRequest))]
+        self.compiling = {}
         why = "the engine failed (a rank died, or a collective failed or timed out)"  # details: the log
         self._deliver([RequestFailed(rid, "unavailable", why) for rid in pending])
         self.inbox.clear()
@@ -212,14 +221,31 @@ class EngineLoop:
         while self.inbox:
             message = self.inbox.popleft()
             if isinstance(message, AbortRequest):
-                self.engine.abort_request(message.request_id)
+                if self.compiling.pop(message.request_id, None) is None:
+                    self.engine.abort_request(message.request_id)
                 continue
             if isinstance(message, KVReceived):
                 self.engine.receive_kv(message.arrival)
                 continue
             rid = message.request_id
+            if isinstance(message, GrammarCompiled):  # its request, ready (unless aborted meanwhile)
+                if rid not in self.compiling:
+                    continue
+                message, future = self.compiling.pop(rid)
+                try:
+                    self.engine.runner.grammar_masks.add(rid, future.result())
+                except ValueError as e:
+                    failed.append(RequestFailed(rid, "invalid", str(e)))
+                    continue
+            elif message.params.structured is not None:  # compiled first, off the loop
+                if self.draining:
+                    failed.append(RequestFailed(rid, "unavailable", "the engine is shutting down"))
+                else:
+                    self._compile(message)
+                continue
             if self.draining:
                 failed.append(RequestFailed(rid, "unavailable", "the engine is shutting down"))
+                self.engine.runner.grammar_masks.release(rid)
                 continue
             try:
                 request = self.engine.enqueue(message)
@@ -229,6 +255,17 @@ class EngineLoop:
             self.requests[rid] = request
             self.prompt_tokens_total += request.num_prompt_tokens
         self._deliver(failed)
+
+    def _compile(self, message: AddRequest) -> None:
+        """Compile the request's constraint on the compiler's thread; the loop takes the request when it
+        is done (offline, at once: nothing else waits)."""
+        future = self.engine.runner.grammars.submit(message.params.structured)  # type: ignore[arg-type]
+        self.compiling[message.request_id] = (message, future)
+        if self._offline:
+            future.exception()
+            self.inbox.appendleft(GrammarCompiled(message.request_id))
+        else:
+            future.add_done_callback(lambda _: self.submit(GrammarCompiled(message.request_id)))
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
         """Each request's new tokens, handed to the frontend once per step (not once per request)."""
@@ -271,10 +308,12 @@ class EngineLoop:
         handoff = scheduler.handoff
         ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting, *handoff.pending,
                                        *handoff.receiving.values())]
-        if ids:
-            logger.warning("aborting %d requests: %s", len(ids), why)
+        if ids or self.compiling:
+            logger.warning("aborting %d requests: %s", len(ids) + len(self.compiling), why)
         for rid in ids:
             self.engine.abort_request(rid)
+        self._deliver([RequestFailed(rid, "unavailable", f"aborted: {why}") for rid in self.compiling])
+        self.compiling = {}
 
     def _start_draining(self) -> None:
         self.draining = True

@@ -21,6 +21,7 @@ from epserve.engine.request import Request
 from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, VerifyGroup, verify
+from epserve.engine.structured import GrammarCompiler, GrammarMasks
 from epserve.messages.kv import KVLayout
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.model.batch import ForwardBatch
@@ -109,6 +110,8 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.noise = Noise(self.sampler.default_generator)  # speculative decoding's draws
         self.logits_processor = LogitsProcessor(mc.vocab_size, self.device)
+        self.grammars = GrammarCompiler(config.model_path, mc.vocab_size, mc.eos_token_ids)  # (leaders use it)
+        self.grammar_masks = GrammarMasks(mc.vocab_size, mc.eos_token_ids)
         self.proposer = None if not self.num_spec else MTPProposer(
             self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
             self.noise, self.logits_processor)
@@ -233,10 +236,20 @@ class ModelRunner:
         requests = [c.request for c in sampling]
         params = [r.sampling_params for r in requests]
         # (the unprocessed logits are kept only for logprobs, which are the model's own)
-        logits = self.logits_processor.apply(raw, requests, in_place=all(p.logprobs is None for p in params))
+        in_place = all(p.logprobs is None for p in params)
+        logits = self.logits_processor.apply(raw, requests, in_place=in_place)
+        ids = [r.request_id for r in requests]
+        masks = self.grammar_masks
+        constrained = [rid for rid in ids if masks.constrains(rid)]
+        if constrained:
+            if logits is raw and not in_place:
+                logits = raw.clone()
+            masks.apply(logits, ids)
         gens = [self._generator(r, p) for r, p in zip(requests, params)]
         out = self.sampler.sample(logits, params, gens, raw)
-        ids = [r.request_id for r in requests]
+        for rid, token in zip(ids, out.token_ids):
+            if rid in constrained:
+                masks.accept(rid, [token])
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return StepResult(dict(zip(ids, out.token_ids)), logprobs, prompt_logprobs)
 
@@ -321,6 +334,7 @@ class ModelRunner:
         """Forget per-request state (its sampling generator, its token counts) once it finished."""
         self._generators.pop(request_id, None)
         self.logits_processor.release(request_id)
+        self.grammar_masks.release(request_id)
         if self.proposer is not None:
             self.proposer.release(request_id)
 

@@ -31,6 +31,13 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class GrammarCompiled:
+    """A request's constraint finished compiling (or failed to), off the loop: the loop takes it now."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class KVReceived:
     """Decode side: a request's KV arrived from its prefill instance."""
 

@@ -12,6 +12,25 @@ MAX_REPETITION_PENALTY = 2.0**16
 MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output: a JSON schema (its JSON text), any JSON object (``spec`` empty), a
+    regular expression, one of several strings (``spec``: their JSON list), or an EBNF grammar
+    (xgrammar's dialect). The engine compiles it (``engine/structured.py``)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or (self.kind != "json_object" and not self.spec):
+            raise ValueError(f"a {self.kind} structured output needs its specification")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -27,7 +46,8 @@ class SamplingParams:
     the given tokens' logits; until ``min_tokens`` tokens were generated, the stop tokens and EOS cannot
     be drawn; ``bad_words`` (token id sequences) are never completed: a word's last token cannot be drawn
     where the output ends with the rest of it (a one-token word: never). ``prompt_logprobs=k`` returns each prompt token's logprob (from the second on) and the
-    ``k`` most likely tokens at its position.
+    ``k`` most likely tokens at its position. ``structured``: the output follows that constraint (a
+    JSON schema, regex, choice or grammar; EOS only where it can end).
     """
 
     max_tokens: int = 16
@@ -46,6 +66,7 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     bad_words: tuple[tuple[int, ...], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 0:
@@ -96,6 +117,8 @@ class SamplingParams:
         if any(not isinstance(w, tuple) or not w or any(not _is_int(t) or t < 0 for t in w) for w in words):
             raise ValueError(f"bad_words must be non-empty sequences of token ids, got {words[:3]!r}")
         object.__setattr__(self, "bad_words", words)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
         stop = self.stop_token_ids
         if isinstance(stop, (str, bytes)) or not isinstance(stop, Iterable):
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {stop!r}")

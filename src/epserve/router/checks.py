@@ -10,6 +10,7 @@ the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``).
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from epserve.messages.sampling import (
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     SamplingParams,
+    StructuredOutput,
 )
 from epserve.router.errors import bad_request, context_length_exceeded
 from epserve.router.generation_defaults import GenerationDefaults
@@ -73,6 +75,7 @@ def check_request(req: AnyRequest) -> None:
         raise bad_request(f"bad_words may hold at most {MAX_BAD_WORDS} words, each with a non-space character and "
                           f"at most {MAX_BAD_WORD_CHARS} characters", "bad_words")
     _check_unsupported(req)
+    structured_output(req)  # its form
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_STRINGS:
         raise bad_request(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
@@ -97,9 +100,7 @@ MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # (tokenized on the event loop: bo
 
 # Fields defined by OpenAI or vLLM that this server does not implement, and the values that mean "off".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
-    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
-    "response_format": (None, {"type": "text"}), "suffix": (None, ""), "tools": (None, []),
+    "allowed_token_ids": (None,), "suffix": (None, ""), "tools": (None, []),
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "store": (None, False),
@@ -252,6 +253,7 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
             min_tokens=req.min_tokens,
             prompt_logprobs=prompt_logprobs,
             bad_words=bad_words,
+            structured=structured_output(req),
         )
     except ValueError as e:
         raise bad_request(str(e)) from None
@@ -279,3 +281,61 @@ def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) ->
         if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
             out.append(spaced)
     return tuple(out)
+
+
+def structured_output(req: AnyRequest) -> StructuredOutput | None:
+    """The request's output constraint, from whichever of OpenAI's ``response_format`` and vLLM's
+    ``structured_outputs`` / ``guided_*`` fields it uses (at most one); None when unconstrained. Only
+    the form is checked here: whether a schema, regex or grammar compiles, the engine says (a 400)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutput("json_object")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  "response_format")
+            found.append(("response_format", StructuredOutput("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise bad_request("response_format.type must be text, json_object or json_schema", "response_format")
+    vllm = {f"guided_{k}": getattr(req, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+    if req.structured_outputs is not None:
+        if not isinstance(req.structured_outputs, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        for key, value in req.structured_outputs.items():
+            if key not in ("json", "regex", "choice", "grammar", "json_object"):
+                raise bad_request(f"structured_outputs.{key} is not supported (json, regex, choice, grammar, "
+                                  "json_object)", "structured_outputs")
+            if key == "json_object":
+                if value is True:
+                    found.append(("structured_outputs", StructuredOutput("json_object")))
+            elif value is not None:
+                vllm[f"structured_outputs.{key}"] = value
+    for name, value in vllm.items():
+        if value is None:
+            continue
+        kind = name.rpartition("_")[2].rpartition(".")[2]
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise bad_request(f"{name} is not valid JSON", name) from None
+            if not isinstance(value, dict):
+                raise bad_request(f"{name} must be a JSON schema object", name)
+            found.append((name, StructuredOutput("json_schema", json.dumps(value))))
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise bad_request(f"{name} must be a non-empty list of non-empty strings", name)
+            found.append((name, StructuredOutput("choice", json.dumps(value))))
+        else:
+            if not isinstance(value, str) or not value:
+                raise bad_request(f"{name} must be a non-empty string", name)
+            found.append((name, StructuredOutput(kind, value)))
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, not {' and '.join(n for n, _ in found)}", found[1][0])
+    return found[0][1] if found else None

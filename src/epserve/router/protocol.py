@@ -216,14 +216,15 @@ class _SamplingFields(RequestModel):
     include_stop_str_in_output: bool = False  # extension
     skip_special_tokens: bool = True  # extension
     user: str | None = None
-    # Defined by OpenAI or vLLM, not implemented: a value other than "off" is refused (``_check_unsupported``).
-    allowed_token_ids: Any = None
+    # Structured outputs (``checks.structured_output``): OpenAI's, and vLLM's older and newer forms.
+    response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    response_format: Any = None
+    # Defined by vLLM, not implemented: a value other than "off" is refused (``_check_unsupported``).
+    allowed_token_ids: Any = None
 
     @field_validator("stop", mode="wrap")
     @classmethod

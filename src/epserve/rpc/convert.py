@@ -9,7 +9,7 @@ import dataclasses
 from epserve.messages.engine import EngineLoad, GeneratedTokens
 from epserve.messages.expert_load import ExpertLoad
 from epserve.messages.kv import KVLayout, PrefillJob
-from epserve.messages.sampling import SamplingParams, TokenLogprobs
+from epserve.messages.sampling import SamplingParams, StructuredOutput, TokenLogprobs
 from epserve.rpc.proto import engine_pb2 as pb
 
 SERVICE_NAME = "epserve.engine.v1.Engine"
@@ -45,6 +45,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         msg.repetition_penalty = p.repetition_penalty
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
+    if p.structured is not None:
+        msg.structured.kind, msg.structured.spec = p.structured.kind, p.structured.spec
     return msg
 
 
@@ -67,6 +69,7 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         min_tokens=p.min_tokens,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         bad_words=tuple(tuple(w.token_ids) for w in p.bad_words),
+        structured=StructuredOutput(p.structured.kind, p.structured.spec) if p.HasField("structured") else None,
     )
 
 

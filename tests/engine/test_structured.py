@@ -1,0 +1,122 @@
+"""Structured outputs in the engine (xgrammar): for JSON schemas of every common shape, every sampled
+output validates and ends within max_tokens; regex, choice, EBNF grammar and json_object; constrained
+and free requests in one batch (the free ones unchanged); a constraint that does not compile fails its
+request naming the problem; what is not supported yet is refused, not ignored."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from epserve import LLM, SamplingParams
+from epserve.engine.engine import RequestError
+from epserve.engine.structured import GrammarMasks
+from epserve.messages.sampling import StructuredOutput
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                                   "admin": {"type": "boolean"}},
+                 "required": ["name", "admin"], "additionalProperties": False}},
+        "required": ["user"], "additionalProperties": False},
+    "array_bounds": {"type": "object", "properties": {
+        "xs": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1,
+               "maxItems": 4}}, "required": ["xs"], "additionalProperties": False},
+    "enum_and_range": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "score": {"type": "number", "minimum": -1, "maximum": 1},
+        "n": {"type": "integer", "minimum": 10, "maximum": 20}},
+        "required": ["color", "score", "n"], "additionalProperties": False},
+    "optional": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 5},
+                                                  "b": {"type": "string", "maxLength": 3}},
+                 "required": ["a"], "additionalProperties": False},
+    "any_of": {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+                                                                 {"type": "string", "maxLength": 4},
+                                                                 {"type": "null"}]}},
+               "required": ["v"], "additionalProperties": False},
+    "formats": {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                                 "id": {"type": "string", "pattern": "^[a-f0-9]{4}$"}},
+                "required": ["day", "id"], "additionalProperties": False},
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt, device):
+    return LLM(tiny_ckpt, dtype="float32", num_blocks=128, device=device)
+
+
+def constrained(kind: str, spec: str = "", **kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 120)
+    return SamplingParams(structured=StructuredOutput(kind, spec), **kw)
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_every_output_validates_against_its_schema(llm, name) -> None:
+    schema = SCHEMAS[name]
+    params = [constrained("json_schema", json.dumps(schema), temperature=1.0, seed=s) for s in range(6)]
+    for out in llm.generate(["Answer in JSON:"] * len(params), params):
+        assert out.finish_reason == "stop", out.text  # ended by the grammar (EOS where it can end)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regex_choice_grammar_and_json_object(llm) -> None:
+    outs = llm.generate(["x"] * 5, [
+        constrained("regex", r"[0-9]{3}-[a-z]{2}", temperature=0.0),
+        constrained("regex", r"(ab|cd)+!", temperature=1.0, seed=1, max_tokens=30),
+        constrained("choice", json.dumps(["yes", "no", "maybe not"]), temperature=1.0, seed=2),
+        constrained("grammar", 'root ::= "(" digits ")"\ndigits ::= [0-9] | [0-9] digits', temperature=1.0,
+                    seed=3, max_tokens=12),
+        constrained("json_object", temperature=1.0, seed=4),
+    ])
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[0].text)
+    assert outs[1].finish_reason == "length" or re.fullmatch(r"(ab|cd)+!", outs[1].text)
+    assert outs[2].text in ("yes", "no", "maybe not")
+    assert outs[3].finish_reason == "length" or re.fullmatch(r"\([0-9]+\)", outs[3].text)
+    assert outs[4].finish_reason == "length" or isinstance(json.loads(outs[4].text), dict)
+
+
+def test_a_grammar_that_cannot_finish_in_time_stops_at_length(llm) -> None:
+    out = llm.generate(["x"], constrained("regex", "a{50}", temperature=0.0, max_tokens=5))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_a_complete_grammar_allows_only_eos(llm) -> None:
+    """A request that ignores EOS goes on after its grammar completes: with EOS alone."""
+    eos = llm.config.model.eos_token_ids[0]
+    out = llm.generate(["x"], constrained("choice", json.dumps(["yes", "no"]), temperature=1.0, seed=5,
+                                          ignore_eos=True, max_tokens=8))[0]
+    text_ids = [t for t in out.token_ids if t != eos]
+    assert llm.tokenizer.decode(text_ids) in ("yes", "no") and out.token_ids[len(text_ids):] == [eos] * (8 - len(text_ids))
+    masks = GrammarMasks(64, (31, 63))  # the top bit of an int32 word, twice
+    masks._matchers["r"] = type("Done", (), {"is_terminated": lambda self: True})()
+    logits = torch.zeros(1, 64)
+    masks.apply(logits, ["r"])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [31, 63]
+
+
+def test_constrained_and_free_requests_share_a_batch(llm) -> None:
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    alone = llm.generate(["The quick brown fox"], free)[0]
+    outs = llm.generate(["Answer:", "The quick brown fox", "Answer:"],
+                        [constrained("choice", json.dumps(["A", "B"]), temperature=0.0), free,
+                         constrained("json_schema", json.dumps(SCHEMAS["optional"]), temperature=0.0)])
+    assert outs[0].text in ("A", "B") and json.loads(outs[2].text)["a"] in range(6)
+    assert outs[1].token_ids == alone.token_ids
+    assert [lp.logprob for lp in outs[1].logprobs] == pytest.approx([lp.logprob for lp in alone.logprobs], abs=1e-5)
+
+
+def test_constraints_that_do_not_compile_name_the_problem(llm) -> None:
+    for kind, spec, hint in [("json_schema", '{"type": "objectx"}', "objectx"), ("json_schema", "{not json", "json"),
+                             ("regex", "(", "parenthesis"), ("grammar", "root ::= undefined_rule", "undefined")]:
+        with pytest.raises(RequestError, match=f"(?i){hint}"):
+            llm.generate(["x"], constrained(kind, spec))
+    assert llm.generate(["x"], SamplingParams(max_tokens=2)) [0].token_ids  # the engine still serves
+
+
+def test_not_yet_with_speculative_decoding(counter_ckpt) -> None:
+    mtp = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=1, dtype="float32", num_blocks=64)
+    with pytest.raises(RequestError, match="speculative"):
+        mtp.generate(["x"], constrained("json_object"))
