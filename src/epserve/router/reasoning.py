@@ -103,8 +103,8 @@ class DeepSeekR1ReasoningParser:
             text, inside = text[len(THINK_START) :], True
         if not inside:
             return None, text or None
-        reasoning, found, content = text.partition(THINK_END)
-        return reasoning or None, (content or None) if found else None
+        reasoning, _, content = text.partition(THINK_END)
+        return reasoning or None, content or None  # no end: content is ""
 
     @property
     def reasoning_ended(self) -> bool:

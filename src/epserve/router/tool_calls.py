@@ -1,7 +1,7 @@
 """Tool-call parsers: DeepSeek's tool-call text turned into OpenAI ``tool_calls``.
 
-DeepSeek models write their calls as one block of special (but not skipped: they survive
-``skip_special_tokens``) tokens after any text, and stop::
+DeepSeek models write their calls as one block of added tokens (not marked special in DeepSeek's tokenizers:
+they survive ``skip_special_tokens``) after any text, and stop::
 
     text<｜tool▁calls▁begin｜>CALL CALL ...<｜tool▁calls▁end｜><｜end▁of▁sentence｜>
 
@@ -25,16 +25,18 @@ one, vLLM's ``chatcmpl-tool-<32 hex>``). The choices, where the formats leave ro
   only by that marker. What follows ``<｜tool▁calls▁end｜>`` is dropped (vLLM and SGLang drop it: the
   model ends there; it is only the end-of-sentence token when special tokens are not skipped).
 - Arguments are the model's text, verbatim: not re-serialized, not checked. Invalid JSON is passed
-  on as generated, as OpenAI's API does; the client validates. (DeepSeek-V3's ```` ```json ````
-  fence is not part of them: a trailing ``\\n```\\`` or ``````` before the call's end is removed.)
+  on as generated, as OpenAI's API does; the client validates. DeepSeek-V3's code fence around them
+  is not part of them: the opening line ends the name, and a closing newline and three backticks
+  (or the backticks alone) before the call's end are removed.
 - A name is streamed once it is complete, in the call's first delta (``index``, ``id``, ``type``,
   ``function.name``, empty ``arguments``); the arguments follow as they come, holding back only a
   tail that may begin the call's end (and, for V3, the closing fence).
 - A call may also end at the next ``<｜tool▁call▁begin｜>`` or at ``<｜tool▁calls▁end｜>`` when the
   model skips its ``<｜tool▁call▁end｜>``.
 - Missing end markers (output cut by ``max_tokens``): a call whose name is complete is kept, with the
-  arguments generated so far (less a trailing partial marker), since a stream has already sent them;
-  a call cut before its name is complete is dropped, as is a trailing partial marker.
+  arguments generated so far, since a stream has already sent them, less the tail a stream holds back
+  (what may begin the call's end: a partial marker, V3's closing fence; no fence is stripped there).
+  A call cut before its name is complete is dropped, as is a partial marker between calls.
 - A block that breaks the format (text other than whitespace where a call or the block's end should
   be; a marker inside a call's name; an empty name) is not guessed at: the calls before stand, and
   the rest of the output, from the broken call's ``<｜tool▁call▁begin｜>`` (or the stray text) on,
@@ -67,7 +69,8 @@ _MAX_MARKER = max(len(m) for m in MARKERS)
 
 # The stream's states: text before the block; between calls; a call's header (V3's type), name and
 # arguments; after the block (dropped); after a broken block (passed on as content).
-_TEXT, _BETWEEN, _HEADER, _NAME, _ARGS, _DONE, _RAW = "text", "between", "header", "name", "args", "done", "raw"
+_TEXT, _BETWEEN, _HEADER, _NAME, _ARGS = "text", "between", "header", "name", "args"
+_DONE, _RAW = "done", "raw"
 
 
 def make_tool_call_id() -> str:
@@ -84,7 +87,8 @@ class ToolCall:
     arguments: str
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,14 @@ def _first(text: str, patterns: Iterable[str], start: int = 0) -> tuple[int, str
     return best, which
 
 
-class _DeepSeekToolParser:
-    """The DeepSeek block grammar; subclasses set a call's layout. One instance per response."""
+def _cut_marker(rest: str) -> bool:
+    """Whether ``rest`` (between calls, whitespace stripped) may still become a call or the block's end."""
+    return CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest)
+
+
+class DeepSeekToolParser:
+    """The DeepSeek block grammar, for whole outputs and streams; the subclasses set a call's layout.
+    One instance per response (per choice): ``feed`` keeps the stream's state, ``extract`` none."""
 
     name = ""
     header_end = ""  # ends a header before the name ("" when the name follows the call's begin)
@@ -164,12 +174,12 @@ class _DeepSeekToolParser:
 
     def __init__(self, make_id: Callable[[], str] = make_tool_call_id) -> None:
         self.make_id = make_id
-        self.streamed_calls: list[ToolCall] = []  # the calls streamed so far, arguments so far
+        self._calls: list[tuple[str, str, list[str]]] = []  # streamed: id, name, argument pieces
         self._state = _TEXT
         self._buf = ""  # text not yet consumed (a held tail, or a call up to its name)
         self._mark = 0  # where, in _buf, the field being read starts
         self._scan = 0  # where, in _buf, a marker may still start
-        self._hold = MARKERS + tuple(f + m for f in self.fences for m in _ARGS_ENDS)
+        self._hold = _ARGS_ENDS + tuple(f + m for f in self.fences for m in _ARGS_ENDS)  # arguments' tail
 
     # -- grammar ---------------------------------------------------------------------------------
     def call_prefix(self, name: str) -> str:
@@ -185,8 +195,8 @@ class _DeepSeekToolParser:
 
     def _name_fields(self) -> list[tuple[str, tuple[str, ...]]]:
         """The fields from a call's begin to its arguments: (terminator, markers that break it)."""
-        fields = [(self.header_end, tuple(m for m in MARKERS if m != self.header_end))] if self.header_end else []
-        return fields + [(self.name_end, tuple(m for m in MARKERS if m != self.name_end))]
+        ends = (self.header_end, self.name_end) if self.header_end else (self.name_end,)
+        return [(end, tuple(m for m in MARKERS if m != end)) for end in ends]
 
     def _strip_fence(self, args: str) -> str:
         for fence in self.fences:
@@ -206,7 +216,7 @@ class _DeepSeekToolParser:
             rest = text[pos:].lstrip()
             call_start = len(text) - len(rest)
             if not rest.startswith(CALL_BEGIN):
-                if not (rest.startswith(CALLS_END) or CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest)):
+                if not (rest.startswith(CALLS_END) or _cut_marker(rest)):
                     content += rest  # stray text: the block is broken
                 break
             pos = call_start + len(CALL_BEGIN)
@@ -224,10 +234,12 @@ class _DeepSeekToolParser:
                 content += text[call_start:]
                 break
             at, which = _first(text, _ARGS_ENDS, pos)
-            args = text[pos:at] if at >= 0 else text[pos:]
-            if at < 0:  # cut in the arguments
+            if at >= 0:
+                args = self._strip_fence(text[pos:at])
+            else:  # cut in the arguments: what a stream sent, less a tail that may begin the call's end
+                args = text[pos:]
                 args = args[: len(args) - partial_suffix_len(args, self._hold)]
-            calls.append(ToolCall(self.make_id(), name, self._strip_fence(args)))
+            calls.append(ToolCall(self.make_id(), name, args))
             if at < 0 or which == CALLS_END:
                 break
             pos = at + len(CALL_END) if which == CALL_END else at
@@ -235,8 +247,14 @@ class _DeepSeekToolParser:
 
     # -- streams ---------------------------------------------------------------------------------
     @property
+    def streamed_calls(self) -> list[ToolCall]:
+        """The calls streamed so far, with their arguments so far."""
+        return [ToolCall(id_, name, "".join(pieces)) for id_, name, pieces in self._calls]
+
+    @property
     def tools_called(self) -> bool:
-        return bool(self.streamed_calls)
+        """Whether the stream has begun a call (the choice then finishes with ``tool_calls``)."""
+        return bool(self._calls)
 
     def feed(self, delta: str) -> list[ToolCallEvent]:
         """Events for the next piece of the output (possibly none)."""
@@ -247,8 +265,8 @@ class _DeepSeekToolParser:
         return events
 
     def flush(self) -> list[ToolCallEvent]:
-        """At the end of the output: held text that is content (a partial marker before the block);
-        a partial marker or an unfinished name inside the block is dropped."""
+        """Once, at the end of the output: held text that is content (a partial marker before the
+        block); a partial marker or an unfinished name inside the block is dropped."""
         events: list[ToolCallEvent] = []
         if self._state == _TEXT and self._buf:
             events.append(ContentDelta(self._buf))
@@ -282,13 +300,14 @@ class _DeepSeekToolParser:
             if rest.startswith(CALLS_END):
                 self._buf, self._state = "", _DONE
                 return False
-            if CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest):
+            if _cut_marker(rest):
                 self._buf = rest  # whitespace dropped; a marker may be coming
                 return False
             self._buf, self._state = rest, _RAW  # stray text: the block is broken
             return True
         if state in (_HEADER, _NAME):
-            end, breaks = self._name_fields()[0 if state == _HEADER or not self.header_end else 1]
+            fields = self._name_fields()
+            end, breaks = fields[0] if state == _HEADER else fields[-1]
             at, which = _first(buf, (end, *breaks), self._scan)
             if at < 0:
                 self._scan = max(self._mark, len(buf) - _MAX_MARKER)
@@ -301,9 +320,8 @@ class _DeepSeekToolParser:
                 self._state, self._mark = _NAME, after
                 self._scan = after
                 return True
-            call = ToolCall(self.make_id(), field.strip(), "")
-            self.streamed_calls.append(call)
-            events.append(ToolCallDelta(len(self.streamed_calls) - 1, "", call.id, call.name))
+            self._calls.append((self.make_id(), field.strip(), []))
+            events.append(ToolCallDelta(len(self._calls) - 1, "", *self._calls[-1][:2]))
             self._buf, self._state = buf[after:], _ARGS
             return True
         if state == _ARGS:
@@ -327,15 +345,14 @@ class _DeepSeekToolParser:
 
     def _args(self, events: list[ToolCallEvent], piece: str) -> None:
         if piece:
-            index = len(self.streamed_calls) - 1
-            call = self.streamed_calls[index]
-            self.streamed_calls[index] = ToolCall(call.id, call.name, call.arguments + piece)
-            events.append(ToolCallDelta(index, piece))
+            self._calls[-1][2].append(piece)
+            events.append(ToolCallDelta(len(self._calls) - 1, piece))
 
 
-class DeepSeekV3ToolParser(_DeepSeekToolParser):
-    """DeepSeek-V3/R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>``,
-    calls joined by ``\\n``. The type before the separator (always ``function``) is not checked."""
+class DeepSeekV3ToolParser(DeepSeekToolParser):
+    """DeepSeek-V3/R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```
+    <｜tool▁call▁end｜>`` (one line), calls joined by ``\\n``. The type before the separator (always
+    ``function``) is not checked."""
 
     name = "deepseek_v3"
     header_end = SEP
@@ -350,7 +367,7 @@ class DeepSeekV3ToolParser(_DeepSeekToolParser):
         return f"\n```{CALL_END}"
 
 
-class DeepSeekV31ToolParser(_DeepSeekToolParser):
+class DeepSeekV31ToolParser(DeepSeekToolParser):
     """DeepSeek-V3.1: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``, calls back to back."""
 
     name = "deepseek_v31"
@@ -363,7 +380,7 @@ class DeepSeekV31ToolParser(_DeepSeekToolParser):
         return CALL_END
 
 
-TOOL_CALL_PARSERS: dict[str, type[_DeepSeekToolParser]] = {
+TOOL_CALL_PARSERS: dict[str, type[DeepSeekToolParser]] = {
     DeepSeekV3ToolParser.name: DeepSeekV3ToolParser,
     DeepSeekV31ToolParser.name: DeepSeekV31ToolParser,
 }
