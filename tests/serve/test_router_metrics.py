@@ -12,9 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from epserve.messages.engine import ITERATION_TOKENS_BUCKETS
 from epserve.messages.sampling import SamplingParams
+from epserve.router.choices import Choice
 from epserve.router.engine_client import EngineUnavailable
 from epserve.router.errors import APIError
-from epserve.router.generation import Choice, Generation, GenerationContext
+from epserve.router.generation import Generation, GenerationContext
 from epserve.router.instances import Instance
 from epserve.router.metrics import RouterMetrics, build_1_2_5_buckets
 from epserve.router.protocol import CompletionRequest

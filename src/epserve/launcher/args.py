@@ -103,6 +103,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the chat template instead of the checkpoint's: a file's path, or the jinja template itself "
                    "(as vLLM's --chat-template)")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"], type=lambda s: s.replace("-", "_"),
+                   help="chat completions: the model's reasoning (DeepSeek-R1's and V3.1's <think>...</think>) as "
+                   "reasoning_content beside content, whole and streamed (vLLM's and SGLang's flag)")
     g.add_argument("--generation-config", default=RouterOptions.generation_config, metavar="auto|vllm|DIR",
                    help="default sampling for requests that do not set it: auto = the checkpoint's "
                    "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, extra EOS ids), "
@@ -135,6 +138,7 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         engine_token=engine_token(args),
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         generation_config=args.generation_config,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

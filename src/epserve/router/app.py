@@ -47,6 +47,7 @@ from epserve.router.checks import (
     stop_strings,
     to_sampling_params,
 )
+from epserve.router.choices import Choice
 from epserve.router.errors import (
     APIError,
     bad_request,
@@ -56,7 +57,7 @@ from epserve.router.errors import (
     unavailable,
     validation_error,
 )
-from epserve.router.generation import Choice, Generation, GenerationContext, until_disconnect
+from epserve.router.generation import Generation, GenerationContext, until_disconnect
 from epserve.router.generation_defaults import GenerationDefaults
 from epserve.router.http_limits import HTTPLimits, RequestGate, RequestLimitsMiddleware
 from epserve.router.instances import Router
@@ -91,7 +92,7 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int:
 class OpenAIServer:
     def __init__(self, router: Router, tokenizer: Tokenizer | None, model_name: str,
                  api_key: str | None = None, limits: HTTPLimits | None = None,
-                 generation_defaults: GenerationDefaults | None = None) -> None:
+                 generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -101,7 +102,8 @@ class OpenAIServer:
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         self.metrics = RouterMetrics(router, model_name)
         self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_limits.http_protocol
-        self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name)
+        self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name,
+                                                    reasoning_parser)
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-parse")  # GIL-bound work
         self.created = int(time.time())
         self.app = self._build_app()

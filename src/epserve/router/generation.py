@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -25,11 +25,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from epserve.messages.sampling import SamplingParams
 from epserve.router.checks import stop_strings
+from epserve.router.choices import Choice, ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, Delta
 from epserve.router.detokenize import IncrementalDetokenizer, StopStringMatcher
 from epserve.router.engine_client import EngineRequestError, EngineUnavailable
 from epserve.router.errors import ENGINE_ABORTED, ENGINE_LOST, APIError, unavailable
 from epserve.router.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from epserve.router.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
 
 if TYPE_CHECKING:
     from epserve.router.metrics import RouterMetrics
@@ -52,61 +54,7 @@ class GenerationContext:
     tokenizer: Tokenizer | None
     metrics: RouterMetrics
     model_name: str
-
-
-@dataclass
-class Delta:
-    """What one engine message adds to a choice, after detokenization and stop strings."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[tuple[float, list[tuple[int, float]]]]
-    finish_reason: str | None
-
-
-@dataclass
-class Choice:
-    index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    first_of_prompt: bool  # the prompt's tokens count once in usage and metrics, with this choice
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_cached: int = 0
-    num_output: int = 0
-    prompt_text: str | None = None  # as the client sent it (echo repeats it), None for token ids
-    engine_times: tuple[float, float] | None = None  # the engine's queue and prefill seconds, from its first token
-    # asked-for prompt logprobs: None for the first prompt token, then (logprob, top) per prompt token
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
-
-
-# ---- what a choice's task sends to the response stream -------------------------------------------
-@dataclass(frozen=True)
-class ChoiceDelta:
-    """The choice produced more output."""
-
-    choice: Choice
-    delta: Delta
-
-
-@dataclass(frozen=True)
-class ChoiceFailed:
-    """The choice failed after its first message (an error before it fails the whole response)."""
-
-    choice: Choice
-    error: Exception
-
-
-@dataclass(frozen=True)
-class ChoiceDone:
-    """The choice's task ended (after its last delta or its failure); it sends nothing more."""
-
-    choice: Choice
-
-
-ChoiceEvent = ChoiceDelta | ChoiceFailed | ChoiceDone
+    reasoning_parser: str | None = None  # ``--reasoning-parser`` (chat): reasoning_content apart from content
 
 
 class Generation:
@@ -132,6 +80,7 @@ class Generation:
         last = None
         rid = f"{self.id}-{choice.index}"
         echo = self._echo if isinstance(req, CompletionRequest) and req.echo else None
+        reasoning = self._reasoning_parser(choice)
         try:
             async with contextlib.aclosing(ctx.generate(rid, choice.prompt_ids, choice.params)) as stream:
                 async for msg in stream:
@@ -173,7 +122,15 @@ class Generation:
                     elif finish:
                         emit += stopper.flush()
                     lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs[:used]]
-                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish)
+                    thought = ""
+                    if reasoning is not None:  # the text split: reasoning, then the answer
+                        part = reasoning.feed(emit)
+                        if finish:
+                            rest = reasoning.flush()
+                            part = type(part)(part.reasoning + rest.reasoning, part.content + rest.content)
+                        thought, emit = part.reasoning, part.content
+                        choice.reasoning.append(thought)
+                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish, thought)
                     choice.text.append(emit)
                     choice.token_ids.extend(delta.token_ids)
                     choice.logprobs.extend(lps)
@@ -187,6 +144,15 @@ class Generation:
             if choice.finish_reason is None and last is not None:  # cancelled (the client left) or cut off
                 choice.finish_reason = ABORTED
                 self._finished(choice)
+
+    def _reasoning_parser(self, choice: Choice) -> DeepSeekR1ReasoningParser | None:
+        """A chat choice's reasoning parser, starting inside the reasoning when its rendered prompt left a
+        ``<think>`` open (R1's template, V3.1's thinking mode)."""
+        name, tokenizer = self.ctx.reasoning_parser, self.ctx.tokenizer
+        if name is None or tokenizer is None or not isinstance(self.req, ChatCompletionRequest):
+            return None
+        prompt = tokenizer.decode(choice.prompt_ids[-64:], skip_special_tokens=False)
+        return REASONING_PARSERS[name].for_prompt(prompt)
 
     def _echo(self, choice: Choice) -> Delta:
         """A completion's echoed prompt, as the choice's first delta (its logprobs when asked for)."""
@@ -240,8 +206,12 @@ class Generation:
                     if chat else completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0)
                 )
             if chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.ctx.reasoning_parser is not None:
+                    message["reasoning_content"] = "".join(c.reasoning) or None
+                    message["content"] = text or None
+                out.append({"index": c.index, "message": message, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                             **self._prompt_logprobs(c)})
@@ -313,12 +283,12 @@ class Generation:
                 choice, delta = event.choice, event.delta
                 if delta.finish_reason == ABORTED:
                     logger.warning("request %s: the engine aborted choice %d", self.id, choice.index)
-                    delta = Delta(delta.text, delta.token_ids, delta.logprobs, None)
-                    if delta.text or delta.logprobs:
+                    delta = Delta(delta.text, delta.token_ids, delta.logprobs, None, delta.reasoning)
+                    if delta.text or delta.reasoning or delta.logprobs:
                         yield self._chunk(head, choice, delta, offsets, include_usage, chat)
                     yield _sse(unavailable(ENGINE_ABORTED).body())
                     continue
-                if not delta.text and not delta.finish_reason and not delta.logprobs:
+                if not delta.text and not delta.reasoning and not delta.finish_reason and not delta.logprobs:
                     continue
                 yield self._chunk(head, choice, delta, offsets, include_usage, chat)
             if include_usage:
@@ -343,8 +313,11 @@ class Generation:
         self._started.add(choice.index)
         offsets[choice.index] += len(delta.text)
         if chat:
-            body = {"index": choice.index, "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": logprobs, "finish_reason": delta.finish_reason}
+            content = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
+            if delta.text:
+                content["content"] = delta.text
+            body = {"index": choice.index, "delta": content, "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason}
         else:
             body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                     "finish_reason": delta.finish_reason, **(self._prompt_logprobs(choice) if first else {})}

@@ -30,7 +30,7 @@ from epserve.router.instances import Router
 from epserve.rpc.convert import KV_TRANSFER_BUCKETS
 
 if TYPE_CHECKING:
-    from epserve.router.generation import Choice
+    from epserve.router.choices import Choice
     from epserve.rpc.proto import engine_pb2 as pb
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

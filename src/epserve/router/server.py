@@ -46,6 +46,7 @@ class RouterOptions:
     engine_token: str | None = field(default=None, repr=False)  # the engines' mutual TLS key (None: plaintext)
     chat_template: str | None = field(default=None, repr=False)  # template text replacing the checkpoint's
     generation_config: str = "auto"  # sampling defaults: auto (the checkpoint's), vllm (none) or a directory
+    reasoning_parser: str | None = None  # chat: the model's reasoning as reasoning_content (deepseek_r1)
 
     def __post_init__(self) -> None:
         _ = self.limits  # ValueError for bad limits, as soon as the options are made
@@ -106,7 +107,8 @@ def build_router(options: RouterOptions, api_key: str | None = None):
     defaults.log()
     router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token or api_key,
                     engine_wait_s=options.engine_wait_s, prefill=options.prefill, decode=options.decode)
-    return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits, defaults)
+    return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits, defaults,
+                        options.reasoning_parser)
 
 
 def check_port_free(host: str, port: int) -> None:

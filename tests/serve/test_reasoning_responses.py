@@ -1,0 +1,92 @@
+"""``--reasoning-parser deepseek_r1`` in chat responses: the reasoning as ``reasoning_content`` beside
+``content``, whole and streamed token by token through the ``openai`` client; where the rendered prompt
+left ``<think>`` open (V3.1's thinking mode) the output starts inside the reasoning, otherwise it is all
+answer; completions are untouched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from epserve.router.instances import Router
+from epserve.router.server import RouterOptions, build_router
+from epserve.rpc.proto import engine_pb2 as pb
+from epserve.tokenizer import Tokenizer, write_tokenizer_files
+
+MODEL = "tiny-r1"
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% if thinking %}<think>{% endif %}{% endif %}")
+OUTPUT = "Two and two: four, surely.</think>The answer is 4."
+
+
+class ScriptedEngine(Router):
+    """An engine instance that answers every request with ``OUTPUT``, one token per message."""
+
+    tokens: list[int] = []
+
+    @property
+    def info(self) -> pb.GetInfoResponse:
+        return pb.GetInfoResponse(max_model_len=256, vocab_size=512)
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def refresh(self) -> None:
+        pass
+
+    async def generate(self, request_id, token_ids, params):
+        n = len(self.tokens)
+        for i, t in enumerate(self.tokens, start=1):
+            yield pb.GenerateResponse(token_ids=[t], num_prompt_tokens=len(token_ids), num_output_tokens=i,
+                                      finish_reason="stop" if i == n else "")
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory):
+    tok_dir: Path = write_tokenizer_files(tmp_path_factory.mktemp("tok"), vocab_size=512, model_max_length=2048)
+    ScriptedEngine.tokens = Tokenizer.from_dir(tok_dir).encode(OUTPUT, add_special_tokens=False)
+    options = RouterOptions(model=str(tok_dir), engines=("127.0.0.1:1",), served_model_name=MODEL,
+                            chat_template=TEMPLATE, reasoning_parser="deepseek_r1")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("epserve.router.instances.Router", ScriptedEngine)
+        server = build_router(options)
+    with TestClient(server.app) as http:
+        yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
+
+
+MESSAGES = [{"role": "user", "content": "2+2?"}]
+
+
+def test_reasoning_content_whole_and_streamed(client) -> None:
+    thinking = {"chat_template_kwargs": {"thinking": True}}
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=thinking)
+    message = whole.choices[0].message
+    assert message.reasoning_content == "Two and two: four, surely." and message.content == "The answer is 4."
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=thinking, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    content = "".join(d.content or "" for d in deltas)
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+    assert not any("think>" in (d.content or "") + (getattr(d, "reasoning_content", None) or "") for d in deltas)
+    assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) > 1  # streamed as it came
+    # the answer only starts after the reasoning: no delta carries content before the last reasoning one
+    kinds = ["r" if getattr(d, "reasoning_content", None) else "c" for d in deltas if d.content or
+             getattr(d, "reasoning_content", None)]
+    assert kinds == ["r"] * kinds.count("r") + ["c"] * kinds.count("c") and kinds.count("c") > 0
+
+
+def test_no_open_think_block_means_all_answer(client) -> None:
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES)  # thinking off: no <think> opened
+    assert whole.choices[0].message.reasoning_content is None
+    assert whole.choices[0].message.content == OUTPUT
+
+
+def test_completions_are_untouched(client) -> None:
+    out = client.completions.create(model=MODEL, prompt="x")
+    assert out.choices[0].text == OUTPUT
