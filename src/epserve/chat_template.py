@@ -28,7 +28,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # transformers' save_pretrained writes the template here
 CHAT_TEMPLATES_DIR = "chat_templates"  # ... and named ones here, NAME.jinja
-ROLES = ("system", "user", "assistant", "developer")  # developer: OpenAI's newer name for system
+ROLES = ("system", "user", "assistant", "developer", "tool")  # developer: OpenAI's newer name for system
 # Variables the renderer sets itself; chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
 _FINAL_MARKER = "\ue000epserve:end-of-final-message\ue000"  # private-use characters: in no real message
@@ -111,8 +111,9 @@ def configured_templates(config: Mapping[str, Any]) -> dict[str, str]:
     return {}
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check that ``messages`` is a list of ``{"role": system|developer|user|assistant, "content": str}``;
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check that ``messages`` is a list of ``{"role": system|developer|user|assistant|tool, "content": str}``
+    (an assistant's may be None beside its ``tool_calls``; a tool's may carry ``tool_call_id``);
     ``developer`` (OpenAI's newer name) becomes ``system``."""
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise ValueError(f"messages must be a list of {{role, content}} dicts, got {type(messages).__name__}")
@@ -124,9 +125,15 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             raise ValueError(
                 f"messages[{i}] has unsupported role {m['role']!r}; supported: {', '.join(ROLES)}"
             )
-        if not isinstance(m["content"], str):
+        calls = m.get("tool_calls")
+        if not isinstance(m["content"], str) and not (m["content"] is None and calls):
             raise ValueError(f"messages[{i}]['content'] must be a string, got {type(m['content']).__name__}")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]})
+        checked = {"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+        if calls:
+            checked["tool_calls"] = calls
+        if m.get("tool_call_id") is not None:
+            checked["tool_call_id"] = m["tool_call_id"]
+        out.append(checked)
     return out
 
 

@@ -30,7 +30,12 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)  # ids 0, 1
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
-# DeepSeek-style: bos, then the system prompt(s), then turns; an assistant turn ends with eos.
+# DeepSeek-style: bos, then the system prompt(s), then turns; an assistant turn ends with eos. Tool
+# calls and tool outputs as DeepSeek-V3's template writes them (the deepseek_v3 tool-call format).
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, CALL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
 CHAT_TEMPLATE = (
     "{%- set ns = namespace(system='') -%}"
     "{%- for message in messages -%}"
@@ -43,7 +48,21 @@ CHAT_TEMPLATE = (
     "{%- if message['role'] == 'user' -%}"
     "{{- '" + USER_TOKEN + "' + message['content'] -}}"
     "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '" + ASSISTANT_TOKEN + "' + message['content'] + eos_token -}}"
+    "{{- '" + ASSISTANT_TOKEN + "' + (message['content'] or '') -}}"
+    "{%- if message['tool_calls'] -%}"
+    "{{- '" + CALLS_BEGIN + "' -}}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{{- ('\\n' if not loop.first else '') + '" + CALL_BEGIN + "' + (call['type'] or 'function') + '" + CALL_SEP + "'"
+    " + call['function']['name'] + '\\n```json\\n' + call['function']['arguments'] + '\\n```" + CALL_END + "' -}}"
+    "{%- endfor -%}"
+    "{{- '" + CALLS_END + "' -}}"
+    "{%- endif -%}"
+    "{{- eos_token -}}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '" + OUTPUTS_BEGIN + "' -}}"
+    "{%- else -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '" + OUTPUT_BEGIN + "' + message['content'] + '" + OUTPUT_END + "' -}}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '" + OUTPUTS_END + "' -}}{%- endif -%}"
     "{%- elif message['role'] != 'system' -%}"
     "{{- raise_exception('unsupported chat role: ' + message['role']) -}}"
     "{%- endif -%}"

@@ -111,7 +111,8 @@ def test_chat_template(tok):
         "hello",
         [{"role": "user"}],
         [{"content": "x"}],
-        [{"role": "tool", "content": "x"}],
+        [{"role": "robot", "content": "x"}],
+        [{"role": "assistant", "content": None}],  # null content only beside tool_calls
         [{"role": "user", "content": 3}],
         ["user: hi"],
     ],

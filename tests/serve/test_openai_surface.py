@@ -56,7 +56,8 @@ def ckpt(make_ckpt, tmp_path_factory, greedy) -> Path:
 def server(ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("surface") / "serve.log"
-    proc = Proc(["serve", str(ckpt), "--dp", "1", "--port", str(port), "--served-model-name", MODEL, *ENGINE_ARGS], log)
+    proc = Proc(["serve", str(ckpt), "--dp", "1", "--port", str(port), "--served-model-name", MODEL, *ENGINE_ARGS,
+                 "--tool-call-parser", "deepseek_v3", "--enable-auto-tool-choice"], log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/health", proc)
@@ -206,8 +207,8 @@ def test_unimplemented_fields_refused_unknown_ones_logged(server):
     proc, url, client = server
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                       tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
-    assert info.value.body["param"] == "tools"
+                                       functions=[{"name": "f", "parameters": {}}])
+    assert info.value.body["param"] == "functions"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", best_of=3, n=1)
     assert info.value.body["param"] == "best_of"
@@ -246,3 +247,38 @@ def test_structured_outputs_through_the_client(server):
     assert r.status_code == 400 and "objectx" in r.json()["error"]["message"], r.text
     r = post(url, "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "(", "stream": True})
     assert r.status_code == 400 and "parenthesis" in r.json()["error"]["message"], r.text
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["C", "F"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
+
+
+def test_forced_tool_calls_parse_and_follow_the_schema(server):
+    """A named tool_choice and `required`, on random weights: the grammar, not the model, makes the call."""
+    jsonschema = pytest.importorskip("jsonschema")
+    _, _, client = server
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named,
+                                             max_tokens=400, temperature=1.0, seed=seed)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    pieces, names = "", set()
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
+                                                max_tokens=400, temperature=1.0, seed=9, stream=True):
+        for piece in chunk.choices[0].delta.tool_calls or ():
+            pieces += piece.function.arguments or ""
+            names.add(piece.function.name)
+    name = (names - {None}).pop()
+    schema = WEATHER if name == "get_weather" else TOOLS[1]["function"]["parameters"]
+    jsonschema.validate(json.loads(pieces), schema)

@@ -38,6 +38,7 @@ def _choice_grammar(spec: str) -> str:
 
 # xgrammar's rule for the characters of a length-bounded JSON string admits control characters, which
 # JSON forbids unescaped (its unbounded string rule excludes them): the same class, without them.
+_ANY_SPACE = "[ \\n\\r\\t]*"
 _LOOSE_CHARS, _JSON_CHARS = '[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
@@ -46,8 +47,13 @@ def _json_schema_grammar(spec: str) -> str:
     properties or items beyond the schema's), its strings free of control characters."""
     import xgrammar as xgr
 
-    return str(xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)).replace(
-        _LOOSE_CHARS, _JSON_CHARS)
+    return _tidy(str(xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)))
+
+
+def _tidy(ebnf: str) -> str:
+    """``ebnf`` with JSON's strings free of control characters and no optional whitespace between its
+    tokens (a grammar that admits any run of it lets a model pad until ``max_tokens``)."""
+    return ebnf.replace(_LOOSE_CHARS, _JSON_CHARS).replace(_ANY_SPACE, '""')
 
 
 class GrammarCompiler:
@@ -81,6 +87,10 @@ class GrammarCompiler:
                 return compiler.compile_regex(spec)
             if kind == "choice":
                 return compiler.compile_grammar(_choice_grammar(spec))
+            if kind == "structural_tag":
+                import xgrammar as xgr
+
+                return compiler.compile_grammar(_tidy(str(xgr.Grammar.from_structural_tag(spec))))
             return compiler.compile_grammar(spec)
         except (RuntimeError, ValueError) as e:  # xgrammar's errors are RuntimeErrors with a C++ location
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -106,6 +106,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"], type=lambda s: s.replace("-", "_"),
                    help="chat completions: the model's reasoning (DeepSeek-R1's and V3.1's <think>...</think>) as "
                    "reasoning_content beside content, whole and streamed (vLLM's and SGLang's flag)")
+    g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"],
+                   help="chat completions with tools: the checkpoint's tool-call format, parsed into tool_calls "
+                   "(DeepSeek-V3/R1: deepseek_v3, V3.1: deepseek_v31); tool_choice required or a named function "
+                   "is then forced by a grammar (vLLM's flag)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice auto (the model decides whether to call a tool; needs --tool-call-parser)")
     g.add_argument("--generation-config", default=RouterOptions.generation_config, metavar="auto|vllm|DIR",
                    help="default sampling for requests that do not set it: auto = the checkpoint's "
                    "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, extra EOS ids), "
@@ -139,6 +145,8 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         generation_config=args.generation_config,
         reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 
 

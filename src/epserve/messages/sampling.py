@@ -12,14 +12,15 @@ MAX_REPETITION_PENALTY = 2.0**16
 MAX_BIAS = 100.0  # logit_bias values, as OpenAI bounds them
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """A constraint on the output: a JSON schema (its JSON text), any JSON object (``spec`` empty), a
-    regular expression, one of several strings (``spec``: their JSON list), or an EBNF grammar
-    (xgrammar's dialect). The engine compiles it (``engine/structured.py``)."""
+    regular expression, one of several strings (``spec``: their JSON list), an EBNF grammar (xgrammar's
+    dialect), or an xgrammar structural tag (its JSON: fixed text around JSON-schema parts, as a forced
+    tool call is). The engine compiles it (``engine/structured.py``)."""
 
     kind: str
     spec: str = ""

@@ -45,6 +45,7 @@ from epserve.router.checks import (
     logit_bias,
     resolve_max_tokens,
     stop_strings,
+    structured_output,
     to_sampling_params,
 )
 from epserve.router.choices import Choice
@@ -72,6 +73,7 @@ from epserve.router.tokenize import (
     check_tokenize_request,
     tokenize_request_model,
 )
+from epserve.router.tools import ToolMode, tool_mode
 from epserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -92,13 +94,15 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int:
 class OpenAIServer:
     def __init__(self, router: Router, tokenizer: Tokenizer | None, model_name: str,
                  api_key: str | None = None, limits: HTTPLimits | None = None,
-                 generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None) -> None:
+                 generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None,
+                 tool_calls: tuple[str | None, bool] = (None, False)) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.limits = limits or HTTPLimits()
         self.generation_defaults = generation_defaults  # the checkpoint's generation_config.json
+        self.tool_calls = tool_calls  # --tool-call-parser, --enable-auto-tool-choice
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         self.metrics = RouterMetrics(router, model_name)
         self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_limits.http_protocol
@@ -234,10 +238,14 @@ class OpenAIServer:
         """The conversation's token ids through the chat template, on a worker thread when long; a text
         that cannot fit ``max_model_len`` is refused first. A template that fails is a 400 naming why."""
         messages = req.message_dicts()
-        num_chars = sum(len(m["content"]) for m in messages)
+        num_chars = sum(len(m["content"] or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
+                        for m in messages)
         if max_model_len is not None:
             self._check_chars(num_chars, max_model_len, "messages")
         options = req.template_options()
+        tools = getattr(req, "tools", None)
+        if tools:  # the functions, for templates that describe them (DeepSeek-V3.1's)
+            options["chat_template_kwargs"] = {"tools": tools, **(options["chat_template_kwargs"] or {})}
         heavy = num_chars + (len(repr(req.chat_template_kwargs)) if req.chat_template_kwargs else 0)
         encode = functools.partial(tokenizer.encode_chat, messages, add_special_tokens=add_special_tokens, **options)
         try:
@@ -336,6 +344,12 @@ class OpenAIServer:
         bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
         if bad_bias is not None:
             raise bad_request(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})", "logit_bias")
+        mode = ToolMode()
+        if isinstance(req, ChatCompletionRequest):
+            mode = tool_mode(req.tools, req.tool_choice, *self.tool_calls)
+            if mode.constraint is not None and structured_output(req) is not None:
+                raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint "
+                                  "of its own: drop response_format or the structured-output fields", "tool_choice")
         bad_words = ()
         if req.bad_words:
             tokenizer = self._need_tokenizer("bad_words")
@@ -348,13 +362,13 @@ class OpenAIServer:
                 raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             for j in range(req.n):
                 params = to_sampling_params(req, max_tokens, index=j, defaults=self.generation_defaults,
-                                            bad_words=bad_words)
+                                            bad_words=bad_words, structured=mode.constraint)
                 choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0,
                                       prompt_text=prompt_texts[i] if prompt_texts else None))
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        run = Generation(self.generation_context, req, choices, request_id)
+        run = Generation(self.generation_context, req, choices, request_id, mode.parser)
         if req.stream:
             return await run.stream(raw, chat)
         await until_disconnect(raw, run.complete())

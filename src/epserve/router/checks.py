@@ -39,6 +39,7 @@ from epserve.router.protocol import (
     ChatFields,
     CompletionRequest,
 )
+from epserve.router.tools import check_tools
 
 
 def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
@@ -100,8 +101,7 @@ MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # (tokenized on the event loop: bo
 
 # Fields defined by OpenAI or vLLM that this server does not implement, and the values that mean "off".
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "allowed_token_ids": (None,), "suffix": (None, ""), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "allowed_token_ids": (None,), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none", "auto"),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,), "verbosity": (None,), "store": (None, False),
 }
@@ -159,6 +159,7 @@ def _check_chat(req: ChatCompletionRequest) -> None:
         if not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         _check_range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
+    check_tools(req.tools, req.tool_choice)
     check_chat_fields(req)
 
 
@@ -167,7 +168,7 @@ def check_chat_fields(req: ChatFields) -> None:
     if not req.messages:
         raise bad_request("messages must hold at least one message", "messages")
     for i, m in enumerate(req.messages):
-        if isinstance(m.content, str):
+        if m.content is None or isinstance(m.content, str):
             continue
         for j, part in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
@@ -221,10 +222,12 @@ def _wrap_int64(x: int) -> int:
 
 def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
                        defaults: GenerationDefaults | None = None,
-                       bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
+                       bad_words: tuple[tuple[int, ...], ...] = (),
+                       structured: StructuredOutput | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice ``index`` of ``req`` (its seed is ``seed + index``);
     ``defaults`` (the checkpoint's ``generation_config.json``) fill the sampling fields it did not set;
-    ``bad_words``: the request's, tokenized (``bad_words_token_ids``)."""
+    ``bad_words``: the request's, tokenized (``bad_words_token_ids``); ``structured``: a constraint the
+    server adds (a forced tool call), instead of the request's own."""
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -253,7 +256,7 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
             min_tokens=req.min_tokens,
             prompt_logprobs=prompt_logprobs,
             bad_words=bad_words,
-            structured=structured_output(req),
+            structured=structured or structured_output(req),
         )
     except ValueError as e:
         raise bad_request(str(e)) from None

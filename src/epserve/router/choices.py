@@ -5,8 +5,10 @@ response (``ChoiceEvent``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from epserve.messages.sampling import SamplingParams
+from epserve.router.tool_calls import ToolCall
 
 
 @dataclass
@@ -18,6 +20,7 @@ class Delta:
     logprobs: list[tuple[float, list[tuple[int, float]]]]
     finish_reason: str | None
     reasoning: str = ""  # with a reasoning parser: the part of the text that is reasoning (``text``: the rest)
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # with tools: OpenAI's delta entries
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Choice:
     first_of_prompt: bool  # the prompt's tokens count once in usage and metrics, with this choice
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)  # with a reasoning parser
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with tools: the calls it made, once finished
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finish_reason: str | None = None

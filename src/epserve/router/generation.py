@@ -32,6 +32,7 @@ from epserve.router.errors import ENGINE_ABORTED, ENGINE_LOST, APIError, unavail
 from epserve.router.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 from epserve.router.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
+from epserve.router.tool_calls import TOOL_CALL_PARSERS, openai_delta
 
 if TYPE_CHECKING:
     from epserve.router.metrics import RouterMetrics
@@ -61,8 +62,9 @@ class Generation:
     """One HTTP request's choices, run concurrently."""
 
     def __init__(self, ctx: GenerationContext, req: CompletionRequest | ChatCompletionRequest,
-                 choices: list[Choice], request_id: str) -> None:
+                 choices: list[Choice], request_id: str, tool_parser: str | None = None) -> None:
         self.ctx = ctx
+        self.tool_parser = tool_parser  # chat: the output is read for calls in that format (``router/tools``)
         self.req = req
         self.choices = choices
         self.id = request_id
@@ -81,6 +83,7 @@ class Generation:
         rid = f"{self.id}-{choice.index}"
         echo = self._echo if isinstance(req, CompletionRequest) and req.echo else None
         reasoning = self._reasoning_parser(choice)
+        tools = TOOL_CALL_PARSERS[self.tool_parser]() if self.tool_parser is not None else None
         try:
             async with contextlib.aclosing(ctx.generate(rid, choice.prompt_ids, choice.params)) as stream:
                 async for msg in stream:
@@ -130,7 +133,13 @@ class Generation:
                             part = type(part)(part.reasoning + rest.reasoning, part.content + rest.content)
                         thought, emit = part.reasoning, part.content
                         choice.reasoning.append(thought)
-                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish, thought)
+                    calls: list[dict[str, Any]] = []
+                    if tools is not None:  # the answer split: text, and the calls it makes
+                        out = openai_delta([*tools.feed(emit), *(tools.flush() if finish else ())]) or {}
+                        emit, calls = out.get("content", ""), out.get("tool_calls", [])
+                        if finish:
+                            choice.tool_calls = tools.streamed_calls
+                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish, thought, calls)
                     choice.text.append(emit)
                     choice.token_ids.extend(delta.token_ids)
                     choice.logprobs.extend(lps)
@@ -210,8 +219,10 @@ class Generation:
                 if self.ctx.reasoning_parser is not None:
                     message["reasoning_content"] = "".join(c.reasoning) or None
                     message["content"] = text or None
+                if c.tool_calls:
+                    message.update(content=text or None, tool_calls=[call.to_openai() for call in c.tool_calls])
                 out.append({"index": c.index, "message": message, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": _client_finish(c.finish_reason, c)})
             else:
                 out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                             **self._prompt_logprobs(c)})
@@ -288,7 +299,7 @@ class Generation:
                         yield self._chunk(head, choice, delta, offsets, include_usage, chat)
                     yield _sse(unavailable(ENGINE_ABORTED).body())
                     continue
-                if not delta.text and not delta.reasoning and not delta.finish_reason and not delta.logprobs:
+                if not (delta.text or delta.reasoning or delta.tool_calls or delta.finish_reason or delta.logprobs):
                     continue
                 yield self._chunk(head, choice, delta, offsets, include_usage, chat)
             if include_usage:
@@ -313,11 +324,13 @@ class Generation:
         self._started.add(choice.index)
         offsets[choice.index] += len(delta.text)
         if chat:
-            content = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
+            content: dict[str, Any] = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
             if delta.text:
                 content["content"] = delta.text
+            if delta.tool_calls:
+                content["tool_calls"] = delta.tool_calls
             body = {"index": choice.index, "delta": content, "logprobs": logprobs,
-                    "finish_reason": delta.finish_reason}
+                    "finish_reason": _client_finish(delta.finish_reason, choice)}
         else:
             body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                     "finish_reason": delta.finish_reason, **(self._prompt_logprobs(choice) if first else {})}
@@ -326,6 +339,11 @@ class Generation:
             options = self.req.stream_options
             usage["usage"] = self.usage() if options is not None and options.continuous_usage_stats else None
         return _sse({**head, "choices": [body], **usage})
+
+
+def _client_finish(reason: str | None, choice: Choice) -> str | None:
+    """The finish reason the client sees: ``tool_calls`` for a choice that stopped after calling tools."""
+    return "tool_calls" if reason == "stop" and choice.tool_calls else reason
 
 
 def _stream_error(err: Exception, request_id: str) -> APIError:

@@ -172,23 +172,47 @@ class ContentPart(RequestModel):
     text: str | None = None
 
 
+class ToolCallFunction(RequestModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(RequestModel):
+    """A call an assistant message made (OpenAI's ``tool_calls`` entries)."""
+
+    id: str
+    type: str = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(RequestModel):
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's (its content may then be null)
+    tool_call_id: str | None = None  # a tool's answer to that call
 
     @field_validator("content", mode="wrap")
     @classmethod
     def _content_type(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        if isinstance(value, list):
+        if isinstance(value, list) or value is None:
             return handler(value)  # errors inside the list keep their locations
         return _union_error(value, handler, "a string or a list of content parts")
 
-    def text(self) -> str:
-        """The content as one string (text parts joined with newlines)."""
-        if isinstance(self.content, str):
+    def text(self) -> str | None:
+        """The content as one string (text parts joined with newlines); None when null."""
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "\n".join(p.text or "" for p in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template reads it."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class _SamplingFields(RequestModel):
@@ -266,9 +290,10 @@ class ChatFields(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): more variables for the template
     chat_template: str | None = None  # vLLM's per-request template: refused (the server's applies)
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        """``[{"role", "content"}]`` for the tokenizer's chat template, text parts joined."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """``[{"role", "content", ...}]`` for the tokenizer's chat template, text parts joined (an
+        assistant's ``tool_calls``, a tool's ``tool_call_id`` kept)."""
+        return [m.template_dict() for m in self.messages]
 
     def template_options(self) -> dict[str, Any]:
         """Keywords of ``Tokenizer.encode_chat``: continuing the final message adds no generation prompt."""

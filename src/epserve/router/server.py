@@ -47,9 +47,13 @@ class RouterOptions:
     chat_template: str | None = field(default=None, repr=False)  # template text replacing the checkpoint's
     generation_config: str = "auto"  # sampling defaults: auto (the checkpoint's), vllm (none) or a directory
     reasoning_parser: str | None = None  # chat: the model's reasoning as reasoning_content (deepseek_r1)
+    tool_call_parser: str | None = None  # chat: the checkpoint's tool-call format (deepseek_v3, deepseek_v31)
+    enable_auto_tool_choice: bool = False  # tool_choice auto: the model decides whether to call
 
     def __post_init__(self) -> None:
         _ = self.limits  # ValueError for bad limits, as soon as the options are made
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (deepseek_v3 or deepseek_v31)")
         if self.chat_template is not None:
             from epserve.chat_template import compile_chat_template
 
@@ -108,7 +112,7 @@ def build_router(options: RouterOptions, api_key: str | None = None):
     router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token or api_key,
                     engine_wait_s=options.engine_wait_s, prefill=options.prefill, decode=options.decode)
     return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits, defaults,
-                        options.reasoning_parser)
+                        options.reasoning_parser, (options.tool_call_parser, options.enable_auto_tool_choice))
 
 
 def check_port_free(host: str, port: int) -> None:

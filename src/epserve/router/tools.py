@@ -1,0 +1,106 @@
+"""Tools in chat completions: a request's ``tools`` and ``tool_choice`` checked, what the server does
+with them (``ToolMode``: the parser that reads calls out of the output, and for ``required`` or a named
+function the constraint that forces a well-formed call), as vLLM does with ``--tool-call-parser`` and
+``--enable-auto-tool-choice``.
+
+``auto`` lets the model choose; the output is parsed for calls in the checkpoint's format
+(``tool_calls``). ``required`` and a named function constrain the output to one call block, in that
+format, whose arguments follow the function's parameter schema (an xgrammar structural tag, compiled by
+the engine), so the arguments always parse. ``none`` (and no tools) leaves the output alone; the tools
+still reach the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from epserve.messages.sampling import StructuredOutput
+from epserve.router.errors import bad_request
+from epserve.router.tool_calls import TOOL_CALL_PARSERS
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """What a request's tools make the server do: parse calls with ``parser``; force one with
+    ``constraint``."""
+
+    parser: str | None = None
+    constraint: StructuredOutput | None = None
+
+
+def _functions(tools: Any) -> dict[str, dict[str, Any]]:
+    """The functions of ``tools`` by name, their form checked: ``[{"type": "function", "function":
+    {"name", "description"?, "parameters"?, "strict"?}}]``."""
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list of {type: function, function: {name, parameters}}", "tools")
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(name, str) \
+                or not name or name in out:
+            raise bad_request(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name of "
+                              "its own", "tools")
+        parameters = function.get("parameters", {"type": "object"})  # type: ignore[union-attr]
+        if not isinstance(parameters, dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        out[name] = parameters
+    return out
+
+
+def check_tools(tools: Any, tool_choice: Any) -> None:
+    """The form of ``tools`` and ``tool_choice`` (what the server can do with them: ``tool_mode``)."""
+    functions = _functions(tools) if tools is not None else {}
+    _chosen(tool_choice, functions)
+
+
+def _chosen(tool_choice: Any, functions: dict[str, dict[str, Any]]) -> str:
+    """``none``, ``auto``, ``required`` or the named function's name."""
+    if tool_choice is None:
+        return "auto" if functions else "none"
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice == "required" and not functions:
+            raise bad_request("tool_choice required needs tools", "tool_choice")
+        return tool_choice
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or tool_choice.get("type", "function") != "function":  # type: ignore[union-attr]
+        raise bad_request("tool_choice must be none, auto, required or {type: function, function: {name}}",
+                          "tool_choice")
+    if name not in functions:
+        raise bad_request(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    return "\0" + name  # (a name, not a mode)
+
+
+def tool_mode(tools: Any, tool_choice: Any, parser: str | None, auto_enabled: bool) -> ToolMode:
+    """What the server does with a request's tools, given ``--tool-call-parser`` (``parser``) and
+    ``--enable-auto-tool-choice``; a 400 for what it cannot do."""
+    functions = _functions(tools) if tools is not None else {}
+    chosen = _chosen(tool_choice, functions)
+    if chosen == "none" or not functions:
+        return ToolMode()
+    if parser is None:
+        raise bad_request("tool calls need the server started with --tool-call-parser (deepseek_v3 or "
+                          "deepseek_v31)", "tools")
+    if chosen == "auto":
+        if not auto_enabled:
+            raise bad_request('"auto" tool choice requires the server started with --enable-auto-tool-choice '
+                              "and --tool-call-parser", "tool_choice")
+        return ToolMode(parser)
+    names = list(functions) if chosen == "required" else [chosen[1:]]
+    return ToolMode(parser, StructuredOutput("structural_tag", json.dumps(forced_call(parser, names, functions))))
+
+
+def forced_call(parser: str, names: list[str], functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """An xgrammar structural tag for one call block in ``parser``'s format: one call of one of
+    ``names``, its arguments following the function's parameter schema."""
+    layout = TOOL_CALL_PARSERS[parser]()
+    calls = [{"type": "tag", "begin": layout.call_prefix(name),
+              "content": {"type": "json_schema", "json_schema": functions[name]}, "end": layout.call_suffix()}
+             for name in names]
+    call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
+    elements = [{"type": "const_string", "value": layout.block_begin}, call,
+                {"type": "const_string", "value": layout.block_end}]
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
