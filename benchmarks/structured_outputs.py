@@ -1,0 +1,113 @@
+"""What structured outputs cost, side by side in one run: the decode step with a JSON-schema constraint
+on half the batch against none, and the grammar compile time (cold and cached) of the test schemas.
+
+Decode: the median ``engine.step()`` of a steady batch (the `small` preset, bf16, its vocabulary widened
+to DeepSeek-V3's 129280 by default; ``--vocab 0`` keeps 8192), half of whose requests (at batch 1, its one) follow a JSON
+schema that keeps them generating (an array of up to 200 small integers), against the same batch
+unconstrained; rounds alternate. Compile: each schema of ``tests/engine/test_structured.py`` compiled
+by a fresh compiler (cold), then again (xgrammar's cache).
+
+    .venv/bin/python benchmarks/structured_outputs.py --batches 1 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import start_decode_batch
+
+from epserve import LLM, SamplingParams
+from epserve.engine.structured import GrammarCompiler
+from epserve.messages.sampling import StructuredOutput
+from epserve.presets import make_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.engine.test_structured import SCHEMAS  # noqa: E402
+
+LONG = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}, "maxItems": 200}},
+        "required": ["xs"], "additionalProperties": False}
+
+
+def decode_ms(llm: LLM, batch: int, constrained: bool, steps: int, seed: int) -> float:
+    engine = llm.engine
+    free = SamplingParams(temperature=0.8, top_p=0.95, ignore_eos=True)
+    num_constrained = (batch // 2 or 1) if constrained else 0  # (batch 1: its one request)
+    if batch > num_constrained:
+        start_decode_batch(engine, batch - num_constrained, 16, steps, seed, f"f{seed}", free)
+    if constrained:  # the other half constrained (compiled in the loop offline: here, by hand)
+        grammar = engine.runner.grammars.compile(StructuredOutput("json_schema", json.dumps(LONG)))
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 2,
+                                structured=StructuredOutput("json_schema", json.dumps(LONG)))
+        for i in range(num_constrained):
+            rid = f"c{seed}-{i}"
+            engine.runner.grammar_masks.add(rid, grammar)
+            engine.add_request(rid, list(range(10, 26)), params)
+        while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                                  for r in engine.scheduler.running):
+            engine.step()
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=129280, help="vocabulary size (0: the preset's)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    path = Path(os.path.expanduser(f"~/.cache/epserve/bench-small-v{args.vocab or 8192}"))
+    if not (path / "config.json").exists():
+        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0,
+                        overrides={"vocab_size": args.vocab} if args.vocab else None)
+    llm = LLM(path, dtype="bfloat16", num_blocks=4096, enable_prefix_caching=False, max_num_seqs=max(args.batches))
+    mc = llm.config.model
+    results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
+                                f"{torch.__version__}", "vocab": mc.vocab_size, "decode": [], "compile": {}}
+    for batch in args.batches:
+        decode_ms(llm, batch, False, 3, 0), decode_ms(llm, batch, True, 3, 1)  # warm-up
+        off, on = [], []
+        for r in range(args.rounds):
+            off.append(decode_ms(llm, batch, False, args.steps, 10 + r))
+            on.append(decode_ms(llm, batch, True, args.steps, 20 + r))
+        row = {"batch": batch, "off_ms": statistics.median(off), "on_ms": statistics.median(on),
+               "rounds_off": off, "rounds_on": on}
+        row["ratio"] = row["on_ms"] / row["off_ms"]
+        results["decode"].append(row)
+        print(f"decode batch {batch} (half constrained): off {row['off_ms']:.2f} ms, on {row['on_ms']:.2f} ms "
+              f"({row['ratio']:.3f}x)", flush=True)
+    for name, schema in SCHEMAS.items():
+        compiler = GrammarCompiler(path, mc.vocab_size, mc.eos_token_ids)
+        compiler.compile(StructuredOutput("json_object"))  # (the tokenizer's tables, made once per compiler)
+        spec = StructuredOutput("json_schema", json.dumps(schema))
+        t = time.perf_counter()
+        compiler.compile(spec)
+        cold = time.perf_counter() - t
+        t = time.perf_counter()
+        compiler.compile(spec)
+        cached = time.perf_counter() - t
+        results["compile"][name] = {"cold_ms": 1e3 * cold, "cached_ms": 1e3 * cached}
+        print(f"compile {name}: cold {1e3 * cold:.1f} ms, cached {1e3 * cached:.2f} ms", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
