@@ -20,9 +20,10 @@
 #           cache and written into another's (decode inside captured CUDA graphs; MTP layer's KV too; tokens
 #           = one engine), then `serve --disaggregate --device cuda` (one prefill, one decode process sharing
 #           the GPU) on the mixed workload of benchmarks/disagg_mixed.py.
-#   sampling: logits processing (penalties, logit_bias, min_tokens; MTP drafts and verification) and prompt
-#           logprobs with the engine on CUDA against the references, then the decode step with and without
-#           processing at batch 1 and 64 and a prefill with and without prompt_logprobs (small preset, vocab 129280).
+#   sampling: logits processing (penalties, logit_bias, min_tokens; MTP drafts and verification), prompt
+#           logprobs and structured outputs (xgrammar bitmasks applied to CUDA logits) with the engine on CUDA
+#           against the references, then the decode step with and without processing at batch 1 and 64, a
+#           prefill with and without prompt_logprobs, and the decode step with half the batch constrained.
 # Usage (device tool): bash benchmarks/gpu_check.sh [engine|kernels|decode|mtp|eplb|recovery|disagg|sampling|all]   (default all; each < 10 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,7 +81,9 @@ if [ "$PART" = disagg ] || [ "$PART" = all ]; then
 fi
 if [ "$PART" = sampling ] || [ "$PART" = all ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_logits_processing.py \
-    2>&1 | tail -25 | tee "$OUT/sampling_tests.txt"
+    tests/engine/test_structured.py 2>&1 | tail -25 | tee "$OUT/sampling_tests.txt"
   (cd benchmarks && timeout 300 python3 logits_processing.py --device cuda --batches 1 64 --json "../$OUT/logits_processing.json") \
     2>&1 | tail -10 | tee "$OUT/logits_processing.txt"
+  (cd benchmarks && timeout 200 python3 structured_outputs.py --device cuda --batches 1 32 --json "../$OUT/structured_outputs.json") \
+    2>&1 | tail -10 | tee "$OUT/structured_outputs.txt"
 fi

@@ -71,16 +71,19 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     path = Path(os.path.expanduser(f"~/.cache/epserve/bench-small-v{args.vocab or 8192}"))
     if not (path / "config.json").exists():
         make_checkpoint(path, preset="small", dtype="bfloat16", seed=0,
                         overrides={"vocab_size": args.vocab} if args.vocab else None)
-    llm = LLM(path, dtype="bfloat16", num_blocks=4096, enable_prefix_caching=False, max_num_seqs=max(args.batches))
+    llm = LLM(path, dtype="bfloat16", device=args.device, num_blocks=4096, enable_prefix_caching=False,
+              max_num_seqs=max(args.batches))
     mc = llm.config.model
     results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch "
-                                f"{torch.__version__}", "vocab": mc.vocab_size, "decode": [], "compile": {}}
+                                f"{torch.__version__}, {args.device}", "vocab": mc.vocab_size, "decode": [],
+                     "compile": {}}
     for batch in args.batches:
         decode_ms(llm, batch, False, 3, 0), decode_ms(llm, batch, True, 3, 1)  # warm-up
         off, on = [], []
