@@ -70,9 +70,6 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"bad_words token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured is not None:
-            if self.config.num_spec_tokens:
-                raise RequestError("structured outputs do not run with speculative decoding yet (--speculative mtp): "
-                                   "serve without it for constrained requests")
             if request.kv_transfer is not None:
                 raise RequestError("structured outputs do not run with prefill/decode disaggregation yet")
             if not self.runner.grammars.available:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import replace
 
@@ -266,9 +267,18 @@ class ModelRunner:
                 extras.append(c.drafts[:j])
         in_place = all(g.params.logprobs is None for g in groups)
         logits = self.logits_processor.apply(raw, requests, extras, in_place=in_place)
+        masks = self.grammar_masks
+        constrained = [c.request.request_id for c in sampling if masks.constrains(c.request.request_id)]
+        if constrained:  # each row masked by its grammar after the drafts before it
+            if logits is raw and not in_place:
+                logits = raw.clone()
+            first = list(itertools.accumulate((len(c.drafts) + 1 for c in sampling), initial=0))
+            masks.apply_groups(logits, [(c.request.request_id, f, c.drafts) for c, f in zip(sampling, first)])
         outcomes = verify(logits, groups, self.noise, raw)
         sampled, logprobs = {}, {}
         for c, out in zip(sampling, outcomes):
+            if constrained:
+                masks.accept(c.request.request_id, list(out.token_ids))
             self.proposer.stats.record(len(c.drafts), out.num_accepted)
             sampled[c.request.request_id] = out.token_ids
             if out.logprobs is not None:

@@ -7,7 +7,9 @@ compiled grammars by their text), so a request waits for its grammar without hol
 loop queues it once it compiled (``engine/loop.py``), and a constraint that does not compile fails its
 request as invalid, naming the problem. The matcher allows EOS only where the grammar can end, and
 advances on every token the request keeps; it lives until the request finishes (a preemption recomputes
-the KV, not the tokens, so the matcher stays right).
+the KV, not the tokens, so the matcher stays right). With MTP, verification row ``j`` is masked by the
+grammar after the first ``j`` drafts (accepted tentatively, then rolled back): a draft the grammar
+refuses has probability 0 there and is rejected, so the output is exactly plain decoding's.
 
 xgrammar (and through it transformers) is imported on first use: engines that never see a constraint
 do not pay for it.
@@ -125,7 +127,8 @@ class GrammarMasks:
     def add(self, request_id: str, grammar: Any) -> None:
         import xgrammar as xgr
 
-        self._matchers[request_id] = xgr.GrammarMatcher(grammar)
+        # (-1: unbounded rollback, for the drafts a verification tries tentatively)
+        self._matchers[request_id] = xgr.GrammarMatcher(grammar, max_rollback_tokens=-1)
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
@@ -136,24 +139,42 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """Mask, in place, what each constrained row's grammar does not allow next (rows of other
         requests untouched): the bitmask is filled on the host, applied on the logits' device."""
-        rows = [r for r, rid in enumerate(request_ids) if rid in self._matchers]
-        if not rows:
+        self.apply_groups(logits, [(rid, r, ()) for r, rid in enumerate(request_ids)])
+
+    def apply_groups(self, logits: torch.Tensor, groups: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        """The same for a verification's rows: ``(request, first row, drafts)``, rows ``first + j`` follow
+        the request's first ``j`` drafts. Each row's mask is its grammar after those drafts (accepted
+        tentatively, then rolled back); rows after a draft the grammar refuses are left as they are (that
+        draft has probability 0 under its masked row, so verification stops there)."""
+        groups = [g for g in groups if g[0] in self._matchers]
+        if not groups:
             return
         import xgrammar as xgr
 
         if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
             self._bitmask = xgr.allocate_token_bitmask(max(logits.shape[0], 8), self.vocab_size)
         bitmask = self._bitmask[: logits.shape[0]]
-        for r in rows:
-            matcher = self._matchers[request_ids[r]]
-            if matcher.is_terminated():  # complete (a request that ignores EOS goes on): EOS only
-                bitmask[r] = 0
-                for t in self.eos_token_ids:
-                    bit = 1 << (t % 32)
-                    bitmask[r, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # (an int32 word)
-            else:
-                matcher.fill_next_token_bitmask(bitmask, r)
+        rows = []
+        for rid, first, drafts in groups:
+            matcher, tried = self._matchers[rid], 0
+            for j in range(len(drafts) + 1):
+                self._fill(matcher, bitmask, first + j)
+                rows.append(first + j)
+                if j == len(drafts) or matcher.is_terminated() or not matcher.accept_token(drafts[j]):
+                    break
+                tried += 1
+            if tried:
+                matcher.rollback(tried)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+    def _fill(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+        if matcher.is_terminated():  # complete (a request that ignores EOS goes on): EOS only
+            bitmask[row] = 0
+            for t in self.eos_token_ids:
+                bit = 1 << (t % 32)
+                bitmask[row, t // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # (an int32 word)
+        else:
+            matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, request_id: str, tokens: list[int]) -> None:
         """The tokens the request keeps, in order (a matcher that refuses one is a bug: it was masked)."""
