@@ -6,6 +6,7 @@ a decode engine out of blocks makes transfers wait, never drops them."""
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.engine.engine import LLMEngine, RequestError
 from epserve.messages.engine import AddRequest
+from epserve.messages.sampling import StructuredOutput
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SHARED = list(range(40, 90))
@@ -208,3 +210,17 @@ def test_each_streamed_update_carries_its_own_tokens_logprobs(ckpt, device):
         assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
         assert [t for t, _ in got.top] == [t for t, _ in want.top]
         assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-5)
+
+
+def test_structured_output_continues_across_the_handoff(ckpt, device):
+    """The prefill instance draws the first token under the grammar; the decode instance's matcher takes
+    it on arrival and constrains the rest: the text of one engine, and it follows the grammar."""
+    structured = StructuredOutput("regex", "[a-z]{2,4}-[0-9]{2,3}")
+    params = SamplingParams(max_tokens=24, temperature=0.0, structured=structured)
+    alone = LLM(ckpt, dtype="float32", device=device, num_blocks=256, block_size=16).generate([PROMPTS[0]], params)[0]
+    prefill, decode = _engine(ckpt, device), _engine(ckpt, device)
+    for engine in (prefill, decode):
+        engine.runner.grammar_masks.add("r0", engine.runner.grammars.compile(structured))
+    tokens, _ = disaggregated(prefill, decode, PROMPTS[:1], params)
+    assert tokens["r0"] == alone.token_ids and alone.finish_reason == "stop"
+    assert re.fullmatch("[a-z]{2,4}-[0-9]{2,3}", alone.text)

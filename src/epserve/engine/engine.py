@@ -70,8 +70,6 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"bad_words token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured is not None:
-            if request.kv_transfer is not None:
-                raise RequestError("structured outputs do not run with prefill/decode disaggregation yet")
             if not self.runner.grammars.available:
                 raise RequestError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
         if request.kv_transfer == "receive" and (params.prompt_logprobs is not None or params.max_tokens == 0):
@@ -137,6 +135,8 @@ class LLMEngine:
         scheduler, writes, updates = self.scheduler, [], []
         assert scheduler is not None
         for write, request in scheduler.handoff.take_arrivals():
+            # (a constrained request's first token was drawn under its grammar by the prefill instance)
+            self.runner.grammar_masks.accept(request.request_id, request.output_token_ids[:1])
             writes.append(write)
             updates.append(scheduler.start_decoding(request))
         return writes, updates
