@@ -13,7 +13,7 @@ import torch
 
 from epserve import LLM, SamplingParams
 from epserve.engine.engine import RequestError
-from epserve.engine.structured import GrammarMasks
+from epserve.engine.structured import GrammarCompiler, GrammarMasks
 from epserve.messages.sampling import StructuredOutput
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -140,3 +140,25 @@ def test_mtp_drafts_are_verified_against_the_grammar(counter_ckpt, device) -> No
     for out in a:
         assert out.finish_reason == "stop"
         jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_a_constraint_after_the_reasoning(tiny_ckpt) -> None:
+    """The router's wrapping (``router/tools.after_reasoning``): any text up to ``</think>``, then the
+    constraint, compiled by the engine's compiler."""
+    import xgrammar as xgr
+
+    from epserve.router.tools import after_reasoning
+
+    llm_config = LLM(tiny_ckpt, dtype="float32", num_blocks=16).config.model
+    compiler = GrammarCompiler(tiny_ckpt, llm_config.vocab_size, llm_config.eos_token_ids)
+    for constraint, answer, wrong in [
+        (StructuredOutput("regex", "[a-z]{2}-[0-9]{2}"), "ab-12", "ab-1x"),
+        (StructuredOutput("json_schema", json.dumps(SCHEMAS["optional"])), '{"a":3}', '{"a":9}'),
+        (StructuredOutput("choice", json.dumps(["yes", "no"])), "no", "nah"),
+    ]:
+        grammar = compiler.compile(after_reasoning(constraint, "</think>"))
+        good = xgr.GrammarMatcher(grammar)
+        assert good.accept_string("Hmm, {not json} and <b>tags</b>.</think>") and good.accept_string(answer)
+        assert good.accept_token(llm_config.eos_token_ids[0]) and good.is_terminated()
+        bad = xgr.GrammarMatcher(grammar)
+        assert bad.accept_string("Thinking.</think>") and not bad.accept_string(wrong)

@@ -5,6 +5,7 @@ answer; completions are untouched."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import openai
@@ -26,6 +27,7 @@ class ScriptedEngine(Router):
     """An engine instance that answers every request with ``OUTPUT``, one token per message."""
 
     tokens: list[int] = []
+    params: list = []
 
     @property
     def info(self) -> pb.GetInfoResponse:
@@ -41,6 +43,7 @@ class ScriptedEngine(Router):
         pass
 
     async def generate(self, request_id, token_ids, params):
+        self.params.append(params)
         n = len(self.tokens)
         for i, t in enumerate(self.tokens, start=1):
             yield pb.GenerateResponse(token_ids=[t], num_prompt_tokens=len(token_ids), num_output_tokens=i,
@@ -90,3 +93,15 @@ def test_no_open_think_block_means_all_answer(client) -> None:
 def test_completions_are_untouched(client) -> None:
     out = client.completions.create(model=MODEL, prompt="x")
     assert out.choices[0].text == OUTPUT
+
+
+def test_a_constraint_applies_to_the_answer_after_the_reasoning(client) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt,
+                                   extra_body={"chat_template_kwargs": {"thinking": True}})
+    wrapped = ScriptedEngine.params[-1].structured
+    assert wrapped.kind == "structural_tag" and "</think>" in wrapped.spec and '"n"' in wrapped.spec
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt)  # not thinking
+    plain = ScriptedEngine.params[-1].structured
+    assert plain.kind == "json_schema" and json.loads(plain.spec) == schema

@@ -65,6 +65,7 @@ from epserve.router.instances import Router
 from epserve.router.json_body import load_json_body
 from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from epserve.router.reasoning import THINK_END, starts_in_reasoning
 from epserve.router.tokenize import (
     REQUEST_MODELS,
     DetokenizeRequest,
@@ -73,7 +74,7 @@ from epserve.router.tokenize import (
     check_tokenize_request,
     tokenize_request_model,
 )
-from epserve.router.tools import ToolMode, tool_mode
+from epserve.router.tools import ToolMode, after_reasoning, tool_mode
 from epserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -337,6 +338,12 @@ class OpenAIServer:
             raise unavailable()
         return info.max_model_len, info.vocab_size
 
+    def reasoning_first(self, prompt: list[int]) -> bool:
+        """With a reasoning parser: whether the output of this chat prompt starts inside the reasoning."""
+        if self.generation_context.reasoning_parser is None or self.tokenizer is None:
+            return False
+        return starts_in_reasoning(self.tokenizer.decode(prompt[-64:], skip_special_tokens=False))
+
     async def _generate(self, raw: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                         max_model_len: int, vocab: int, chat: bool,
                         prompt_texts: list[str | None] | None = None) -> Response:
@@ -344,12 +351,16 @@ class OpenAIServer:
         bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
         if bad_bias is not None:
             raise bad_request(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})", "logit_bias")
-        mode = ToolMode()
+        mode, constraint = ToolMode(), None
         if isinstance(req, ChatCompletionRequest):
             mode = tool_mode(req.tools, req.tool_choice, *self.tool_calls)
-            if mode.constraint is not None and structured_output(req) is not None:
+            constraint = structured_output(req)
+            if mode.constraint is not None and constraint is not None:
                 raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint "
                                   "of its own: drop response_format or the structured-output fields", "tool_choice")
+            constraint = mode.constraint or constraint
+            if constraint is not None and self.reasoning_first(prompts[0]):  # the answer is constrained, not the
+                constraint = after_reasoning(constraint, THINK_END)  # reasoning before it
         bad_words = ()
         if req.bad_words:
             tokenizer = self._need_tokenizer("bad_words")
@@ -362,7 +373,7 @@ class OpenAIServer:
                 raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
             for j in range(req.n):
                 params = to_sampling_params(req, max_tokens, index=j, defaults=self.generation_defaults,
-                                            bad_words=bad_words, structured=mode.constraint)
+                                            bad_words=bad_words, structured=constraint)
                 choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0,
                                       prompt_text=prompt_texts[i] if prompt_texts else None))
         if stop_strings(req) and self.tokenizer is None:

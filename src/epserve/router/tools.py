@@ -104,3 +104,22 @@ def forced_call(parser: str, names: list[str], functions: dict[str, dict[str, An
     elements = [{"type": "const_string", "value": layout.block_begin}, call,
                 {"type": "const_string", "value": layout.block_end}]
     return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+
+
+def after_reasoning(constraint: StructuredOutput, think_end: str) -> StructuredOutput:
+    """``constraint`` applied to the answer only: any text up to ``think_end`` (the reasoning), then the
+    constraint (an xgrammar structural tag)."""
+    kind, spec = constraint.kind, constraint.spec
+    if kind == "structural_tag":
+        answer = json.loads(spec)["format"]
+    elif kind in ("json_schema", "json_object"):
+        answer = {"type": "json_schema", "json_schema": json.loads(spec) if spec else {"type": "object"}}
+    elif kind == "regex":
+        answer = {"type": "regex", "pattern": spec}
+    elif kind == "choice":
+        answer = {"type": "grammar", "grammar": "root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec))}
+    else:
+        answer = {"type": "grammar", "grammar": spec}
+    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": think_end}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [thinking, answer]}}
+    return StructuredOutput("structural_tag", json.dumps(tag))
