@@ -162,3 +162,21 @@ def test_a_constraint_after_the_reasoning(tiny_ckpt) -> None:
         assert good.accept_token(llm_config.eos_token_ids[0]) and good.is_terminated()
         bad = xgr.GrammarMatcher(grammar)
         assert bad.accept_string("Thinking.</think>") and not bad.accept_string(wrong)
+
+
+def test_preempted_constrained_requests_keep_their_grammar(tiny_ckpt, device) -> None:
+    """A cache too small for the batch preempts (recomputes) requests mid-output: the matchers are not
+    touched by it, so the outputs equal those of a roomy cache, and follow their schema."""
+    schema = {"type": "object", "properties": {"xs": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9}, "minItems": 30,
+                                                  "maxItems": 40}},
+              "required": ["xs"], "additionalProperties": False}
+    params = [constrained("json_schema", json.dumps(schema), temperature=1.0, seed=s, max_tokens=120) for s in range(6)]
+    prompts = [[5 + i] * 20 for i in range(6)]
+    roomy = LLM(tiny_ckpt, dtype="float32", num_blocks=128, block_size=8, device=device).generate(prompts, params)
+    tight = LLM(tiny_ckpt, dtype="float32", num_blocks=24, block_size=8, device=device)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions_total > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    for out in outs:
+        assert out.finish_reason == "length" or jsonschema.validate(json.loads(out.text), schema) is None
