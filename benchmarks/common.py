@@ -84,3 +84,14 @@ def bench_serve(url: str, bench_args: list[str], out: Path) -> dict:
     subprocess.run(_epserve("bench", "serve", "--base-url", url, *bench_args, "--disable-tqdm", "--json", str(out)),
                    check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
+
+
+def wide_vocab_checkpoint(vocab: int) -> Path:
+    """The `small` preset (bf16) with a ``vocab``-entry vocabulary (0: the preset's 8192), written once to
+    the cache: what a step over DeepSeek-V3's 129280-entry vocabulary costs, on a small model."""
+    from epserve.presets import make_checkpoint
+
+    path = Path(os.path.expanduser(f"~/.cache/epserve/bench-small-v{vocab or 8192}"))
+    if not (path / "config.json").exists():
+        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0, overrides={"vocab_size": vocab} if vocab else None)
+    return path

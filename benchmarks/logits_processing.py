@@ -21,12 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import start_decode_batch
+from common import start_decode_batch, wide_vocab_checkpoint
 
 from epserve import LLM, SamplingParams
 from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.request import Request
-from epserve.presets import make_checkpoint
 
 PROCESSED = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=4,
                  logit_bias={t: (-1.0) ** t * 2.0 for t in range(100, 116)})
@@ -99,10 +98,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    path = Path(os.path.expanduser(f"~/.cache/epserve/bench-small-v{args.vocab or 8192}"))
-    if not (path / "config.json").exists():
-        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0,
-                        overrides={"vocab_size": args.vocab} if args.vocab else None)
+    path = wide_vocab_checkpoint(args.vocab)
     budget = max(args.prefill_batch * args.prefill_len, max(args.batches))
     llm = LLM(path, dtype="bfloat16", device=args.device, num_blocks=4096, enable_prefix_caching=False,
               max_num_seqs=max(args.batches + [args.prefill_batch]), max_num_batched_tokens=budget)

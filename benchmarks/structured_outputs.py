@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import start_decode_batch
+from common import start_decode_batch, wide_vocab_checkpoint
 
 from epserve import LLM, SamplingParams
 from epserve.engine.structured import GrammarCompiler
 from epserve.messages.sampling import StructuredOutput
-from epserve.presets import make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.engine.test_structured import SCHEMAS  # noqa: E402
@@ -74,10 +73,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    path = Path(os.path.expanduser(f"~/.cache/epserve/bench-small-v{args.vocab or 8192}"))
-    if not (path / "config.json").exists():
-        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0,
-                        overrides={"vocab_size": args.vocab} if args.vocab else None)
+    path = wide_vocab_checkpoint(args.vocab)
     llm = LLM(path, dtype="bfloat16", device=args.device, num_blocks=4096, enable_prefix_caching=False,
               max_num_seqs=max(args.batches))
     mc = llm.config.model

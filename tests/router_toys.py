@@ -1,9 +1,58 @@
 """Shared helpers of the radix-tree and router-policy tests: a manual clock, the tree's structural invariants
-and a token-range shorthand."""
+and a token-range shorthand; of the in-process HTTP tests: the router with a scripted engine behind it."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
+from epserve.router.instances import Router
 from epserve.router.radix_tree import PrefixTree
+from epserve.router.server import RouterOptions, build_router
+from epserve.rpc.proto import engine_pb2 as pb
+
+
+class ScriptedRouter(Router):
+    """The router with a scripted engine instance behind it (the HTTP layer's tests): model info as an
+    engine gives it, every request answered with ``tokens`` one per message (the last finishing with
+    ``finish_reason``), each request's prompt and params recorded. Subclass it to set the class fields."""
+
+    max_model_len = 1024
+    tokens: list[int] = [5]
+    finish_reason = "stop"
+    prompts: list[list[int]] = []
+    params: list[Any] = []
+
+    @property
+    def info(self) -> pb.GetInfoResponse:
+        return pb.GetInfoResponse(max_model_len=self.max_model_len, vocab_size=512)
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def refresh(self) -> None:
+        pass
+
+    async def generate(self, request_id, token_ids, params):
+        self.prompts.append(list(token_ids))
+        self.params.append(params)
+        n = len(self.tokens)
+        for i, t in enumerate(self.tokens, start=1):
+            yield pb.GenerateResponse(token_ids=[t], num_prompt_tokens=len(token_ids), num_output_tokens=i,
+                                      finish_reason=self.finish_reason if i == n else "")
+
+
+def build_over(router_class: type[Router], options: RouterOptions, api_key: str | None = None):
+    """The HTTP server ``epserve router`` builds from ``options``, over ``router_class``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("epserve.router.instances.Router", router_class)
+        server = build_router(options, api_key=api_key)
+    assert isinstance(server.router, router_class)
+    return server
 
 
 class FakeClock:

@@ -15,9 +15,7 @@ from starlette.testclient import TestClient
 
 from epserve import __version__
 from epserve.router.http_limits import RequestGate
-from epserve.router.instances import Router
-from epserve.router.server import RouterOptions, build_router
-from epserve.rpc.proto import engine_pb2 as pb
+from epserve.router.server import RouterOptions
 from epserve.tokenizer import (
     ASSISTANT_TOKEN,
     BOS_TOKEN,
@@ -26,6 +24,7 @@ from epserve.tokenizer import (
     Tokenizer,
     write_tokenizer_files,
 )
+from tests.router_toys import ScriptedRouter, build_over
 
 MODEL, KEY, MAX_MODEL_LEN = "tiny-chat", "sk-inproc", 256
 THINKING = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -33,30 +32,16 @@ THINKING = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['conten
             "{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('no booms here') }}{% endif %}")
 
 
-class StubRouter(Router):
-    """No engine: model info as an engine would give it; each request's prompt recorded, one token back."""
+class StubRouter(ScriptedRouter):
+    """No engine: each request's prompt recorded (per router), one token back."""
+
+    max_model_len = MAX_MODEL_LEN
+    finish_reason = "length"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.prompts: list[list[int]] = []
-
-    @property
-    def info(self) -> pb.GetInfoResponse:
-        return pb.GetInfoResponse(max_model_len=MAX_MODEL_LEN, vocab_size=512)
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    async def refresh(self) -> None:
-        pass
-
-    async def generate(self, request_id, token_ids, params):
-        self.prompts.append(list(token_ids))
-        yield pb.GenerateResponse(token_ids=[5], num_prompt_tokens=len(token_ids), num_output_tokens=1,
-                                  finish_reason="length")
+        self.params: list = []
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +53,7 @@ def _serve(tok_dir: Path, chat_template: str | None = None):
     """The router as ``epserve router TOK_DIR --chat-template ...`` builds it, over a StubRouter."""
     options = RouterOptions(model=str(tok_dir), engines=("127.0.0.1:1",), served_model_name=MODEL,
                             chat_template=chat_template)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("epserve.router.instances.Router", StubRouter)
-        server = build_router(options, api_key=KEY)
-    assert isinstance(server.router, StubRouter)
+    server = build_over(StubRouter, options, api_key=KEY)
     return server
 
 

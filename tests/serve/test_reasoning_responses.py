@@ -12,10 +12,9 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from epserve.router.instances import Router
-from epserve.router.server import RouterOptions, build_router
-from epserve.rpc.proto import engine_pb2 as pb
+from epserve.router.server import RouterOptions
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
+from tests.router_toys import ScriptedRouter, build_over
 
 MODEL = "tiny-r1"
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -23,31 +22,11 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['conten
 OUTPUT = "Two and two: four, surely.</think>The answer is 4."
 
 
-class ScriptedEngine(Router):
-    """An engine instance that answers every request with ``OUTPUT``, one token per message."""
+class ScriptedEngine(ScriptedRouter):
+    """Answers every request with ``OUTPUT`` (its tokens set by the fixture)."""
 
-    tokens: list[int] = []
+    prompts: list[list[int]] = []
     params: list = []
-
-    @property
-    def info(self) -> pb.GetInfoResponse:
-        return pb.GetInfoResponse(max_model_len=256, vocab_size=512)
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    async def refresh(self) -> None:
-        pass
-
-    async def generate(self, request_id, token_ids, params):
-        self.params.append(params)
-        n = len(self.tokens)
-        for i, t in enumerate(self.tokens, start=1):
-            yield pb.GenerateResponse(token_ids=[t], num_prompt_tokens=len(token_ids), num_output_tokens=i,
-                                      finish_reason="stop" if i == n else "")
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +35,7 @@ def client(tmp_path_factory: pytest.TempPathFactory):
     ScriptedEngine.tokens = Tokenizer.from_dir(tok_dir).encode(OUTPUT, add_special_tokens=False)
     options = RouterOptions(model=str(tok_dir), engines=("127.0.0.1:1",), served_model_name=MODEL,
                             chat_template=TEMPLATE, reasoning_parser="deepseek_r1")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("epserve.router.instances.Router", ScriptedEngine)
-        server = build_router(options)
+    server = build_over(ScriptedEngine, options)
     with TestClient(server.app) as http:
         yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
 

@@ -13,12 +13,11 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from epserve.router.instances import Router
-from epserve.router.server import RouterOptions, build_router
+from epserve.router.server import RouterOptions
 from epserve.router.tool_calls import TOOL_CALL_PARSERS
 from epserve.router.tools import tool_mode
-from epserve.rpc.proto import engine_pb2 as pb
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
+from tests.router_toys import ScriptedRouter, build_over
 
 MODEL = "tiny-tools"
 CALLS = [("get_weather", '{"city": "Paris"}'), ("get_time", '{"zone": "CET", "h24": true}')]
@@ -27,31 +26,11 @@ TOOLS = [{"type": "function", "function": {"name": name, "parameters": {"type": 
          for name in ("get_weather", "get_time")]
 
 
-class ScriptedEngine(Router):
-    """An engine instance that answers with ``OUTPUT``, one token per message, recording the prompts."""
+class ScriptedEngine(ScriptedRouter):
+    """Answers every request with ``OUTPUT`` (its tokens set by the fixture)."""
 
-    tokens: list[int] = []
     prompts: list[list[int]] = []
-
-    @property
-    def info(self) -> pb.GetInfoResponse:
-        return pb.GetInfoResponse(max_model_len=1024, vocab_size=512)
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    async def refresh(self) -> None:
-        pass
-
-    async def generate(self, request_id, token_ids, params):
-        self.prompts.append(list(token_ids))
-        n = len(self.tokens)
-        for i, t in enumerate(self.tokens, start=1):
-            yield pb.GenerateResponse(token_ids=[t], num_prompt_tokens=len(token_ids), num_output_tokens=i,
-                                      finish_reason="stop" if i == n else "")
+    params: list = []
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +41,7 @@ def served(tmp_path_factory: pytest.TempPathFactory):
     assert tok.decode(ScriptedEngine.tokens) == OUTPUT  # (the markers survive detokenizing)
     options = RouterOptions(model=str(tok_dir), engines=("127.0.0.1:1",), served_model_name=MODEL,
                             tool_call_parser="deepseek_v3", enable_auto_tool_choice=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("epserve.router.instances.Router", ScriptedEngine)
-        server = build_router(options)
+    server = build_over(ScriptedEngine, options)
     with TestClient(server.app) as http:
         yield tok, openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
 
