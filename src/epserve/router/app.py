@@ -41,11 +41,11 @@ from epserve.chat_template import ChatTemplateError
 from epserve.router import openapi_doc
 from epserve.router.checks import (
     bad_words_token_ids,
+    chat_constraint,
     check_request,
     logit_bias,
     resolve_max_tokens,
     stop_strings,
-    structured_output,
     to_sampling_params,
 )
 from epserve.router.choices import Choice
@@ -65,7 +65,7 @@ from epserve.router.instances import Router
 from epserve.router.json_body import load_json_body
 from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
-from epserve.router.reasoning import THINK_END, starts_in_reasoning
+from epserve.router.reasoning import starts_in_reasoning
 from epserve.router.tokenize import (
     REQUEST_MODELS,
     DetokenizeRequest,
@@ -74,7 +74,6 @@ from epserve.router.tokenize import (
     check_tokenize_request,
     tokenize_request_model,
 )
-from epserve.router.tools import ToolMode, after_reasoning, tool_mode
 from epserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -338,12 +337,6 @@ class OpenAIServer:
             raise unavailable()
         return info.max_model_len, info.vocab_size
 
-    def reasoning_first(self, prompt: list[int]) -> bool:
-        """With a reasoning parser: whether the output of this chat prompt starts inside the reasoning."""
-        if self.generation_context.reasoning_parser is None or self.tokenizer is None:
-            return False
-        return starts_in_reasoning(self.tokenizer.decode(prompt[-64:], skip_special_tokens=False))
-
     async def _generate(self, raw: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                         max_model_len: int, vocab: int, chat: bool,
                         prompt_texts: list[str | None] | None = None) -> Response:
@@ -351,16 +344,9 @@ class OpenAIServer:
         bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
         if bad_bias is not None:
             raise bad_request(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})", "logit_bias")
-        mode, constraint = ToolMode(), None
-        if isinstance(req, ChatCompletionRequest):
-            mode = tool_mode(req.tools, req.tool_choice, *self.tool_calls)
-            constraint = structured_output(req)
-            if mode.constraint is not None and constraint is not None:
-                raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint "
-                                  "of its own: drop response_format or the structured-output fields", "tool_choice")
-            constraint = mode.constraint or constraint
-            if constraint is not None and self.reasoning_first(prompts[0]):  # the answer is constrained, not the
-                constraint = after_reasoning(constraint, THINK_END)  # reasoning before it
+        reasoning = self.generation_context.reasoning_parser is not None and self.tokenizer is not None
+        mode, constraint = chat_constraint(req, *self.tool_calls, lambda: reasoning and starts_in_reasoning(
+            self.tokenizer.decode(prompts[0][-64:], skip_special_tokens=False)))  # type: ignore[union-attr]
         bad_words = ()
         if req.bad_words:
             tokenizer = self._need_tokenizer("bad_words")

@@ -39,7 +39,8 @@ from epserve.router.protocol import (
     ChatFields,
     CompletionRequest,
 )
-from epserve.router.tools import check_tools
+from epserve.router.reasoning import THINK_END
+from epserve.router.tools import ToolMode, after_reasoning, check_tools, tool_mode
 
 
 def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
@@ -342,3 +343,21 @@ def structured_output(req: AnyRequest) -> StructuredOutput | None:
     if len(found) > 1:
         raise bad_request(f"give one output constraint, not {' and '.join(n for n, _ in found)}", found[1][0])
     return found[0][1] if found else None
+
+
+def chat_constraint(req: AnyRequest, tool_call_parser: str | None, auto_tools: bool,
+                    in_reasoning: Callable[[], bool]) -> tuple[ToolMode, StructuredOutput | None]:
+    """What a request's tools make the server do (``tools.tool_mode``) and the constraint its output
+    follows: a forced tool call's or the request's own structured output (not both: a 400), applied
+    after the reasoning when the output starts inside it (``in_reasoning``)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return ToolMode(), structured_output(req)
+    mode = tool_mode(req.tools, req.tool_choice, tool_call_parser, auto_tools)
+    constraint = structured_output(req)
+    if mode.constraint is not None and constraint is not None:
+        raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint of its "
+                          "own: drop response_format or the structured-output fields", "tool_choice")
+    constraint = mode.constraint or constraint
+    if constraint is not None and in_reasoning():  # the answer is constrained, not the reasoning before it
+        constraint = after_reasoning(constraint, THINK_END)
+    return mode, constraint
