@@ -28,6 +28,7 @@ from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
 from epserve.engine.spec_manager import draft_room
+from epserve.engine.structured import GrammarMasks
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.parallel.comm import broadcast_from_leader
@@ -66,6 +67,7 @@ class MTPProposer:
         max_model_len: int,
         noise: Noise,
         logits_processor: LogitsProcessor,
+        grammar_masks: GrammarMasks,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -76,6 +78,7 @@ class MTPProposer:
         self.max_model_len = max_model_len
         self.noise = noise
         self.logits_processor = logits_processor  # drafts see the processing their verification applies
+        self.grammar_masks = grammar_masks  # ... and a constrained request's grammar
         self.stats = SpecStats(num_spec)
         self._probs: dict[str, list[torch.Tensor | None]] = {}  # the draft distributions of sampled requests
 
@@ -114,6 +117,9 @@ class MTPProposer:
                 # (each draft follows this step's tokens and the drafts before it, not yet the request's)
                 extras = [(*_tokens(result, d.request.request_id), *drafts[d.request.request_id]) for d in active]
                 logits = self.logits_processor.apply(logits, [d.request for d in active], extras, in_place=True)
+                # (the grammar has taken the step's tokens already: the drafts before this one remain)
+                self.grammar_masks.apply_after(logits, [(d.request.request_id, i, tuple(drafts[d.request.request_id]))
+                                                        for i, d in enumerate(active)])
                 ids, q = draft_tokens(logits, params, positions, self.noise)
                 for d, t, qq in zip(active, ids.tolist(), q):
                     drafts[d.request.request_id].append(t)

@@ -115,7 +115,7 @@ class ModelRunner:
         self.grammar_masks = GrammarMasks(mc.vocab_size, mc.eos_token_ids)
         self.proposer = None if not self.num_spec else MTPProposer(
             self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
-            self.noise, self.logits_processor)
+            self.noise, self.logits_processor, self.grammar_masks)
         self.profiler: OpProfiler | None = None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.decode_graphs: DecodeGraphs | None = None

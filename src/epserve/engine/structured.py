@@ -9,7 +9,8 @@ request as invalid, naming the problem. The matcher allows EOS only where the gr
 advances on every token the request keeps; it lives until the request finishes (a preemption recomputes
 the KV, not the tokens, so the matcher stays right). With MTP, verification row ``j`` is masked by the
 grammar after the first ``j`` drafts (accepted tentatively, then rolled back): a draft the grammar
-refuses has probability 0 there and is rejected, so the output is exactly plain decoding's.
+refuses has probability 0 there and is rejected, so the output is exactly plain decoding's; the MTP
+draft rows are masked likewise (``apply_after``), so the drafts follow the grammar too.
 
 xgrammar (and through it transformers) is imported on first use: engines that never see a constraint
 do not pay for it.
@@ -166,6 +167,33 @@ class GrammarMasks:
             if tried:
                 matcher.rollback(tried)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+    def apply_after(self, logits: torch.Tensor, rows: list[tuple[str, int, tuple[int, ...]]]) -> None:
+        """Mask row ``row`` by the request's grammar after ``tokens`` it does not hold yet (an MTP draft row:
+        the step's tokens and the drafts before it), accepted tentatively and rolled back; a row whose
+        tokens the grammar refuses is left as it is."""
+        rows = [r for r in rows if r[0] in self._matchers]
+        if not rows:
+            return
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = xgr.allocate_token_bitmask(max(logits.shape[0], 8), self.vocab_size)
+        bitmask = self._bitmask[: logits.shape[0]]
+        masked = []
+        for rid, row, tokens in rows:
+            matcher, tried = self._matchers[rid], 0
+            for token in tokens:
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                tried += 1
+            if tried == len(tokens):
+                self._fill(matcher, bitmask, row)
+                masked.append(row)
+            if tried:
+                matcher.rollback(tried)
+        if masked:
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)
 
     def _fill(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
         if matcher.is_terminated():  # complete (a request that ignores EOS goes on): EOS only
