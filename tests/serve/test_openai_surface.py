@@ -273,12 +273,14 @@ def test_forced_tool_calls_parse_and_follow_the_schema(server):
         call = choice.message.tool_calls[0]
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER)
-    pieces, names = "", set()
+    calls: dict[int, list[str]] = {}  # `required`: one or more calls (parallel_tool_calls), each valid
     for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
-                                                max_tokens=400, temperature=1.0, seed=9, stream=True):
+                                                max_tokens=490, temperature=1.0, seed=9, stream=True):
         for piece in chunk.choices[0].delta.tool_calls or ():
-            pieces += piece.function.arguments or ""
-            names.add(piece.function.name)
-    name = (names - {None}).pop()
-    schema = WEATHER if name == "get_weather" else TOOLS[1]["function"]["parameters"]
-    jsonschema.validate(json.loads(pieces), schema)
+            call = calls.setdefault(piece.index, ["", ""])
+            call[0] += piece.function.name or ""
+            call[1] += piece.function.arguments or ""
+    assert calls
+    for name, arguments in calls.values():
+        schema = WEATHER if name == "get_weather" else TOOLS[1]["function"]["parameters"]
+        jsonschema.validate(json.loads(arguments), schema)

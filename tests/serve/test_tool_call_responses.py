@@ -78,6 +78,23 @@ def test_calls_streamed_reassemble(served) -> None:
     assert "tool" not in content and "｜" not in content
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(served) -> None:
+    _, client = served
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False)
+    assert [(c.function.name, c.function.arguments) for c in out.choices[0].message.tool_calls] == CALLS[:1]
+    names = [p.function.name for c in client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False, stream=True)
+        for p in (c.choices[0].delta.tool_calls or ()) if p.function.name]
+    assert names == ["get_weather"]
+
+
+def test_required_allows_several_calls_unless_parallel_is_off(served) -> None:
+    parallel = tool_mode(TOOLS, "required", "deepseek_v3", False)
+    single = tool_mode(TOOLS, "required", "deepseek_v3", False, parallel=False)
+    assert json.loads(parallel.constraint.spec)["format"]["type"] == "or"  # one block of 1..4 calls
+    assert json.loads(single.constraint.spec)["format"]["type"] == "sequence"  # one call
+
+
 def test_tool_choice_none_leaves_the_text(served) -> None:
     _, client = served
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none")

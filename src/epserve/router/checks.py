@@ -352,7 +352,7 @@ def chat_constraint(req: AnyRequest, tool_call_parser: str | None, auto_tools: b
     after the reasoning when the output starts inside it (``in_reasoning``)."""
     if not isinstance(req, ChatCompletionRequest):
         return ToolMode(), structured_output(req)
-    mode = tool_mode(req.tools, req.tool_choice, tool_call_parser, auto_tools)
+    mode = tool_mode(req.tools, req.tool_choice, tool_call_parser, auto_tools, req.parallel_tool_calls is not False)
     constraint = structured_output(req)
     if mode.constraint is not None and constraint is not None:
         raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint of its "

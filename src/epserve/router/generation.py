@@ -137,8 +137,10 @@ class Generation:
                     if tools is not None:  # the answer split: text, and the calls it makes
                         out = openai_delta([*tools.feed(emit), *(tools.flush() if finish else ())]) or {}
                         emit, calls = out.get("content", ""), out.get("tool_calls", [])
+                        single = getattr(req, "parallel_tool_calls", None) is False  # (then the first call only)
+                        calls = [c for c in calls if c["index"] == 0] if single else calls
                         if finish:
-                            choice.tool_calls = tools.streamed_calls
+                            choice.tool_calls = tools.streamed_calls[:1] if single else tools.streamed_calls
                     delta = Delta(emit, list(msg.token_ids[:used]), lps, finish, thought, calls)
                     choice.text.append(emit)
                     choice.token_ids.extend(delta.token_ids)

@@ -74,9 +74,14 @@ def _chosen(tool_choice: Any, functions: dict[str, dict[str, Any]]) -> str:
     return "\0" + name  # (a name, not a mode)
 
 
-def tool_mode(tools: Any, tool_choice: Any, parser: str | None, auto_enabled: bool) -> ToolMode:
+MAX_FORCED_CALLS = 4  # tool_choice required with parallel_tool_calls: a block of 1 to this many calls
+
+
+def tool_mode(tools: Any, tool_choice: Any, parser: str | None, auto_enabled: bool,
+              parallel: bool = True) -> ToolMode:
     """What the server does with a request's tools, given ``--tool-call-parser`` (``parser``) and
-    ``--enable-auto-tool-choice``; a 400 for what it cannot do."""
+    ``--enable-auto-tool-choice``; a 400 for what it cannot do. ``parallel``: ``parallel_tool_calls``
+    (``required`` may then make several calls)."""
     functions = _functions(tools) if tools is not None else {}
     chosen = _chosen(tool_choice, functions)
     if chosen == "none" or not functions:
@@ -90,20 +95,26 @@ def tool_mode(tools: Any, tool_choice: Any, parser: str | None, auto_enabled: bo
                               "and --tool-call-parser", "tool_choice")
         return ToolMode(parser)
     names = list(functions) if chosen == "required" else [chosen[1:]]
-    return ToolMode(parser, StructuredOutput("structural_tag", json.dumps(forced_call(parser, names, functions))))
+    most = MAX_FORCED_CALLS if chosen == "required" and parallel else 1
+    return ToolMode(parser, StructuredOutput("structural_tag",
+                                             json.dumps(forced_call(parser, names, functions, most))))
 
 
-def forced_call(parser: str, names: list[str], functions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """An xgrammar structural tag for one call block in ``parser``'s format: one call of one of
-    ``names``, its arguments following the function's parameter schema."""
+def forced_call(parser: str, names: list[str], functions: dict[str, dict[str, Any]], most: int = 1) -> dict[str, Any]:
+    """An xgrammar structural tag for one call block in ``parser``'s format: 1 to ``most`` calls, each of
+    one of ``names``, its arguments following the function's parameter schema."""
     layout = TOOL_CALL_PARSERS[parser]()
     calls = [{"type": "tag", "begin": layout.call_prefix(name),
               "content": {"type": "json_schema", "json_schema": functions[name]}, "end": layout.call_suffix()}
              for name in names]
     call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
-    elements = [{"type": "const_string", "value": layout.block_begin}, call,
-                {"type": "const_string", "value": layout.block_end}]
-    return {"type": "structural_tag", "format": {"type": "sequence", "elements": elements}}
+    separator = [{"type": "const_string", "value": layout.call_separator}] if layout.call_separator else []
+    blocks = []
+    for n in range(1, most + 1):
+        body = [call] + [e for _ in range(n - 1) for e in (*separator, call)]
+        blocks.append({"type": "sequence", "elements": [{"type": "const_string", "value": layout.block_begin}, *body,
+                                                        {"type": "const_string", "value": layout.block_end}]})
+    return {"type": "structural_tag", "format": blocks[0] if most == 1 else {"type": "or", "elements": blocks}}
 
 
 def after_reasoning(constraint: StructuredOutput, think_end: str) -> StructuredOutput:
