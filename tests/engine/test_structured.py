@@ -195,3 +195,19 @@ def test_constrained_decode_steps_run_captured(tiny_ckpt, monkeypatch) -> None:
     assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
     jsonschema.validate(json.loads(outs[0].text), SCHEMAS["enum_and_range"])
     assert re.fullmatch("[a-z]{2,5}-[0-9]{2}", outs[1].text)
+
+
+def test_an_aborted_constrained_request_frees_its_matcher_and_blocks(llm) -> None:
+    engine = llm.engine
+    constraint = StructuredOutput("regex", "[a-z]{200}")
+    engine.runner.grammar_masks.add("cut", engine.runner.grammars.compile(constraint))
+    engine.add_request("cut", [5, 6, 7], SamplingParams(max_tokens=150, structured=constraint))
+    for _ in range(4):
+        engine.step()
+    assert engine.runner.grammar_masks.constrains("cut")
+    assert engine.abort_request("cut")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.runner.grammar_masks.constrains("cut")
+    kv = engine.scheduler.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
