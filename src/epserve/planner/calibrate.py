@@ -275,6 +275,9 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
                   else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         peak = max(r[0] for r in rates.values())
         bw = max([stream.bytes / stream.time_us * 1e6, *(b for c in rows_fit.values() for _, _, b in c)])
+        if not peak > 0 or not 0 < bw < float("inf"):  # timings too noisy to fit (a busy host)
+            raise PlanError(f"the calibration's timings did not fit (compute rate {peak:g} FLOP/s, bandwidth "
+                            f"{bw:g} B/s): was the host busy? Run it again on an idle one")
         base = HardwareSpec(name=f"local-{name}", peak_flops={"bf16": peak}, memory_bytes=int(memory),
                             memory_bandwidth=bw, nvlink_bandwidth=bw, ib_bandwidth=bw,
                             gpus_per_node=max(8, os.cpu_count() or 1), nvlink_efficiency=1.0, ib_efficiency=1.0)
