@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -95,3 +96,15 @@ def wide_vocab_checkpoint(vocab: int) -> Path:
     if not (path / "config.json").exists():
         make_checkpoint(path, preset="small", dtype="bfloat16", seed=0, overrides={"vocab_size": vocab} if vocab else None)
     return path
+
+
+def median_step_ms(engine: LLMEngine, steps: int) -> float:
+    """The median of ``steps`` timed ``engine.step()`` calls (ms); then the engine's requests run out."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return 1e3 * statistics.median(times)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import start_decode_batch, wide_vocab_checkpoint
+from common import median_step_ms, start_decode_batch, wide_vocab_checkpoint
 
 from epserve import LLM, SamplingParams
 from epserve.engine.logits_processor import LogitsProcessor
@@ -34,14 +34,7 @@ PROCESSED = dict(repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty
 def decode_ms(llm: LLM, batch: int, params: SamplingParams, steps: int, seed: int) -> float:
     engine = llm.engine
     start_decode_batch(engine, batch, 64, steps, seed, f"d{seed}", params)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1e3 * statistics.median(times)
+    return median_step_ms(engine, steps)
 
 
 def processor_ms(batch: int, vocab: int, device: str, steps: int = 20) -> float:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import start_decode_batch, wide_vocab_checkpoint
+from common import median_step_ms, start_decode_batch, wide_vocab_checkpoint
 
 from epserve import LLM, SamplingParams
 from epserve.engine.structured import GrammarCompiler
@@ -40,28 +40,16 @@ def decode_ms(llm: LLM, batch: int, constrained: bool, steps: int, seed: int) ->
     engine = llm.engine
     free = SamplingParams(temperature=0.8, top_p=0.95, ignore_eos=True)
     num_constrained = (batch // 2 or 1) if constrained else 0  # (batch 1: its one request)
-    if batch > num_constrained:
-        start_decode_batch(engine, batch - num_constrained, 16, steps, seed, f"f{seed}", free)
-    if constrained:  # the other half constrained (compiled in the loop offline: here, by hand)
-        grammar = engine.runner.grammars.compile(StructuredOutput("json_schema", json.dumps(LONG)))
-        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 2,
-                                structured=StructuredOutput("json_schema", json.dumps(LONG)))
+    if constrained:  # queued first (compiled in the loop offline: here, by hand), prefilled with the rest
+        structured = StructuredOutput("json_schema", json.dumps(LONG))
+        grammar = engine.runner.grammars.compile(structured)
+        params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 2, structured=structured)
         for i in range(num_constrained):
             rid = f"c{seed}-{i}"
             engine.runner.grammar_masks.add(rid, grammar)
             engine.add_request(rid, list(range(10, 26)), params)
-        while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                                  for r in engine.scheduler.running):
-            engine.step()
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return 1e3 * statistics.median(times)
+    start_decode_batch(engine, batch - num_constrained, 16, steps, seed, f"f{seed}", free)
+    return median_step_ms(engine, steps)
 
 
 def mtp_acceptance(model: str, device: str, k: int = 2) -> None:

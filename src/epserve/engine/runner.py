@@ -241,7 +241,7 @@ class ModelRunner:
         logits = self.logits_processor.apply(raw, requests, in_place=in_place)
         ids = [r.request_id for r in requests]
         masks = self.grammar_masks
-        constrained = [rid for rid in ids if masks.constrains(rid)]
+        constrained = {rid for rid in ids if masks.constrains(rid)}
         if constrained:
             if logits is raw and not in_place:
                 logits = raw.clone()

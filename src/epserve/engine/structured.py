@@ -150,11 +150,7 @@ class GrammarMasks:
         groups = [g for g in groups if g[0] in self._matchers]
         if not groups:
             return
-        import xgrammar as xgr
-
-        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
-            self._bitmask = xgr.allocate_token_bitmask(max(logits.shape[0], 8), self.vocab_size)
-        bitmask = self._bitmask[: logits.shape[0]]
+        bitmask = self._buffer(logits.shape[0])
         rows = []
         for rid, first, drafts in groups:
             matcher, tried = self._matchers[rid], 0
@@ -166,20 +162,16 @@ class GrammarMasks:
                 tried += 1
             if tried:
                 matcher.rollback(tried)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+        self._mask(logits, bitmask, rows)
 
     def apply_after(self, logits: torch.Tensor, rows: list[tuple[str, int, tuple[int, ...]]]) -> None:
         """Mask row ``row`` by the request's grammar after ``tokens`` it does not hold yet (an MTP draft row:
-        the step's tokens and the drafts before it), accepted tentatively and rolled back; a row whose
-        tokens the grammar refuses is left as it is."""
+        the drafts before it), accepted tentatively and rolled back; a row whose tokens the grammar
+        refuses is left as it is."""
         rows = [r for r in rows if r[0] in self._matchers]
         if not rows:
             return
-        import xgrammar as xgr
-
-        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
-            self._bitmask = xgr.allocate_token_bitmask(max(logits.shape[0], 8), self.vocab_size)
-        bitmask = self._bitmask[: logits.shape[0]]
+        bitmask = self._buffer(logits.shape[0])
         masked = []
         for rid, row, tokens in rows:
             matcher, tried = self._matchers[rid], 0
@@ -193,7 +185,22 @@ class GrammarMasks:
             if tried:
                 matcher.rollback(tried)
         if masked:
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=masked)
+            self._mask(logits, bitmask, masked)
+
+    def _buffer(self, num_rows: int) -> torch.Tensor:
+        """The host bitmask for ``num_rows`` rows (grown as needed, kept between steps)."""
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
+        return self._bitmask[:num_rows]
+
+    @staticmethod
+    def _mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """The filled ``rows`` of ``bitmask`` applied to the logits, on their device."""
+        import xgrammar as xgr
+
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
 
     def _fill(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
         if matcher.is_terminated():  # complete (a request that ignores EOS goes on): EOS only

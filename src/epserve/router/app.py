@@ -344,9 +344,10 @@ class OpenAIServer:
         bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
         if bad_bias is not None:
             raise bad_request(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})", "logit_bias")
-        reasoning = self.generation_context.reasoning_parser is not None and self.tokenizer is not None
-        mode, constraint = chat_constraint(req, *self.tool_calls, lambda: reasoning and starts_in_reasoning(
-            self.tokenizer.decode(prompts[0][-64:], skip_special_tokens=False)))  # type: ignore[union-attr]
+        # a chat output that starts inside the reasoning (its rendered prompt left <think> open)
+        thinking = (chat and self.generation_context.reasoning_parser is not None and self.tokenizer is not None
+                    and starts_in_reasoning(self.tokenizer.decode(prompts[0][-64:], skip_special_tokens=False)))
+        mode, constraint = chat_constraint(req, *self.tool_calls, thinking)
         bad_words = ()
         if req.bad_words:
             tokenizer = self._need_tokenizer("bad_words")
@@ -365,7 +366,7 @@ class OpenAIServer:
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        run = Generation(self.generation_context, req, choices, request_id, mode.parser)
+        run = Generation(self.generation_context, req, choices, request_id, mode.parser, thinking)
         if req.stream:
             return await run.stream(raw, chat)
         await until_disconnect(raw, run.complete())

@@ -346,7 +346,7 @@ def structured_output(req: AnyRequest) -> StructuredOutput | None:
 
 
 def chat_constraint(req: AnyRequest, tool_call_parser: str | None, auto_tools: bool,
-                    in_reasoning: Callable[[], bool]) -> tuple[ToolMode, StructuredOutput | None]:
+                    in_reasoning: bool) -> tuple[ToolMode, StructuredOutput | None]:
     """What a request's tools make the server do (``tools.tool_mode``) and the constraint its output
     follows: a forced tool call's or the request's own structured output (not both: a 400), applied
     after the reasoning when the output starts inside it (``in_reasoning``)."""
@@ -358,6 +358,6 @@ def chat_constraint(req: AnyRequest, tool_call_parser: str | None, auto_tools: b
         raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint of its "
                           "own: drop response_format or the structured-output fields", "tool_choice")
     constraint = mode.constraint or constraint
-    if constraint is not None and in_reasoning():  # the answer is constrained, not the reasoning before it
+    if constraint is not None and in_reasoning:  # the answer is constrained, not the reasoning before it
         constraint = after_reasoning(constraint, THINK_END)
     return mode, constraint

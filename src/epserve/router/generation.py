@@ -62,8 +62,10 @@ class Generation:
     """One HTTP request's choices, run concurrently."""
 
     def __init__(self, ctx: GenerationContext, req: CompletionRequest | ChatCompletionRequest,
-                 choices: list[Choice], request_id: str, tool_parser: str | None = None) -> None:
+                 choices: list[Choice], request_id: str, tool_parser: str | None = None,
+                 thinking: bool = False) -> None:
         self.ctx = ctx
+        self.thinking = thinking  # chat, with a reasoning parser: the output starts inside the reasoning
         self.tool_parser = tool_parser  # chat: the output is read for calls in that format (``router/tools``)
         self.req = req
         self.choices = choices
@@ -82,7 +84,7 @@ class Generation:
         last = None
         rid = f"{self.id}-{choice.index}"
         echo = self._echo if isinstance(req, CompletionRequest) and req.echo else None
-        reasoning = self._reasoning_parser(choice)
+        reasoning = self._reasoning_parser()
         tools = TOOL_CALL_PARSERS[self.tool_parser]() if self.tool_parser is not None else None
         try:
             async with contextlib.aclosing(ctx.generate(rid, choice.prompt_ids, choice.params)) as stream:
@@ -156,14 +158,13 @@ class Generation:
                 choice.finish_reason = ABORTED
                 self._finished(choice)
 
-    def _reasoning_parser(self, choice: Choice) -> DeepSeekR1ReasoningParser | None:
-        """A chat choice's reasoning parser, starting inside the reasoning when its rendered prompt left a
-        ``<think>`` open (R1's template, V3.1's thinking mode)."""
-        name, tokenizer = self.ctx.reasoning_parser, self.ctx.tokenizer
-        if name is None or tokenizer is None or not isinstance(self.req, ChatCompletionRequest):
+    def _reasoning_parser(self) -> DeepSeekR1ReasoningParser | None:
+        """A chat choice's reasoning parser, starting inside the reasoning when the rendered prompt left a
+        ``<think>`` open (R1's template, V3.1's thinking mode: ``thinking``, told by the server)."""
+        name = self.ctx.reasoning_parser
+        if name is None or self.ctx.tokenizer is None or not isinstance(self.req, ChatCompletionRequest):
             return None
-        prompt = tokenizer.decode(choice.prompt_ids[-64:], skip_special_tokens=False)
-        return REASONING_PARSERS[name].for_prompt(prompt)
+        return REASONING_PARSERS[name](self.thinking)
 
     def _echo(self, choice: Choice) -> Delta:
         """A completion's echoed prompt, as the choice's first delta (its logprobs when asked for)."""
