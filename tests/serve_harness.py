@@ -54,7 +54,7 @@ def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (reaped between the open and the read: ESRCH)
         return False
 
 
@@ -68,7 +68,7 @@ def named(pid: int, names: list[str], timeout: float = 30.0) -> list[int]:
             try:
                 if alive(kid):  # (a rank of a group torn down may linger as a zombie)
                     found[Path(f"/proc/{kid}/comm").read_text().strip()] = kid
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):
                 continue
         if all(name in found for name in names):
             return [found[name] for name in names]
@@ -82,7 +82,7 @@ def _thread_states(pid: int) -> list[str]:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 states.append(f.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue
     return states
 

@@ -19,7 +19,7 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.messages.sampling import StructuredOutput
 from epserve.parallel.launch import RankFailure, free_port
-from tests.serve_harness import children, cpu_seconds
+from tests.serve_harness import alive, children, cpu_seconds
 
 pytestmark = pytest.mark.slow
 
@@ -129,7 +129,7 @@ def test_idle_group_and_refused_request_keep_ranks_usable(ckpt, reference):
         before = [cpu_seconds(p) for p in pids]
         time.sleep(1.0)
         assert all(cpu_seconds(p) - b < 0.05 for p, b in zip(pids, before))
-    assert not any(_alive(p) for p in pids)  # shutdown leaves no process behind
+    assert not any(alive(p) for p in pids)  # shutdown leaves no process behind
 
 
 
@@ -157,19 +157,11 @@ def test_killed_rank_fails_fast_and_leaves_nothing_behind(ckpt):
         llm.generate([[5] * 10] * 8, SamplingParams(max_tokens=100_000, ignore_eos=True))
     assert time.monotonic() - start < 30
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     with pytest.raises(RankFailure, match="shut down"):
         llm.generate([[5]])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _tokens(stdout: str) -> list[list[int]]:
