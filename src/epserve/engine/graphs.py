@@ -7,6 +7,11 @@ to a sink block the scheduler never hands out), so every step of one bucket has 
 the forward reads the device on the host (routing counts, offsets, attention lengths stay tensors; the CPU
 references that do read them are custom ops), so the forward captures as one CUDA graph and compiles as
 one graph: ``fullgraph=True`` is the proof. Prefill and mixed steps run eagerly.
+
+CUDA graphs are captured at start-up (:meth:`DecodeGraphs.warm_up`, every bucket, largest first), after a
+probe capture of the largest bucket measured what the graphs need so the KV pool is sized without it
+(``engine/runner.py``). ``torch.compile`` graphs on the CPU compile at a bucket's first use: compiling every
+bucket would take minutes of start-up.
 """
 
 from __future__ import annotations
@@ -36,6 +41,30 @@ def decode_buckets(max_batch: int) -> tuple[int, ...]:
         raise ValueError(f"the largest captured batch must be >= 1, got {max_batch}")
     sizes = {b for b in (1, 2, 4) if b < max_batch} | set(range(8, max_batch, 8)) | {max_batch}
     return tuple(sorted(sizes))
+
+
+def bucket_schedules(buckets: tuple[int, ...], schedule: Callable[[int], OverlapMode]) -> dict[int, OverlapMode]:
+    """The schedule each bucket is captured with: that of the smallest step it serves (``schedule(tokens)``,
+    a larger step of the bucket may run two micro-batches, eagerly). Buckets whose smallest step already
+    runs micro-batches are left out: no step replays them."""
+    schedules, previous = {}, 0
+    for bucket in buckets:
+        overlap = schedule(previous + 1)
+        if overlap != "microbatch":
+            schedules[bucket] = overlap
+        previous = bucket
+    return schedules
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What :meth:`DecodeGraphs.warm_up` did: the buckets run once (largest first), how long it took and
+    how much more device memory is in use afterwards (CUDA: the graphs' pool and the workspaces their
+    warm-up runs left in the allocator; 0 on the CPU)."""
+
+    buckets: tuple[int, ...]
+    seconds: float
+    memory_bytes: int
 
 
 @dataclass(frozen=True)
@@ -160,6 +189,26 @@ class DecodeGraphs:
         self._warm.add(key)
         return out
 
+    def warm_up(self, empty_inputs: Callable[[int], DecodeInputs], schedules: dict[int, OverlapMode]) -> WarmUp:
+        """Run each bucket of ``schedules`` once with its schedule, largest first, on all-padding inputs
+        (``empty_inputs(bucket)``): CUDA graphs are captured here, at start-up, instead of at a bucket's first
+        use. Largest first, so every smaller graph fits in the memory the largest one's pool already holds.
+        Every rank of an EP group calls it with the same buckets (the padded dispatch's collectives are
+        inside)."""
+        order = tuple(sorted(schedules, reverse=True))
+        cuda = self.mode == "cuda_graph"
+        if cuda:
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        for bucket in order:
+            self.run(empty_inputs(bucket), schedules[bucket])
+        used = 0
+        if cuda:
+            torch.cuda.synchronize()
+            used = free_before - torch.cuda.mem_get_info()[0]
+        return WarmUp(order, time.perf_counter() - start, max(used, 0))
+
     def _run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
         self.on_bucket(inputs.bucket)
         if self._compiled is not None:
@@ -186,6 +235,6 @@ class DecodeGraphs:
                 out = self._forward(*static.tensors(), overlap)
             self._pool = graph.pool()
             self._graphs[key] = (graph, static, out)
-            logger.info("captured the decode graph of batch %d (%s) in %.2f s", inputs.bucket, overlap,
-                        time.perf_counter() - start)
+            logger.debug("captured the decode graph of batch %d (%s) in %.2f s", inputs.bucket, overlap,
+                         time.perf_counter() - start)
         return self._graphs[key]

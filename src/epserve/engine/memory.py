@@ -64,13 +64,16 @@ def determine_num_blocks(
     weight_bytes: int,
     max_blocks_needed: int,
     num_layers: int | None = None,
+    reserved_bytes: int = 0,
 ) -> int:
     """Blocks for the KV pool: explicit, or what the budget leaves after weights and headroom, never
     more than the scheduler could ever use (``max_blocks_needed``). The budget: ``memory_budget_bytes``;
     else ``memory_fraction`` of the device's total memory (vLLM's ``--gpu-memory-utilization``: the
     weights, the KV cache and the activation headroom all within it; OutOfMemoryError when what it leaves
     for the cache is not free now, other processes holding it); else the weights plus
-    ``memory_utilization`` of the memory free once they are loaded."""
+    ``memory_utilization`` of the memory free once they are loaded. ``reserved_bytes``: what else the
+    rank keeps beside weights and cache and is not allocated yet (the captured decode graphs, measured by
+    a probe capture), taken off what is left for the cache."""
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cache.memory_budget_bytes is not None:
@@ -81,7 +84,7 @@ def determine_num_blocks(
         budget = int(total * cache.memory_fraction)
         source = f"{cache.memory_fraction:g} of the device's {total / 2**30:.1f} GiB"
         free = available_memory(device)
-        if budget - weight_bytes > free:
+        if budget - weight_bytes - reserved_bytes > free:
             raise OutOfMemoryError(
                 f"{source} leaves {(budget - weight_bytes) / 2**20:.1f} MiB for the KV cache after "
                 f"{weight_bytes / 2**20:.1f} MiB of weights, but only {free / 2**20:.1f} MiB is free (other "
@@ -90,10 +93,11 @@ def determine_num_blocks(
         # Weights are already resident, so free memory excludes them.
         budget = int(available_memory(device) * cache.memory_utilization) + weight_bytes
         source = f"{cache.memory_utilization:.0%} of free memory"
-    left = budget - weight_bytes
+    left = budget - weight_bytes - reserved_bytes
     if left <= 0:
+        graphs = f" and the decode graphs {reserved_bytes / 2**20:.1f} MiB" if reserved_bytes else ""
         raise OutOfMemoryError(
-            f"model weights need {weight_bytes / 2**20:.1f} MiB but {source} is {budget / 2**20:.1f} MiB"
+            f"model weights need {weight_bytes / 2**20:.1f} MiB{graphs} but {source} is {budget / 2**20:.1f} MiB"
         )
     per_block = kv_bytes_per_block(model, cache.block_size, dtype, num_layers)
     num_blocks = int(left * (1 - _ACTIVATION_RESERVE)) // per_block

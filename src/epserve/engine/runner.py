@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 from dataclasses import replace
@@ -12,7 +13,7 @@ from epserve.checkpoint import as_torch_dtype
 from epserve.config import EngineConfig
 from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
-from epserve.engine.graphs import DecodeGraphs, pad_decode
+from epserve.engine.graphs import DecodeGraphs, DecodeInputs, bucket_schedules, pad_decode
 from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
@@ -66,6 +67,10 @@ def build_dispatcher(name: str, num_local_slots: int, ctx: ParallelContext) -> D
     return AllToAllDispatcher(num_local_slots, ctx.ep_group)
 
 
+def _span(buckets: tuple[int, ...]) -> str:
+    return f"{min(buckets)}..{max(buckets)}" if buckets else "none"
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, ctx: ParallelContext) -> None:
         self.config = config
@@ -88,25 +93,27 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
         max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        self.overlap = pc.overlap
+        self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
+        mode = config.capture_mode  # None with all_to_all: its count exchange syncs with the host
+        # rows: one per decode, 1 + k with speculative decoding (each verified draft is a decode row)
+        max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs * (1 + self.num_spec), 256)
+        graph_bytes = self._probe_graph_memory(max_batch) if mode == "cuda_graph" else 0
         cache = config.cache
         if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
             cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size,
                             memory_fraction=cache.memory_fraction and cache.memory_fraction / pc.local_world_size)
         num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, weight_bytes, max_blocks,
-                                          self.num_cache_layers)
+                                          self.num_cache_layers, reserved_bytes=graph_bytes)
         self.num_blocks = -all_reduce_max([-num_blocks], ctx)[0]  # every rank agrees: the smallest pool
         # One block more than the scheduler hands out: the sink padding rows of a captured decode write to.
-        self.kv_caches = [
-            torch.zeros(self.num_blocks + 1, self.block_size, mc.kv_cache_dim, dtype=self.kv_dtype, device=self.device)
-            for _ in range(self.num_cache_layers)
-        ]
+        self.kv_caches = self._kv_pool(self.num_blocks + 1)
         self.sink_slot = self.num_blocks * self.block_size
         info = self.cache_info()
         logger.info("KV cache: %d blocks of %d tokens, %d bytes per token (%s), %.1f MiB", info["num_blocks"],
                     info["block_size"], info["bytes_per_token"], info["kv_cache_dtype"],
                     self.num_blocks * self.block_size * info["bytes_per_token"] / 2**20)
-        self.overlap = pc.overlap
-        self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
         self.sampler = Sampler(self.device)
         self._generators: dict[str, torch.Generator] = {}
         self.noise = Noise(self.sampler.default_generator)  # speculative decoding's draws
@@ -117,15 +124,48 @@ class ModelRunner:
             self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
             self.noise, self.logits_processor, self.grammar_masks)
         self.profiler: OpProfiler | None = None
-        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.decode_graphs: DecodeGraphs | None = None
-        mode = config.capture_mode  # None with all_to_all: its count exchange syncs with the host
         if mode is not None:
-            # rows: one per decode, 1 + k with speculative decoding (each verified draft is a decode row)
-            max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs * (1 + self.num_spec), 256)
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, max_batch, mode,  # type: ignore[arg-type]
-                                              on_bucket=lambda b: self.dispatcher.begin_step(-(-b // ctx.tp)))
+            self.decode_graphs = self._decode_graphs(self.kv_caches, max_batch)
             logger.info("decode steps: %s for batch buckets %s", mode, self.decode_graphs.buckets)
+            if mode == "cuda_graph":
+                warm = self.decode_graphs.warm_up(self._empty_decode, self._schedules(self.decode_graphs))
+                logger.info("captured %d decode graphs (batch %s) in %.1f s: %.1f MiB of device memory (the "
+                            "probe had measured %.1f MiB)", len(warm.buckets), _span(warm.buckets), warm.seconds,
+                            warm.memory_bytes / 2**20, graph_bytes / 2**20)
+
+    # ---- start-up: the KV pool and the captured decode -------------------------------------------
+    def _kv_pool(self, num_blocks: int) -> list[torch.Tensor]:
+        shape = (num_blocks, self.block_size, self.config.model.kv_cache_dim)
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_cache_layers)]
+
+    def _decode_graphs(self, kv_caches: list[torch.Tensor], max_batch: int) -> DecodeGraphs:
+        return DecodeGraphs(self.model, kv_caches, self.block_size, max_batch, self.config.capture_mode,  # type: ignore[arg-type]
+                            on_bucket=lambda b: self.dispatcher.begin_step(-(-b // self.ctx.tp)))
+
+    def _empty_decode(self, bucket: int, sink_slot: int | None = None) -> DecodeInputs:
+        """A decode batch of ``bucket`` padding rows (what a capture runs on)."""
+        sink = self.sink_slot if sink_slot is None else sink_slot
+        return pad_decode((), (), (), (), (), bucket, self.max_blocks_per_seq, sink, self.device)
+
+    def _schedules(self, graphs: DecodeGraphs) -> dict[int, str]:
+        return bucket_schedules(graphs.buckets, lambda tokens: self._step_shape(tokens)[1])  # type: ignore[arg-type]
+
+    def _probe_graph_memory(self, max_batch: int) -> int:
+        """Device memory the captured decode needs, measured before the KV pool is sized: the largest
+        bucket captured over a one-block pool (a graph's memory does not depend on the pool's size: attention
+        reads the pool in place), then released. Every rank of the EP group probes the same bucket."""
+        probe = self._decode_graphs(self._kv_pool(2), max_batch)
+        schedules = self._schedules(probe)
+        if not schedules:
+            return 0
+        largest = max(schedules)
+        warm = probe.warm_up(lambda b: self._empty_decode(b, sink_slot=self.block_size),
+                             {largest: schedules[largest]})
+        del probe
+        gc.collect()
+        torch.cuda.empty_cache()
+        return warm.memory_bytes
 
     def cache_info(self) -> dict[str, int | str]:
         """The paged latent cache of this rank: blocks, tokens per block, bytes per token over all layers,

@@ -12,6 +12,7 @@ from torch import nn
 
 from epserve.config import ModelConfig
 from epserve.model.layers import GatedMLP
+from epserve.model.streams import Forked, SideStream
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.experts import GroupedExperts
 from epserve.moe.gate import ExpertGate
@@ -55,6 +56,7 @@ class MoE(nn.Module):
         # Token copies this rank's slots received per logical expert since start-up (or the last reset),
         # counted on the device (no sync per layer); a placement change does not disturb it.
         self.expert_load = torch.zeros(placement.num_logical_experts, dtype=torch.long)
+        self.side_stream = SideStream()  # the shared expert beside dispatch and routed experts, on CUDA
         self.shared_experts = (
             GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, fp8)
             if config.n_shared_experts
@@ -73,14 +75,20 @@ class MoE(nn.Module):
         topk_ids, topk_weights = run_op(hook, GATE, self.route, x)
         yield
         sent = run_op(hook, DISPATCH_SEND, self.dispatcher.dispatch_send, x, topk_ids, topk_weights)
-        shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x) if shared_during_dispatch else None
+        if shared_during_dispatch:  # on CUDA on a second stream, joined before the sum (timed in place)
+            if hook is None:
+                forked = self.side_stream.start(self.shared_expert, x)
+            else:
+                forked = Forked(run_op(hook, SHARED_EXPERT, self.shared_expert, x))
         yield
         expert_input, route = run_op(hook, DISPATCH_RECV, self._dispatch_recv, sent)
         y = run_op(hook, EXPERTS, self.experts, expert_input)
         combining = run_op(hook, COMBINE_SEND, self.dispatcher.combine_send, y, route)
         yield
         out = run_op(hook, COMBINE_RECV, self.dispatcher.combine_recv, combining)
-        if not shared_during_dispatch:
+        if shared_during_dispatch:
+            shared = self.side_stream.join(forked)
+        else:
             shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x)
         result.value = out if shared is None else out + shared
 

@@ -1,0 +1,92 @@
+"""The captured decode's start-up: which buckets are captured with which schedule, the KV pool sized
+after what the graphs need, every bucket run once largest first, and the shared expert on a second
+stream (in place off CUDA, concurrent and captured on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epserve import LLM, SamplingParams
+from epserve.config import CacheConfig, ModelConfig, OutOfMemoryError
+from epserve.engine import memory
+from epserve.engine.graphs import DecodeGraphs, bucket_schedules
+from epserve.model.streams import SideStream
+from epserve.parallel.overlap import choose_overlap
+from epserve.presets import build_config
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300]]
+
+
+def test_bucket_schedules_follow_the_smallest_step_of_each_bucket():
+    """auto with a micro-batch threshold of 10 tokens: bucket 8 serves 5..8 tokens (dispatch overlap),
+    16 serves 9..16 (9 still below the threshold: captured with dispatch overlap, the steps of 10..16 run
+    micro-batches eagerly), 24 serves 17..24 (all micro-batched: not captured)."""
+    schedules = bucket_schedules((1, 2, 4, 8, 16, 24), lambda tokens: choose_overlap("auto", tokens, 10))
+    assert schedules == {1: "dispatch", 2: "dispatch", 4: "dispatch", 8: "dispatch", 16: "dispatch"}
+    assert bucket_schedules((1, 2), lambda tokens: choose_overlap("microbatch", tokens, None)) == {}
+    assert bucket_schedules((1, 8), lambda tokens: choose_overlap("none", tokens, None)) == {1: "none", 8: "none"}
+
+
+def test_the_kv_pool_is_sized_after_the_graphs(monkeypatch):
+    """What the probe capture measured comes off what the budget leaves for the cache, and a budget the
+    graphs exhaust is a clear error naming them."""
+    model, gib, cpu = ModelConfig.from_dict(build_config("tiny")), 2**30, torch.device("cpu")
+    monkeypatch.setattr(memory, "total_memory", lambda device: 10 * gib)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 8 * gib)
+    per_block = memory.kv_bytes_per_block(model, 16, torch.float32)
+
+    def blocks(reserved: int, **cache) -> int:
+        return memory.determine_num_blocks(model, CacheConfig(**cache), torch.float32, cpu, gib, 10**9,
+                                           reserved_bytes=reserved)
+
+    assert blocks(0, memory_fraction=0.5) == int(4 * gib * 0.9) // per_block
+    assert blocks(gib, memory_fraction=0.5) == int(3 * gib * 0.9) // per_block
+    assert blocks(gib) == int((0.5 * 8 * gib - gib) * 0.9) // per_block
+    with pytest.raises(OutOfMemoryError, match="the decode graphs 4096.0 MiB"):
+        blocks(4 * gib, memory_fraction=0.5)
+
+
+def test_warm_up_runs_every_bucket_once_largest_first(make_ckpt):
+    """On the CPU the same start-up pass compiles the buckets (the engine leaves compiling to a bucket's
+    first use; this is the path CUDA graphs take at start-up): largest first, each bucket warm afterwards,
+    and decoding through the warmed graph gives the eager engine's tokens."""
+    ckpt = make_ckpt("tiny")
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    want = [o.token_ids for o in LLM(ckpt, dtype="float32", num_blocks=64).generate(PROMPTS, params)]
+    llm = LLM(ckpt, dtype="float32", num_blocks=64, compile=True, cuda_graph_max_bs=2)
+    runner = llm.engine.runner
+    graphs: DecodeGraphs = runner.decode_graphs
+    schedules = runner._schedules(graphs)
+    assert schedules == {1: "dispatch", 2: "dispatch"}
+    warm = graphs.warm_up(runner._empty_decode, {2: "dispatch"})
+    assert warm.buckets == (2,) and warm.memory_bytes == 0 and graphs._warm == {(2, "dispatch")}
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert graphs._warm == {(2, "dispatch")}  # the steps replayed the warmed bucket: nothing new compiled
+
+
+def test_the_side_stream_runs_in_place_off_cuda():
+    x = torch.randn(3, 4)
+    forked = SideStream().start(lambda t: t * 2, x)
+    assert forked.done is None and torch.equal(SideStream.join(forked), x * 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_side_stream_is_concurrent_and_captured():
+    """On CUDA the function runs on another stream, ordered after the main stream's earlier work and
+    before the main stream's later use; inside a captured graph the replay gives the same result."""
+    side = SideStream()
+    x = torch.randn(256, 256, device="cuda")
+    y = x @ x  # main-stream work the side stream must wait for
+    forked = side.start(lambda t: t @ t, y)
+    assert forked.done is not None
+    torch.testing.assert_close(SideStream.join(forked), (x @ x) @ (x @ x))
+    static = torch.randn(64, 64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    side.start(lambda t: t + 1, static)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = SideStream.join(side.start(lambda t: t * 3, static)) + 1
+    static.copy_(torch.ones(64, 64, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(out, torch.full((64, 64), 4.0, device="cuda"))
