@@ -57,9 +57,10 @@ def test_warm_up_runs_every_bucket_once_largest_first(make_ckpt):
     llm = LLM(ckpt, dtype="float32", num_blocks=64, compile=True, cuda_graph_max_bs=2)
     runner = llm.engine.runner
     graphs: DecodeGraphs = runner.decode_graphs
-    schedules = runner._schedules(graphs)
+    assert runner.captured.drafts is None  # (no MTP)
+    schedules = runner.captured.schedules(graphs)
     assert schedules == {1: "dispatch", 2: "dispatch"}
-    warm = graphs.warm_up(runner._empty_decode, {2: "dispatch"})
+    warm = graphs.warm_up(runner.captured.empty, {2: "dispatch"})
     assert warm.buckets == (2,) and warm.memory_bytes == 0 and graphs._warm == {(2, "dispatch")}
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
     assert graphs._warm == {(2, "dispatch")}  # the steps replayed the warmed bucket: nothing new compiled

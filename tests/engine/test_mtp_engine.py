@@ -190,12 +190,18 @@ def test_accepted_drafts_give_the_oracles_tokens(counter_ckpt, reference):
 
 def test_captured_decode_with_mtp(counter_ckpt, reference, monkeypatch):
     """``compile=True`` (CUDA graphs on a GPU): verification rows run through the captured decode forward
-    (one graph per row bucket), the MTP passes eagerly; the tokens stay plain decoding's."""
+    (one graph per row bucket), a pure-decode step's MTP passes through the captured draft pass; the tokens
+    stay plain decoding's."""
     monkeypatch.setenv("EPSERVE_COMPILE_BACKEND", "aot_eager")  # the capture, without inductor's code generation
     capture = {"compile": True} if ENGINE["device"] == "cpu" else {"cuda_graph": True}
     llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **capture, **ENGINE)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
     assert llm.speculative_stats()["num_accepted_tokens"] > 0
+    captured = llm.engine.runner.captured
+    assert captured.graphs._warm and captured.drafts._warm  # both replayed (warmed at their first use)
+    eager = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **ENGINE)
+    eager.generate(PROMPTS, GREEDY)  # the same drafts: the same acceptance
+    assert eager.speculative_stats() == llm.speculative_stats()
 
 
 def test_sampled_requests_waiting_for_budget_keep_their_drafts(counter_ckpt):

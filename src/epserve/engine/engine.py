@@ -194,7 +194,7 @@ class LLMEngine:
             if chunks:
                 result = self.runner.sample(chunks, hidden, plan)
             if self.runner.proposer is not None:  # every rank: the MTP layer's passes, in lockstep
-                drafts = self.runner.propose(chunks, plan, result, hidden, max_tokens)
+                drafts = self.runner.propose(chunks, plan, result, hidden, max_tokens, all_decode=not any_prefill)
             balancer = self.runner.balancer
             if balancer is not None and balancer.record_step():  # every rank at the same step
                 balancer.rebalance()

@@ -76,13 +76,15 @@ class DecodeInputs:
     slot_mapping: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    hidden: torch.Tensor | None = None  # [bucket, H] for the MTP layer: the previous depth's hidden states
 
     @property
     def bucket(self) -> int:
         return int(self.input_ids.shape[0])
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables
+        base = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
+        return base if self.hidden is None else (*base, self.hidden)
 
 
 def pad_decode(
@@ -95,8 +97,10 @@ def pad_decode(
     max_blocks: int,
     sink_slot: int,
     device: torch.device,
+    hidden: torch.Tensor | None = None,
 ) -> DecodeInputs:
-    """The ``n`` decode rows (one token each) padded to ``bucket`` rows (context length 0)."""
+    """The ``n`` decode rows (one token each) padded to ``bucket`` rows (context length 0); with ``hidden``
+    ([n, H] on the device, an MTP pass's input) zero rows padding it too."""
     n = len(input_ids)
     if n > bucket:
         raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
@@ -116,11 +120,15 @@ def pad_decode(
         seq_lens=t([*seq_lens, *[0] * pad]),
         block_tables=tables,
     )
-    return DecodeInputs(*(x.to(device, non_blocking=True) for x in host.tensors()))
+    moved = (x.to(device, non_blocking=True) for x in host.tensors())
+    if hidden is not None:
+        hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) if pad else hidden
+    return DecodeInputs(*moved, hidden=hidden)
 
 
 class DecodeGraphs:
-    """The model's decode forward per bucket, captured (``cuda_graph``) or compiled (``compile``)."""
+    """The model's decode forward per bucket, captured (``cuda_graph``) or compiled (``compile``); with
+    ``mtp``, the MTP layer's draft pass instead (its inputs carry the previous depth's hidden states)."""
 
     def __init__(
         self,
@@ -130,9 +138,11 @@ class DecodeGraphs:
         max_batch: int,
         mode: CaptureMode,
         on_bucket: Callable[[int], None] | None = None,
+        mtp: bool = False,
     ) -> None:
         """``on_bucket(bucket)`` runs before every forward of a bucket (the dispatcher's ``begin_step``)."""
         self.model = model
+        self.mtp = mtp
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.buckets = decode_buckets(max_batch)
@@ -164,8 +174,10 @@ class DecodeGraphs:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
         overlap: OverlapMode,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states of every row [bucket, H] (the one forward captured or compiled)."""
+        """Final hidden states of every row [bucket, H] (the one forward captured or compiled); the MTP
+        layer's output with ``mtp``."""
         bucket = input_ids.shape[0]
         batch = ForwardBatch(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
@@ -173,7 +185,13 @@ class DecodeGraphs:
             num_decode_seqs=bucket, seq_lens_cpu=(0,) * bucket, query_start_loc_cpu=tuple(range(bucket + 1)),
             block_size=self.block_size,
         )
+        if self.mtp:
+            return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]
         return self.model(batch, self.kv_caches, overlap)
+
+    @staticmethod
+    def _args(inputs: DecodeInputs, overlap: OverlapMode) -> tuple:
+        return (*inputs.tensors()[:5], overlap, inputs.hidden)
 
     @torch.inference_mode()
     def run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
@@ -212,7 +230,7 @@ class DecodeGraphs:
     def _run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
         self.on_bucket(inputs.bucket)
         if self._compiled is not None:
-            return self._compiled(*inputs.tensors(), overlap)
+            return self._compiled(*self._args(inputs, overlap))
         graph, static, out = self._graph(inputs, overlap)
         for dst, src in zip(static.tensors(), inputs.tensors()):
             dst.copy_(src, non_blocking=True)
@@ -224,15 +242,16 @@ class DecodeGraphs:
         key = (inputs.bucket, overlap)
         if key not in self._graphs:
             start = time.perf_counter()
-            static = DecodeInputs(*(t.clone() for t in inputs.tensors()))
+            static = DecodeInputs(*(t.clone() for t in inputs.tensors()[:5]),
+                                  hidden=None if inputs.hidden is None else inputs.hidden.clone())
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(*static.tensors(), overlap)  # warm-up: kernels compiled, workspaces allocated
+                self._forward(*self._args(static, overlap))  # warm-up: kernels compiled, workspaces allocated
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):  # one memory pool for every bucket's graph
-                out = self._forward(*static.tensors(), overlap)
+                out = self._forward(*self._args(static, overlap))
             self._pool = graph.pool()
             self._graphs[key] = (graph, static, out)
             logger.debug("captured the decode graph of batch %d (%s) in %.2f s", inputs.bucket, overlap,

@@ -152,8 +152,8 @@ class EngineLoop:
     def stalled(self) -> bool:
         """The current pass has run past the step timeout, and not because this rank is capturing or
         compiling a decode graph for the first time (minutes, legitimately)."""
-        graphs = self.engine.runner.decode_graphs
-        warming_up = graphs is not None and graphs.warming_up
+        captured = self.engine.runner.captured
+        warming_up = captured is not None and any(graphs.warming_up for graphs in captured.sets)
         return self.stalled_for() > self.options.step_timeout_s and not warming_up
 
     # ---- the loop's thread ---------------------------------------------------------------------

@@ -19,6 +19,7 @@ holds the head, so only it draws drafts (``spec_decode.draft_tokens``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,9 @@ class MTPProposer:
         self.logits_processor = logits_processor  # drafts see the processing their verification applies
         self.grammar_masks = grammar_masks  # ... and a constrained request's grammar
         self.stats = SpecStats(num_spec)
+        # A pure-decode step's passes through the captured draft graph: (plan, hidden, bucket, overlap) -> the
+        # layer's output rows; set by the runner when the decode is captured.
+        self.replay: Callable[[BatchPlan, torch.Tensor, int, str], torch.Tensor] | None = None
         self._probs: dict[str, list[torch.Tensor | None]] = {}  # the draft distributions of sampled requests
 
     def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
@@ -95,17 +99,19 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(
         self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, hidden: torch.Tensor,
-        max_tokens_per_rank: int, overlap: str,
+        max_tokens_per_rank: int, overlap: str, bucket: int | None = None,
     ) -> dict[str, list[int]]:
         """Every rank, after the step's forward (``hidden``: its final hidden states, every row) and the
-        leader's sampling (``result``). Returns the leader's drafts per request (empty elsewhere)."""
+        leader's sampling (``result``). Returns the leader's drafts per request (empty elsewhere).
+        ``bucket``: every pass replays the captured draft graph of that bucket (a pure-decode step, the same
+        bucket on every rank), else runs eagerly."""
         leader = self.ctx.is_leader
         drafting: list[_Drafting] = []
         first = None
         if leader:
             first, drafting = self._first_pass(chunks, plan, result)
         step = self._share(first)
-        h = self._run(step, hidden, max_tokens_per_rank, overlap)
+        h = self._run(step, hidden, max_tokens_per_rank, overlap, bucket)
         drafts: dict[str, list[int]] = {d.request.request_id: [] for d in drafting}
         probs: dict[str, list[torch.Tensor | None]] = {d.request.request_id: [] for d in drafting}
         rows, active = step.plan.logits_indices, drafting
@@ -132,7 +138,7 @@ class MTPProposer:
                 chained = self._chained_pass([active[i] for i in keep], [rows[i] for i in keep], drafts, depth + 1)
                 active = [active[i] for i in keep]
             step = self._share(chained)
-            h = self._run(step, h, max_tokens_per_rank, overlap)
+            h = self._run(step, h, max_tokens_per_rank, overlap, bucket)
             rows = step.plan.logits_indices
         for chunk in chunks:  # stepped without drafting (finishing, or at its limits): nothing pending
             if chunk.needs_sample and chunk.request.request_id not in probs:
@@ -222,10 +228,13 @@ class MTPProposer:
         assert step is not None
         return step
 
-    def _run(self, step: DraftPass, hidden: torch.Tensor, max_tokens_per_rank: int, overlap: str) -> torch.Tensor:
+    def _run(self, step: DraftPass, hidden: torch.Tensor, max_tokens_per_rank: int, overlap: str,
+             bucket: int | None) -> torch.Tensor:
+        hidden = hidden[torch.tensor(step.hidden_rows, dtype=torch.long, device=hidden.device)]
+        if bucket is not None and self.replay is not None:
+            return self.replay(step.plan, hidden, bucket, overlap)
         self.dispatcher.begin_step(max_tokens_per_rank)
         batch = step.plan.to_batch(hidden.device, self.block_size)
-        hidden = hidden[torch.tensor(step.hidden_rows, dtype=torch.long, device=hidden.device)]
         return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 from dataclasses import replace
@@ -13,7 +12,8 @@ from epserve.checkpoint import as_torch_dtype
 from epserve.config import EngineConfig
 from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
-from epserve.engine.graphs import DecodeGraphs, DecodeInputs, bucket_schedules, pad_decode
+from epserve.engine.captured import CapturedDecode, CaptureShape, capture_at_start, probe_graph_memory
+from epserve.engine.graphs import DecodeGraphs
 from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
@@ -67,10 +67,6 @@ def build_dispatcher(name: str, num_local_slots: int, ctx: ParallelContext) -> D
     return AllToAllDispatcher(num_local_slots, ctx.ep_group)
 
 
-def _span(buckets: tuple[int, ...]) -> str:
-    return f"{min(buckets)}..{max(buckets)}" if buckets else "none"
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, ctx: ParallelContext) -> None:
         self.config = config
@@ -99,7 +95,12 @@ class ModelRunner:
         mode = config.capture_mode  # None with all_to_all: its count exchange syncs with the host
         # rows: one per decode, 1 + k with speculative decoding (each verified draft is a decode row)
         max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs * (1 + self.num_spec), 256)
-        graph_bytes = self._probe_graph_memory(max_batch) if mode == "cuda_graph" else 0
+        self.capture_shape = CaptureShape(
+            max_batch, self.block_size, self.max_blocks_per_seq, mc.hidden_size, self.dtype, self.device,
+            lambda tokens: self._step_shape(tokens)[1], lambda b: self.dispatcher.begin_step(-(-b // ctx.tp)))  # type: ignore[arg-type,return-value]
+        graph_bytes = 0
+        if mode == "cuda_graph":
+            graph_bytes = probe_graph_memory(self.model, self._kv_pool, self.capture_shape, self.num_spec > 0)
         cache = config.cache
         if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
             cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size,
@@ -124,48 +125,27 @@ class ModelRunner:
             self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
             self.noise, self.logits_processor, self.grammar_masks)
         self.profiler: OpProfiler | None = None
+        self.captured: CapturedDecode | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if mode is not None:
-            self.decode_graphs = self._decode_graphs(self.kv_caches, max_batch)
-            logger.info("decode steps: %s for batch buckets %s", mode, self.decode_graphs.buckets)
+            self.captured = CapturedDecode(self.model, self.kv_caches, mode, self.capture_shape, self.num_spec > 0)
+            self.decode_graphs = self.captured.graphs
+            if self.proposer is not None:
+                self.proposer.replay = self.captured.draft
+            logger.info("decode steps: %s for batch buckets %s%s", mode, self.decode_graphs.buckets,
+                        " (and the MTP passes)" if self.captured.drafts else "")
             if mode == "cuda_graph":
-                warm = self.decode_graphs.warm_up(self._empty_decode, self._schedules(self.decode_graphs))
-                logger.info("captured %d decode graphs (batch %s) in %.1f s: %.1f MiB of device memory (the "
-                            "probe had measured %.1f MiB)", len(warm.buckets), _span(warm.buckets), warm.seconds,
-                            warm.memory_bytes / 2**20, graph_bytes / 2**20)
+                capture_at_start(self.captured, graph_bytes)
 
-    # ---- start-up: the KV pool and the captured decode -------------------------------------------
     def _kv_pool(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (num_blocks, self.block_size, self.config.model.kv_cache_dim)
         return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_cache_layers)]
 
-    def _decode_graphs(self, kv_caches: list[torch.Tensor], max_batch: int) -> DecodeGraphs:
-        return DecodeGraphs(self.model, kv_caches, self.block_size, max_batch, self.config.capture_mode,  # type: ignore[arg-type]
-                            on_bucket=lambda b: self.dispatcher.begin_step(-(-b // self.ctx.tp)))
-
-    def _empty_decode(self, bucket: int, sink_slot: int | None = None) -> DecodeInputs:
-        """A decode batch of ``bucket`` padding rows (what a capture runs on)."""
-        sink = self.sink_slot if sink_slot is None else sink_slot
-        return pad_decode((), (), (), (), (), bucket, self.max_blocks_per_seq, sink, self.device)
-
-    def _schedules(self, graphs: DecodeGraphs) -> dict[int, str]:
-        return bucket_schedules(graphs.buckets, lambda tokens: self._step_shape(tokens)[1])  # type: ignore[arg-type]
-
-    def _probe_graph_memory(self, max_batch: int) -> int:
-        """Device memory the captured decode needs, measured before the KV pool is sized: the largest
-        bucket captured over a one-block pool (a graph's memory does not depend on the pool's size: attention
-        reads the pool in place), then released. Every rank of the EP group probes the same bucket."""
-        probe = self._decode_graphs(self._kv_pool(2), max_batch)
-        schedules = self._schedules(probe)
-        if not schedules:
-            return 0
-        largest = max(schedules)
-        warm = probe.warm_up(lambda b: self._empty_decode(b, sink_slot=self.block_size),
-                             {largest: schedules[largest]})
-        del probe
-        gc.collect()
-        torch.cuda.empty_cache()
-        return warm.memory_bytes
+    def _replay_bucket(self, global_max_tokens: int, all_decode: bool, overlap: str) -> int | None:
+        """The captured bucket every rank replays this step (the same one: from the step's all-reduce)."""
+        if self.captured is None or not all_decode or overlap == "microbatch" or self.profiler is not None:
+            return None
+        return self.captured.graphs.bucket_for(global_max_tokens)
 
     def cache_info(self) -> dict[str, int | str]:
         """The paged latent cache of this rank: blocks, tokens per block, bytes per token over all layers,
@@ -212,12 +192,9 @@ class ModelRunner:
         any DP group runs this step, ``all_decode``: whether every DP group's batch is pure decode (from
         the step's all-reduce; then every rank can run the same captured bucket)."""
         per_rank, overlap = self._step_shape(global_max_tokens)
-        graphs = self.decode_graphs
-        bucket = graphs.bucket_for(global_max_tokens) if graphs is not None and all_decode else None
-        if bucket is not None and overlap != "microbatch" and self.profiler is None:
-            inputs = pad_decode(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens, plan.block_tables,
-                                bucket, self.max_blocks_per_seq, self.sink_slot, self.device)
-            return graphs.run(inputs, overlap)[: plan.num_tokens]  # type: ignore[union-attr]
+        bucket = self._replay_bucket(global_max_tokens, all_decode, overlap)
+        if bucket is not None:
+            return self.captured.forward(plan, bucket, overlap)  # type: ignore[union-attr,arg-type]
         self.dispatcher.begin_step(per_rank)
         batch = plan.to_batch(self.device, self.block_size)
         if self.profiler is None:
@@ -243,11 +220,13 @@ class ModelRunner:
         return self.profiler.timed("sample", self._sample, chunks, hidden, plan)  # type: ignore[return-value]
 
     def propose(self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, hidden: torch.Tensor,
-                global_max_tokens: int) -> dict[str, list[int]]:
+                global_max_tokens: int, all_decode: bool = False) -> dict[str, list[int]]:
         """Every rank, after :meth:`sample` when speculative decoding is on: the MTP layer's passes
-        (``engine/proposer.py``); the leader's drafts per request."""
+        (``engine/proposer.py``; captured when the step is): the leader's drafts per request."""
         assert self.proposer is not None
-        args = (chunks, plan, result, hidden, *self._step_shape(global_max_tokens))
+        per_rank, overlap = self._step_shape(global_max_tokens)
+        bucket = self._replay_bucket(global_max_tokens, all_decode, overlap)
+        args = (chunks, plan, result, hidden, per_rank, overlap, bucket)
         if self.profiler is None:
             return self.proposer.propose(*args)
         return self.profiler.timed("mtp_draft", self.proposer.propose, *args)  # type: ignore[return-value]

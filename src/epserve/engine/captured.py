@@ -1,0 +1,104 @@
+"""The captured decode of one rank: the decode forward's graphs and, with MTP, the draft passes' (a
+pure-decode step's MTP passes are decode-shaped too: one row per kept position or drafting request), the
+bucket every rank replays, and their start-up: a probe capture that measures what the graphs need before
+the KV pool is sized, then every bucket captured largest first (``engine/graphs.py`` holds one set)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from epserve.config import OverlapMode
+from epserve.engine.batch_plan import BatchPlan
+from epserve.engine.graphs import CaptureMode, DecodeGraphs, DecodeInputs, bucket_schedules, pad_decode
+from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CaptureShape:
+    """What every graph of a rank is built for: the largest bucket, the padding rows' blocks and sink, the
+    MTP pass's hidden states, the schedule a step of ``n`` tokens runs, the dispatcher's step hook."""
+
+    max_batch: int
+    block_size: int
+    max_blocks_per_seq: int
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    schedule: Callable[[int], OverlapMode]
+    begin_step: Callable[[int], None]  # the dispatcher's, with the rows of a bucket
+
+
+class CapturedDecode:
+    def __init__(self, model: DeepseekV3ForCausalLM, kv_caches: list[torch.Tensor], mode: CaptureMode,
+                 shape: CaptureShape, mtp: bool) -> None:
+        self.mode = mode
+        self.shape = shape
+        self.sink_slot = (kv_caches[0].shape[0] - 1) * shape.block_size  # the pool's last block
+        self.sets = [DecodeGraphs(model, kv_caches, shape.block_size, shape.max_batch, mode,
+                                  on_bucket=shape.begin_step, mtp=draft) for draft in (False, True)[: 1 + mtp]]
+        self.graphs = self.sets[0]
+        self.drafts = self.sets[1] if mtp else None
+
+    def schedules(self, graphs: DecodeGraphs) -> dict[int, OverlapMode]:
+        return bucket_schedules(graphs.buckets, self.shape.schedule)
+
+    def empty(self, bucket: int, mtp: bool = False) -> DecodeInputs:
+        """``bucket`` padding rows (what a capture runs on)."""
+        s = self.shape
+        hidden = torch.zeros(bucket, s.hidden_size, dtype=s.dtype, device=s.device) if mtp else None
+        return pad_decode((), (), (), (), (), bucket, s.max_blocks_per_seq, self.sink_slot, s.device, hidden)
+
+    def pad(self, plan: BatchPlan, bucket: int, hidden: torch.Tensor | None = None) -> DecodeInputs:
+        s = self.shape
+        return pad_decode(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens, plan.block_tables,
+                          bucket, s.max_blocks_per_seq, self.sink_slot, s.device, hidden)
+
+    def forward(self, plan: BatchPlan, bucket: int, overlap: OverlapMode) -> torch.Tensor:
+        """The step's final hidden states, its real rows."""
+        return self.graphs.run(self.pad(plan, bucket), overlap)[: plan.num_tokens]
+
+    def draft(self, plan: BatchPlan, hidden: torch.Tensor, bucket: int, overlap: OverlapMode) -> torch.Tensor:
+        """An MTP pass of a pure-decode step (the proposer's hook): the layer's output, its real rows."""
+        return self.drafts.run(self.pad(plan, bucket, hidden), overlap)[: plan.num_tokens]  # type: ignore[union-attr]
+
+    def warm_up(self, largest_only: bool = False) -> tuple[int, float, int]:
+        """Every bucket of every set run once, largest first (CUDA: captured); with ``largest_only`` only
+        the largest of each. Returns (graphs, seconds, device memory bytes they added)."""
+        count, seconds, memory = 0, 0.0, 0
+        for graphs in self.sets:
+            schedules = self.schedules(graphs)
+            if largest_only and schedules:
+                schedules = {max(schedules): schedules[max(schedules)]}
+            warm = graphs.warm_up(partial(self.empty, mtp=graphs.mtp), schedules)
+            count, seconds, memory = count + len(warm.buckets), seconds + warm.seconds, memory + warm.memory_bytes
+        return count, seconds, memory
+
+
+def probe_graph_memory(model: DeepseekV3ForCausalLM, kv_pool: Callable[[int], list[torch.Tensor]],
+                       shape: CaptureShape, mtp: bool) -> int:
+    """Device memory the captured decode needs, measured before the KV pool is sized: the largest bucket of
+    each set captured over a one-block pool (a graph's memory does not depend on the pool's size: attention
+    reads the pool in place), then released. Every rank of the EP group probes the same buckets."""
+    probe = CapturedDecode(model, kv_pool(2), "cuda_graph", shape, mtp)
+    measured = probe.warm_up(largest_only=True)[2]
+    del probe
+    gc.collect()
+    torch.cuda.empty_cache()
+    return measured
+
+
+def capture_at_start(captured: CapturedDecode, probed_bytes: int) -> None:
+    """Every bucket captured now, before serving (CUDA graphs); logged: how many, how long, how much."""
+    count, seconds, memory = captured.warm_up()
+    buckets = captured.graphs.buckets
+    logger.info("captured %d decode graphs (batch %d..%d%s) in %.1f s: %.1f MiB of device memory (the probe "
+                "had measured %.1f MiB)", count, buckets[0], buckets[-1],
+                ", MTP passes too" if captured.drafts else "", seconds, memory / 2**20, probed_bytes / 2**20)
