@@ -13,6 +13,7 @@ may use it.
 | ``EPSERVE_ENGINE_TOKEN`` | the token engines require as gRPC call metadata and routers send (``--engine-token``) | the API key, if any |
 | ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests use ``aot_eager``: the same fullgraph trace, no codegen) | ``inductor`` |
 | ``EPSERVE_FP8_BACKEND`` | FP8 kernels on CUDA: ``auto``, ``triton``, ``scaled_mm`` or ``torch`` | ``auto`` |
+| ``EPSERVE_MLA_BACKEND`` | paged MLA decode on CUDA: ``auto``, ``flashinfer`` or ``triton`` | ``auto`` |
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ FP8_BACKEND = "EPSERVE_FP8_BACKEND"
 COMPILE_BACKEND = "EPSERVE_COMPILE_BACKEND"
 ENGINE_TOKEN = "EPSERVE_ENGINE_TOKEN"
 FP8_BACKENDS = ("auto", "triton", "scaled_mm", "torch")
+MLA_BACKEND = "EPSERVE_MLA_BACKEND"
+MLA_BACKENDS = ("auto", "flashinfer", "triton")
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -75,11 +78,22 @@ def share_cores(ranks_on_host: int) -> None:
 
 
 def fp8_backend() -> str:
-    """``$EPSERVE_FP8_BACKEND`` (one of ``FP8_BACKENDS``), else ``"auto"``: ``auto`` probes
-    ``torch._scaled_mm`` blockwise once per device and falls back to Triton; ``torch`` is the reference."""
+    """``$EPSERVE_FP8_BACKEND`` (one of ``FP8_BACKENDS``), else ``"auto"``: ``auto`` self-tests blockwise
+    ``torch._scaled_mm`` once per device and output dtype (``kernels.backends``) and falls back to Triton;
+    ``torch`` is the reference."""
     value = os.environ.get(FP8_BACKEND, "").strip().lower() or "auto"
     if value not in FP8_BACKENDS:
         raise ValueError(f"{FP8_BACKEND}={value!r}: expected one of {', '.join(FP8_BACKENDS)}")
+    return value
+
+
+def mla_backend() -> str:
+    """``$EPSERVE_MLA_BACKEND`` (one of ``MLA_BACKENDS``), else ``"auto"``: ``auto`` uses FlashInfer's MLA
+    decode where it is installed and passes its self-test (``kernels.backends``), the Triton kernels
+    otherwise; a forced backend runs without the self-test."""
+    value = os.environ.get(MLA_BACKEND, "").strip().lower() or "auto"
+    if value not in MLA_BACKENDS:
+        raise ValueError(f"{MLA_BACKEND}={value!r}: expected one of {', '.join(MLA_BACKENDS)}")
     return value
 
 

@@ -90,10 +90,10 @@ def reference_output(sc: Scenario, x: torch.Tensor, ids: torch.Tensor, w: torch.
 def expected_bytes(sc: Scenario, inputs: list, rank: int, backend: str) -> dict[str, int]:
     row_bytes = sc.hidden * torch.empty((), dtype=sc.dtype).element_size()
     world = len(inputs)
-    if backend == "padded":
+    if backend == "padded":  # every row of the other ranks' blocks, padding too; the dispatch's int64 slot ids
         capacity = max(sc.tokens) * min(sc.top_k, sc.num_local_slots)
         padded = (world - 1) * capacity * row_bytes
-        return {"dispatch": padded, "combine": padded}
+        return {"dispatch": padded + (world - 1) * capacity * 8, "combine": padded}
     dest = [ids // sc.num_local_slots for _, ids, _ in inputs]
     sent = int((dest[rank] != rank).sum())
     received = sum(int((d == rank).sum()) for src, d in enumerate(dest) if src != rank)

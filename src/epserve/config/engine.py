@@ -44,10 +44,18 @@ class SchedulerConfig:
 # The modes of the parallel layout, declared once (the engine, the planner and the CLI take them from here).
 OverlapMode = Literal["none", "dispatch", "microbatch"]  # a step's schedule (parallel/stages.py)
 OverlapSetting = Literal["none", "dispatch", "microbatch", "auto"]  # auto: micro-batches above a threshold
-DispatchBackend = Literal["auto", "local", "all_to_all", "padded"]  # auto: local for EP 1, else all_to_all
+# auto: local for EP 1, else all_to_all; symm_mem: CUDA with NVSHMEM (moe/dispatch/symm_mem.py)
+DispatchBackend = Literal["auto", "local", "all_to_all", "padded", "symm_mem"]
+DispatchDtype = Literal["auto", "fp8", "model"]  # the dispatched rows: auto = model = the activation dtype
 OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
 OVERLAP_CHOICES: tuple[str, ...] = get_args(OverlapSetting)
 DISPATCH_BACKENDS: tuple[str, ...] = get_args(DispatchBackend)
+DISPATCH_DTYPES: tuple[str, ...] = get_args(DispatchDtype)
+FIXED_SHAPE_DISPATCH: tuple[str, ...] = ("padded", "symm_mem")  # never sync with the host: decode can be captured
+# torch's NVSHMEM all_to_all_vdev_2d / _offset (one warp-wide scan per rank, one tile per expert) take at most
+# 16 experts per rank and 16 ranks.
+SYMM_MEM_MAX_LOCAL_SLOTS = 16
+SYMM_MEM_MAX_RANKS = 16
 MULTI_RANK_DISPATCH: tuple[str, ...] = ("all_to_all", "padded")  # the backends that exchange tokens between ranks
 Quantization = Literal["auto", "fp8", None]  # weights: fp8 kept, None dequantized at load, auto: fp8 on CUDA
 QUANTIZATIONS: tuple[str | None, ...] = get_args(Quantization)
@@ -100,7 +108,9 @@ class EplbConfig:
 class ParallelConfig:
     """Data-parallel attention groups × tensor-parallel ranks = expert-parallel world.
 
-    ``dispatch``: the MoE token exchange (``auto`` = ``local`` for EP 1, else ``all_to_all``).
+    ``dispatch``: the MoE token exchange (``auto`` = ``local`` for EP 1, else ``all_to_all``; ``symm_mem``:
+    exact and capturable, CUDA with NVSHMEM only). ``dispatch_dtype``: the rows it sends, ``auto``/``model``
+    in the activation dtype, ``fp8`` quantized as the FP8 expert GEMM would (needs FP8 expert weights).
     ``overlap``: ``none``, ``dispatch`` (shared expert while the dispatch is in flight),
     ``microbatch`` (two interleaved micro-batches) or ``auto`` (micro-batches once every rank's FFN
     half has at least ``microbatch_threshold`` tokens; default: 256 on CUDA, never on CPU, where the
@@ -113,6 +123,7 @@ class ParallelConfig:
     dp: int = 1
     tp: int = 1
     dispatch: DispatchBackend = "auto"
+    dispatch_dtype: DispatchDtype = "auto"
     overlap: OverlapSetting = "auto"
     microbatch_threshold: int | None = None
     num_redundant_experts: int = 0
@@ -132,6 +143,11 @@ class ParallelConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.dispatch not in DISPATCH_BACKENDS:
             raise ConfigError(f"unknown dispatch backend {self.dispatch!r}; choose from {DISPATCH_BACKENDS}")
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            raise ConfigError(f"unknown dispatch_dtype {self.dispatch_dtype!r}; choose from {DISPATCH_DTYPES}")
+        if self.dispatch == "symm_mem" and self.world_size > SYMM_MEM_MAX_RANKS:
+            raise ConfigError(f"dispatch 'symm_mem' takes at most {SYMM_MEM_MAX_RANKS} EP ranks "
+                              f"(torch's all_to_all_vdev_2d); dp*tp = {self.world_size}")
         if self.dispatch == "local" and self.world_size > 1:
             raise ConfigError(f"dispatch 'local' needs EP = 1; dp*tp = {self.world_size}")
         if self.overlap not in OVERLAP_CHOICES:
@@ -149,8 +165,9 @@ class ParallelConfig:
 
     @property
     def fixed_shape_dispatch(self) -> bool:
-        """Whether the MoE exchange never syncs with the host (EP 1, or ``padded``): decode can be captured."""
-        return self.world_size == 1 or self.dispatch == "padded"
+        """Whether the MoE exchange never syncs with the host (EP 1, ``padded``, ``symm_mem``): decode can be
+        captured."""
+        return self.world_size == 1 or self.dispatch in FIXED_SHAPE_DISPATCH
 
     @property
     def ep(self) -> int:
@@ -178,6 +195,10 @@ class ParallelConfig:
                 f"EP = dp*tp = {self.ep} does not divide the {experts} routed experts "
                 f"({model.n_routed_experts} + {self.num_redundant_experts} redundant)"
             )
+        if self.dispatch == "symm_mem" and self.ep > 1 and experts // self.ep > SYMM_MEM_MAX_LOCAL_SLOTS:
+            raise ConfigError(f"dispatch 'symm_mem' takes at most {SYMM_MEM_MAX_LOCAL_SLOTS} expert slots per rank "
+                              f"(torch's all_to_all_vdev_2d); {experts} over EP {self.ep} are {experts // self.ep}: "
+                              "use more ranks or --dispatch padded")
 
 
 @dataclass(frozen=True)
@@ -213,7 +234,27 @@ class EngineConfig:
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ConfigError("cuda_graph=True needs a CUDA device; on the CPU use compile=True")
         if (self.compile or self.cuda_graph) and not self.parallel.fixed_shape_dispatch:
-            raise ConfigError("compile / cuda_graph with EP > 1 need a fixed-shape dispatch='padded' (--dispatch padded)")
+            raise ConfigError("compile / cuda_graph with EP > 1 need a fixed-shape dispatch='padded' (--dispatch padded)"
+                              " or, on CUDA, 'symm_mem'")
+        if self.parallel.dispatch == "symm_mem" and not self.device.startswith("cuda"):
+            raise ConfigError(f"dispatch 'symm_mem' (--dispatch symm_mem) runs on CUDA with NVSHMEM only; device is "
+                              f"{self.device!r}: use --dispatch padded or all_to_all")
+        self._check_dispatch_dtype()
+
+    def _check_dispatch_dtype(self) -> None:
+        """``dispatch_dtype='fp8'`` sends what the FP8 expert GEMM takes: refused when the routed experts'
+        weights will not be FP8 (the runner checks the final word, ``moe/dispatch/payload.py``)."""
+        if self.parallel.dispatch_dtype != "fp8":
+            return
+        why = None
+        if self.quantization is None:
+            why = "quantization=None dequantizes them"
+        elif self.quantization == "auto" and not (self.device.startswith("cuda") and self.model.is_fp8):
+            why = ("quantization='auto' keeps FP8 weights only for an FP8 checkpoint on CUDA (device "
+                   f"{self.device!r}, checkpoint {'FP8' if self.model.is_fp8 else 'not FP8'})")
+        if why:
+            raise ConfigError(f"dispatch_dtype='fp8' (--dispatch-dtype fp8) needs FP8 routed-expert weights; {why}. "
+                              "Use --quantization fp8 or --dispatch-dtype auto")
 
     @property
     def capture_mode(self) -> str | None:

@@ -19,6 +19,7 @@ from epserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from epserve.config.engine import DISPATCH_DTYPES
 
 # Every default below is the config dataclasses' own (config/engine.py), never a second literal.
 
@@ -79,7 +80,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                      help="accepted for vLLM's command lines, changes nothing: epserve always runs the MoE layers "
                      "expert-parallel over all DP x TP ranks")
     par.add_argument("--dispatch", default=ParallelConfig.dispatch, choices=DISPATCH_BACKENDS,
-                     help="MoE token exchange (auto: local for EP 1, else all_to_all)")
+                     help="MoE token exchange (auto: local for EP 1, else all_to_all; padded: fixed shape, "
+                     "capturable; symm_mem: exact and capturable, CUDA with NVSHMEM)")
+    par.add_argument("--dispatch-dtype", default=ParallelConfig.dispatch_dtype, choices=DISPATCH_DTYPES,
+                     help="the token rows the MoE exchange sends: auto/model in the activation dtype, fp8 quantized "
+                     "as the FP8 expert GEMM would (e4m3 + a scale per 128 columns: about half the bytes; needs "
+                     "FP8 expert weights)")
     par.add_argument("--overlap", default=ParallelConfig.overlap, choices=OVERLAP_CHOICES)
     par.add_argument("--microbatch-threshold", type=int, default=ParallelConfig.microbatch_threshold,
                      help="auto overlap: tokens per rank from which two micro-batches run (default: 256 on "
@@ -158,6 +164,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         memory_budget_bytes=budget, memory_fraction=fraction, enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
+        dispatch_dtype=args.dispatch_dtype,
         microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
         master_addr=args.master_addr, master_port=args.master_port, node_ip=args.node_ip,
         rendezvous_timeout_s=args.rendezvous_timeout,

@@ -28,6 +28,7 @@ from epserve.config import (
     SchedulerConfig,
     SpeculativeMethod,
 )
+from epserve.config.engine import DispatchDtype
 from epserve.engine.balancer import RebalanceReport
 from epserve.engine.engine import LLMEngine
 from epserve.engine.profiler import StepRecord
@@ -244,6 +245,7 @@ def build_engine_config(
     dp: int = ParallelConfig.dp,
     tp: int = ParallelConfig.tp,
     dispatch: DispatchBackend = ParallelConfig.dispatch,
+    dispatch_dtype: DispatchDtype = ParallelConfig.dispatch_dtype,
     overlap: OverlapSetting = ParallelConfig.overlap,
     microbatch_threshold: int | None = ParallelConfig.microbatch_threshold,
     num_redundant_experts: int = ParallelConfig.num_redundant_experts,
@@ -289,7 +291,8 @@ def build_engine_config(
             f"max_model_len={max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
         )
     parallel = ParallelConfig(
-        dp=dp, tp=tp, dispatch=dispatch, overlap=overlap, microbatch_threshold=microbatch_threshold,
+        dp=dp, tp=tp, dispatch=dispatch, dispatch_dtype=dispatch_dtype, overlap=overlap,
+        microbatch_threshold=microbatch_threshold,
         num_redundant_experts=num_redundant_experts, nnodes=nnodes,
         eplb=EplbConfig(enabled=enable_eplb, window_size=eplb_window_size, step_interval=eplb_step_interval,
                         replica_selection=eplb_replica_selection), node_rank=node_rank,

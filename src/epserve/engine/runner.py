@@ -24,6 +24,7 @@ from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, VerifyGroup, verify
 from epserve.engine.structured import GrammarCompiler, GrammarMasks
+from epserve.kernels import backends as kernel_backends
 from epserve.messages.kv import KVLayout
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.model.batch import ForwardBatch
@@ -33,6 +34,8 @@ from epserve.moe.dispatch.all_to_all import AllToAllDispatcher
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.moe.dispatch.padded import PaddedDispatcher
+from epserve.moe.dispatch.payload import use_fp8_payload
+from epserve.moe.dispatch.symm_mem import SymmMemDispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.comm import all_reduce_max
 from epserve.parallel.context import ParallelContext
@@ -57,14 +60,23 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def build_dispatcher(name: str, num_local_slots: int, ctx: ParallelContext) -> Dispatcher:
-    """``local`` for EP = 1 (whatever was asked: there is nobody to send to); ``padded``, or
-    ``all_to_all`` (also for ``auto``), across ranks."""
+def build_dispatcher(config: EngineConfig, num_local_slots: int, ctx: ParallelContext, fp8_weights: bool,
+                     dtype: torch.dtype) -> Dispatcher:
+    """``local`` for EP = 1 (whatever was asked: there is nobody to send to); ``padded``, ``symm_mem``, or
+    ``all_to_all`` (also for ``auto``), across ranks; FP8 rows with ``dispatch_dtype='fp8'``."""
+    pc = config.parallel
+    fp8 = use_fp8_payload(pc.dispatch_dtype, fp8_weights)
     if ctx.ep_size == 1:
-        return LocalDispatcher(num_local_slots)
-    if name == "padded":
-        return PaddedDispatcher(num_local_slots, ctx.ep_group)
-    return AllToAllDispatcher(num_local_slots, ctx.ep_group)
+        return LocalDispatcher(num_local_slots, fp8)
+    if pc.dispatch == "padded":
+        return PaddedDispatcher(num_local_slots, ctx.ep_group, fp8)
+    if pc.dispatch == "symm_mem":  # buffers for the most tokens a rank can feed one MoE layer
+        sched = config.scheduler
+        rows = max(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + config.num_spec_tokens),
+                   config.cuda_graph_max_bs or 0)
+        return SymmMemDispatcher(num_local_slots, ctx.ep_group, config.model.num_experts_per_tok,
+                                 -(-rows // ctx.tp), config.model.hidden_size, dtype, ctx.device, fp8)
+    return AllToAllDispatcher(num_local_slots, ctx.ep_group, fp8)
 
 
 class ModelRunner:
@@ -77,8 +89,8 @@ class ModelRunner:
         pc = config.parallel
         self.placement = ExpertPlacement.build(max(mc.n_routed_experts, 1), ctx.ep_size, pc.num_redundant_experts,
                                                pc.eplb.replica_selection, pc.local_world_size)
-        self.dispatcher = build_dispatcher(pc.dispatch, self.placement.num_local_slots, ctx)
         self.fp8_weights = resolve_fp8_weights(config.quantization, mc, ctx.tp, self.device.type)
+        self.dispatcher = build_dispatcher(config, self.placement.num_local_slots, ctx, self.fp8_weights, self.dtype)
         self.num_spec = config.num_spec_tokens  # draft tokens per decode (speculative decoding with MTP)
         self.model = load_model(mc, config.model_path, self.dtype, self.device, self.dispatcher, self.placement, ctx,
                                 self.fp8_weights, mtp=self.num_spec > 0)
@@ -88,6 +100,9 @@ class ModelRunner:
         self.weight_bytes = weight_bytes = model_bytes(self.model)
         self.block_size = config.cache.block_size
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
+        # kernel backends decided (self-tests run) now: before the KV pool is sized and any graph captured
+        logger.info("kernels: %s", kernel_backends.resolve(self.device, {
+            "mla_decode": self.kv_dtype, "fp8_gemm": self.dtype if self.fp8_weights else None}))
         max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.overlap = pc.overlap

@@ -3,14 +3,15 @@
 The model calls these instead of ``F.linear`` so the choice is made in one place, per call, from
 the tensors' device, dtype and shape (never from the parallel layout): FP8 block-scaled weights go to
 ``kernels.fp8`` (Triton or ``torch._scaled_mm`` on CUDA, a torch reference on the CPU), bf16 and fp32
-decode GEMMs on a CPU with AVX512-BF16 / AVX2 to ``kernels.cpu``.
+decode GEMMs on a CPU with AVX512-BF16 / AVX2 to ``kernels.cpu``. Importing the package registers the
+kernels' custom ops (``kernels/ops.py``), which the front ends call when traced.
 """
 
 from __future__ import annotations
 
 import torch
 
-from epserve.kernels import cpu
+from epserve.kernels import cpu, ops  # noqa: F401 - ops: registers torch.ops.epserve.*
 from epserve.kernels.cpu import moe_swiglu
 from epserve.kernels.fp8 import fp8_linear
 

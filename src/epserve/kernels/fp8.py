@@ -10,8 +10,11 @@ The front ends (``act_quant``, ``silu_mul_quant``, ``block_fp8_gemm``, ``grouped
 torch reference off CUDA (correct, not fast: it dequantizes one K block at a time and loops over
 experts), Triton kernels on CUDA (``kernels.fp8_triton``, imported only then, so the CPU engine never
 loads triton) and, for ``block_fp8_gemm``, ``torch._scaled_mm`` with blockwise (1x128, 128x128)
-scales where a one-off probe per device shows it works (cuBLASLt >= 12.9 on SM90).
-``EPSERVE_FP8_BACKEND`` (``env.fp8_backend``) forces a backend on CUDA.
+scales where its self-test passes for the device and output dtype (cuBLASLt >= 12.9 on SM90; the
+``fp8_gemm`` op of ``kernels.backends``).
+``EPSERVE_FP8_BACKEND`` (``env.fp8_backend``) forces a backend on CUDA. When traced (``torch.compile``,
+fake tensors) the kernel front ends call their custom op instead (``kernels/ops.py``): a trace never
+enters Triton, runs a self-test or reads the counts on the host.
 
 On CUDA the quantizers return their scales M-major (``[M, nK]`` with strides ``(1, M)``), the
 layout ``_scaled_mm`` takes and the one the Triton GEMMs read coalesced; the reference returns them
@@ -30,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from epserve import env
+from epserve.kernels import backends
+from epserve.kernels.device import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -192,9 +197,6 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" and env.fp8_backend() != "torch"
 
 
-_SCALED_MM_OK: dict[int, bool] = {}  # device index -> probe result, decided once per process
-
-
 def _scaled_mm_eligible(
     a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> bool:
@@ -221,44 +223,48 @@ def _scaled_mm(
     return torch._scaled_mm(a, b.t(), scale_a=a_scale.float(), scale_b=scale_b, out_dtype=out_dtype)
 
 
-def _probe_scaled_mm(device: torch.device) -> bool:
-    """Blockwise ``_scaled_mm`` on a few small problems (odd M, a partial N tile, scales that differ
-    across tiles so a wrong layout shows) against the reference."""
+def _probe_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> None:
+    """The ``fp8_gemm`` op's self-test of ``scaled_mm``: blockwise ``_scaled_mm`` with ``out_dtype``
+    output (the dtype the runtime asks for: a rejection of bf16 would otherwise go unseen behind an fp32
+    probe) on a few small problems (odd M, a partial N tile, scales that differ across tiles so a wrong
+    layout shows) against the fp32 reference; raises when it cannot run or is off."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        raise RuntimeError(f"blockwise torch._scaled_mm needs a CUDA device and torch._scaled_mm ({device})")
+    if out_dtype not in _GEMM_OUT_DTYPES:
+        raise ValueError(f"block FP8 GEMM output must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
+    tolerance = 1e-3 if out_dtype == torch.float32 else 1e-2  # bf16/fp16 outputs round to 2^-9 / 2^-12
     g = torch.Generator().manual_seed(0)
     for m, n, k in ((1, 256, 512), (5, 144, 1024), (96, 384, 1536)):
         a, a_scale = act_quant_ref(torch.randn(m, k, generator=g).to(device))
         b = (torch.randn(n, k, generator=g) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(device)
         b_scale = torch.rand(cdiv(n, BLOCK), k // BLOCK, generator=g).add_(0.1).to(device)
         want = _gemm_ref_fp32(a, a_scale, b, b_scale)
-        got = _scaled_mm(a, a_scale, b, b_scale, torch.float32)
-        if not bool((got - want).abs().max() <= 1e-3 * want.abs().max() + 1e-6):
-            logger.warning("torch._scaled_mm blockwise is off the reference at M,N,K=%d,%d,%d", m, n, k)
-            return False
-    return True
+        got = _scaled_mm(a, a_scale, b, b_scale, out_dtype)
+        err, bound = float((got.float() - want).abs().max()), tolerance * float(want.abs().max()) + 1e-6
+        if got.dtype != out_dtype or not err <= bound:
+            raise backends.KernelMismatch(f"{got.dtype} output off the reference by {err:.3g} (allowed {bound:.3g}) "
+                                          f"at M,N,K={m},{n},{k}")
 
 
-def _cuda_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+_GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Block FP8 GEMMs on CUDA: blockwise torch._scaled_mm where its self-test passes for the device and output
+# dtype, else Triton; EPSERVE_FP8_BACKEND forces one (``torch``: the reference, decided in ``_on_cuda``).
+FP8_GEMM = backends.register(backends.KernelOp(
+    "fp8_gemm",
+    (backends.KernelBackend("scaled_mm", _probe_scaled_mm), backends.KernelBackend("triton")),
+    forced=env.fp8_backend,
+    env_var=env.FP8_BACKEND,
+))
 
 
-def scaled_mm_supported(device: torch.device | str) -> bool:
-    """Whether blockwise ``torch._scaled_mm`` works on ``device`` (probed once per process and device)."""
+def scaled_mm_supported(device: torch.device | str, out_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether blockwise ``torch._scaled_mm`` with ``out_dtype`` output works on ``device`` (its self-test,
+    run once per process, device and output dtype, whatever ``EPSERVE_FP8_BACKEND`` forces; False off
+    CUDA, and inside a graph capture before the test ran)."""
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
-    index = _cuda_index(device)
-    if index not in _SCALED_MM_OK:
-        if torch.cuda.is_current_stream_capturing():
-            return False  # never probe inside a graph capture; decide on the next eager call
-        try:
-            with torch.cuda.device(index):
-                ok = _probe_scaled_mm(torch.device("cuda", index))
-        except Exception as e:  # noqa: BLE001 - any failure means "use Triton"
-            logger.info("torch._scaled_mm blockwise unavailable on cuda:%d (%s); using Triton", index, e)
-            ok = False
-        _SCALED_MM_OK[index] = ok
-        logger.info("block FP8 GEMM on cuda:%d: %s", index, "torch._scaled_mm" if ok else "Triton")
-    return _SCALED_MM_OK[index]
+    return backends.passes("fp8_gemm", "scaled_mm", device, out_dtype)
 
 
 # ---- front ends ---------------------------------------------------------------------------------
@@ -266,6 +272,8 @@ def scaled_mm_supported(device: torch.device | str) -> bool:
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], fp32 [M, ceil(K/128)])."""
+    if tracing():
+        return torch.ops.epserve.fp8_act_quant(x)
     if _on_cuda(x):
         return _triton().act_quant_triton(x)
     return act_quant_ref(x)
@@ -273,6 +281,8 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [M, 2I] -> quantized silu(gate) * up: (fp8 [M, I], fp32 [M, ceil(I/128)])."""
+    if tracing():
+        return torch.ops.epserve.fp8_silu_mul_quant(gate_up)
     if _on_cuda(gate_up):
         return _triton().silu_mul_quant_triton(gate_up)
     return silu_mul_quant_ref(gate_up)
@@ -282,19 +292,21 @@ def block_fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """a fp8 [M, K] x b fp8 [N, K]^T with block scales -> [M, N] out_dtype."""
+    if tracing():
+        return torch.ops.epserve.fp8_block_gemm(a, a_scale, b, b_scale, out_dtype)
     if not _on_cuda(a):
         return block_fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
     check_gemm(a, a_scale, b, b_scale)
     backend = env.fp8_backend()
     if backend == "scaled_mm" and _scaled_mm_eligible(a, b, b_scale, out_dtype):
         return _scaled_mm(a, a_scale, b, b_scale, out_dtype)  # forced: errors surface
-    if backend == "auto" and _scaled_mm_eligible(a, b, b_scale, out_dtype) and scaled_mm_supported(a.device):
+    if backend == "auto" and _scaled_mm_eligible(a, b, b_scale, out_dtype) and (
+            backends.select("fp8_gemm", a.device, out_dtype) == "scaled_mm"):
         try:
             return _scaled_mm(a, a_scale, b, b_scale, out_dtype)
-        except (RuntimeError, ValueError) as e:  # a shape the probe did not cover: Triton from now on
-            logger.warning("torch._scaled_mm failed at M,N,K=%d,%d,%d (%s); using Triton", a.shape[0],
-                           b.shape[0], a.shape[1], str(e).splitlines()[0][:200])
-            _SCALED_MM_OK[_cuda_index(a.device)] = False
+        except (RuntimeError, ValueError) as e:  # a shape the self-test did not cover: Triton from now on
+            backends.fall_back("fp8_gemm", a.device, out_dtype, f"M,N,K={a.shape[0]},{b.shape[0]},{a.shape[1]}: "
+                               f"{str(e).splitlines()[0][:200]}")
     return _triton().block_fp8_gemm_triton(a, a_scale, b, b_scale, out_dtype)
 
 
@@ -307,6 +319,8 @@ def grouped_block_fp8_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """Rows of a [R, K] grouped by expert (counts [E]) times b [E, N, K] -> [R, N] out_dtype."""
+    if tracing():
+        return torch.ops.epserve.fp8_grouped_gemm(a, a_scale, b, b_scale, _as_counts(counts, a.device), out_dtype)
     if _on_cuda(a):
         return _triton().grouped_block_fp8_gemm_triton(a, a_scale, b, b_scale, counts, out_dtype)
     return grouped_block_fp8_gemm_ref(a, a_scale, b, b_scale, counts, out_dtype)
@@ -326,32 +340,55 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     return block_fp8_gemm(q, s, w, w_scale, x.dtype).view(*lead, w.shape[0])
 
 
+def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """x [R, H], w13 [E, 2I, H], w2 [E, H, I]."""
+    check_act(x)
+    e, two_i, h = w13.shape if w13.dim() == 3 else (0, 1, 0)
+    if w2.dim() != 3 or two_i % 2 or _shape(w2) != (e, h, two_i // 2) or x.shape[1] != h:
+        raise ValueError(f"fp8_moe_swiglu shapes do not match: x {_shape(x)}, w13 {_shape(w13)}, w2 {_shape(w2)}; "
+                         "expected x [R, H], w13 [E, 2I, H], w2 [E, H, I]")
+
+
+def _real_rows(x: torch.Tensor, counts: torch.Tensor) -> int:
+    """The rows the experts read: every row on CUDA and in traces (the grouped kernels skip the padding on
+    the device); on the reference path, which reads the counts on the host anyway, up to sum(counts)."""
+    return x.shape[0] if _on_cuda(x) or tracing() else min(int(counts.sum()), x.shape[0])
+
+
+def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:  # zero rows up to ``rows``
+    return y if y.shape[0] == rows else F.pad(y, (0, 0, 0, rows - y.shape[0]))
+
+
 def fp8_moe_swiglu(
-    x: torch.Tensor,
-    counts: torch.Tensor | Sequence[int],
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
+    x: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor, w13_scale: torch.Tensor,
+    w2: torch.Tensor, w2_scale: torch.Tensor,
 ) -> torch.Tensor:
     """Routed experts on x [R, H] grouped by expert: ``w2[e] @ (silu(gate) * up)`` with
-    ``[gate; up] = w13[e] @ x`` (w13 fp8 [E, 2I, H], w2 fp8 [E, H, I], block scales) -> [R, H] in x.dtype.
-    x is quantized once; SiLU·mul is fused with the re-quantization between the two grouped GEMMs."""
-    check_act(x)
-    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
-        raise ValueError(
-            f"fp8_moe_swiglu needs w13 [E, 2I, H] and w2 [E, H, I], got {_shape(w13)} and {_shape(w2)}"
-        )
-    e, two_i, h = w13.shape
-    if _shape(w2) != (e, h, two_i // 2) or x.shape[1] != h:
-        raise ValueError(
-            f"fp8_moe_swiglu shapes do not match: x {_shape(x)}, w13 {_shape(w13)}, w2 {_shape(w2)}; "
-            f"expected x [R, {h}] and w2 {(e, h, two_i // 2)}"
-        )
+    ``[gate; up] = w13[e] @ x`` (w13 fp8 [E, 2I, H], w2 fp8 [E, H, I], block scales) -> [R, H] in x.dtype,
+    rows past sum(counts) zero: x quantized once (``act_quant``), then :func:`fp8_moe_swiglu_quantized`."""
+    _check_moe(x, w13, w2)
     counts = _as_counts(counts, x.device)
-    if _on_cuda(x):
-        counts = counts.to(x.device, non_blocking=True)  # once for both GEMMs; a no-op for device counts
-    q, s = act_quant(x)
-    gate_up = grouped_block_fp8_gemm(q, s, w13, w13_scale, counts, x.dtype)
+    rows = _real_rows(x, counts)
+    q, s = act_quant(x[:rows])
+    return _pad_rows(fp8_moe_swiglu_quantized(q, s, counts, w13, w13_scale, w2, w2_scale, x.dtype), x.shape[0])
+
+
+def fp8_moe_swiglu_quantized(
+    q: torch.Tensor, s: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor,
+    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`fp8_moe_swiglu` on rows already quantized (q fp8 [R, H], s fp32 [R, ceil(H/128)] in any
+    layout, as ``act_quant`` returns them: an FP8 dispatch payload) -> [R, H] out_dtype, rows past
+    sum(counts) zero. SiLU·mul is fused with the re-quantization between the two grouped GEMMs."""
+    _check_moe(q, w13, w2)
+    want = (q.shape[0], cdiv(q.shape[1], BLOCK))
+    if q.dtype != FP8_DTYPE or s.dtype != torch.float32 or _shape(s) != want:
+        raise ValueError(f"fp8_moe_swiglu_quantized needs q {FP8_DTYPE} [R, H] and fp32 scales {want}, got q "
+                         f"{q.dtype} {_shape(q)} and scales {s.dtype} {_shape(s)}")
+    counts = _as_counts(counts, q.device)
+    if _on_cuda(q):
+        counts = counts.to(q.device, non_blocking=True)  # once for both GEMMs; a no-op for device counts
+    rows = _real_rows(q, counts)
+    gate_up = grouped_block_fp8_gemm(q[:rows], s[:rows], w13, w13_scale, counts, out_dtype)
     q, s = silu_mul_quant(gate_up)
-    return grouped_block_fp8_gemm(q, s, w2, w2_scale, counts, x.dtype)
+    return _pad_rows(grouped_block_fp8_gemm(q, s, w2, w2_scale, counts, out_dtype), want[0])

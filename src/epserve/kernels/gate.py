@@ -13,10 +13,10 @@
 5. with ``logical_to_physical`` ([E] ints), each logical id is replaced by its physical slot.
 
 On CUDA tensors the op is one fused Triton kernel (``kernels.gate_triton``, imported only then, so
-the CPU engine never loads triton; no host syncs, so it can be captured in a CUDA graph); elsewhere
-it is ``grouped_topk_ref``, torch ops in ExpertGate's exact order. The order of the K ids within a
-row is unspecified (the kernel returns them best first); ties between equal scores may break
-differently in the two backends. Both return ids int64 [T, K] and weights fp32 [T, K].
+the CPU engine never loads triton; no host syncs, so it can be captured in a CUDA graph; when traced,
+the custom op ``epserve::grouped_topk`` of ``kernels/ops.py``); elsewhere it is ``grouped_topk_ref``,
+torch ops in ExpertGate's exact order. The order of the K ids within a row is unspecified (the kernel
+returns them best first); ties between equal scores may break differently in the two backends. Both return ids int64 [T, K] and weights fp32 [T, K].
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+
+from epserve.kernels.device import tracing
 
 METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SCORINGS = ("sigmoid", "softmax")
@@ -140,7 +142,10 @@ def grouped_topk(
     logical_to_physical: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate logits [T, E] -> (expert ids int64 [T, K], physical when a table is given; weights fp32
-    [T, K]): the Triton kernel on CUDA, the torch reference elsewhere."""
+    [T, K]): the Triton kernel on CUDA (its custom op when traced), the torch reference elsewhere."""
+    if logits.device.type == "cuda" and tracing():
+        return torch.ops.epserve.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
+                                              routed_scaling_factor, bias, logical_to_physical)
     fn = _triton().grouped_topk_triton if logits.device.type == "cuda" else grouped_topk_ref
     return fn(
         logits, top_k=top_k, n_group=n_group, topk_group=topk_group, method=method, scoring=scoring,

@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from epserve.kernels import backends
 from epserve.kernels.fp8 import FP8_DTYPE, cdiv
 
 CACHE_DTYPES = (torch.bfloat16, torch.float32, FP8_DTYPE)
@@ -176,8 +177,18 @@ def paged_mla_decode(
 ) -> torch.Tensor:
     """o_latent [B, h, kv_lora_rank] fp32 for q_latent [B, h, r + rope] over the paged latent cache.
     ``block_tables`` [B, max_blocks] int32/int64 and ``seq_lens`` [B] live on q's device; ``kv_scale``
-    (0-d fp32) dequantizes an FP8 cache; ``num_splits`` (CUDA only) overrides the KV split count."""
+    (0-d fp32) dequantizes an FP8 cache; ``num_splits`` (CUDA only) overrides the KV split count.
+    On CUDA: FlashInfer (``kernels.mla_flashinfer``) where the call fits it (eager, bf16/fp16 cache,
+    DeepSeek's 512 + 64 columns, no ``num_splits``) and ``kernels.backends`` chose it for this device and
+    cache dtype (installed, self-test passed, or forced by ``EPSERVE_MLA_BACKEND``), else Triton."""
     if q_latent.is_cuda:
+        from epserve.kernels import mla_flashinfer  # lazy: it imports this module (the reference)
+
+        if (num_splits is None and mla_flashinfer.eligible(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale)
+                and backends.select("mla_decode", q_latent.device, kv_cache.dtype) == "flashinfer"):
+            out = mla_flashinfer.try_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
+            if out is not None:  # None: FlashInfer failed on this case and gave way to Triton
+                return out
         return _triton().paged_mla_decode_triton(
             q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale, num_splits
         )

@@ -8,6 +8,10 @@ combine reverses the regrouping and the exchange, then does the weighted scatter
 
 The count exchange is this backend's one host sync per layer (the split sizes must be known on the host),
 which is why a captured decode step (``engine/graphs.py``) wants the fixed-shape ``padded`` backend.
+With ``fp8`` (``--dispatch-dtype fp8``) the rows travel as packed FP8 bytes with their scales
+(``payload.py``) and reach the experts as ``ExpertInput.hidden_states`` fp8 plus ``scales``; the combine
+returns expert outputs in their own dtype. ``comm_bytes`` counts the rows sent (not the small count
+exchange).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 from epserve.moe.dispatch.local import group_by_expert
+from epserve.moe.dispatch.payload import Payload
 
 
 @dataclass(frozen=True)
@@ -35,8 +40,9 @@ class SenderRoute:
 @dataclass(frozen=True)
 class AllToAllInFlight(DispatchHandle):
     work: dist.Work
-    send: torch.Tensor  # [T*K, H], kept alive until the transfer completes
-    recv: torch.Tensor  # [N, H], grouped by source rank, then local slot
+    send: torch.Tensor  # [T*K, W] sent rows (W: H, or the packed FP8 width), kept alive until the transfer completes
+    recv: torch.Tensor  # [N, W], grouped by source rank, then local slot
+    hidden: int  # H
     perm: torch.Tensor  # [N] row of ``recv`` for each ExpertInput row
     num_tokens_per_expert: torch.Tensor  # [num_local_slots] int64, CPU
     sender: SenderRoute
@@ -59,8 +65,9 @@ class AllToAllCombineInFlight(DispatchHandle):
 class AllToAllDispatcher(Dispatcher):
     name = "all_to_all"
 
-    def __init__(self, num_local_slots: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False) -> None:
         self.num_local_slots = num_local_slots
+        self.payload = Payload(fp8)
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
@@ -79,12 +86,13 @@ class AllToAllDispatcher(Dispatcher):
         recv_splits = tuple(counts[1].sum(1).tolist())
 
         token_idx = order // topk_ids.shape[1]
-        send = x.index_select(0, token_idx)
-        recv = x.new_empty(sum(recv_splits), x.shape[1])
+        send = self.payload.rows(x).index_select(0, token_idx)
+        recv = send.new_empty(sum(recv_splits), send.shape[1])
         work = dist.all_to_all_single(
             recv, send, list(recv_splits), list(send_splits), group=self.group, async_op=True
         )
-        self.comm_bytes["dispatch"] += (send.shape[0] - send_splits[self.ep_rank]) * x.shape[1] * x.element_size()
+        row_bytes = send.shape[1] * send.element_size()
+        self.comm_bytes["dispatch"] += (send.shape[0] - send_splits[self.ep_rank]) * row_bytes
 
         # Received rows are source-major; a stable sort by local slot makes them slot-major.
         recv_slots = torch.arange(slots, device=x.device).repeat(ep)
@@ -92,13 +100,13 @@ class AllToAllDispatcher(Dispatcher):
         perm = torch.argsort(recv_slots, stable=True)
         sender = SenderRoute(x.shape[0], token_idx, topk_weights.reshape(-1).index_select(0, order),
                              send_splits, recv_splits)
-        return AllToAllInFlight(work, send, recv, perm, counts[1].sum(0), sender)
+        return AllToAllInFlight(work, send, recv, x.shape[1], perm, counts[1].sum(0), sender)
 
     def dispatch_recv(self, handle: AllToAllInFlight) -> tuple[ExpertInput, AllToAllRoute]:
         handle.work.wait()
         host = handle.num_tokens_per_expert  # from the count exchange: this backend's one host sync
-        expert_input = ExpertInput(handle.recv.index_select(0, handle.perm),
-                                   host.to(handle.recv.device, non_blocking=True), tuple(host.tolist()))
+        rows, scales = self.payload.expert_rows(handle.recv.index_select(0, handle.perm), handle.hidden)
+        expert_input = ExpertInput(rows, host.to(rows.device, non_blocking=True), tuple(host.tolist()), scales)
         return expert_input, AllToAllRoute(handle.perm, handle.sender)
 
     def combine_send(self, y: torch.Tensor, handle: AllToAllRoute) -> AllToAllCombineInFlight:

@@ -25,6 +25,9 @@ class ExpertInput:
     hidden_states: torch.Tensor  # [N, H], rows of local slot 0 first, then slot 1, …, then padding
     num_tokens_per_expert: torch.Tensor  # [num_local_slots] int64, on the device of hidden_states
     host_counts: tuple[int, ...] | None = None  # the same counts, when the backend has them on the host
+    # With an FP8 payload (``--dispatch-dtype fp8``): ``hidden_states`` is float8 e4m3 and ``scales`` its
+    # fp32 scale per row and 128 columns [N, H/128], the activation quantization of the FP8 expert GEMM.
+    scales: torch.Tensor | None = None
 
     def counts_list(self) -> tuple[int, ...]:
         """Rows per local slot on the host (a device sync unless ``host_counts``)."""

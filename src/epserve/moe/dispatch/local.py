@@ -1,6 +1,7 @@
 """``local`` dispatcher (EP = 1): every expert is on this rank, so dispatch is a permutation that
 groups token copies by expert, and combine is the weighted scatter-add back. The reference the
-multi-rank backends are tested against."""
+multi-rank backends are tested against. With ``fp8`` (``--dispatch-dtype fp8``) the ``T`` tokens are
+quantized once before the permutation (``payload.py``), not their ``T*K`` copies by the expert GEMM."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
+from epserve.moe.dispatch.payload import Payload
 
 
 @dataclass(frozen=True)
@@ -48,14 +50,16 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 class LocalDispatcher(Dispatcher):
     name = "local"
 
-    def __init__(self, num_local_experts: int) -> None:
+    def __init__(self, num_local_experts: int, fp8: bool = False) -> None:
         self.num_local_experts = num_local_experts
+        self.payload = Payload(fp8)
         self.reset_stats()  # stays zero: nothing leaves this rank
 
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LocalInFlight:
         order, counts = group_by_expert(topk_ids, self.num_local_experts)
         token_idx = order // topk_ids.shape[1]
-        expert_input = ExpertInput(x.index_select(0, token_idx), counts)  # no host sync
+        rows, scales = self.payload.expert_rows(self.payload.rows(x).index_select(0, token_idx), x.shape[1])
+        expert_input = ExpertInput(rows, counts, scales=scales)  # no host sync
         route = LocalRoute(x.shape[0], token_idx, topk_weights.reshape(-1).index_select(0, order))
         return LocalInFlight(expert_input, route)
 

@@ -5,7 +5,9 @@ so no counts are exchanged: each rank sends a zero-padded ``[ep_size, capacity, 
 int64 ``[ep_size, capacity]`` buffer holding each row's local slot at the destination (-1 = padding).
 Precondition: a token's top-k slots are distinct (the router guarantees it), so no token sends more than
 ``min(K, num_local_slots)`` rows to one rank. Combine sends the same fixed shape back; each sender picks
-its rows at the positions it used.
+its rows at the positions it used. ``comm_bytes`` counts every row of both buffers sent to other ranks,
+padding included. With ``fp8`` (``--dispatch-dtype fp8``) the real rows are quantized before they are
+placed (the ``T`` tokens once, ``payload.py``) and travel as packed FP8 bytes; padding rows are zero bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.distributed._functional_collectives as funcol
 
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 from epserve.moe.dispatch.local import count_per_expert, group_by_expert
+from epserve.moe.dispatch.payload import Payload
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,9 @@ class PaddedSenderRoute:
 
 @dataclass(frozen=True)
 class PaddedInFlight(DispatchHandle):
-    recv: torch.Tensor  # [ep_size*capacity, H], block s from source rank s (in flight until waited on)
+    recv: torch.Tensor  # [ep_size*capacity, W] rows (W: H or the packed FP8 width), block s from rank s (in flight)
     recv_slots: torch.Tensor  # [ep_size*capacity] int64 local slot of each received row, -1 = padding
+    hidden: int  # H
     capacity: int
     sender: PaddedSenderRoute
 
@@ -54,8 +58,9 @@ class PaddedCombineInFlight(DispatchHandle):
 class PaddedDispatcher(Dispatcher):
     name = "padded"
 
-    def __init__(self, num_local_slots: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False) -> None:
         self.num_local_slots = num_local_slots
+        self.payload = Payload(fp8)
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
@@ -75,8 +80,10 @@ class PaddedDispatcher(Dispatcher):
             )
         return self.max_tokens_per_rank * min(top_k, self.num_local_slots)
 
-    def _count_bytes(self, phase: str, capacity: int, rows: torch.Tensor) -> None:
-        self.comm_bytes[phase] += (self.ep_size - 1) * capacity * rows.shape[1] * rows.element_size()
+    def _count_bytes(self, phase: str, *buffers: torch.Tensor) -> None:
+        """Every block of ``buffers`` ([ep_size*capacity, ...]) but this rank's own goes to another rank."""
+        sent = sum(b.numel() * b.element_size() for b in buffers)
+        self.comm_bytes[phase] += sent // self.ep_size * (self.ep_size - 1)
 
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> PaddedInFlight:
         """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]."""
@@ -90,15 +97,16 @@ class PaddedDispatcher(Dispatcher):
         send_pos = dest * capacity + torch.arange(order.shape[0], device=order.device) - rank_starts[dest]
 
         token_idx = order // topk_ids.shape[1]
-        send = x.new_zeros(ep * capacity, x.shape[1]).index_copy_(0, send_pos, x.index_select(0, token_idx))
+        rows = self.payload.rows(x)
+        send = rows.new_zeros(ep * capacity, rows.shape[1]).index_copy_(0, send_pos, rows.index_select(0, token_idx))
         send_slots = torch.full((ep * capacity,), -1, dtype=torch.long, device=x.device)
         send_slots.index_copy_(0, send_pos, sorted_slots % slots)
         # Functional collectives: asynchronous until waited on, and traceable by torch.compile.
         recv_slots = funcol.all_to_all_single(send_slots, None, None, self.group)
         recv = funcol.all_to_all_single(send, None, None, self.group)
-        self._count_bytes("dispatch", capacity, send)
+        self._count_bytes("dispatch", send, send_slots)
         sender = PaddedSenderRoute(x.shape[0], token_idx, topk_weights.reshape(-1).index_select(0, order), send_pos)
-        return PaddedInFlight(recv, funcol.wait_tensor(recv_slots), capacity, sender)
+        return PaddedInFlight(recv, funcol.wait_tensor(recv_slots), x.shape[1], capacity, sender)
 
     def dispatch_recv(self, handle: PaddedInFlight) -> tuple[ExpertInput, PaddedRoute]:
         slots, recv_slots = self.num_local_slots, handle.recv_slots
@@ -108,13 +116,14 @@ class PaddedDispatcher(Dispatcher):
         counts = count_per_expert(keys, slots + 1)[:slots]
         perm = torch.argsort(keys, stable=True)
         recv = funcol.wait_tensor(handle.recv)
-        return ExpertInput(recv.index_select(0, perm), counts), PaddedRoute(perm, handle.capacity, handle.sender)
+        rows, scales = self.payload.expert_rows(recv.index_select(0, perm), handle.hidden)
+        return ExpertInput(rows, counts, scales=scales), PaddedRoute(perm, handle.capacity, handle.sender)
 
     def combine_send(self, y: torch.Tensor, handle: PaddedRoute) -> PaddedCombineInFlight:
         """y [N, H] in ExpertInput order."""
         send = y.new_zeros(self.ep_size * handle.capacity, y.shape[1]).index_copy_(0, handle.perm, y)
         recv = funcol.all_to_all_single(send, None, None, self.group)
-        self._count_bytes("combine", handle.capacity, send)
+        self._count_bytes("combine", send)
         return PaddedCombineInFlight(recv, handle.sender)
 
     def combine_recv(self, handle: PaddedCombineInFlight) -> torch.Tensor:

@@ -1,0 +1,233 @@
+"""Which implementation runs each CUDA kernel op, decided once per process, device and dtype by a self-test.
+
+An op (``mla_decode``, ``fp8_gemm``, ...) lists its backends in preference order; the last one is the
+trusted fallback (the project's own Triton kernels, always there on CUDA). A faster backend ahead of it
+is used only after its ``self_test`` passed on the device at hand: it runs the backend on a small case
+against the project's torch reference and raises when the backend is missing (``ImportError`` of an
+optional package), cannot run (a compile or launch error) or answers wrong. The first call for a
+``(op, device, dtype)`` decides; a backend that fails logs one calm INFO line naming the error and the
+backend used instead (``mla_decode: flashinfer unavailable (ImportError: ...); using triton``), and the
+decision stands for the life of the process. ``dtype`` is what the backend's support depends on: the
+cache dtype of ``mla_decode``, the output dtype of ``fp8_gemm``.
+
+Each op module declares its op with :func:`register` when it is imported (``kernels.fp8``:
+``fp8_gemm``; ``kernels.mla_flashinfer``: ``mla_decode``); ``_DECLARED`` names that module, so
+:func:`select` works whichever was imported first. An op's ``forced`` reads its environment variable
+(``env.py``): a backend named there is used without a self-test, so its errors surface. Self-tests never
+run inside a CUDA graph capture: a call there gets the fallback without recording a decision.
+:func:`resolve` decides every op the engine will call (at start-up, before the KV pool is sized and
+before any capture) and returns the one-line summary the engine logs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SelfTest = Callable[[torch.device, torch.dtype], None]
+
+# The module that registers each op (imported on the op's first use).
+_DECLARED = {"mla_decode": "epserve.kernels.mla_flashinfer", "fp8_gemm": "epserve.kernels.fp8"}
+
+
+class KernelMismatch(RuntimeError):
+    """A backend's self-test answer is off the torch reference."""
+
+
+@dataclass(frozen=True)
+class KernelBackend:
+    """One implementation of an op. ``self_test(device, dtype)`` raises unless the implementation runs and
+    matches the torch reference there; None marks the trusted fallback (never tested)."""
+
+    name: str
+    self_test: SelfTest | None = None
+
+
+@dataclass(frozen=True)
+class KernelOp:
+    """An op's backends in preference order (the last is the fallback, without a self-test), and the
+    reader of its environment override (``"auto"`` or a backend name) with the variable's name."""
+
+    name: str
+    backends: tuple[KernelBackend, ...]
+    forced: Callable[[], str] = lambda: "auto"
+    env_var: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.backends or self.backends[-1].self_test is not None:
+            raise ValueError(f"kernel op {self.name!r}: the last backend must be the fallback (no self-test)")
+
+    @property
+    def fallback(self) -> str:
+        return self.backends[-1].name
+
+    def backend(self, name: str) -> KernelBackend:
+        for b in self.backends:
+            if b.name == name:
+                return b
+        raise ValueError(f"kernel op {self.name!r} has no backend {name!r} (has {[b.name for b in self.backends]})")
+
+
+_ops: dict[str, KernelOp] = {}
+_chosen: dict[tuple[str, str, torch.dtype | None], str] = {}  # (op, device, dtype) -> backend name
+_tested: dict[tuple[str, str, str, torch.dtype | None], str | None] = {}  # -> None (passed) or the error
+_forced_logged: set[tuple[tuple[str, str, torch.dtype | None], str]] = set()
+_lock = threading.RLock()  # one decision at a time (a self-test launches kernels)
+
+
+def register(op: KernelOp) -> KernelOp:
+    """Declare (or redeclare) ``op``; decisions made for an earlier declaration of it are forgotten."""
+    with _lock:
+        _ops[op.name] = op
+        forget(op.name)
+    return op
+
+
+def forget(op: str | None = None) -> None:
+    """Drop the recorded decisions and self-test results (of one op, or all): the next call decides anew."""
+    with _lock:
+        for table in (_chosen, _tested):
+            for key in [k for k in table if op is None or k[0] == op]:
+                del table[key]
+        _forced_logged.difference_update({k for k in _forced_logged if op is None or k[0][0] == op})
+
+
+def unregister(name: str) -> None:
+    """Remove an op and its decisions (an op declared for a while, as tests do)."""
+    with _lock:
+        _ops.pop(name, None)
+        forget(name)
+
+
+def get_op(name: str) -> KernelOp:
+    if name not in _ops and name in _DECLARED:
+        importlib.import_module(_DECLARED[name])
+    if name not in _ops:
+        raise ValueError(f"unknown kernel op {name!r}; known: {sorted(set(_ops) | set(_DECLARED))}")
+    return _ops[name]
+
+
+def device_key(device: torch.device | str) -> str:
+    """``cuda:N`` with the index filled in (a bare ``cuda`` is the current device), else the type."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _where(key: tuple[str, str, torch.dtype | None]) -> str:
+    return key[1] if key[2] is None else f"{key[1]}, {str(key[2]).removeprefix('torch.')}"
+
+
+def _describe(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _run_self_test(op: KernelOp, backend: KernelBackend, device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """None when ``backend`` passed its self-test for ``dtype`` on ``device`` (run once), else the error."""
+    key = (op.name, backend.name, device_key(device), dtype)
+    if key not in _tested:
+        if backend.self_test is None:
+            _tested[key] = None
+        else:
+            try:
+                if device.type == "cuda":
+                    with torch.cuda.device(device):
+                        backend.self_test(device, dtype)  # type: ignore[arg-type]
+                else:
+                    backend.self_test(device, dtype)  # type: ignore[arg-type]
+                _tested[key] = None
+            except Exception as e:  # noqa: BLE001 - any failure means: not this backend
+                _tested[key] = _describe(e)
+    return _tested[key]
+
+
+def passes(op_name: str, backend_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> bool:
+    """Whether ``backend_name`` of ``op_name`` passes its self-test on ``device`` for ``dtype`` (run once;
+    whatever the environment forces). False inside a CUDA graph capture, where nothing is tested."""
+    device = torch.device(device)
+    op = get_op(op_name)
+    backend = op.backend(backend_name)
+    with _lock:
+        if _capturing(device) and (op.name, backend.name, device_key(device), dtype) not in _tested:
+            return False
+        return _run_self_test(op, backend, device, dtype) is None
+
+
+def select(op_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """The backend ``op_name`` uses on ``device`` for ``dtype``: the one its environment variable forces
+    (read on every call), else the first whose self-test passes (decided on the first call, logged in
+    one line)."""
+    op = get_op(op_name)
+    forced = op.forced()
+    device = torch.device(device)
+    key = (op.name, device_key(device), dtype)
+    if forced != "auto":
+        if (key, forced) not in _forced_logged:
+            _forced_logged.add((key, forced))
+            logger.info("%s on %s: %s (forced by %s)", op.name, _where(key), forced, op.env_var or "the caller")
+        return forced
+    chosen = _chosen.get(key)
+    if chosen is not None:
+        return chosen
+    if _capturing(device):
+        return op.fallback  # never test inside a capture; the next eager call decides
+    with _lock:
+        if key in _chosen:
+            return _chosen[key]
+        failures: list[tuple[str, str]] = []
+        for backend in op.backends:
+            error = _run_self_test(op, backend, device, dtype)
+            if error is None:
+                _chosen[key] = backend.name
+                break
+            failures.append((backend.name, error))
+        chosen = _chosen[key]
+        for name, error in failures:
+            logger.info("%s: %s unavailable on %s (%s); using %s", op.name, name, _where(key), error, chosen)
+        if not failures and chosen != op.fallback:
+            logger.info("%s on %s: %s (self-test passed)", op.name, _where(key), chosen)
+        return chosen
+
+
+def fall_back(op_name: str, device: torch.device | str, dtype: torch.dtype | None, reason: str) -> str:
+    """Record that ``op_name`` uses its fallback on ``device`` for ``dtype`` from now on (a backend failed
+    on a case its self-test did not cover); logs one warning line. Returns the fallback's name."""
+    op = get_op(op_name)
+    key = (op.name, device_key(device), dtype)
+    with _lock:
+        previous = _chosen.get(key)
+        _chosen[key] = op.fallback
+    if previous != op.fallback:
+        logger.warning("%s: %s failed on %s (%s); using %s from now on", op.name, previous, _where(key), reason,
+                       op.fallback)
+    return op.fallback
+
+
+def decisions() -> dict[str, str]:
+    """Every decision so far: ``"op[device, dtype]"`` -> backend name."""
+    with _lock:
+        return {f"{key[0]}[{_where(key)}]": name for key, name in sorted(_chosen.items(), key=lambda kv: str(kv[0]))}
+
+
+def resolve(device: torch.device | str, dtypes: Mapping[str, torch.dtype | None]) -> str:
+    """Decide now each op of ``dtypes`` (op name -> the dtype its calls use; None: the op is not called)
+    on ``device`` and say which backend each uses, in one line: ``mla_decode=flashinfer fp8_gemm=triton``.
+    Off CUDA every op runs its torch reference (or the CPU kernels) and nothing is tested."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"torch reference ({device.type})"
+    parts = [f"{op}={select(op, device, dtype)}" for op, dtype in dtypes.items() if dtype is not None]
+    return " ".join(parts) or "none"
