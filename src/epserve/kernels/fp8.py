@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from epserve import env
 from epserve.kernels import backends
-from epserve.kernels.device import tracing
+from epserve.kernels.device import is_cuda, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ def _triton() -> ModuleType:
 
 def _on_cuda(t: torch.Tensor) -> bool:
     """Whether a call goes to the CUDA kernels (otherwise the reference)."""
-    return t.device.type == "cuda" and env.fp8_backend() != "torch"
+    return is_cuda(t) and env.fp8_backend() != "torch"
 
 
 def _scaled_mm_eligible(

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from epserve.kernels.device import tracing
+from epserve.kernels.device import is_cuda, tracing
 
 METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SCORINGS = ("sigmoid", "softmax")
@@ -143,10 +143,10 @@ def grouped_topk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gate logits [T, E] -> (expert ids int64 [T, K], physical when a table is given; weights fp32
     [T, K]): the Triton kernel on CUDA (its custom op when traced), the torch reference elsewhere."""
-    if logits.device.type == "cuda" and tracing():
+    if is_cuda(logits) and tracing():
         return torch.ops.epserve.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
                                               routed_scaling_factor, bias, logical_to_physical)
-    fn = _triton().grouped_topk_triton if logits.device.type == "cuda" else grouped_topk_ref
+    fn = _triton().grouped_topk_triton if is_cuda(logits) else grouped_topk_ref
     return fn(
         logits, top_k=top_k, n_group=n_group, topk_group=topk_group, method=method, scoring=scoring,
         norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor, bias=bias,

@@ -23,7 +23,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from epserve.kernels.device import capability, tracing
+from epserve.kernels.device import capability, is_cuda, tracing
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -69,7 +69,7 @@ def grouped_mm_ok(x: torch.Tensor) -> bool:
     """torch._grouped_mm takes bf16 on the CPU and on Hopper-class GPUs (SM90+)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
         return False
-    return x.device.type == "cpu" or (x.device.type == "cuda" and capability(x.device)[0] >= 9)
+    return x.device.type == "cpu" or (is_cuda(x) and capability(x.device)[0] >= 9)
 
 
 def grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,7 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """Experts on rows of x [R, H] grouped by expert (counts [E]) -> [R, H] in x's dtype, rows past
     sum(counts) zero: ``_grouped_mm`` or Triton on CUDA (no host read), the reference elsewhere."""
-    if x.device.type != "cuda":
+    if not is_cuda(x):
         return grouped_swiglu_ref(x, counts, w13, w2)
     if not isinstance(counts, torch.Tensor):
         counts = torch.tensor(list(counts), dtype=torch.int64, device=x.device)

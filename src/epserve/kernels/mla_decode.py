@@ -25,6 +25,7 @@ from types import ModuleType
 import torch
 
 from epserve.kernels import backends
+from epserve.kernels.device import is_cuda
 from epserve.kernels.fp8 import FP8_DTYPE, cdiv
 
 CACHE_DTYPES = (torch.bfloat16, torch.float32, FP8_DTYPE)
@@ -181,7 +182,7 @@ def paged_mla_decode(
     On CUDA: FlashInfer (``kernels.mla_flashinfer``) where the call fits it (eager, bf16/fp16 cache,
     DeepSeek's 512 + 64 columns, no ``num_splits``) and ``kernels.backends`` chose it for this device and
     cache dtype (installed, self-test passed, or forced by ``EPSERVE_MLA_BACKEND``), else Triton."""
-    if q_latent.is_cuda:
+    if is_cuda(q_latent):
         from epserve.kernels import mla_flashinfer  # lazy: it imports this module (the reference)
 
         if (num_splits is None and mla_flashinfer.eligible(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale)

@@ -40,6 +40,7 @@ from epserve.model.mla import MLAttention
 from epserve.model.moe import ROUTING_BUFFERS
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.dispatch.local import LocalDispatcher
+from epserve.moe.experts import GroupedExperts
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.context import ParallelContext
 
@@ -165,6 +166,9 @@ def build_on_meta(
     for name, module, attr, t in _named_tensors(model):
         if t.dtype == torch.float32 and not name.endswith(keep):
             _set(module, attr, _empty(t, "meta", dtype))
+    for module in model.modules():  # what FP8 experts return for an FP8 payload (its rows no longer say)
+        if isinstance(module, GroupedExperts):
+            module.act_dtype = dtype
     return model.requires_grad_(False)
 
 

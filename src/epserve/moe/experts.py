@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from epserve.kernels import moe_swiglu
+from epserve.kernels.device import is_cuda, tracing
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_moe_swiglu, fp8_moe_swiglu_quantized, fp8_weight_pair
 from epserve.kernels.grouped import grouped_mm_ok, grouped_mm_swiglu, grouped_swiglu, grouped_swiglu_ref
-from epserve.kernels.ops import tracing
 from epserve.moe.dispatch.base import ExpertInput
 
 
@@ -114,7 +114,7 @@ class GroupedExperts(nn.Module):
             return fp8_moe_swiglu(x, counts, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
         if scales is not None:
             x = dequantize_rows(x, scales, out_dtype)
-        if x.device.type == "cuda":  # device counts: _grouped_mm (bf16, SM90+) or Triton; no host sync
+        if is_cuda(x):  # device counts: _grouped_mm (bf16, SM90+) or Triton; no host sync
             return grouped_swiglu(x, counts, self.w13, self.w2)
         if tracing():
             return grouped_swiglu_op(x, counts, self.w13, self.w2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from epserve.config import ConfigError
+from epserve.kernels.device import is_cuda
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, act_quant, cdiv
 
 SCALE_BYTES = 4  # one fp32 scale per row and 128 columns
@@ -44,7 +45,10 @@ def packed_width(hidden: int) -> int:
 def quantize_packed(x: torch.Tensor) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32) -> uint8 [T, packed_width(H)]: ``act_quant(x)`` values and scales as bytes."""
     q, scales = act_quant(x)
-    return torch.cat([q.view(torch.uint8), scales.contiguous().view(torch.uint8)], dim=1)
+    # flattened first: CUDA's M-major scales of one group ([T, 1], strides (1, T)) count as contiguous but
+    # cannot be viewed as bytes
+    scale_bytes = scales.contiguous().flatten().view(torch.uint8).view(q.shape[0], SCALE_BYTES * scales.shape[1])
+    return torch.cat([q.view(torch.uint8), scale_bytes], dim=1)
 
 
 def unpack(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +60,7 @@ def unpack(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tenso
                          f"got {packed.dtype} {tuple(packed.shape)}")
     q = packed[:, :hidden].contiguous().view(FP8_DTYPE)
     scales = packed[:, hidden:].contiguous().view(torch.float32)
-    if packed.device.type == "cuda":
+    if is_cuda(packed):
         scales = scales.t().contiguous().t()
     return q, scales
 
