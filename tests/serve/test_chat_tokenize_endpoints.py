@@ -1,7 +1,8 @@
 """The router's chat-template options and vLLM's extra endpoints, in process (no engine: a stub router
 records the prompt each request would send and answers one token): ``chat_template_kwargs``,
-``add_generation_prompt``, ``continue_final_message``, the ``developer`` role, a template that raises,
-``--chat-template``; ``/tokenize``, ``/detokenize``, ``/v1/models/{id}``, ``/version`` and the API key on
+``add_generation_prompt``, ``continue_final_message`` (and vLLM's chat ``echo``), the ``developer`` role,
+``tools`` and ``documents`` as template variables, a template that raises, ``--chat-template``; vLLM's
+``truncate_prompt_tokens``, ``add_special_tokens`` and ``request_id``; ``/tokenize`` (with tools), ``/detokenize``, ``/v1/models/{id}``, ``/version`` and the API key on
 them; the OpenAPI document."""
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from epserve.tokenizer import (
 from tests.router_toys import ScriptedRouter, build_over
 
 MODEL, KEY, MAX_MODEL_LEN = "tiny-chat", "sk-inproc", 256
-THINKING = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+THINKING = ("{{ bos_token }}{% for t in tools or [] %}<tool:{{ t['function']['name'] }}>{% endfor %}"
+            "{% for d in documents or [] %}<doc:{{ d['text'] }}>{% endfor %}"
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% if thinking %}<think>{% endif %}{% endif %}"
             "{% if messages[-1]['content'] == 'boom' %}{{ raise_exception('no booms here') }}{% endif %}")
 
@@ -105,6 +108,52 @@ def test_continue_final_message(served, tok_dir):
                        ({"chat_template": "{{ 1 }}"}, "chat_template is not accepted")]:
         with pytest.raises(openai.BadRequestError, match=why):
             _chat(client, extra.pop("messages", messages), **extra)
+
+
+def test_tools_and_documents_reach_the_template_and_tokenize_renders_them_as_chat(thinking, tok_dir):
+    server, http, client = thinking
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},  # (no content)
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    _chat(client, messages, tools=tools, tool_choice="none")
+    r = http.post("/tokenize", json={"messages": messages, "tools": tools})
+    assert r.status_code == 200 and r.json()["tokens"] == server.router.prompts[-1]
+    assert _text(tok_dir, r.json()["tokens"]).startswith(f"{BOS_TOKEN}<tool:get_weather><user>hi<assistant>")
+    _chat(client, messages[:1], documents=[{"title": "t", "text": "Paris is sunny"}])
+    assert _text(tok_dir, server.router.prompts[-1]) == f"{BOS_TOKEN}<doc:Paris is sunny><user>hi<assistant>"
+    r = http.post("/tokenize", json={"messages": messages, "tools": [{"type": "function", "function": {}}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_truncation_special_tokens_echo_and_request_id(served, tok_dir):
+    """vLLM's fields: truncate_prompt_tokens keeps the prompt's last tokens (a text too long for the context
+    is then not refused); add_special_tokens; request_id as the response's id; chat echo."""
+    server, http, client = served
+    tok, text = Tokenizer.from_dir(tok_dir), "one two three four five six"
+    out = client.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3, "request_id": "my-id"})
+    assert server.router.prompts[-1] == tok.encode(text)[-3:] and out.id == "cmpl-my-id"
+    assert out.choices[0].text.startswith(tok.decode(tok.encode(text)[-3:]))  # the prompt as it was sent
+    client.completions.create(model=MODEL, prompt="x " * 50_000, max_tokens=1, extra_body={"truncate_prompt_tokens": 5})
+    assert len(server.router.prompts[-1]) == 5
+    with pytest.raises(openai.BadRequestError, match="greater than max_model_len"):
+        client.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": 300})
+    client.completions.create(model=MODEL, prompt=text, max_tokens=1, extra_body={"add_special_tokens": False})
+    assert server.router.prompts[-1] == tok.encode(text, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "one, two,"}]
+    _chat(client, messages[:1])
+    plain = server.router.prompts[-1]
+    _chat(client, messages[:1], add_special_tokens=True, truncate_prompt_tokens=4)
+    assert server.router.prompts[-1] == [tok.bos_token_id, *plain][-4:]
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=extra)
+    assert whole.choices[0].message.content.startswith("one, two,") and whole.id.startswith("chatcmpl-")
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, extra_body=extra,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == whole.choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=1, extra_body={"echo": True})
+    assert not plain.choices[0].message.content.startswith("Count:")  # (a new assistant turn: nothing to echo)
 
 
 def test_a_template_that_raises_is_a_400_naming_it(thinking):

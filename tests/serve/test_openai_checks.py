@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from openai_toys import api_error, chat, completion
 
-from epserve.router.checks import check_request
-from epserve.router.protocol import CompletionRequest
+from epserve.router.checks import UNSUPPORTED, check_request
+from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 
 # ---------------------------------------------------------------------------------------------- ranges
 
@@ -56,6 +56,10 @@ from epserve.router.protocol import CompletionRequest
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"request_id": ""}, "request_id"),
+        ({"request_id": "x" * 257}, "request_id"),
     ],
 )
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -110,6 +114,8 @@ def test_completion_checks(kw: dict[str, Any], param: str) -> None:
         ({"store": True}, "store"),
         ({"reasoning_effort": "high"}, "reasoning_effort"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        ({"documents": "text"}, "documents"),
+        ({"documents": ["text"]}, "documents"),
     ],
 )
 def test_chat_checks(kw: dict[str, Any], param: str) -> None:
@@ -164,3 +170,50 @@ def test_valid_completion_requests_pass(kw: dict[str, Any]) -> None:
 )
 def test_valid_chat_requests_pass(kw: dict[str, Any]) -> None:
     check_request(chat(**kw))
+
+
+# ------------------------------------------------------------------- fields refused unless "off", and no-ops
+
+# A value other than "off" for each field of the table (the table and this list must name the same fields).
+NOT_OFF = {
+    "suffix": "tail", "functions": [{"name": "f"}], "function_call": {"name": "f"}, "audio": {"voice": "alloy"},
+    "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+    "reasoning_effort": "high", "verbosity": "low", "store": True, "allowed_token_ids": [1, 2],
+    "use_beam_search": True, "length_penalty": 0.5, "structural_tag": "{}", "guided_decoding_backend": "outlines",
+    "guided_whitespace_pattern": " ", "priority": 1, "logits_processors": ["pkg.Processor"], "return_token_ids": True,
+    "cache_salt": "salt", "kv_transfer_params": {"do_remote_decode": True}, "vllm_xargs": {"k": 1},
+    "mm_processor_kwargs": {"num_crops": 4}, "prompt_embeds": "AAAA",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_each_unsupported_field_is_refused_unless_off(name: str) -> None:
+    assert set(NOT_OFF) == set(UNSUPPORTED)
+    makers = [make for make, model in ((completion, CompletionRequest), (chat, ChatCompletionRequest))
+              if name in model.model_fields]
+    assert makers, f"{name} is declared by no request model"
+    for make in makers:
+        for off in UNSUPPORTED[name][0]:
+            check_request(make(**{name: off}))
+        check_request(make())  # left out
+        e = api_error(check_request, make(**{name: NOT_OFF[name]}))
+        error = e.body()["error"]
+        assert e.status == 400 and error["param"] == name and error["code"] == "unsupported_parameter"
+        assert error["message"].startswith(f"{name} is not supported by this server (")
+
+
+@pytest.mark.parametrize("kw", [
+    {"user": "u-1"}, {"metadata": {"k": "v"}}, {"service_tier": "auto"}, {"prompt_cache_key": "k"},
+    {"safety_identifier": "s"}, {"spaces_between_special_tokens": False}, {"guided_decoding_backend": "xgrammar"},
+    {"parallel_tool_calls": False}, {"include_reasoning": False}, {"echo": True}, {"documents": [{"text": "d"}]},
+    {"truncate_prompt_tokens": -1}, {"request_id": "req-1"}, {"return_tokens_as_token_ids": True},
+    {"add_special_tokens": True}, {"include_stop_str_in_output": True}, {"skip_special_tokens": False},
+])
+def test_accepted_fields_pass(kw: dict[str, Any]) -> None:
+    """Fields that change nothing here (OpenAI's tags and hints; vLLM's spaces_between_special_tokens, which a
+    fast tokenizer ignores in vLLM too) and the vLLM fields the router implements."""
+    name = next(iter(kw))
+    for make, model in ((completion, CompletionRequest), (chat, ChatCompletionRequest)):
+        if name in model.model_fields:
+            check_request(make(**kw))
+    assert name in ChatCompletionRequest.model_fields

@@ -10,6 +10,7 @@ from openai_toys import api_error, chat, completion
 
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.router.checks import bad_words_token_ids, resolve_max_tokens, stop_strings, to_sampling_params
+from epserve.router.detokenize import OutputText
 from epserve.router.generation_defaults import GenerationDefaults
 from epserve.router.logprobs import chat_logprobs, completion_logprobs
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
@@ -165,6 +166,28 @@ def test_stop_strings() -> None:
     assert stop_strings(chat(stop=[])) == []
 
 
+
+def test_a_stop_token_leaves_its_text_out_unless_asked(tok: Tokenizer) -> None:
+    """vLLM's include_stop_str_in_output covers the stop token (or EOS) that ended generation too; a stop
+    string still cuts the text whatever the tokens."""
+    ids = tok.encode("one two. three", add_special_tokens=False)
+    stop_id = ids[-1]
+
+    def text(include: bool, finish: str = "stop", stops: tuple[str, ...] = ()) -> tuple[str, int, bool]:
+        out = OutputText(tok, False, [], stops, include, (stop_id, tok.eos_token_id))
+        first = out.feed(ids[:2], None)
+        rest = out.feed([*ids[2:], tok.eos_token_id] if finish == "eos" else ids[2:], "stop" if finish else None)
+        return first[0] + rest[0], rest[1], rest[2]
+
+    cut = tok.decode(ids[:-1])
+    assert text(False) == (cut, len(ids) - 2, False)
+    assert text(True)[0] == tok.decode(ids)
+    assert text(False, "eos")[0] == tok.decode(ids) and text(True, "eos")[0].endswith("<｜end▁of▁sentence｜>")
+    dot = next(i for i in range(len(ids)) if "." in tok.decode(ids[: i + 1]))  # (the token ending at the stop)
+    assert text(False, stops=(".",)) == ("one two", dot + 1 - 2, True)
+    assert OutputText(None, True, [], (), False, ()).feed(ids, "stop") == ("", len(ids), False)
+
+
 # ---------------------------------------------------------------------------------------------- logprobs
 
 
@@ -230,3 +253,15 @@ def test_chat_logprobs_format(tok: Tokenizer) -> None:
         }
     assert "Hi 世".startswith("".join(x["token"] for x in out if "\ufffd" not in x["token"]))
     assert chat_logprobs(tok, [ids[0]], [(-1.0, [])])[0]["top_logprobs"] == []
+
+
+def test_logprobs_tokens_as_token_ids(tok: Tokenizer) -> None:
+    """vLLM's return_tokens_as_token_ids: every token of the logprobs written ``token_id:<id>``."""
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    entries = [(-0.5, [(t, -0.5), (7, -3.0)]) for t in ids]
+    out = completion_logprobs(tok, ids, entries, 0, as_ids=True)
+    assert out["tokens"] == [f"token_id:{t}" for t in ids] and set(out["top_logprobs"][0]) == {
+        f"token_id:{ids[0]}", "token_id:7"}
+    chat_out = chat_logprobs(tok, ids, entries, as_ids=True)
+    assert [x["token"] for x in chat_out] == out["tokens"] and chat_out[0]["bytes"] == list(out["tokens"][0].encode())
+    assert chat_out[0]["top_logprobs"][1]["token"] == "token_id:7"

@@ -206,6 +206,20 @@ def test_chat_content_parts() -> None:
     assert e.status == 400 and e.param == "messages[0].content[0].text"
 
 
+
+def test_message_names_and_an_assistant_turn_without_content() -> None:
+    """OpenAI's API lets an assistant message leave ``content`` out (beside its ``tool_calls``): null; a
+    message's ``name`` reaches the template, as vLLM passes it."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    r = chat(messages=[{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": "ok"}])
+    check_request(r)
+    assert r.message_dicts() == [{"role": "user", "content": "hi", "name": "ann"},
+                                 {"role": "assistant", "content": None, "tool_calls": [call]},
+                                 {"role": "tool", "content": "ok", "tool_call_id": "c1"}]
+    assert chat(messages=[{"role": "assistant"}]).messages[0].content is None
+
+
 # ---------------------------------------------------------------------------------------------- body
 
 

@@ -1,7 +1,8 @@
 """``--reasoning-parser deepseek_r1`` in chat responses: the reasoning as ``reasoning_content`` beside
 ``content``, whole and streamed token by token through the ``openai`` client; where the rendered prompt
 left ``<think>`` open (V3.1's thinking mode) the output starts inside the reasoning, otherwise it is all
-answer; completions are untouched."""
+answer; vLLM's ``include_reasoning: false`` drops the reasoning; completions are untouched. Beside them, a
+chat stream's ``continuous_usage_stats``."""
 
 from __future__ import annotations
 
@@ -82,3 +83,27 @@ def test_a_constraint_applies_to_the_answer_after_the_reasoning(client) -> None:
     client.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt)  # not thinking
     plain = ScriptedEngine.params[-1].structured
     assert plain.kind == "json_schema" and json.loads(plain.spec) == schema
+
+
+def test_include_reasoning_false_drops_it(client) -> None:
+    extra = {"chat_template_kwargs": {"thinking": True}, "include_reasoning": False}
+    message = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body=extra).choices[0].message
+    assert message.reasoning_content is None and message.content == "The answer is 4."
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                                         extra_body=extra, stream=True)]
+    assert "".join(d.content or "" for d in deltas) == "The answer is 4."
+    assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+
+
+def test_continuous_usage_stats_in_a_chat_stream(client) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk, the role's first, carries the usage so far."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, stream_options=options))
+    assert all(c.usage is not None for c in chunks) and len({c.usage.prompt_tokens for c in chunks}) == 1
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == len(ScriptedEngine.tokens)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices == []
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    plain = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]

@@ -41,12 +41,12 @@ from epserve.chat_template import ChatTemplateError
 from epserve.router import openapi_doc
 from epserve.router.checks import (
     bad_words_token_ids,
-    chat_constraint,
     check_request,
     logit_bias,
     resolve_max_tokens,
     stop_strings,
     to_sampling_params,
+    truncated_length,
 )
 from epserve.router.choices import Choice
 from epserve.router.errors import (
@@ -60,7 +60,7 @@ from epserve.router.errors import (
 )
 from epserve.router.generation import Generation, GenerationContext, until_disconnect
 from epserve.router.generation_defaults import GenerationDefaults
-from epserve.router.http_limits import HTTPLimits, RequestGate, RequestLimitsMiddleware
+from epserve.router.http_limits import APIKeyMiddleware, HTTPLimits, RequestGate, RequestLimitsMiddleware
 from epserve.router.instances import Router
 from epserve.router.json_body import load_json_body
 from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -74,6 +74,7 @@ from epserve.router.tokenize import (
     check_tokenize_request,
     tokenize_request_model,
 )
+from epserve.router.tools import chat_constraint
 from epserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class OpenAIServer:
         app.add_middleware(RequestLimitsMiddleware, limits=self.limits, reject=self._error,
                            on_disconnect=lambda: self.metrics.error(499))
         if self.api_key:  # outermost: before any body is read
-            app.add_middleware(_APIKeyMiddleware, gate=self.gate, reject=self._error)
+            app.add_middleware(APIKeyMiddleware, gate=self.gate, reject=self._error)
 
         @app.exception_handler(APIError)
         async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -216,11 +217,11 @@ class OpenAIServer:
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             tokenizer = self._need_tokenizer("text prompts")
-            for text in texts:
+            for text in texts if req.truncate_prompt_tokens is None else ():  # (a long one is cut)
                 self._check_chars(len(text), max_model_len, "prompt")
 
             def encode() -> list[list[int]]:
-                return [tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+                return [tokenizer.encode(p, req.add_special_tokens) if isinstance(p, str) else p for p in prompts]
 
             prompts = await self._offload(sum(map(len, texts)) > _INLINE_TOKENIZE_CHARS, encode)
         return await self._generate(raw, req, prompts, max_model_len, vocab, chat=False, prompt_texts=originals)
@@ -230,7 +231,7 @@ class OpenAIServer:
         max_model_len, vocab = self._limits()
         tokenizer = self._need_tokenizer("chat completions")
         self._check_fan_out(req.n, "n")
-        prompt = await self._encode_chat(tokenizer, req, max_model_len)
+        prompt = await self._encode_chat(tokenizer, req, max_model_len, req.add_special_tokens)
         return await self._generate(raw, req, [prompt], max_model_len, vocab, chat=True)
 
     async def _encode_chat(self, tokenizer: Tokenizer, req: ChatCompletionRequest | TokenizeChatRequest,
@@ -240,13 +241,10 @@ class OpenAIServer:
         messages = req.message_dicts()
         num_chars = sum(len(m["content"] or "") + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls", ()))
                         for m in messages)
-        if max_model_len is not None:
+        if max_model_len is not None and getattr(req, "truncate_prompt_tokens", None) is None:
             self._check_chars(num_chars, max_model_len, "messages")
-        options = req.template_options()
-        tools = getattr(req, "tools", None)
-        if tools:  # the functions, for templates that describe them (DeepSeek-V3.1's)
-            options["chat_template_kwargs"] = {"tools": tools, **(options["chat_template_kwargs"] or {})}
-        heavy = num_chars + (len(repr(req.chat_template_kwargs)) if req.chat_template_kwargs else 0)
+        options = req.template_options()  # (with the tools, for templates that describe them: DeepSeek-V3.1's)
+        heavy = num_chars + (len(repr(options["chat_template_kwargs"])) if options["chat_template_kwargs"] else 0)
         encode = functools.partial(tokenizer.encode_chat, messages, add_special_tokens=add_special_tokens, **options)
         try:
             return await self._offload(heavy > _INLINE_TOKENIZE_CHARS, encode)
@@ -353,6 +351,9 @@ class OpenAIServer:
             tokenizer = self._need_tokenizer("bad_words")
             bad_words = bad_words_token_ids(req.bad_words, lambda w: tokenizer.encode(w, add_special_tokens=False))
         for i, ids in enumerate(prompts):
+            if req.truncate_prompt_tokens is not None and len(ids) > (keep := truncated_length(req, max_model_len)):
+                prompts[i] = ids = ids[-keep:]  # vLLM's: the prompt's last tokens
+                prompt_texts = [t if k != i else None for k, t in enumerate(prompt_texts or [None] * len(prompts))]
             max_tokens = resolve_max_tokens(req, len(ids), max_model_len)  # first: a huge prompt is not scanned
             # check_request already refused negative ids; the vocabulary's size is known only now
             bad = next((t for t in ids if t >= vocab), None)
@@ -365,28 +366,10 @@ class OpenAIServer:
                                       prompt_text=prompt_texts[i] if prompt_texts else None))
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         run = Generation(self.generation_context, req, choices, request_id, mode.parser, thinking)
         if req.stream:
             return await run.stream(raw, chat)
         await until_disconnect(raw, run.complete())
         return JSONResponse(run.response(chat))
 
-
-class _APIKeyMiddleware:
-    """``/v1/*``, and any request with a body, needs ``Authorization: Bearer KEY`` (``RequestGate``),
-    answered before the body is read. Plain ASGI: Starlette's BaseHTTPMiddleware would relay every
-    streamed chunk through a memory stream (a quarter of the router's CPU when streaming)."""
-
-    def __init__(self, app: Any, gate: RequestGate, reject: Callable[[APIError], JSONResponse]) -> None:
-        self.app = app
-        self.gate = gate
-        self.reject = reject
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and (error := self.gate.refusal(scope["path"], scope["headers"])) is not None:
-            response = self.reject(error)
-            response.headers["connection"] = "close"  # its body is not read
-            await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)

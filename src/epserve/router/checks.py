@@ -10,7 +10,6 @@ the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``).
 
 from __future__ import annotations
 
-import json
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -39,8 +38,7 @@ from epserve.router.protocol import (
     ChatFields,
     CompletionRequest,
 )
-from epserve.router.reasoning import THINK_END
-from epserve.router.tools import ToolMode, after_reasoning, check_tools, tool_mode
+from epserve.router.tools import check_tools, structured_output
 
 
 def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
@@ -76,6 +74,12 @@ def check_request(req: AnyRequest) -> None:
     if len(words) > MAX_BAD_WORDS or any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
         raise bad_request(f"bad_words may hold at most {MAX_BAD_WORDS} words, each with a non-space character and "
                           f"at most {MAX_BAD_WORD_CHARS} characters", "bad_words")
+    if req.truncate_prompt_tokens is not None and not (req.truncate_prompt_tokens == -1
+                                                       or 1 <= req.truncate_prompt_tokens <= UINT32_MAX):
+        raise bad_request(f"truncate_prompt_tokens must be -1 (the model's context) or in [1, {UINT32_MAX}], got "
+                          f"{req.truncate_prompt_tokens}", "truncate_prompt_tokens")
+    if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
+        raise bad_request(f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters", "request_id")
     _check_unsupported(req)
     structured_output(req)  # its form
     stops = stop_strings(req)
@@ -100,18 +104,43 @@ def _check_max_tokens(value: int | None, param: str, least: int = 1) -> None:
 
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # (tokenized on the event loop: bounded)
 
-# Fields defined by OpenAI or vLLM that this server does not implement, and the values that mean "off".
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "allowed_token_ids": (None,), "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
-    "reasoning_effort": (None,), "verbosity": (None,), "store": (None, False),
+# Fields defined by OpenAI or vLLM that this server does not implement: the values that mean "off" (any
+# other is a 400 naming the field), and why.
+UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    # OpenAI's
+    "suffix": ((None, ""), "no fill-in-the-middle"),
+    "functions": ((None, []), "use tools"),
+    "function_call": ((None, "none", "auto"), "use tool_choice"),
+    "audio": ((None,), "text only"),
+    "modalities": ((None, ["text"]), "text only"),
+    "prediction": ((None,), "no predicted outputs"),
+    "web_search_options": ((None,), "no web search"),
+    "reasoning_effort": ((None,), "DeepSeek's thinking mode is chat_template_kwargs {\"thinking\": true}"),
+    "verbosity": ((None,), "not implemented"),
+    "store": ((None, False), "nothing is stored"),
+    # vLLM's
+    "allowed_token_ids": ((None,), "not implemented (logit_bias or a structured output instead)"),
+    "use_beam_search": ((False,), "no beam search"),
+    "length_penalty": ((1.0,), "it applies to beam search, which is not implemented"),
+    "structural_tag": ((None,), "structured outputs: response_format, structured_outputs or guided_*"),
+    "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs run on xgrammar only"),
+    "guided_whitespace_pattern": ((None,), "not implemented"),
+    "priority": ((0,), "no priority scheduling: requests are served first come, first served"),
+    "logits_processors": ((None, []), "no custom logits processors"),
+    "return_token_ids": ((False,), "not implemented (logprobs carry the token ids)"),
+    "cache_salt": ((None,), "the prefix cache is shared by every request"),
+    "kv_transfer_params": ((None,), "the engines pair prefill and decode themselves"),
+    "vllm_xargs": ((None,), "not implemented"),
+    "mm_processor_kwargs": ((None, {}), "text only"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
 }
+MAX_REQUEST_ID_CHARS = 256
 
 
 def _check_unsupported(req: AnyRequest) -> None:
-    for name, off in _UNSUPPORTED.items():
+    for name, (off, why) in UNSUPPORTED.items():
         if name in type(req).model_fields and not any(_same(getattr(req, name), v) for v in off):
-            raise bad_request(f"{name} is not supported by this server", name, "unsupported_parameter")
+            raise bad_request(f"{name} is not supported by this server ({why})", name, "unsupported_parameter")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -161,6 +190,9 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         _check_range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
     check_tools(req.tools, req.tool_choice)
+    if req.documents is not None and not (isinstance(req.documents, list)
+                                          and all(isinstance(d, dict) for d in req.documents)):
+        raise bad_request("documents must be a list of objects (the chat template's documents)", "documents")
     check_chat_fields(req)
 
 
@@ -287,77 +319,13 @@ def bad_words_token_ids(words: list[str], encode: Callable[[str], list[int]]) ->
     return tuple(out)
 
 
-def structured_output(req: AnyRequest) -> StructuredOutput | None:
-    """The request's output constraint, from whichever of OpenAI's ``response_format`` and vLLM's
-    ``structured_outputs`` / ``guided_*`` fields it uses (at most one); None when unconstrained. Only
-    the form is checked here: whether a schema, regex or grammar compiles, the engine says (a 400)."""
-    found: list[tuple[str, StructuredOutput]] = []
-    fmt = req.response_format
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind == "json_object":
-            found.append(("response_format", StructuredOutput("json_object")))
-        elif kind == "json_schema":
-            spec = fmt.get("json_schema")
-            schema = spec.get("schema") if isinstance(spec, dict) else None
-            if not isinstance(schema, dict):
-                raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
-                                  "response_format")
-            found.append(("response_format", StructuredOutput("json_schema", json.dumps(schema))))
-        elif kind != "text":
-            raise bad_request("response_format.type must be text, json_object or json_schema", "response_format")
-    vllm = {f"guided_{k}": getattr(req, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
-    if req.structured_outputs is not None:
-        if not isinstance(req.structured_outputs, dict):
-            raise bad_request("structured_outputs must be an object", "structured_outputs")
-        for key, value in req.structured_outputs.items():
-            if key not in ("json", "regex", "choice", "grammar", "json_object"):
-                raise bad_request(f"structured_outputs.{key} is not supported (json, regex, choice, grammar, "
-                                  "json_object)", "structured_outputs")
-            if key == "json_object":
-                if value is True:
-                    found.append(("structured_outputs", StructuredOutput("json_object")))
-            elif value is not None:
-                vllm[f"structured_outputs.{key}"] = value
-    for name, value in vllm.items():
-        if value is None:
-            continue
-        kind = name.rpartition("_")[2].rpartition(".")[2]
-        if kind == "json":
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    raise bad_request(f"{name} is not valid JSON", name) from None
-            if not isinstance(value, dict):
-                raise bad_request(f"{name} must be a JSON schema object", name)
-            found.append((name, StructuredOutput("json_schema", json.dumps(value))))
-        elif kind == "choice":
-            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-                raise bad_request(f"{name} must be a non-empty list of non-empty strings", name)
-            found.append((name, StructuredOutput("choice", json.dumps(value))))
-        else:
-            if not isinstance(value, str) or not value:
-                raise bad_request(f"{name} must be a non-empty string", name)
-            found.append((name, StructuredOutput(kind, value)))
-    if len(found) > 1:
-        raise bad_request(f"give one output constraint, not {' and '.join(n for n, _ in found)}", found[1][0])
-    return found[0][1] if found else None
-
-
-def chat_constraint(req: AnyRequest, tool_call_parser: str | None, auto_tools: bool,
-                    in_reasoning: bool) -> tuple[ToolMode, StructuredOutput | None]:
-    """What a request's tools make the server do (``tools.tool_mode``) and the constraint its output
-    follows: a forced tool call's or the request's own structured output (not both: a 400), applied
-    after the reasoning when the output starts inside it (``in_reasoning``)."""
-    if not isinstance(req, ChatCompletionRequest):
-        return ToolMode(), structured_output(req)
-    mode = tool_mode(req.tools, req.tool_choice, tool_call_parser, auto_tools, req.parallel_tool_calls is not False)
-    constraint = structured_output(req)
-    if mode.constraint is not None and constraint is not None:
-        raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint of its "
-                          "own: drop response_format or the structured-output fields", "tool_choice")
-    constraint = mode.constraint or constraint
-    if constraint is not None and in_reasoning:  # the answer is constrained, not the reasoning before it
-        constraint = after_reasoning(constraint, THINK_END)
-    return mode, constraint
+def truncated_length(req: AnyRequest, max_model_len: int) -> int:
+    """How many of a prompt's last tokens ``truncate_prompt_tokens`` keeps (-1: the model's context); a
+    400 past the context, as vLLM's."""
+    keep = req.truncate_prompt_tokens
+    if keep is None or keep == -1:
+        return max_model_len
+    if keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len})",
+                          "truncate_prompt_tokens")
+    return keep

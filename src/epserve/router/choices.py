@@ -21,6 +21,7 @@ class Delta:
     finish_reason: str | None
     reasoning: str = ""  # with a reasoning parser: the part of the text that is reasoning (``text``: the rest)
     tool_calls: list[dict[str, Any]] = field(default_factory=list)  # with tools: OpenAI's delta entries
+    num_output: int = 0  # the choice's output tokens once this delta is sent (the usage streamed so far)
 
 
 @dataclass

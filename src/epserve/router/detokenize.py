@@ -9,13 +9,13 @@ sequence, so the cost per token does not grow with the output length.
 
 ``StopStringMatcher`` scans that streamed text for stop strings, holding back just the tail that
 could still turn out to be the beginning of one, in time linear in the text (one KMP automaton per
-stop string, never re-scanning what it holds back).
+stop string, never re-scanning what it holds back). ``OutputText`` puts them together for a choice.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -185,6 +185,42 @@ class StopStringMatcher:
         for automaton in self._automata:
             automaton.state = 0
         return held
+
+
+class OutputText:
+    """One choice's output as text: its tokens detokenized incrementally (one at a time, so that a stop
+    string cuts them exactly where one token per message would have), cut at the first stop string; the
+    text of a stop token that ended generation (one of ``stop_token_ids``, or EOS) left out unless
+    ``include_stop_str``, as vLLM does. Without a tokenizer there is no text."""
+
+    def __init__(self, tokenizer: _Decoder | None, skip_special_tokens: bool, prompt_token_ids: Sequence[int],
+                 stops: Sequence[str], include_stop_str: bool, stop_token_ids: Collection[int]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, prompt_token_ids[-8:]) \
+            if tokenizer is not None else None
+        self._stopper = StopStringMatcher(stops, include_stop_str)
+        self._dropped = frozenset(()) if include_stop_str else frozenset(stop_token_ids)
+
+    def feed(self, token_ids: Sequence[int], finish_reason: str | None) -> tuple[str, int, bool]:
+        """``(text, used, stopped)`` for an engine message's tokens (``finish_reason``: the engine's, on its
+        last message): the new text, how many of the tokens it used (fewer once a stop string matched) and
+        whether a stop string matched."""
+        n = len(token_ids)
+        if self._detok is None:
+            return "", n, False
+        text = ""
+        for i, token in enumerate(token_ids):
+            last = finish_reason is not None and i == n - 1
+            piece = "" if last and finish_reason == "stop" and token in self._dropped else self._detok.add([token])
+            part, stopped = self._stopper.feed(piece + self._detok.flush() if last else piece)
+            text += part
+            if stopped:
+                return text, i + 1, True
+        if not n and finish_reason:
+            part, stopped = self._stopper.feed(self._detok.flush())
+            text += part
+            if stopped:
+                return text, 0, True
+        return text + (self._stopper.flush() if finish_reason else ""), n, False
 
 
 class _StopAutomaton:

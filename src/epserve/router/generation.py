@@ -5,17 +5,19 @@ What a generation needs from the server that owns it (how to route a request, th
 metrics, the model's name) comes in a :class:`GenerationContext`; this module knows nothing of the
 HTTP app itself. Requests arrive here already validated.
 
-The client sees only OpenAI's finish reasons (``stop``, ``length``): a request the engine aborted (it
-was draining or restarting) is a 503 error, or in a stream an error event, and an engine instance lost
+The client sees only OpenAI's finish reasons (``stop``, ``length``, ``tool_calls``): a request the
+engine aborted (it was draining or restarting) is a 503 error, or in a stream an error event, and an engine instance lost
 mid-request is told in general terms (its address and the details go to the log)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from epserve.messages.sampling import SamplingParams
 from epserve.router.checks import stop_strings
 from epserve.router.choices import Choice, ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, Delta
-from epserve.router.detokenize import IncrementalDetokenizer, StopStringMatcher
+from epserve.router.detokenize import OutputText
 from epserve.router.engine_client import EngineRequestError, EngineUnavailable
 from epserve.router.errors import ENGINE_ABORTED, ENGINE_LOST, APIError, unavailable
 from epserve.router.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
@@ -69,20 +71,26 @@ class Generation:
         self.tool_parser = tool_parser  # chat: the output is read for calls in that format (``router/tools``)
         self.req = req
         self.choices = choices
-        self.id = request_id
+        self.id = request_id  # the response's (a client's request_id in it: the engine's ids stay unique)
+        self._engine_id = request_id if req.request_id is None else f"{request_id}-{uuid.uuid4().hex[:12]}"
+        chat = isinstance(req, ChatCompletionRequest)
+        self.include_reasoning = not chat or req.include_reasoning  # type: ignore[union-attr]
+        self.echo = req.echoed() if chat else ""  # type: ignore[union-attr]  # (vLLM's chat echo)
         self.created = int(time.time())
         self.arrival = time.monotonic()
         self._started: set[int] = set()  # choices whose first chunk was streamed
+        self._sent = [0] * len(choices)  # each choice's output tokens streamed so far
 
     # ---- one choice ----------------------------------------------------------------------------
     async def deltas(self, choice: Choice) -> AsyncIterator[Delta]:
         ctx, req = self.ctx, self.req
         tokenizer = ctx.tokenizer
-        detok = IncrementalDetokenizer(tokenizer, req.skip_special_tokens, choice.prompt_ids[-8:]) if tokenizer else None
-        stopper = StopStringMatcher(stop_strings(req), req.include_stop_str_in_output)
+        stop_ids = (*choice.params.stop_token_ids, *((tokenizer.eos_token_id,) if tokenizer is not None else ()))
+        output = OutputText(tokenizer, req.skip_special_tokens, choice.prompt_ids, stop_strings(req),
+                            req.include_stop_str_in_output, stop_ids)
         metrics = ctx.metrics
         last = None
-        rid = f"{self.id}-{choice.index}"
+        rid = f"{self._engine_id}-{choice.index}"
         echo = self._echo if isinstance(req, CompletionRequest) and req.echo else None
         reasoning = self._reasoning_parser()
         tools = TOOL_CALL_PARSERS[self.tool_parser]() if self.tool_parser is not None else None
@@ -107,25 +115,11 @@ class Generation:
                         last = now
                     choice.num_cached = msg.num_cached_tokens
                     finish = msg.finish_reason or None
-                    # Token by token: a message may carry several (accepted speculative drafts), and a stop
-                    # string cuts them exactly where one token per message would have stopped.
-                    emit, stopped, used = "", False, n
-                    for i, token in enumerate(msg.token_ids if detok is not None else ()):
-                        text = detok.add([token])
-                        if finish and i == n - 1:
-                            text += detok.flush()
-                        part, stopped = stopper.feed(text)
-                        emit += part
-                        if stopped:
-                            used = i + 1
-                            break
-                    if not n and finish and detok is not None:
-                        emit, stopped = stopper.feed(detok.flush())
+                    # (a message may carry several tokens: accepted speculative drafts)
+                    emit, used, stopped = output.feed(msg.token_ids, finish)
                     choice.num_output = msg.num_output_tokens - (n - used)
                     if stopped:
                         finish = "stop"
-                    elif finish:
-                        emit += stopper.flush()
                     lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs[:used]]
                     thought = ""
                     if reasoning is not None:  # the text split: reasoning, then the answer
@@ -133,7 +127,7 @@ class Generation:
                         if finish:
                             rest = reasoning.flush()
                             part = type(part)(part.reasoning + rest.reasoning, part.content + rest.content)
-                        thought, emit = part.reasoning, part.content
+                        thought, emit = part.reasoning if self.include_reasoning else "", part.content
                         choice.reasoning.append(thought)
                     calls: list[dict[str, Any]] = []
                     if tools is not None:  # the answer split: text, and the calls it makes
@@ -143,7 +137,7 @@ class Generation:
                         calls = [c for c in calls if c["index"] == 0] if single else calls
                         if finish:
                             choice.tool_calls = tools.streamed_calls[:1] if single else tools.streamed_calls
-                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish, thought, calls)
+                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish, thought, calls, choice.num_output)
                     choice.text.append(emit)
                     choice.token_ids.extend(delta.token_ids)
                     choice.logprobs.extend(lps)
@@ -199,10 +193,11 @@ class Generation:
             logger.warning("request %s: the engine aborted it", self.id)
             raise unavailable(ENGINE_ABORTED)
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self, sent: list[int] | None = None) -> dict[str, Any]:
+        """The usage; ``sent``: each choice's output tokens streamed so far, instead of all it generated."""
         prompt = sum(len(c.prompt_ids) for c in self.choices if c.first_of_prompt)
         cached = sum(c.num_cached for c in self.choices if c.first_of_prompt)
-        completion = sum(c.num_output for c in self.choices)
+        completion = sum(sent) if sent is not None else sum(c.num_output for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -210,13 +205,11 @@ class Generation:
         tokenizer = self.ctx.tokenizer
         out = []
         for c in self.choices:
-            text = "".join(c.text)
-            logprobs = None
+            text = self.echo + "".join(c.text)
+            logprobs, as_ids = None, self.req.return_tokens_as_token_ids
             if c.params.logprobs is not None and tokenizer is not None:
-                logprobs = (
-                    {"content": chat_logprobs(tokenizer, c.token_ids, c.logprobs)}
-                    if chat else completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0)
-                )
+                logprobs = ({"content": chat_logprobs(tokenizer, c.token_ids, c.logprobs, as_ids)} if chat else
+                            completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0, self.req.skip_special_tokens, as_ids))
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if self.ctx.reasoning_parser is not None:
@@ -276,15 +269,20 @@ class Generation:
         self, queue: asyncio.Queue[ChoiceEvent], tasks: list[asyncio.Task], chat: bool
     ) -> AsyncIterator[str]:
         offsets = [0] * len(self.choices)
-        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        options = self.req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = bool(options and options.continuous_usage_stats)
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": self.id, "object": kind, "created": self.created, "model": self.ctx.model_name}
         try:
-            if chat:
+            if chat:  # (with continuous_usage_stats, vLLM's: the usage so far in every chunk)
+                usage = {"usage": self.usage(self._sent) if continuous else None} if include_usage else {}
                 for c in self.choices:
                     yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}],
-                                **({"usage": None} if include_usage else {})})
+                                                     "logprobs": None, "finish_reason": None}], **usage})
+                    if self.echo:
+                        yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": self.echo},
+                                                         "logprobs": None, "finish_reason": None}], **usage})
             remaining = len(self.choices)
             while remaining:
                 event = await queue.get()
@@ -297,7 +295,7 @@ class Generation:
                 choice, delta = event.choice, event.delta
                 if delta.finish_reason == ABORTED:
                     logger.warning("request %s: the engine aborted choice %d", self.id, choice.index)
-                    delta = Delta(delta.text, delta.token_ids, delta.logprobs, None, delta.reasoning)
+                    delta = dataclasses.replace(delta, finish_reason=None, tool_calls=[])
                     if delta.text or delta.reasoning or delta.logprobs:
                         yield self._chunk(head, choice, delta, offsets, include_usage, chat)
                     yield _sse(unavailable(ENGINE_ABORTED).body())
@@ -320,11 +318,14 @@ class Generation:
         logprobs = None
         if choice.params.logprobs is not None and tokenizer is not None and delta.token_ids:
             if chat:
-                logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs)}
+                logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs,
+                                                     self.req.return_tokens_as_token_ids)}
             else:
-                logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[choice.index])
+                logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[choice.index],
+                                               self.req.skip_special_tokens, self.req.return_tokens_as_token_ids)
         first = choice.index not in self._started
         self._started.add(choice.index)
+        self._sent[choice.index] = max(self._sent[choice.index], delta.num_output)
         offsets[choice.index] += len(delta.text)
         if chat:
             content: dict[str, Any] = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
@@ -340,7 +341,7 @@ class Generation:
         usage: dict[str, Any] = {}
         if include_usage:  # with continuous_usage_stats (vLLM), the usage so far in every chunk
             options = self.req.stream_options
-            usage["usage"] = self.usage() if options is not None and options.continuous_usage_stats else None
+            usage["usage"] = self.usage(self._sent) if options is not None and options.continuous_usage_stats else None
         return _sse({**head, "choices": [body], **usage})
 
 

@@ -38,6 +38,7 @@ def completion_logprobs(
     logprobs: Sequence[LogprobEntry],
     text_offset: int,
     skip_special_tokens: bool = True,
+    as_ids: bool = False,
 ) -> dict[str, list[Any]]:
     """The ``choices[i].logprobs`` object of ``/v1/completions``.
 
@@ -45,7 +46,8 @@ def completion_logprobs(
     ``skip_special_tokens``), counting from ``text_offset``; a token that ends inside a multi-byte
     character shares the offset of the character it belongs to. Token strings are decoded one by
     one with special tokens kept; ``top_logprobs[i]`` maps the ``k`` top token strings to their
-    logprobs (of two ids with the same string, the higher logprob is kept).
+    logprobs (of two ids with the same string, the higher logprob is kept). ``as_ids``: tokens written
+    ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``).
     """
     from epserve.router.detokenize import IncrementalDetokenizer
 
@@ -57,7 +59,7 @@ def completion_logprobs(
     for tid, entry in zip(token_ids, logprobs):
         offsets.append(text_offset + len(detok.text))
         detok.add([tid])
-        tokens.append(tokenizer.decode([tid], skip_special_tokens=False))
+        tokens.append(_token(tokenizer, tid, as_ids))
         lp, top = _unpack(entry)
         token_logprobs.append(_clamp(lp))
         if entry is None:
@@ -65,7 +67,7 @@ def completion_logprobs(
             continue
         tops: dict[str, float] = {}
         for top_id, top_lp in top:
-            s = tokenizer.decode([top_id], skip_special_tokens=False)
+            s = _token(tokenizer, top_id, as_ids)
             value = _clamp(top_lp)
             if s not in tops or value > tops[s]:
                 tops[s] = value
@@ -78,21 +80,26 @@ def completion_logprobs(
     }
 
 
-def _chat_token(tokenizer: _Tokenizer, token_id: int, logprob: float | None) -> dict[str, Any]:
-    s = tokenizer.decode([token_id], skip_special_tokens=False)
+def _token(tokenizer: _Tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, special tokens kept (``as_id``: ``token_id:<id>``)."""
+    return f"token_id:{token_id}" if as_id else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_token(tokenizer: _Tokenizer, token_id: int, logprob: float | None, as_id: bool = False) -> dict[str, Any]:
+    s = _token(tokenizer, token_id, as_id)
     return {"token": s, "logprob": _clamp(logprob), "bytes": list(s.encode("utf-8"))}
 
 
 def chat_logprobs(
-    tokenizer: _Tokenizer, token_ids: Sequence[int], logprobs: Sequence[LogprobEntry]
+    tokenizer: _Tokenizer, token_ids: Sequence[int], logprobs: Sequence[LogprobEntry], as_ids: bool = False
 ) -> list[dict[str, Any]]:
     """The ``choices[i].logprobs.content`` list of ``/v1/chat/completions``:
     ``[{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...]``."""
     out = []
     for tid, entry in zip(token_ids, logprobs):
         lp, top = _unpack(entry)
-        item = _chat_token(tokenizer, tid, lp)
-        item["top_logprobs"] = [_chat_token(tokenizer, t, t_lp) for t, t_lp in top]
+        item = _chat_token(tokenizer, tid, lp, as_ids)
+        item["top_logprobs"] = [_chat_token(tokenizer, t, t_lp, as_ids) for t, t_lp in top]
         out.append(item)
     return out
 

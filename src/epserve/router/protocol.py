@@ -187,10 +187,18 @@ class MessageToolCall(RequestModel):
 
 class ChatMessage(RequestModel):
     role: str
-    content: str | list[ContentPart] | None
-    name: str | None = None
+    content: str | list[ContentPart] | None  # an assistant's may be left out: null (OpenAI's, beside tool_calls)
+    name: str | None = None  # the participant's name: passed to the template, as vLLM does
     tool_calls: list[MessageToolCall] | None = None  # an assistant's (its content may then be null)
     tool_call_id: str | None = None  # a tool's answer to that call
+
+    @model_validator(mode="before")
+    @classmethod
+    def _assistant_content_optional(cls, data: Any) -> Any:
+        """An assistant message may leave ``content`` out (OpenAI's API: beside ``tool_calls``): null."""
+        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant":
+            data = {**data, "content": None}
+        return data
 
     @field_validator("content", mode="wrap")
     @classmethod
@@ -208,6 +216,8 @@ class ChatMessage(RequestModel):
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template reads it."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
@@ -237,18 +247,34 @@ class _SamplingFields(RequestModel):
     prompt_logprobs: int | None = None  # extension (vLLM)
     bad_words: list[str] | None = None  # extension (vLLM): words never completed
     ignore_eos: bool = False  # extension
-    include_stop_str_in_output: bool = False  # extension
-    skip_special_tokens: bool = True  # extension
+    include_stop_str_in_output: bool = False  # extension (vLLM): stop strings and stop tokens' text kept
+    skip_special_tokens: bool = True  # extension (vLLM)
+    spaces_between_special_tokens: bool = True  # extension (vLLM): no effect with a fast tokenizer (vLLM's too)
+    truncate_prompt_tokens: int | None = None  # extension (vLLM): the prompt's last k tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs' tokens as "token_id:<id>"
+    request_id: str | None = None  # extension (vLLM): the response's id (after "cmpl-" / "chatcmpl-")
     user: str | None = None
-    # Structured outputs (``checks.structured_output``): OpenAI's, and vLLM's older and newer forms.
+    # Structured outputs (``tools.structured_output``): OpenAI's, and vLLM's older and newer forms.
     response_format: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    # Defined by vLLM, not implemented: a value other than "off" is refused (``_check_unsupported``).
+    # Defined by vLLM, not implemented: a value other than "off" is refused (``checks.UNSUPPORTED``).
     allowed_token_ids: Any = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    structural_tag: Any = None
+    guided_decoding_backend: Any = None  # None, "auto" or "xgrammar" (the one here) are accepted
+    guided_whitespace_pattern: Any = None
+    priority: int = 0
+    logits_processors: Any = None
+    return_token_ids: bool = False
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
 
     @field_validator("stop", mode="wrap")
     @classmethod
@@ -264,7 +290,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None  # 0..20
     echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too)
     best_of: int | None = None  # only equal to n: the n choices are the n best of n
+    add_special_tokens: bool = True  # extension (vLLM): a text prompt starts with bos
     suffix: Any = None  # not supported
+    prompt_embeds: Any = None  # vLLM's, not supported
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -289,17 +317,28 @@ class ChatFields(RequestModel):
     continue_final_message: bool = False  # extension (vLLM): the last (assistant) message is left open
     chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM): more variables for the template
     chat_template: str | None = None  # vLLM's per-request template: refused (the server's applies)
+    tools: Any = None  # the functions, for templates that describe them (DeepSeek-V3.1's)
 
     def message_dicts(self) -> list[dict[str, Any]]:
-        """``[{"role", "content", ...}]`` for the tokenizer's chat template, text parts joined (an
-        assistant's ``tool_calls``, a tool's ``tool_call_id`` kept)."""
+        """``[{"role", "content", ...}]`` for the tokenizer's chat template, text parts joined (a
+        message's ``name``, an assistant's ``tool_calls``, a tool's ``tool_call_id`` kept)."""
         return [m.template_dict() for m in self.messages]
+
+    def template_variables(self) -> dict[str, Any]:
+        """The template's variables beyond the conversation: ``tools`` (and a chat request's
+        ``documents``) when given, under the request's ``chat_template_kwargs``."""
+        variables = {k: v for k in ("tools", "documents") if (v := getattr(self, k, None))}
+        return {**variables, **(self.chat_template_kwargs or {})}
 
     def template_options(self) -> dict[str, Any]:
         """Keywords of ``Tokenizer.encode_chat``: continuing the final message adds no generation prompt."""
-        return {"add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+        return {"add_generation_prompt": self.generation_prompt(),
                 "continue_final_message": self.continue_final_message,
-                "chat_template_kwargs": self.chat_template_kwargs}
+                "chat_template_kwargs": self.template_variables() or None}
+
+    def generation_prompt(self) -> bool:
+        """Whether the template adds the assistant's generation prompt (not when continuing its message)."""
+        return self.add_generation_prompt and not self.continue_final_message
 
 
 class ChatCompletionRequest(_SamplingFields, ChatFields):
@@ -307,9 +346,12 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):
     max_completion_tokens: int | None = None  # wins over max_tokens when both are given
     logprobs: bool = False
     top_logprobs: int | None = None  # 0..20, needs logprobs=true
-    # Defined by OpenAI, not implemented: a value other than "off" is refused (``_check_unsupported``).
-    tools: Any = None
-    tool_choice: Any = None
+    tool_choice: Any = None  # (``tools``: ChatFields)
+    add_special_tokens: bool = False  # extension (vLLM): the tokenizer's special tokens on top of the template's
+    echo: bool = False  # extension (vLLM): the final message's content first, when it is the assistant's
+    documents: Any = None  # extension (vLLM): a template variable (retrieval-augmented templates)
+    include_reasoning: bool = True  # extension (vLLM): with a reasoning parser, false drops reasoning_content
+    # Defined by OpenAI, not implemented: a value other than "off" is refused (``checks.UNSUPPORTED``).
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -319,12 +361,18 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     store: Any = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (``router/tools``)
     # Defined by OpenAI and accepted: they change nothing here (tags and hints for OpenAI's own service).
-    parallel_tool_calls: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    def echoed(self) -> str:
+        """What ``echo`` puts before the output: the final message's text, when the output continues that
+        role's turn (the assistant's, or any without a generation prompt), as vLLM's chat echo."""
+        last = self.messages[-1]
+        return (last.text() or "") if self.echo and (last.role == "assistant" or not self.generation_prompt()) else ""
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

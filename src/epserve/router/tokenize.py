@@ -2,7 +2,7 @@
 
 ``POST /tokenize`` takes a text (``TokenizeCompletionRequest``: ``prompt``, bos first unless
 ``add_special_tokens`` is false) or a conversation (``TokenizeChatRequest``: ``messages`` rendered by
-the chat template exactly as chat completions render them, with the same options) and answers
+the chat template exactly as chat completions render them, with the same options, ``tools`` too) and answers
 ``{"count", "max_model_len", "tokens"}`` (and ``"token_strs"`` with ``return_token_strs``).
 ``POST /detokenize`` takes ``tokens`` and answers ``{"prompt"}``, special tokens included.
 """
@@ -14,6 +14,7 @@ from typing import Any
 from epserve.router.checks import check_chat_fields
 from epserve.router.errors import bad_request
 from epserve.router.protocol import ChatFields, RequestModel
+from epserve.router.tools import check_tools
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -53,6 +54,7 @@ def check_tokenize_request(req: TokenizeRequest | DetokenizeRequest) -> None:
     """``check_request`` for ``/tokenize`` and ``/detokenize``: the conversation's checks, a prompt that
     is not empty (token ids are checked against the vocabulary by the endpoint)."""
     if isinstance(req, TokenizeChatRequest):
+        check_tools(req.tools, None)
         check_chat_fields(req)
     elif isinstance(req, TokenizeCompletionRequest) and not req.prompt:
         raise bad_request("prompt must not be empty", "prompt")

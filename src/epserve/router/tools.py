@@ -1,4 +1,6 @@
-"""Tools in chat completions: a request's ``tools`` and ``tool_choice`` checked, what the server does
+"""A request's output constraint: its own structured output (``structured_output``: OpenAI's
+``response_format``, vLLM's ``structured_outputs`` and ``guided_*``), or a forced tool call, resolved
+for chat in ``chat_constraint``; and tools in chat completions: ``tools`` and ``tool_choice`` checked, what the server does
 with them (``ToolMode``: the parser that reads calls out of the output, and for ``required`` or a named
 function the constraint that forces a well-formed call), as vLLM does with ``--tool-call-parser`` and
 ``--enable-auto-tool-choice``.
@@ -18,6 +20,8 @@ from typing import Any
 
 from epserve.messages.sampling import StructuredOutput
 from epserve.router.errors import bad_request
+from epserve.router.protocol import AnyRequest, ChatCompletionRequest
+from epserve.router.reasoning import THINK_END
 from epserve.router.tool_calls import TOOL_CALL_PARSERS
 
 
@@ -134,3 +138,79 @@ def after_reasoning(constraint: StructuredOutput, think_end: str) -> StructuredO
     thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": think_end}
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [thinking, answer]}}
     return StructuredOutput("structural_tag", json.dumps(tag))
+
+
+def structured_output(req: AnyRequest) -> StructuredOutput | None:
+    """The request's output constraint, from whichever of OpenAI's ``response_format`` and vLLM's
+    ``structured_outputs`` / ``guided_*`` fields it uses (at most one); None when unconstrained. Only
+    the form is checked here: whether a schema, regex or grammar compiles, the engine says (a 400)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutput("json_object")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  "response_format")
+            found.append(("response_format", StructuredOutput("json_schema", json.dumps(schema))))
+        elif kind != "text":
+            raise bad_request("response_format.type must be text, json_object or json_schema", "response_format")
+    vllm = {f"guided_{k}": getattr(req, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")}
+    if req.structured_outputs is not None:
+        if not isinstance(req.structured_outputs, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        for key, value in req.structured_outputs.items():
+            if key not in ("json", "regex", "choice", "grammar", "json_object"):
+                raise bad_request(f"structured_outputs.{key} is not supported (json, regex, choice, grammar, "
+                                  "json_object)", "structured_outputs")
+            if key == "json_object":
+                if value is True:
+                    found.append(("structured_outputs", StructuredOutput("json_object")))
+            elif value is not None:
+                vllm[f"structured_outputs.{key}"] = value
+    for name, value in vllm.items():
+        if value is None:
+            continue
+        kind = name.rpartition("_")[2].rpartition(".")[2]
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise bad_request(f"{name} is not valid JSON", name) from None
+            if not isinstance(value, dict):
+                raise bad_request(f"{name} must be a JSON schema object", name)
+            found.append((name, StructuredOutput("json_schema", json.dumps(value))))
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise bad_request(f"{name} must be a non-empty list of non-empty strings", name)
+            found.append((name, StructuredOutput("choice", json.dumps(value))))
+        else:
+            if not isinstance(value, str) or not value:
+                raise bad_request(f"{name} must be a non-empty string", name)
+            found.append((name, StructuredOutput(kind, value)))
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, not {' and '.join(n for n, _ in found)}", found[1][0])
+    return found[0][1] if found else None
+
+
+def chat_constraint(req: AnyRequest, tool_call_parser: str | None, auto_tools: bool,
+                    in_reasoning: bool) -> tuple[ToolMode, StructuredOutput | None]:
+    """What a request's tools make the server do (``tools.tool_mode``) and the constraint its output
+    follows: a forced tool call's or the request's own structured output (not both: a 400), applied
+    after the reasoning when the output starts inside it (``in_reasoning``)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return ToolMode(), structured_output(req)
+    mode = tool_mode(req.tools, req.tool_choice, tool_call_parser, auto_tools, req.parallel_tool_calls is not False)
+    constraint = structured_output(req)
+    if mode.constraint is not None and constraint is not None:
+        raise bad_request("a forced tool call (tool_choice required or a named function) is a constraint of its "
+                          "own: drop response_format or the structured-output fields", "tool_choice")
+    constraint = mode.constraint or constraint
+    if constraint is not None and in_reasoning:  # the answer is constrained, not the reasoning before it
+        constraint = after_reasoning(constraint, THINK_END)
+    return mode, constraint
