@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -202,3 +204,35 @@ def test_bad_alias_values_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:  # argparse's own one-line error
         main(["serve", "--memory-budget-gb", "8", "--gpu-memory-utilization", "0.5"])
     assert info.value.code == 2 and "not allowed with argument --memory-budget-gb" in capsys.readouterr().err
+
+
+def test_vllm_and_sglang_flags_without_an_equivalent(capsys):
+    """Flags vLLM and SGLang users pass that mean nothing here: a one-line error naming the flag, why, and
+    where the table is (not argparse's "unrecognized arguments"); the harmless ones are accepted."""
+    from epserve.cli import build_parser
+    from epserve.engine.args import FOREIGN_FLAGS, engine_options, foreign_flags
+
+    cases = [
+        (["serve", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: no equivalent in epserve: no pipeline"),
+        (["engine", "--pp-size", "4"], "give --dp and --tp"),
+        (["serve", "--dp", "2", "--ep-size", "4"], "--ep-size 4: no equivalent in epserve: expert parallelism always"),
+        (["serve", "--tokenizer", "/tok"], "the checkpoint's own tokenizer"),
+        (["generate", "--cuda-graph-sizes", "1", "2", "4"], "--cuda-graph-sizes 1 2 4: no equivalent"),
+        (["serve", "--chunked-prefill-size", "4096"], "--max-num-batched-tokens"),
+        (["serve", "--headless"], "--headless: no equivalent in epserve: a world over several hosts is --nnodes"),
+        (["serve", "--speculative-algorithm", "NEXTN"], "--speculative mtp"),
+    ]
+    for args, message in cases:  # in this process: refused before anything starts
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "docs/serving.md" in err, (args, err)
+        assert "unrecognized" not in err and "Traceback" not in err and err.count("\n") == 1, (args, err)
+    parse = build_parser().parse_args
+    args = parse(["serve", "--trust-remote-code", "--enable-ep-moe", "-pp", "1", "--dp", "2", "--ep-size", "2"])
+    assert foreign_flags(args) == ["--trust-remote-code changes nothing: epserve runs no code from the checkpoint",
+                                   "--enable-ep-moe changes nothing: the MoE layers always run expert-parallel over "
+                                   "all dp x tp ranks", "-pp 1 changes nothing", "--ep-size 2 changes nothing"]
+    assert engine_options(args) == engine_options(parse(["serve", "--dp", "2"]))
+    table = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    assert [name for names, *_ in FOREIGN_FLAGS for name in names
+            if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", table)] == []  # (the table names each)

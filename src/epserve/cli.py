@@ -9,7 +9,13 @@ import secrets
 import sys
 
 from epserve import env
-from epserve.engine.args import add_engine_args, apply_model_path, engine_config, engine_options
+from epserve.engine.args import (
+    add_engine_args,
+    apply_model_path,
+    engine_config,
+    engine_options,
+    foreign_flags,
+)
 from epserve.launcher.args import (
     add_disaggregation_args,
     add_engine_serving_args,
@@ -201,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         apply_model_path(args)
+        for note in foreign_flags(args):  # (the ones with no equivalent raise ValueError: one line)
+            logging.getLogger("epserve").warning("%s", note)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, OutOfMemoryError) as e:  # ConfigError, CheckpointError: ValueError
         print(f"epserve: error: {e}", file=sys.stderr)

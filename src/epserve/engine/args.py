@@ -111,6 +111,67 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                      "interface that routes to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win)")
     par.add_argument("--rendezvous-timeout", type=float, default=ParallelConfig.rendezvous_timeout_s,
                      help="seconds a rank waits for the rendezvous store at --master-addr to answer (default %(default)s)")
+    add_foreign_flags(p)
+
+
+_MULTI_HOST = "a world over several hosts is --nnodes, --node-rank, --master-addr, --master-port (docs/deployment.md)"
+# vLLM's and SGLang's flags with no equivalent here (docs/serving.md's table): (names, nargs, the value that
+# is harmless here, or "*" for any, or None for none; why). ``foreign_flags`` judges them after parsing.
+FOREIGN_FLAGS: list[tuple[tuple[str, ...], int | str | None, str | None, str]] = [
+    (("--trust-remote-code",), 0, "*", "changes nothing: epserve runs no code from the checkpoint"),
+    (("--enable-ep-moe",), 0, "*", "changes nothing: the MoE layers always run expert-parallel over all dp x tp ranks"),
+    (("--pipeline-parallel-size", "-pp", "--pp-size"), None, "1",
+     "no pipeline parallelism: every rank runs all the layers (attention split by --tp, the experts spread over "
+     "all dp x tp ranks); give --dp and --tp"),
+    (("--ep-size", "--expert-parallel-size"), None, None,
+     "expert parallelism always spans all dp x tp ranks: give --dp and --tp (EP = dp x tp)"),
+    (("--tokenizer", "--tokenizer-path"), None, None, "the checkpoint's own tokenizer files are read (put them "
+     "beside the weights)"),
+    (("--cuda-graph-sizes",), "+", None, "give the largest captured batch with --cuda-graph-max-bs"),
+    (("--chunked-prefill-size", "--max-prefill-tokens"), None, None,
+     "--max-num-batched-tokens bounds the tokens of one step (prefill chunks and decodes)"),
+    (("--page-size",), None, None, "--block-size is the tokens of one KV block"),
+    (("--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
+      "--speculative-num-draft-tokens"), None, None, "--speculative mtp --num-speculative-tokens K"),
+    (("--data-parallel-address", "--data-parallel-rpc-port", "--data-parallel-size-local",
+      "--data-parallel-start-rank", "--dist-init-addr"), None, None, _MULTI_HOST),
+    (("--headless",), 0, None, _MULTI_HOST),
+    (("--eplb-config", "--ep-num-redundant-experts", "--eplb-rebalance-num-iterations"), None, None,
+     "--enable-eplb with --num-redundant-experts, --eplb-window-size, --eplb-step-interval"),
+]
+_FOREIGN = {name: (harmless, why) for names, _, harmless, why in FOREIGN_FLAGS for name in names}
+
+
+class _ForeignFlag(argparse.Action):
+    """A vLLM or SGLang flag with no equivalent here: recorded, judged by ``foreign_flags``."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        value = (" ".join(values) or None) if isinstance(values, list) else values  # (nargs 0: None)
+        namespace.foreign_flags = [*(getattr(namespace, "foreign_flags", None) or ()), (option_string, value)]
+
+
+def add_foreign_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM's and SGLang's flags without an equivalent",
+                             "refused with the reason and what to use (docs/serving.md's table); --trust-remote-code, "
+                             "--enable-ep-moe, --pipeline-parallel-size 1 and --ep-size DPxTP change nothing: accepted")
+    for names, nargs, _, _ in FOREIGN_FLAGS:
+        g.add_argument(*names, nargs=nargs, action=_ForeignFlag, dest="foreign_flags", default=None,
+                       help=argparse.SUPPRESS)
+
+
+def foreign_flags(args: argparse.Namespace) -> list[str]:
+    """The notes for the harmless vLLM/SGLang flags given (``FOREIGN_FLAGS``); ValueError naming the first
+    that has no equivalent, why, and what to use."""
+    notes = []
+    for flag, value in getattr(args, "foreign_flags", None) or ():
+        harmless, why = _FOREIGN[flag]
+        if flag in ("--ep-size", "--expert-parallel-size"):
+            harmless = str(args.dp * args.tp)
+        given = f"{flag} {value}" if value is not None else flag
+        if harmless is None or (harmless != "*" and value != harmless):
+            raise ValueError(f"{given}: no equivalent in epserve: {why} (docs/serving.md: vLLM's and SGLang's flags)")
+        notes.append(f"{given} {why}" if why.startswith("changes nothing") else f"{given} changes nothing")
+    return notes
 
 
 def apply_model_path(args: argparse.Namespace) -> None:
