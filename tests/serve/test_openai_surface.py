@@ -3,7 +3,9 @@
 the offline engine does; ``echo`` with ``logprobs`` answers lm-evaluation-harness's loglikelihood request
 (checked against transformers); ``prompt_logprobs`` on both endpoints; ``max_tokens`` 0;
 ``continuous_usage_stats``; the checkpoint's ``generation_config.json`` as defaults; fields this server
-does not implement refused by name, unknown ones said once in the log."""
+does not implement refused by name, unknown ones said once in the log; structured outputs (vLLM's
+``guided_*`` too) and forced tool calls, streamed through the client's helper, in DeepSeek-V3.1's format
+(an in-process router over the same engine) and in a whole round trip."""
 
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import openai
 import pydantic
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from epserve import LLM, SamplingParams
 from epserve.parallel.launch import free_port
-from tests.serve_harness import Proc, wait_http_ok
+from epserve.router.server import RouterOptions, build_router
+from tests.serve_harness import Proc, wait_http_ok, wait_output
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +34,7 @@ ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "128", "--max-model-len", "
 PROMPT = [5, 17, 99, 230, 41, 41, 7]
 REPEATS = [5, 17, 99, 3, 3, 3, 8]  # its greedy continuation repeats a token from the seventh on
 STOPPER = 3  # the position, in PROMPT's greedy continuation, of the token the generation config makes an EOS
+TOKEN = "surface-engine-token"  # (known, so that an in-process router can reach the same engine instance)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +62,7 @@ def server(ckpt, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("surface") / "serve.log"
     proc = Proc(["serve", str(ckpt), "--dp", "1", "--port", str(port), "--served-model-name", MODEL, *ENGINE_ARGS,
-                 "--tool-call-parser", "deepseek_v3", "--enable-auto-tool-choice"], log)
+                 "--tool-call-parser", "deepseek_v3", "--enable-auto-tool-choice", "--engine-token", TOKEN], log)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/health", proc)
@@ -284,3 +289,88 @@ def test_forced_tool_calls_parse_and_follow_the_schema(server):
     for name, arguments in calls.values():
         schema = WEATHER if name == "get_weather" else TOOLS[1]["function"]["parameters"]
         jsonschema.validate(json.loads(arguments), schema)
+
+
+@pytest.fixture(scope="module")
+def v31(server, ckpt):
+    """An openai client of an in-process router parsing DeepSeek-V3.1's tool calls, over the engine instance
+    ``server`` runs (no second ``epserve serve``)."""
+    proc = server[0]
+    wait_output(proc, "(engines: ")
+    address = re.search(r"\(engines: (\S+)\)", proc.output())[1]
+    options = RouterOptions(model=str(ckpt), engines=(address,), served_model_name=MODEL, engine_token=TOKEN,
+                            tool_call_parser="deepseek_v31")
+    with TestClient(build_router(options).app) as http:
+        yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
+
+
+WEATHER_Q = [{"role": "user", "content": "Weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_a_named_call_streamed_through_the_client_helper(server):
+    """``chat.completions.stream`` (the client's own reassembly of the deltas; strict tools) ends with the call,
+    its arguments parsed and valid."""
+    jsonschema = pytest.importorskip("jsonschema")
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    with server[2].chat.completions.stream(model=MODEL, messages=WEATHER_Q, tools=strict, tool_choice=NAMED,
+                                           max_tokens=400, temperature=1.0, seed=0) as stream:
+        pieces = sum(1 for event in stream if event.type == "tool_calls.function.arguments.delta")
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather" and pieces > 1
+    jsonschema.validate(call.function.parsed_arguments, WEATHER)
+
+
+def test_a_forced_call_in_the_deepseek_v31_format(v31, offline):
+    jsonschema = pytest.importorskip("jsonschema")
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=named, max_tokens=300, temperature=1.0, seed=1)
+    choice = v31.chat.completions.create(**kw, logprobs=True, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "get_time"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
+    raw = offline.tokenizer.decode([int(t.token.removeprefix("token_id:")) for t in choice.logprobs.content])
+    assert f"<｜tool▁call▁begin｜>get_time<｜tool▁sep｜>{call.function.arguments}<｜tool▁call▁end｜>" in raw  # V3.1's
+    arguments = "".join(p.function.arguments or "" for c in v31.chat.completions.create(**kw, stream=True)
+                        for p in c.choices[0].delta.tool_calls or ())
+    assert arguments == call.function.arguments
+
+
+def test_a_tool_round_trip_through_the_engine(server):
+    """The response's message fed back as the client returned it, then the tool's answer, then the reply: the
+    prompt renders both (the same ids as /tokenize with the tools gives)."""
+    _, url, client = server
+    message = client.chat.completions.create(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=NAMED,
+                                             max_tokens=400, temperature=1.0, seed=0).choices[0].message
+    call = message.tool_calls[0]
+    messages = [*WEATHER_Q, message, {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=6, temperature=0)
+    assert answer.choices[0].message.role == "assistant" and answer.choices[0].finish_reason in ("stop", "length")
+    sent = [*WEATHER_Q, message.model_dump(exclude_unset=True), messages[-1]]
+    tokens = post(url, "/tokenize", {"model": MODEL, "messages": sent, "tools": TOOLS}).json()["tokens"]
+    assert len(tokens) == answer.usage.prompt_tokens
+    prompt = post(url, "/detokenize", {"tokens": tokens}).json()["prompt"]
+    assert call.function.arguments in prompt and '<｜tool▁output▁begin｜>{"temp": 21}<｜tool▁output▁end｜>' in prompt
+
+
+def test_guided_json_regex_and_grammar(server):
+    """vLLM's guided_* fields over raw HTTP, both endpoints: the output follows the constraint and ends."""
+    jsonschema = pytest.importorskip("jsonschema")
+    _, url, _ = server
+    schema = {"type": "object", "properties": {"id": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
+              "required": ["id", "ok"], "additionalProperties": False}
+    def valid(text: str) -> bool:
+        return jsonschema.validate(json.loads(text), schema) is None  # (raises when it is not)
+
+    cases = [({"guided_json": schema}, valid), ({"guided_json": json.dumps(schema)}, valid),
+             ({"guided_regex": "[a-c]{2,4}-[0-9]{2}"}, lambda text: re.fullmatch("[a-c]{2,4}-[0-9]{2}", text)),
+             ({"guided_grammar": 'root ::= ("yes" | "no") " " [0-9]'}, lambda text: re.fullmatch("(yes|no) [0-9]", text))]
+    for i, (field, check) in enumerate(cases):
+        chat = i % 2 == 1
+        body = {"model": MODEL, "max_tokens": 60, "temperature": 1.0, "seed": i, **field,
+                **({"messages": [{"role": "user", "content": "Answer"}]} if chat else {"prompt": "Answer:"})}
+        r = post(url, "/v1/chat/completions" if chat else "/v1/completions", body)
+        choice = r.json()["choices"][0]
+        assert r.status_code == 200 and choice["finish_reason"] == "stop", (field, r.text)
+        assert check(choice["message"]["content"] if chat else choice["text"]), (field, choice)
