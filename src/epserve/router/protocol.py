@@ -64,6 +64,8 @@ _SCHEMA_BOUNDS: dict[str, dict[str, Any]] = {
     "min_tokens": {"minimum": 0, "maximum": UINT32_MAX},
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "bad_words": {"maxItems": 256, "items": {"maxLength": 256, "pattern": "\\S"}},
+    "truncate_prompt_tokens": {"minimum": -1, "maximum": UINT32_MAX, "not": {"const": 0}},
+    "request_id": {"minLength": 1, "maxLength": 256},
     "max_tokens": _COUNT,
     "max_completion_tokens": _COUNT,
     "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
