@@ -131,8 +131,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         checked = {"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
         if calls:
             checked["tool_calls"] = calls
-        if m.get("tool_call_id") is not None:
-            checked["tool_call_id"] = m["tool_call_id"]
+        for key in ("tool_call_id", "name"):  # (name: vLLM hands it to the template too)
+            if m.get(key) is not None:
+                checked[key] = m[key]
         out.append(checked)
     return out
 

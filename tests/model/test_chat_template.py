@@ -84,6 +84,13 @@ def test_developer_is_system_and_kwargs_are_template_variables(base_dir):
         tok.apply_chat_template(messages, chat_template_kwargs={"messages": []})
 
 
+def test_a_messages_name_reaches_the_template(base_dir):
+    tok = Tokenizer.from_dir(base_dir, chat_template="{% for m in messages %}{{ m.get('name', '-') }}:"
+                             "{{ m['content'] }};{% endfor %}")
+    assert tok.apply_chat_template([{"role": "user", "content": "q", "name": "ann"},
+                                    {"role": "user", "content": "r"}]) == "ann:q;-:r;"
+
+
 def test_continue_final_message_leaves_the_assistant_turn_open(base_dir):
     tok = Tokenizer.from_dir(base_dir)  # the built-in template ends an assistant turn with eos
     hf = transformers.AutoTokenizer.from_pretrained(base_dir)

@@ -166,9 +166,8 @@ def build_on_meta(
     for name, module, attr, t in _named_tensors(model):
         if t.dtype == torch.float32 and not name.endswith(keep):
             _set(module, attr, _empty(t, "meta", dtype))
-    for module in model.modules():  # what FP8 experts return for an FP8 payload (its rows no longer say)
-        if isinstance(module, GroupedExperts):
-            module.act_dtype = dtype
+    for experts in (m for m in model.modules() if isinstance(m, GroupedExperts)):
+        experts.act_dtype = dtype  # what FP8 experts return for an FP8 payload (its rows no longer say)
     return model.requires_grad_(False)
 
 
