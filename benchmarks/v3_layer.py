@@ -1,0 +1,436 @@
+"""DeepSeek-V3's layers at their real size on one GPU: decode step time per layer, eager and captured.
+
+The model is DeepSeek-V3 cut to two layers, the first dense and the second MoE, at the published
+dimensions (hidden 7168, 128 heads, q_lora_rank 1536, kv_lora_rank 512, rope 64, nope 128, v 128, dense
+intermediate 18432, moe_intermediate 2048, one shared expert, top-8 routing with n_group 8 / topk_group
+4), random FP8 weights (e4m3, 128x128 block scales, as published) and a small vocabulary (the head is
+not what is timed). The MoE layer holds ONE EP8 expert shard: 32 routed experts, the 32 of 256 that one
+rank of eight holds. With a local batch of B tokens each choosing 8 of these 32 experts, the layer's
+experts receive B x 8 rows, as an EP8 rank does on average (there, 8B tokens over eight ranks each send
+8 copies, 64B rows over 8 ranks); the dispatch between ranks (the all-to-all over NVLink) is not in these
+figures, and the gate scores 32 experts, not 256 (n_group 8 then means 4 experts a group). Attention
+runs all 128 heads, as it does per rank with data-parallel attention (EP8 x DP8).
+
+The checkpoint is written by epserve's own writer (``presets.make_checkpoint``: ``build_config``,
+``random_weights`` with a logit margin so greedy tokens are well separated, ``save_checkpoint``) once
+into ``--checkpoint`` and loaded by ``LLM``. For each variant (``fp8``: FP8 weights, bf16 KV cache;
+``bf16``: the weights dequantized at load; ``fp8-kv``: FP8 weights and an FP8 cache) two engines run:
+eager, and captured (CUDA graphs on a GPU, captured at start-up; ``torch.compile`` on the CPU). Both
+decode the same prompts greedily (the tokens must be equal), then a steady decode batch of B sequences
+of ``--prompt-len`` tokens is timed at each ``--batches`` size, alternating the engines: ``step_ms``
+(``engine.step()``: forward, sampling, scheduler, what a request waits for) and ``forward_ms`` (the
+forward alone, CUDA events around it). The eager engine then runs one more round with CUDA events at
+each layer's start, its FFN's start and its end: the dense and the MoE layer's attention and FFN time.
+Graph memory and capture time come from the engine's start-up log, KV bytes from ``llm.cache_info()``.
+
+    python3 benchmarks/v3_layer.py --device cuda --json v3_layer.json        # ~2.2 GB of FP8 weights
+    .venv/bin/python benchmarks/v3_layer.py --size tiny --batches 1 2        # the same, tiny, on the CPU
+
+Exit status 1 when a variant's captured tokens differ from its eager tokens (the JSON is written first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import gc
+import json
+import logging
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import start_decode_batch
+
+from epserve import LLM, SamplingParams
+from epserve.env import cache_dir
+from epserve.parallel.stages import FFN_ALL_GATHER, INPUT_NORM, POST_NORM
+from epserve.presets import make_checkpoint
+
+_YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+         "original_max_position_embeddings": 4096, "type": "yarn"}  # DeepSeek-V3's config.json
+SIZES: dict[str, dict[str, Any]] = {
+    "v3": {"hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536,
+           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+           "intermediate_size": 18432, "moe_intermediate_size": 2048, "vocab_size": 4096,
+           "max_position_embeddings": 163840, "rope_scaling": _YARN},
+    # the same structure with small widths (every FP8-fused dimension a multiple of 128; MLA's 512 + 64 kept)
+    "tiny": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128,
+             "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+             "intermediate_size": 256, "moe_intermediate_size": 128, "vocab_size": 1024,
+             "max_position_embeddings": 8192, "rope_scaling": _YARN},
+}
+SHARD = {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 32, "num_experts_per_tok": 8,
+         "n_group": 8, "topk_group": 4, "n_shared_experts": 1, "num_nextn_predict_layers": 0}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp8": {"quantization": "fp8"},
+    "bf16": {"quantization": None},
+    "fp8-kv": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+}
+LOGIT_MARGIN = 4.0
+SEED = 0
+TOKEN_PROMPT_LENS = (5, 17, 40, 64)  # the tokens check: a few prompts of different lengths
+_GRAPHS_LINE = re.compile(r"captured (\d+) decode graphs .* in ([\d.]+) s: ([\d.]+) MiB of device memory")
+
+
+def overrides(size: str) -> dict[str, Any]:
+    return {**SIZES[size], **SHARD}
+
+
+def build_checkpoint(path: Path, size: str) -> tuple[Path, float]:
+    """The checkpoint for ``size`` in ``path`` (kept when its config matches), and the seconds spent
+    building it (0 when kept). Built in a temporary folder beside it and renamed into place."""
+    want = overrides(size)
+    config = path / "config.json"
+    if config.exists():
+        have = json.loads(config.read_text())
+        if all(have.get(k) == v for k, v in want.items()) and "quantization_config" in have:
+            return path, 0.0
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(path.parent / f".{path.name}.lock", "w") as lock:  # another process building it: wait, then keep
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "config.json").exists():  # built meanwhile (the same size: the same name)
+            return path, 0.0
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+        try:
+            make_checkpoint(tmp, preset="tiny", fp8=True, seed=SEED, overrides=want, dtype="bfloat16",
+                            logit_margin=LOGIT_MARGIN)
+            os.rename(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path, time.perf_counter() - start
+
+
+class LogLines(logging.Handler):
+    """The engine's INFO lines (the graph capture, the KV pool, the kernel backends) as they are logged."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def take(self) -> list[str]:
+        lines, self.lines = self.lines, []
+        return lines
+
+
+class Clock:
+    """Stamps in stream order: CUDA events on a GPU (no sync until read), perf_counter on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def stamp(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+class ForwardTimer:
+    """Stamps around ``runner.forward`` (the forward alone: replaying a graph or running eagerly)."""
+
+    def __init__(self, runner: Any, clock: Clock) -> None:
+        self.clock, self.spans = clock, []
+        forward = runner.forward
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = clock.stamp()
+            out = forward(*args, **kwargs)
+            self.spans.append((start, clock.stamp()))
+            return out
+
+        runner.forward = timed
+
+    def take(self) -> list[float]:
+        spans, self.spans = self.spans, []
+        return [self.clock.seconds(a, b) for a, b in spans]
+
+
+class LayerTimer:
+    """Stamps at each decoder layer's first op, its FFN's first op (post-attention norm) and after its last
+    op, through the layers' op hooks (eager steps only: a captured replay runs no Python)."""
+
+    MARKS = {INPUT_NORM.name: "start", POST_NORM.name: "ffn"}
+
+    def __init__(self, model: Any, clock: Clock) -> None:
+        self.model, self.clock = model, clock
+        self.marks: list[tuple[int, str, Any]] = []
+
+    def _hook(self, layer: int) -> Callable[..., Any]:
+        def hook(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+            if name in self.MARKS:
+                self.marks.append((layer, self.MARKS[name], self.clock.stamp()))
+            out = fn(*args)
+            if name == FFN_ALL_GATHER.name:
+                self.marks.append((layer, "end", self.clock.stamp()))
+            return out
+        return hook
+
+    def enable(self, on: bool) -> None:
+        for layer in self.model.layers:
+            layer.op_hook = self._hook(layer.layer_idx) if on else None
+
+    def take(self) -> dict[int, dict[str, list[float]]]:
+        """Per layer: the attention (start to FFN) and FFN (FFN to end) seconds of each forward."""
+        out: dict[int, dict[str, list[float]]] = {}
+        open_: dict[int, dict[str, Any]] = {}
+        for layer, mark, stamp in self.marks:
+            open_.setdefault(layer, {})[mark] = stamp
+            if mark == "end" and {"start", "ffn"} <= open_[layer].keys():
+                m = open_.pop(layer)
+                rec = out.setdefault(layer, {"attention": [], "ffn": [], "layer": []})
+                rec["attention"].append(self.clock.seconds(m["start"], m["ffn"]))
+                rec["ffn"].append(self.clock.seconds(m["ffn"], stamp))
+                rec["layer"].append(self.clock.seconds(m["start"], stamp))
+        self.marks = []
+        return out
+
+
+def median_ms(values: list[float]) -> float | None:
+    return 1e3 * statistics.median(values) if values else None
+
+
+def timed_steps(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int, fwd: ForwardTimer,
+                clock: Clock, layers: LayerTimer | None = None) -> tuple[list[float], list[float]]:
+    """``steps`` pure decode steps of ``batch`` sequences: each step's wall time and its forward's time
+    (``layers``: stamped at the layers' ops during those steps only)."""
+    engine = llm.engine
+    start_decode_batch(engine, batch, prompt_len, steps, seed, tag=f"b{batch}s{seed}")
+    fwd.take()
+    walls = []
+    if layers is not None:
+        layers.enable(True)
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            if clock.cuda:
+                torch.cuda.synchronize()
+            walls.append(time.perf_counter() - start)
+    finally:
+        if layers is not None:
+            layers.enable(False)
+    forwards = fwd.take()
+    while engine.has_unfinished_requests():
+        engine.step()
+    fwd.take()
+    return walls, forwards
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> dict[str, int] | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        for j, (s, t) in enumerate(zip(x, y)):
+            if s != t:
+                return {"prompt": i, "position": j, "eager": s, "captured": t}
+        if len(x) != len(y):
+            return {"prompt": i, "position": min(len(x), len(y)), "eager": -1, "captured": -1}
+    return None
+
+
+def engine_options(args: argparse.Namespace, variant: str, mode: str, max_batch: int) -> dict[str, Any]:
+    cuda = args.device.startswith("cuda")
+    max_len = max(args.prompt_len, max(TOKEN_PROMPT_LENS)) + max(args.steps, args.tokens) + 16
+    per_seq = -(-max_len // args.block_size)
+    options: dict[str, Any] = dict(
+        dtype="bfloat16", device=args.device, block_size=args.block_size, enable_prefix_caching=False,
+        num_blocks=max(max_batch, len(TOKEN_PROMPT_LENS)) * per_seq + 8, max_num_seqs=max_batch,
+        max_model_len=max_len, **VARIANTS[variant])
+    if mode == "captured":
+        options |= {"cuda_graph": True, "cuda_graph_max_bs": max_batch} if cuda else {"compile": True,
+                                                                                       "cuda_graph_max_bs": max_batch}
+    elif cuda:
+        options["cuda_graph"] = False
+    return options
+
+
+def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLines) -> dict[str, Any]:
+    cuda = args.device.startswith("cuda")
+    clock = Clock(cuda)
+    max_batch = max(args.batches)
+    out: dict[str, Any] = {"variant": variant, "options": {k: v for k, v in VARIANTS[variant].items()}, "modes": {}}
+    engines: dict[str, LLM] = {}
+    timers: dict[str, ForwardTimer] = {}
+    for mode in args.modes:
+        log.take()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        llm = LLM(path, **engine_options(args, variant, mode, max_batch))
+        info: dict[str, Any] = {"start_s": time.perf_counter() - start, **llm.cache_info()}
+        info["kv_bytes"] = int(info["num_blocks"]) * int(info["block_size"]) * int(info["bytes_per_token"])
+        info["weight_bytes"] = llm.engine.runner.weight_bytes
+        if cuda:
+            info["allocated_bytes"] = torch.cuda.memory_allocated() - before
+            info["peak_allocated_bytes"] = torch.cuda.max_memory_allocated() - before
+        lines = log.take()
+        info["log"] = [line for line in lines if line.startswith(("kernels:", "KV cache:", "captured ", "decode steps:"))]
+        for line in lines:
+            m = _GRAPHS_LINE.search(line)
+            if m:
+                info |= {"graphs": int(m[1]), "capture_s": float(m[2]), "graph_memory_MiB": float(m[3])}
+        engines[mode], timers[mode] = llm, ForwardTimer(llm.engine.runner, clock)
+        out["modes"][mode] = info
+        print(f"[{variant}] {mode}: started in {info['start_s']:.1f} s; {info['log']}", flush=True)
+    # greedy tokens, eager against captured
+    g = torch.Generator().manual_seed(1)
+    vocab = engines[args.modes[0]].config.model.vocab_size
+    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in TOKEN_PROMPT_LENS]
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    tokens = {mode: [o.token_ids for o in llm.generate(prompts, params)] for mode, llm in engines.items()}
+    if len(tokens) == 2:
+        diff = first_difference(tokens["eager"], tokens["captured"])
+        out["tokens_equal"], out["first_difference"] = diff is None, diff
+        print(f"[{variant}] greedy tokens, {len(prompts)} prompts x {args.tokens}: captured "
+              f"{'= eager' if diff is None else f'DIFFER from eager at {diff}'}", flush=True)
+    if args.no_timing:
+        return out
+    rows = []
+    for batch in args.batches:
+        row: dict[str, Any] = {"batch": batch}
+        for mode, llm in engines.items():  # warm-up (a bucket's first use; compiles on the CPU)
+            timed_steps(llm, batch, args.prompt_len, 2, 7, timers[mode], clock)
+            row[mode] = {"step_ms_rounds": [], "forward_ms_rounds": []}
+        for r in range(args.rounds):  # alternating, so drift hits both alike
+            for mode, llm in engines.items():
+                walls, forwards = timed_steps(llm, batch, args.prompt_len, args.steps, 100 * r + batch, timers[mode],
+                                              clock)
+                row[mode]["step_ms_rounds"].append(median_ms(walls))
+                row[mode]["forward_ms_rounds"].append(median_ms(forwards))
+        for mode in engines:
+            rec = row[mode]
+            rec["step_ms"] = statistics.median(rec["step_ms_rounds"])
+            rec["forward_ms"] = statistics.median(rec["forward_ms_rounds"])
+            rec["forward_ms_per_layer"] = rec["forward_ms"] / SHARD["num_hidden_layers"]
+        if "eager" in engines:
+            model = engines["eager"].engine.runner.model
+            layers = LayerTimer(model, clock)
+            timed_steps(engines["eager"], batch, args.prompt_len, args.steps, 999, timers["eager"], clock, layers)
+            spans = layers.take()
+            row["eager"]["layers"] = {
+                ("moe" if model.layers[i].is_moe else "dense"): {k: median_ms(v) for k, v in rec.items()}
+                for i, rec in sorted(spans.items())}
+        if "captured" in row and "eager" in row and row["captured"]["forward_ms"]:
+            row["captured"]["speedup_vs_eager"] = row["eager"]["step_ms"] / row["captured"]["step_ms"]
+        rows.append(row)
+        print(f"[{variant}] batch {batch}: " + "; ".join(
+            f"{mode} step {row[mode]['step_ms']:.2f} ms, forward {row[mode]['forward_ms']:.2f} ms"
+            for mode in engines) + (f"; eager layers {row['eager'].get('layers')}" if "eager" in row else ""),
+            flush=True)
+    out["rows"] = rows
+    return out
+
+
+def key_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures a summary shows: per variant, tokens equal, graph memory, KV bytes per token, and per
+    batch the step and per-layer forward times; and an estimate of DeepSeek-V3's whole decode forward
+    (3 dense + 58 MoE layers, the embedding and head left out): the captured two-layer forward scaled by
+    the dense and MoE layers' shares of the eager forward."""
+    figures: dict[str, Any] = {}
+    for v in result["variants"]:
+        f: dict[str, Any] = {"tokens_equal": v.get("tokens_equal")}
+        cap = v["modes"].get("captured", {})
+        f |= {k: cap[k] for k in ("graphs", "capture_s", "graph_memory_MiB") if k in cap}
+        first = next(iter(v["modes"].values()))
+        f |= {"kv_bytes_per_token": first.get("bytes_per_token"), "kv_bytes": first.get("kv_bytes"),
+              "weight_bytes": first.get("weight_bytes")}
+        for row in v.get("rows", []):
+            for mode in ("eager", "captured"):
+                if mode in row:
+                    f[f"b{row['batch']} {mode} step_ms"] = round(row[mode]["step_ms"], 3)
+                    f[f"b{row['batch']} {mode} forward_ms_per_layer"] = round(row[mode]["forward_ms_per_layer"], 3)
+            layers = row.get("eager", {}).get("layers", {})
+            for kind, rec in layers.items():
+                f[f"b{row['batch']} eager {kind} layer_ms"] = rec["layer"] and round(rec["layer"], 3)
+            if "captured" in row and layers.get("dense", {}).get("layer") and layers.get("moe", {}).get("layer"):
+                dense, moe = layers["dense"]["layer"], layers["moe"]["layer"]
+                f[f"b{row['batch']} captured 61-layer forward estimate_ms"] = round(
+                    row["captured"]["forward_ms"] * (3 * dense + 58 * moe) / (dense + moe), 2)
+        figures[v["variant"]] = f
+    return figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", choices=sorted(SIZES), default="v3", help="v3: DeepSeek-V3's widths; tiny: seconds on a CPU")
+    ap.add_argument("--tiny", action="store_const", const="tiny", dest="size", help="the same as --size tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fp8"])
+    ap.add_argument("--modes", nargs="+", choices=["eager", "captured"], default=["eager", "captured"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=None, help="context of the timed batch (default 1024; tiny 32)")
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps per round (default 12; tiny 3)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=12, help="greedy tokens per prompt in the eager = captured check")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--no-timing", action="store_true", help="only the eager = captured tokens check")
+    ap.add_argument("--build-only", action="store_true", help="build the checkpoint (or keep it) and exit")
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="where the checkpoint is built once (default $EPSERVE_CACHE_DIR/v3-layer-<size>)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    tiny = args.size == "tiny"
+    args.prompt_len = args.prompt_len or (32 if tiny else 1024)
+    args.steps = args.steps or (3 if tiny else 12)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("v3_layer.py --device cuda: no CUDA device here (torch.cuda.is_available() is False); "
+                 "use --device cpu --size tiny")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log = LogLines()
+    epserve_log = logging.getLogger("epserve")
+    epserve_log.setLevel(logging.INFO)
+    epserve_log.addHandler(log)
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    path = args.checkpoint or cache_dir() / f"v3-layer-{args.size}"
+    path, build_s = build_checkpoint(path, args.size)
+    built = f"built in {build_s:.1f} s" if build_s else "kept"
+    if args.build_only:
+        print(f"checkpoint {path} ({built})")
+        return
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else (
+        platform.processor() or platform.machine())
+    result: dict[str, Any] = {
+        "machine": f"{device_name}, torch {torch.__version__}, device {args.device}",
+        "size": args.size, "config": overrides(args.size), "checkpoint": str(path), "checkpoint_build_s": build_s,
+        "batches": args.batches, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
+        "variants": []}
+    print(f"checkpoint {path} ({built}); {result['machine']}", flush=True)
+    for variant in args.variants:
+        result["variants"].append(run_variant(args, path, variant, log))
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    result["key_figures"] = key_figures(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2, default=str))
+        print(f"wrote {args.json}")
+    if any(v.get("tokens_equal") is False for v in result["variants"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
