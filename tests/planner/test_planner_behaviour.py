@@ -78,9 +78,19 @@ def test_single_node_wins_at_batch_one_without_mtp() -> None:
     assert single.output_tokens_per_s_per_request > wide.output_tokens_per_s_per_request
 
 
-def test_single_node_edges_ahead_at_large_batch(h200_rows: list[SweepRow]) -> None:
-    # at low speed targets (large batches) the NVLink-only node beats 16 nodes on InfiniBand
-    assert _node_throughput(h200_rows, 20, 8) > _node_throughput(h200_rows, 20, 128)
+def test_single_node_closes_the_gap_at_large_batch(h200_rows: list[SweepRow]) -> None:
+    # At low speed targets (large batches) the NVLink-only node comes close to 16 nodes on InfiniBand:
+    # its expert reads are shared by more tokens while the InfiniBand traffic grows with them, until the
+    # node's KV memory stops it. (It no longer beats them: priced at DeepEP's measured low-latency costs,
+    # InfiniBand at 128 tokens per GPU costs 20-40% less than the constant it was priced at before.)
+    def lead(speed: float) -> float:
+        return _node_throughput(h200_rows, speed, 128) / _node_throughput(h200_rows, speed, 8)
+
+    assert 1 < lead(20) < 0.5 * lead(45)
+    node = best_plan(h200_rows, 20, 8)
+    assert node is not None
+    assert not any(r.plan.fits and r.plan.deployment.ep == 8 and r.plan.deployment.tp == node.deployment.tp
+                   and r.plan.deployment.batch > node.deployment.batch for r in h200_rows)
 
 
 def test_memory_caps_the_single_node_batch(h200_rows: list[SweepRow]) -> None:

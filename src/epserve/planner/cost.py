@@ -31,14 +31,15 @@ class Work:
 class Kernel:
     """One kernel launch: its work, the class of kernel (for the achievable fraction), the dtype
     its tensor cores run in (for the peak) and, for GEMMs, the rows each weight is applied to
-    (``m``; tokens per expert for a grouped GEMM; 0 = not a weight-streaming kernel) and the bytes of
-    one weight matrix (one expert's, for a grouped GEMM)."""
+    (``m``; tokens per expert for a grouped GEMM; 0 = not a weight-streaming kernel), the bytes of
+    one weight matrix (one expert's, for a grouped GEMM) and its depth (``k``)."""
 
-    kernel_class: str  # gemm | group_gemm | attention | other
+    kernel_class: str  # gemm | group_gemm | attention | attention_prefill | other
     work: Work
     dtype: str = "bf16"
     rows: float = 0.0
     matrix_bytes: float = 0.0
+    depth: float = 0.0  # K of a GEMM (0: not a GEMM)
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,13 @@ def activated_experts(slots_per_gpu: int, num_slots: int, top_k: int, global_tok
 
 
 def kernel_time(hw: HardwareSpec, kernel: Kernel) -> KernelTime:
-    eff = hw.eff(kernel.kernel_class)
-    compute = kernel.work.flops / (hw.flops_for(kernel.dtype) * eff.compute) * 1e6
+    """``floor + max(compute, memory)``; the fractions by the kernel's rows where the hardware has
+    efficiency curves (``HardwareSpec.compute_fraction``, ``memory_fraction``)."""
+    compute_fraction = hw.compute_fraction(kernel.kernel_class, kernel.rows, kernel.depth)
+    compute = kernel.work.flops / (hw.flops_for(kernel.dtype) * compute_fraction) * 1e6
     fraction = hw.memory_fraction(kernel.kernel_class, kernel.rows, kernel.matrix_bytes)
     memory = kernel.work.bytes / (hw.memory_bandwidth * fraction) * 1e6
-    return KernelTime(compute, memory, hw.kernel_latency_us)
+    return KernelTime(compute, memory, hw.floor_us(kernel.kernel_class))
 
 
 @dataclass(frozen=True)
@@ -105,14 +108,18 @@ class Transfer:
 
 def all_to_all(
     hw: HardwareSpec, ep: int, gpus_per_node: int, tokens: float, top_k: int, bytes_per_copy: float,
-    dedup_nodes: bool = False,
+    dedup_nodes: bool = False, direction: str = "dispatch",
 ) -> Transfer:
     """One GPU sends each of ``tokens`` tokens to the ranks of its ``top_k`` experts (uniform over
     the ``ep`` ranks; copies for its own rank stay local). Without dedup (decode's low-latency
     kernels) every (token, expert) copy travels: ``(G-1)/EP`` of them over NVLink, ``(EP-G)/EP``
     over InfiniBand. With ``dedup_nodes`` (prefill's high-throughput kernels) a token crosses
     InfiniBand once per remote node, ``(N-1)(1 - (1 - 1/N)^k)`` times for ``N`` nodes, and is
-    forwarded over NVLink inside the node. Both links run at once."""
+    forwarded over NVLink inside the node. Both links run at once.
+
+    Decode (no dedup) on hardware with ``all_to_all_fits`` for ``direction`` (``dispatch`` or
+    ``combine``): each link's wire time at its fitted efficiency, and the arrival no earlier than
+    ``max(floor(EP), intercept + wire)`` of the link the transfer crosses (InfiniBand when EP spans nodes)."""
     if ep <= 1:
         return Transfer()
     local = min(gpus_per_node, ep)
@@ -123,9 +130,19 @@ def all_to_all(
         nodes = ep / local
         ib_copies = tokens * (nodes - 1) * (1 - (1 - 1 / nodes) ** top_k)
         nvlink_copies = copies * (local - 1) / local
+    link = "ib" if ep > local else "nvlink"
+    fits = hw.all_to_all_fits
+    if not dedup_nodes and f"{link}_{direction}" in fits:
+        nv_fit, ib_fit = fits.get(f"nvlink_{direction}"), fits.get(f"ib_{direction}")
+        nv_eff = nv_fit.efficiency if nv_fit else hw.nvlink_efficiency
+        ib_eff = ib_fit.efficiency if ib_fit else hw.ib_efficiency
+        wire = max(nvlink_copies * bytes_per_copy / (hw.nvlink_bandwidth * nv_eff),
+                   ib_copies * bytes_per_copy / (hw.ib_bandwidth * ib_eff)) * 1e6
+        fit = fits[f"{link}_{direction}"]
+        return Transfer(max(fit.floor_us(ep) - wire, fit.intercept_us), wire)
     nvlink = nvlink_copies * bytes_per_copy / (hw.nvlink_bandwidth * hw.nvlink_efficiency)
     ib = ib_copies * bytes_per_copy / (hw.ib_bandwidth * hw.ib_efficiency)
-    latency = hw.ib_latency_us if ep > local else hw.nvlink_latency_us
+    latency = hw.ib_latency_us if link == "ib" else hw.nvlink_latency_us
     return Transfer(latency, max(nvlink, ib) * 1e6)
 
 

@@ -28,6 +28,11 @@ Three more properties describe how a runtime, not just the silicon, spends time:
   counts on the device inside that latency, and a GPU server overlaps the step's metadata exchange
   with the previous step's kernels. ``epserve plan calibrate`` sets both to the collective latency it
   measures between rank processes.
+- ``efficiency_curves`` / ``kernel_floors`` / ``all_to_all_fits``: the built-in entries' achieved
+  fractions by shape (per class, by the rows a GEMM applies each weight to), kernel floors per class
+  and decode all-to-all latency and bandwidth per link and direction, computed from public kernel
+  tables (``kernel_tables``, ``kernel_fits``); every point carries its source. A calibrated file
+  replaces them with what it measures.
 - ``stream_efficiency``: the share of the calibrated weight-streaming rate (the memory fraction of
   the ``gemm`` and ``group_gemm`` classes, curve or constant) that those kernels reach inside a real
   decode step, where they run at the engine's own shapes (a few experts picked out of many, matrices
@@ -47,9 +52,29 @@ from pathlib import Path
 from typing import Any
 
 from epserve.planner.errors import PlanError
+from epserve.planner.kernel_fits import (
+    AllToAllFit,
+    CurvePoint,
+    KernelFloor,
+    blackwell_nvlink,
+    curve_fraction,
+    fit_gemm,
+    hopper_curves,
+    hopper_floors,
+    hopper_links,
+)
+from epserve.planner.kernel_tables import (
+    DEEPEP_LL,
+    FLASHMLA,
+    FLASHMLA_DENSE_GBS,
+    FLASHMLA_DENSE_TFLOPS,
+    FLASHMLA_SPARSE,
+    FLASHMLA_SPARSE_TFLOPS,
+)
 
 GiB = 1 << 30
-KERNEL_CLASSES = ("gemm", "group_gemm", "attention", "other")
+KERNEL_CLASSES = ("gemm", "group_gemm", "attention", "attention_prefill", "other")
+CLASS_FALLBACK = {"attention_prefill": "attention"}  # a class a file lacks is priced as this one
 STREAM_CLASSES = ("gemm", "group_gemm")  # the weight-streaming classes ``stream_efficiency`` scales
 DEFAULT_LOCAL_FILE = Path.home() / ".cache" / "epserve" / "hardware-local.json"
 
@@ -104,6 +129,15 @@ class HardwareSpec:
     points: tuple[MeasuredPoint, ...] = ()
     # The MTP draft acceptance rate this engine measured (``calibrate --mtp-model``): the planner's default.
     mtp_accept: float | None = None
+    # Achieved fractions by shape from public kernel tables, per class ((rows, compute, memory, source), ...):
+    # they take precedence over ``efficiency`` (a calibrated ``memory_by_rows`` over both, for memory).
+    efficiency_curves: dict[str, tuple[CurvePoint, ...]] = field(default_factory=dict)
+    kernel_floors: dict[str, KernelFloor] = field(default_factory=dict)  # by class; absent: kernel_latency_us
+    # A GEMM of depth K reaches K / (K + gemm_depth_half) of its curve's compute fraction (0: no depth effect).
+    gemm_depth_half: float = 0.0
+    # Decode all-to-all by link and direction ("nvlink_dispatch", "ib_combine", ...): floor, intercept and
+    # efficiency from published latency tables; absent: ``*_latency_us`` + bytes / (link x ``*_efficiency``).
+    all_to_all_fits: dict[str, AllToAllFit] = field(default_factory=dict)
 
     def compute_dtype(self, dtype: str) -> str:
         """The tensor-core dtype that runs ``dtype`` data: itself if native, else the next wider one."""
@@ -118,7 +152,24 @@ class HardwareSpec:
         return self.peak_flops[native]
 
     def eff(self, kernel_class: str) -> Efficiency:
+        while kernel_class not in self.efficiency and kernel_class in CLASS_FALLBACK:
+            kernel_class = CLASS_FALLBACK[kernel_class]
         return self.efficiency.get(kernel_class, self.efficiency.get("gemm", Efficiency(1.0, 1.0)))
+
+    def compute_fraction(self, kernel_class: str, rows: float = 0.0, depth: float = 0.0) -> float:
+        """Achievable share of the peak FLOP/s: the class's curve at ``rows`` when it has compute points,
+        else its constant fraction; a GEMM class's times ``depth / (depth + gemm_depth_half)`` (its K)."""
+        curve = self.efficiency_curves.get(kernel_class)
+        fraction = curve_fraction(curve, rows, "compute") if curve and rows > 0 else 0.0
+        fraction = fraction or self.eff(kernel_class).compute
+        if self.gemm_depth_half > 0 and depth > 0 and kernel_class in STREAM_CLASSES:
+            fraction *= depth / (depth + self.gemm_depth_half)
+        return fraction
+
+    def floor_us(self, kernel_class: str) -> float:
+        """The floor of one kernel of ``kernel_class``: its published floor, else ``kernel_latency_us``."""
+        floor = self.kernel_floors.get(kernel_class) or self.kernel_floors.get(CLASS_FALLBACK.get(kernel_class, ""))
+        return floor.us if floor else self.kernel_latency_us
 
     def memory_fraction(self, kernel_class: str, rows: float = 0.0, matrix_bytes: float = 0.0) -> float:
         """Achievable share of the memory bandwidth for a kernel applying each weight (of
@@ -133,7 +184,9 @@ class HardwareSpec:
     def _memory_fraction(self, kernel_class: str, rows: float, matrix_bytes: float) -> float:
         curve = self.memory_by_rows.get(kernel_class)
         if not curve or rows <= 0:
-            return self.eff(kernel_class).memory
+            points = self.efficiency_curves.get(kernel_class)
+            fraction = curve_fraction(points, rows, "memory") if points and rows > 0 else 0.0
+            return fraction or self.eff(kernel_class).memory
         sizes = sorted({size for _, size, _ in curve})
 
         def at(size: float) -> float:
@@ -164,6 +217,11 @@ class HardwareSpec:
         data["peak_flops"] = {k: float(v) for k, v in raw["peak_flops"].items()}
         data["memory_by_rows"] = {k: tuple(tuple(float(x) for x in point) for point in v)
                                   for k, v in raw.get("memory_by_rows", {}).items()}
+        data["efficiency_curves"] = {k: tuple(CurvePoint(**p) for p in v)
+                                     for k, v in raw.get("efficiency_curves", {}).items()}
+        data["kernel_floors"] = {k: KernelFloor(**v) for k, v in raw.get("kernel_floors", {}).items()}
+        data["all_to_all_fits"] = {k: AllToAllFit(**{**v, "floors": tuple(tuple(f) for f in v["floors"])})
+                                   for k, v in raw.get("all_to_all_fits", {}).items()}
         try:
             return cls(**data)
         except TypeError as e:
@@ -184,30 +242,59 @@ def interpolate_fraction(curve: tuple[tuple[float, float], ...], rows: float) ->
     return points[-1][1]
 
 
-# Fractions of peak reached by published kernels on H800 (989 BF16 / 1979 FP8 TFLOP/s, 3.35 TB/s):
+# Fractions of the datasheet peaks reached by published kernels (``kernel_fits`` computes the GEMM ones
+# from DeepGEMM's rows; the constants are the curves' values where a kernel has no rows to speak of):
+_GEMM = hopper_curves()
+_FIT_M64 = _GEMM["gemm"][0].memory
+
+
+def _at(cls: str, what: str, rows: float) -> float:
+    return round(curve_fraction(_GEMM[cls], rows, what), 4)
+
+
+_ATTENTION = Efficiency(compute=round(FLASHMLA_DENSE_TFLOPS / 989, 4), memory=round(FLASHMLA_DENSE_GBS / 3350, 4))
 _HOPPER_EFFICIENCY = {
-    "gemm": Efficiency(compute=0.65, memory=0.85),
-    "group_gemm": Efficiency(compute=0.55, memory=0.80),
-    "attention": Efficiency(compute=0.60, memory=0.90),
+    "gemm": Efficiency(compute=_at("gemm", "compute", 4096), memory=_FIT_M64),
+    "group_gemm": Efficiency(compute=_at("group_gemm", "compute", 4096), memory=_FIT_M64),
+    "attention": _ATTENTION,
     "other": Efficiency(compute=0.50, memory=0.70),
 }
+# Blackwell: Hopper's GEMM fractions (no public Blackwell GEMM table found); MLA decode from FlashMLA's
+# only B200 decode figure (the sparse kernel, 350 TFLOP/s) scaled by the dense/sparse ratio FlashMLA
+# publishes on H800 (660 / 410); MHA prefill from FlashMLA's SM100 dense prefill (1460 TFLOP/s).
+_B200_MLA_DECODE = FLASHMLA_SPARSE_TFLOPS["b200"] * FLASHMLA_DENSE_TFLOPS / FLASHMLA_SPARSE_TFLOPS["h800"]
+_BLACKWELL_EFFICIENCY = {
+    **_HOPPER_EFFICIENCY,
+    "attention": Efficiency(compute=round(_B200_MLA_DECODE / 2250, 4), memory=_ATTENTION.memory),
+    "attention_prefill": Efficiency(compute=round(1460 / 2250, 4), memory=_ATTENTION.memory),
+}
 ACHIEVABLE_SOURCES = {
-    "gemm": "DeepGEMM README (H800): FP8 dense GEMM 1304-1358 TFLOP/s at M=4096 (0.66-0.69 of 1979); "
-    "2.3-2.7 TB/s at M=64 for large N*K once a ~3 us kernel floor is added (0.85 of 3.35 TB/s)",
-    "group_gemm": "DeepGEMM README (H800): masked grouped GEMM 815-1233 TFLOP/s (0.41-0.62), "
-    "~2.0 TB/s at 256 tokens per group",
-    "attention": "FlashMLA README (H800): 3000 GB/s memory-bound (0.90), 580-660 TFLOP/s BF16 "
-    "compute-bound (0.59-0.67 of 989)",
+    "gemm": "efficiency_curves['gemm'] (each point names its DeepGEMM rows); the constant is the curve at "
+    "M=4096 (compute) and M=64 (memory)",
+    "group_gemm": "efficiency_curves['group_gemm']: compute from DeepGEMM's compute-bound grouped rows, memory "
+    "assumed the dense curve's",
+    "attention": FLASHMLA.cite(f"dense MLA decode {FLASHMLA_DENSE_GBS:g} GB/s memory-bound, "
+                               f"{FLASHMLA_DENSE_TFLOPS:g} TFLOPS compute-bound (of 3350 GB/s, 989 TFLOP/s)"),
+    "attention_b200": f"estimated: {FLASHMLA_SPARSE.cite('sparse decode 350 TFLOPS on B200, 410 on H800')} x the "
+    f"dense/sparse ratio on H800 ({FLASHMLA_DENSE_TFLOPS:g} / 410) = {_B200_MLA_DECODE:.0f} TFLOPS of 2250",
+    "attention_prefill_b200": "deepseek-ai/FlashMLA README.md @c28eca99dc, SM100 dense MHA prefill: up to 1460 "
+    "TFLOPS forward on B200 (of 2250)",
     "other": "assumption: norms, rotary, top-k and cache writes are elementwise kernels at ~70% of HBM",
-    "nvlink": "DeepEP README: normal kernels 153-158 GB/s over H800 NVLink (200 GB/s per direction): 0.77",
-    "ib": "DeepEP README: low-latency kernels 39-46 GB/s per 400 Gb/s CX7 NIC (50 GB/s): 0.78",
-    "latency": "pplx-kernels README (H100, 1 token per GPU): NVLink dispatch/combine 41.6/41.7 us at EP8; "
-    "IBGDA dispatch 103-126 us, combine 55-63 us at EP16-128 -> 40 us and 90 us. Assumptions: 10 us per "
-    "TP collective, 3 us floor per kernel (fits DeepGEMM's small-M figures)",
+    "floors": "kernel_floors (DeepGEMM's memory-bound rows' intercept; the other classes assumed the same)",
+    "all_to_all": "all_to_all_fits (each names its table: pplx-kernels floors, DeepEP's lines; TensorRT-LLM's "
+    "NVLinkOneSided table on Blackwell)",
+    "latency": f"constants, where no fit applies (prefill's high-throughput kernels): 40 us NVLink, 90 us IB; "
+    f"{DEEPEP_LL.cite()}. Assumption: 10 us per TP collective (no public small-message table found)",
 }
 
 T = 1e12
 GB = 1e9
+_HOPPER_TABLES: dict[str, Any] = {"efficiency": _HOPPER_EFFICIENCY, "efficiency_curves": _GEMM,
+                                  "kernel_floors": hopper_floors(), "kernel_latency_us": hopper_floors()["gemm"].us,
+                                  "gemm_depth_half": round(fit_gemm().depth_half, 1),
+                                  "all_to_all_fits": hopper_links(50 * GB)}
+_BLACKWELL_TABLES: dict[str, Any] = {**_HOPPER_TABLES, "efficiency": _BLACKWELL_EFFICIENCY,
+                                     "all_to_all_fits": {**hopper_links(50 * GB), **blackwell_nvlink(900 * GB)}}
 BUILTIN: dict[str, HardwareSpec] = {
     "h100": HardwareSpec(
         name="h100",
@@ -216,7 +303,7 @@ BUILTIN: dict[str, HardwareSpec] = {
         memory_bandwidth=3350 * GB,
         nvlink_bandwidth=450 * GB,
         ib_bandwidth=50 * GB,
-        efficiency=_HOPPER_EFFICIENCY,
+        **_HOPPER_TABLES,
         source="NVIDIA H100 SXM datasheet (dense); NDR 400 Gb/s NIC per GPU",
     ),
     "h200": HardwareSpec(
@@ -226,7 +313,7 @@ BUILTIN: dict[str, HardwareSpec] = {
         memory_bandwidth=4800 * GB,
         nvlink_bandwidth=450 * GB,
         ib_bandwidth=50 * GB,
-        efficiency=_HOPPER_EFFICIENCY,
+        **_HOPPER_TABLES,
         source="NVIDIA H200 SXM datasheet (dense); NDR 400 Gb/s NIC per GPU",
     ),
     "h800": HardwareSpec(
@@ -236,7 +323,7 @@ BUILTIN: dict[str, HardwareSpec] = {
         memory_bandwidth=3350 * GB,
         nvlink_bandwidth=200 * GB,
         ib_bandwidth=50 * GB,
-        efficiency=_HOPPER_EFFICIENCY,
+        **_HOPPER_TABLES,
         source="H800 SXM: H100 compute and HBM, NVLink 400 GB/s bidirectional; CX7 400 Gb/s per GPU",
     ),
     "b200": HardwareSpec(
@@ -246,8 +333,8 @@ BUILTIN: dict[str, HardwareSpec] = {
         memory_bandwidth=7700 * GB,
         nvlink_bandwidth=900 * GB,
         ib_bandwidth=50 * GB,
-        efficiency=_HOPPER_EFFICIENCY,
-        source="NVIDIA HGX B200 datasheet (dense); ConnectX-7 400 Gb/s per GPU; Hopper fractions assumed",
+        **_BLACKWELL_TABLES,
+        source="NVIDIA HGX B200 datasheet (dense); ConnectX-7 400 Gb/s per GPU; Hopper GEMM fractions, FlashMLA attention",
     ),
     "gb200": HardwareSpec(
         name="gb200",
@@ -257,9 +344,9 @@ BUILTIN: dict[str, HardwareSpec] = {
         nvlink_bandwidth=900 * GB,
         ib_bandwidth=50 * GB,
         gpus_per_node=72,
-        efficiency=_HOPPER_EFFICIENCY,
+        **_BLACKWELL_TABLES,
         source="NVIDIA GB200 NVL72 datasheet / 72 (dense); one NVLink domain of 72 GPUs; "
-        "Hopper fractions assumed",
+        "Hopper GEMM fractions, FlashMLA attention",
     ),
 }
 GPU_CHOICES = (*BUILTIN, "local")

@@ -97,7 +97,7 @@ class _Ctx:
 
     def gemm(self, m: float, k: int, n: int, groups: float = 1) -> Kernel:
         work = group_gemm_work(groups, m, k, n, in_bytes=self.a, weight_bytes=self.w, out_bytes=2)
-        return Kernel("gemm", work, self.compute_dtype, rows=m, matrix_bytes=k * n * self.w)
+        return Kernel("gemm", work, self.compute_dtype, rows=m, matrix_bytes=k * n * self.w, depth=k)
 
     def elementwise(self, bytes_moved: float) -> Kernel:
         return Kernel("other", Work(0.0, bytes_moved))
@@ -109,8 +109,8 @@ class _Ctx:
         up = group_gemm_work(groups, m, k, 2 * inter, **kw)
         down = group_gemm_work(groups, m, inter, k, **kw)
         act = self.elementwise(tokens * inter * (2 * 2 + self.a))
-        return (Kernel(cls, up, self.compute_dtype, rows=m, matrix_bytes=2 * inter * k * self.w), act,
-                Kernel(cls, down, self.compute_dtype, rows=m, matrix_bytes=inter * k * self.w))
+        return (Kernel(cls, up, self.compute_dtype, rows=m, matrix_bytes=2 * inter * k * self.w, depth=k), act,
+                Kernel(cls, down, self.compute_dtype, rows=m, matrix_bytes=inter * k * self.w, depth=inter))
 
 
 # ---- one pricer per op name ------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def _attention_core(c: _Ctx) -> _Price:
     per_head = s.query_len * s.query_len * (m.qk_head_dim + m.v_head_dim)
     flops = c.group * c.heads * per_head
     io = c.t_attn * c.heads * (3 * m.qk_head_dim + m.v_head_dim) * 2
-    return _Price((Kernel("attention", Work(flops, io)),))
+    return _Price((Kernel("attention_prefill", Work(flops, io)),))
 
 
 def _o_proj(c: _Ctx) -> _Price:
@@ -184,11 +184,11 @@ def _post_norm(c: _Ctx) -> _Price:
 def _gate(c: _Ctx) -> _Price:  # BF16 router GEMM, then sigmoid/softmax, group-limited top-k
     e = c.model.n_routed_experts
     logits = Kernel("gemm", gemm_work(c.t_moe, c.h, e, in_bytes=2, weight_bytes=2, out_bytes=4), rows=c.t_moe,
-                    matrix_bytes=c.h * e * 2)
+                    matrix_bytes=c.h * e * 2, depth=c.h)
     return _Price((logits, c.elementwise(c.t_moe * e * 4 * 2)))
 
 
-def _all_to_all(c: _Ctx, bytes_per_copy: float) -> Transfer:
+def _all_to_all(c: _Ctx, bytes_per_copy: float, direction: str = "dispatch") -> Transfer:
     """``all_to_all`` sends each (token, expert) copy; ``padded`` sends every other rank a fixed buffer
     of ``tokens x min(top_k, slots per rank)`` rows whatever the routing (capacity from the step's
     maximum, here the balanced mean): as if each token had ``EP x min(top_k, slots per rank)`` copies.
@@ -197,9 +197,11 @@ def _all_to_all(c: _Ctx, bytes_per_copy: float) -> Transfer:
     k = c.model.num_experts_per_tok
     if c.d.dispatch == "padded":
         copies_per_token = c.d.ep * min(k, c.slots // c.d.ep)
-        return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, c.t_moe, copies_per_token, bytes_per_copy)
+        return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, c.t_moe, copies_per_token, bytes_per_copy,
+                          direction=direction)
     tokens = max(c.t_moe, c.recv_pairs / k)
-    return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, tokens, k, bytes_per_copy, c.shape.phase == "prefill")
+    return all_to_all(c.hw, c.d.ep, c.d.gpus_per_node, tokens, k, bytes_per_copy, c.shape.phase == "prefill",
+                      direction)
 
 
 def _dispatch_send(c: _Ctx) -> _Price:
@@ -237,7 +239,7 @@ def _experts(c: _Ctx) -> _Price:
 
 
 def _combine_send(c: _Ctx) -> _Price:  # BF16 expert outputs back to their tokens' ranks
-    return _Price((c.elementwise(c.recv_pairs * c.h * 2),), transfer=_all_to_all(c, c.h * 2))
+    return _Price((c.elementwise(c.recv_pairs * c.h * 2),), transfer=_all_to_all(c, c.h * 2, "combine"))
 
 
 def _combine_recv(c: _Ctx) -> _Price:  # weighted sum of the top-k results per token
@@ -263,7 +265,8 @@ def _lm_head_tokens(c: _Ctx) -> int:  # prefill only needs logits at each prompt
 def _lm_head(c: _Ctx) -> _Price:  # vocabulary-parallel over TP, BF16
     vocab = math.ceil(c.model.vocab_size / c.d.tp)
     tokens = _lm_head_tokens(c)
-    return _Price((Kernel("gemm", gemm_work(tokens, c.h, vocab, out_bytes=4), rows=tokens, matrix_bytes=c.h * vocab * 2),))
+    return _Price((Kernel("gemm", gemm_work(tokens, c.h, vocab, out_bytes=4), rows=tokens, matrix_bytes=c.h * vocab * 2,
+                          depth=c.h),))
 
 
 def _sample(c: _Ctx) -> _Price:
