@@ -147,7 +147,7 @@ def test_text_output(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["--prefill-ep", "8"], "--prefill-ep only applies with --disaggregated"),
-        (["--input-len", "100", "--output-len", "10"], "--input-len, --output-len only apply with --disaggregated"),
+        (["--decode-tp", "2"], "--decode-tp only applies with --disaggregated"),
         (["--disaggregated", "--ep", "8", "--decode-ep", "16"], "--decode-ep 16 and --ep 8 disagree"),
         (["--disaggregated", "--prompt-len", "100", "--input-len", "200"], "--input-len 200 and --prompt-len 100"),
         (["--disaggregated", "--sweep"], "--sweep is not priced with --disaggregated"),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from epserve.config import ConfigError
+from epserve.planner.cli_workload import run_workload, wants_workload
 from epserve.planner.deployment import (
     DISPATCH_CHOICES,
     KV_DTYPES,
@@ -36,7 +37,7 @@ from epserve.planner.sweep import best_plan, default_eps, microbatch_crossover, 
 BUSY_FLOOR_US = 500.0  # a kernel floor above this is a measurement taken on a busy machine
 DEFAULT_KV_LEN = 5000
 DEFAULT_PROMPT_LEN = 4096
-DISAGG_ONLY = ("prefill_ep", "prefill_tp", "decode_ep", "decode_tp", "input_len", "output_len")
+DISAGG_ONLY = ("prefill_ep", "prefill_tp", "decode_ep", "decode_tp")
 
 
 def _positive(text: str) -> int:
@@ -99,9 +100,12 @@ def add_parser(subparsers: Any) -> None:
     g.add_argument("--prefill-tp", type=_positive, help="prefill instance's TP (default 1)")
     g.add_argument("--decode-ep", type=_positive, help="decode instance's EP (default --ep)")
     g.add_argument("--decode-tp", type=_positive, help="decode instance's TP (default --tp)")
-    g.add_argument("--input-len", type=_positive, help="prompt tokens per request (default --prompt-len)")
+    g.add_argument("--input-len", type=_positive, help="prompt tokens per request (default --prompt-len); without "
+                   "--disaggregated: price the workload end to end, prefill colocated with decode")
     g.add_argument("--output-len", type=_positive,
                    help=f"mean output tokens per request (default {DEFAULT_OUTPUT_LEN})")
+    g.add_argument("--max-num-tokens", type=_positive,
+                   help="end to end: the scheduler's token budget per step and DP group (default 8192)")
     actions = p.add_subparsers(dest="plan_action", metavar="{calibrate}")
     c = actions.add_parser("calibrate", help="measure kernels on this device and write a hardware file")
     c.add_argument("--quick", action="store_true", help="few shapes, short timings (seconds)")
@@ -215,6 +219,8 @@ def _load_json(placements: dict[str, DecodePlan], num_moe: int) -> dict[str, Any
 
 def _check_disaggregated(args: argparse.Namespace) -> None:
     given = [f"--{k.replace('_', '-')}" for k in DISAGG_ONLY if getattr(args, k) is not None]
+    if args.disaggregated and args.max_num_tokens is not None:
+        raise PlanError("--max-num-tokens prices colocated serving: not with --disaggregated")
     if not args.disaggregated:
         if given:
             raise PlanError(f"{', '.join(given)} only appl{'y' if len(given) > 1 else 'ies'} with --disaggregated")
@@ -256,6 +262,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.disaggregated:
         return _disaggregated(args, name, model, hw)
     d = _deployment(args, model, hw)
+    if wants_workload(args):
+        return run_workload(args, name, model, hw, d, DEFAULT_PROMPT_LEN)
     load = load_expert_load(args.expert_load, model) if args.expert_load else None
     if args.sweep:
         return _sweep(args, name, model, hw, d, load)

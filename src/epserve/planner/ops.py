@@ -51,6 +51,9 @@ class BatchShape:
     query_len: int
     kv_len: int
     phase: Phase = "decode"
+    # DP groups whose tokens of this shape enter the MoE layer (None: every group's): a prefill chunk
+    # that some groups carry beside their decode while the others only decode
+    moe_groups: float | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class _Ctx:
         self.t_attn = self.group * shape.query_len
         self.t_moe = -(-self.t_attn // d.tp)  # the TP rank that owns the most after the reduce-scatter
         self.pairs = self.t_moe * k  # (token, expert) copies it sends
-        self.global_tokens = self.t_attn * d.dp  # tokens of the whole EP group in the MoE layer
+        groups = d.dp if shape.moe_groups is None else min(shape.moe_groups, d.dp)
+        self.global_tokens = self.t_attn * groups  # tokens of the whole EP group in the MoE layer
         self.recv_x = load.imbalance if load is not None else 1.0  # busiest rank's copies / mean, measured
         self.recv_pairs = self.global_tokens * k / d.ep * self.recv_x  # copies the busiest rank receives
         self.compute_dtype = hw.compute_dtype(d.weight_dtype)

@@ -140,3 +140,27 @@ def _save(fig: Any, path: str | Path) -> Path:
     fig.savefig(path, dpi=90)
     _pyplot().close(fig)
     return path
+
+
+def plot_workload_pareto(rows: Sequence[Any], path: str | Path, title: str) -> Path:
+    """End to end, as public benchmarks plot it: output tokens/s per GPU against tokens/s per user; every
+    fitting plan by EP, the front of all of them as a line (``workload_sweep.WorkloadRow``)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    fits = [r.plan for r in rows if r.plan.fits]
+    eps = sorted({p.decode.deployment.ep for p in fits})
+    colors = plt.get_cmap("viridis")([i / max(len(eps) - 1, 1) for i in range(len(eps))])
+    for ep, color in zip(eps, colors):
+        pts = [p for p in fits if p.decode.deployment.ep == ep]
+        ax.scatter([p.interactivity for p in pts], [p.output_tokens_per_s_per_gpu for p in pts], s=8, color=color,
+                   alpha=0.5, label=f"EP{ep}")
+    front = sorted((r.plan for r in rows if r.pareto), key=lambda p: p.interactivity)
+    ax.plot([p.interactivity for p in front], [p.output_tokens_per_s_per_gpu for p in front], "k-", lw=1.5,
+            label="Pareto front")
+    ax.set_yscale("log")
+    ax.set_xlabel("interactivity: output tokens/s per user")
+    ax.set_ylabel("output tokens/s per GPU (end to end)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
