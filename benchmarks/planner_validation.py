@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/planner_validation.py [--dp 1|2] [--hardware FILE | --quick-calibration]
         [--batches 1 2 4 8 16 32 64] [--steps 24 --rounds 3] [--json out.json] [--markdown]
+    .venv/bin/python benchmarks/planner_validation.py --public [--json out.json]   # published figures, seconds
+
+``--public``: no engine; the planner against the published deployment and kernel figures
+(``epserve.planner.validation``; the table in docs/planner.md, "Validation against public figures").
 
 1. Builds (or reuses) the `small` checkpoint (bf16) at ``--checkpoint``.
 2. ``--rounds`` rounds, each: calibrate this machine as `epserve plan calibrate` does (unless
@@ -35,6 +39,8 @@ own cores, as the engine pins its CPU ranks by default, and so are the calibrati
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
@@ -174,7 +180,18 @@ def main() -> None:
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--no-pin", action="store_true", help="dp 2: leave the rank processes, and the calibration's, unpinned (EPSERVE_PIN=0)")
+    ap.add_argument("--public", action="store_true",
+                    help="the planner against published figures instead of this engine (no engine run)")
     args = ap.parse_args()
+    if args.public:
+        from epserve.planner import validation
+
+        if args.json:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                validation.main(["--json"])
+            Path(args.json).write_text(out.getvalue())
+        validation.main([])
+        return
     if args.no_pin:
         os.environ[env.PIN] = "0"  # inherited by the spawned ranks
 
