@@ -31,6 +31,9 @@ def test_every_point_names_its_source(gpu: str) -> None:
     for source in sources:
         assert any(repo in source for repo in REPOSITORIES), source
         assert "@" in source  # the commit
+    constants = ("nvlink_efficiency", "ib_efficiency", "nvlink_latency_us", "ib_latency_us", "collective_latency_us",
+                 "kernel_latency_us", "gemm_depth_half", *(f"efficiency.{c}" for c in hw.efficiency))
+    assert all(hw.sources.get(k) for k in constants)
 
 
 def test_gemm_fit_reproduces_its_rows_and_predicts_the_held_out_ones() -> None:

@@ -290,7 +290,7 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     # Measured here: the public tables' curves and floors give way; only InfiniBand, which one host
     # cannot measure, keeps the base entry's fits (a CPU host has none).
     changes: dict = {"efficiency": efficiency, "memory_by_rows": curves, "kernel_latency_us": round(floor, 3),
-                     "efficiency_curves": {}, "kernel_floors": {}, "gemm_depth_half": 0.0,
+                     "efficiency_curves": {}, "kernel_floors": {}, "gemm_depth_half": 0.0, "sources": {},
                      "all_to_all_fits": {k: v for k, v in base.all_to_all_fits.items() if k.startswith("ib_")}}
     a2a = sorted((p for p in points if p.kind == "all_to_all"), key=lambda p: p.bytes)
     if a2a:

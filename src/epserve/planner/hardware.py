@@ -1,10 +1,12 @@
 """Hardware table: datasheet peaks, link bandwidths and the *achievable* fractions of each.
 
-A kernel never reaches its datasheet peak; each class of kernel gets its own measured fraction of
-compute and of memory bandwidth. The built-in fractions come from published kernel benchmarks on
-H800 (same SM and HBM as H100), named in ``ACHIEVABLE_SOURCES``; ``epserve plan calibrate``
-replaces them with fractions measured on the current device and writes a file
-``load_hardware`` reads.
+A kernel never reaches its datasheet peak; each class of kernel gets its own fraction of compute and
+of memory bandwidth. The built-in entries' come from public kernel tables (``kernel_tables``,
+``kernel_fits``): ``efficiency_curves`` (per class, by the rows a GEMM applies each weight to, and its
+depth through ``gemm_depth_half``), ``kernel_floors`` per class and ``all_to_all_fits`` (decode
+dispatch and combine per link and direction), every point with its source, and ``sources`` for the
+remaining parameters. ``epserve plan calibrate`` replaces them with what it measures on the current
+device and writes a file ``load_hardware`` reads.
 
 Three more properties describe how a runtime, not just the silicon, spends time:
 
@@ -28,11 +30,6 @@ Three more properties describe how a runtime, not just the silicon, spends time:
   counts on the device inside that latency, and a GPU server overlaps the step's metadata exchange
   with the previous step's kernels. ``epserve plan calibrate`` sets both to the collective latency it
   measures between rank processes.
-- ``efficiency_curves`` / ``kernel_floors`` / ``all_to_all_fits``: the built-in entries' achieved
-  fractions by shape (per class, by the rows a GEMM applies each weight to), kernel floors per class
-  and decode all-to-all latency and bandwidth per link and direction, computed from public kernel
-  tables (``kernel_tables``, ``kernel_fits``); every point carries its source. A calibrated file
-  replaces them with what it measures.
 - ``stream_efficiency``: the share of the calibrated weight-streaming rate (the memory fraction of
   the ``gemm`` and ``group_gemm`` classes, curve or constant) that those kernels reach inside a real
   decode step, where they run at the engine's own shapes (a few experts picked out of many, matrices
@@ -65,6 +62,8 @@ from epserve.planner.kernel_fits import (
 )
 from epserve.planner.kernel_tables import (
     DEEPEP_LL,
+    DEEPEP_NORMAL,
+    DEEPGEMM,
     FLASHMLA,
     FLASHMLA_DENSE_GBS,
     FLASHMLA_DENSE_TFLOPS,
@@ -73,6 +72,8 @@ from epserve.planner.kernel_tables import (
 )
 
 GiB = 1 << 30
+DEEPGEMM_CITE = DEEPGEMM.cite()
+DEEPEP_NORMAL_CITE = DEEPEP_NORMAL.cite("153 / 158 GB/s of H800's 200 (0.75)")
 KERNEL_CLASSES = ("gemm", "group_gemm", "attention", "attention_prefill", "other")
 CLASS_FALLBACK = {"attention_prefill": "attention"}  # a class a file lacks is priced as this one
 STREAM_CLASSES = ("gemm", "group_gemm")  # the weight-streaming classes ``stream_efficiency`` scales
@@ -138,6 +139,9 @@ class HardwareSpec:
     # Decode all-to-all by link and direction ("nvlink_dispatch", "ib_combine", ...): floor, intercept and
     # efficiency from published latency tables; absent: ``*_latency_us`` + bytes / (link x ``*_efficiency``).
     all_to_all_fits: dict[str, AllToAllFit] = field(default_factory=dict)
+    # Where each other parameter comes from ("efficiency.gemm", "ib_latency_us", ...); a calibrated file's
+    # points are its sources.
+    sources: dict[str, str] = field(default_factory=dict)
 
     def compute_dtype(self, dtype: str) -> str:
         """The tensor-core dtype that runs ``dtype`` data: itself if native, else the next wider one."""
@@ -268,23 +272,34 @@ _BLACKWELL_EFFICIENCY = {
     "attention": Efficiency(compute=round(_B200_MLA_DECODE / 2250, 4), memory=_ATTENTION.memory),
     "attention_prefill": Efficiency(compute=round(1460 / 2250, 4), memory=_ATTENTION.memory),
 }
+_LATENCY = ("constant where no fit applies (prefill's high-throughput kernels); pplx-kernels' one-token "
+            "figures rounded (" + DEEPEP_LL.cite() + " has none at one token)")
+# Where every parameter of the built-in entries comes from (the curves, floors and fits carry their own):
 ACHIEVABLE_SOURCES = {
-    "gemm": "efficiency_curves['gemm'] (each point names its DeepGEMM rows); the constant is the curve at "
-    "M=4096 (compute) and M=64 (memory)",
-    "group_gemm": "efficiency_curves['group_gemm']: compute from DeepGEMM's compute-bound grouped rows, memory "
-    "assumed the dense curve's",
-    "attention": FLASHMLA.cite(f"dense MLA decode {FLASHMLA_DENSE_GBS:g} GB/s memory-bound, "
-                               f"{FLASHMLA_DENSE_TFLOPS:g} TFLOPS compute-bound (of 3350 GB/s, 989 TFLOP/s)"),
-    "attention_b200": f"estimated: {FLASHMLA_SPARSE.cite('sparse decode 350 TFLOPS on B200, 410 on H800')} x the "
-    f"dense/sparse ratio on H800 ({FLASHMLA_DENSE_TFLOPS:g} / 410) = {_B200_MLA_DECODE:.0f} TFLOPS of 2250",
-    "attention_prefill_b200": "deepseek-ai/FlashMLA README.md @c28eca99dc, SM100 dense MHA prefill: up to 1460 "
-    "TFLOPS forward on B200 (of 2250)",
-    "other": "assumption: norms, rotary, top-k and cache writes are elementwise kernels at ~70% of HBM",
-    "floors": "kernel_floors (DeepGEMM's memory-bound rows' intercept; the other classes assumed the same)",
-    "all_to_all": "all_to_all_fits (each names its table: pplx-kernels floors, DeepEP's lines; TensorRT-LLM's "
-    "NVLinkOneSided table on Blackwell)",
-    "latency": f"constants, where no fit applies (prefill's high-throughput kernels): 40 us NVLink, 90 us IB; "
-    f"{DEEPEP_LL.cite()}. Assumption: 10 us per TP collective (no public small-message table found)",
+    "efficiency.gemm": "efficiency_curves['gemm'] at M=4096 (compute, deep K) and M=64 (memory)",
+    "efficiency.group_gemm": "efficiency_curves['group_gemm'] at M=4096 (compute, deep K); memory the dense fit's",
+    "efficiency.attention": FLASHMLA.cite(f"dense MLA decode {FLASHMLA_DENSE_GBS:g} GB/s memory-bound, "
+                                          f"{FLASHMLA_DENSE_TFLOPS:g} TFLOPS compute-bound (of 3350 GB/s, 989 TFLOP/s)"),
+    "efficiency.attention_prefill": "falls back to efficiency.attention (no separate Hopper figure)",
+    "efficiency.other": "assumption: norms, rotary, top-k and cache writes are elementwise kernels at ~70% of HBM",
+    "gemm_depth_half": DEEPGEMM_CITE + ": 1/c linear in 1/K over the compute-bound rows",
+    "kernel_latency_us": "kernel_floors['gemm']",
+    "nvlink_efficiency": "constant for prefill's normal kernels: " + DEEPEP_NORMAL_CITE,
+    "ib_efficiency": "constant for prefill's normal kernels: DeepEP's low-latency RDMA 39-46 GB/s of 50",
+    "nvlink_latency_us": _LATENCY,
+    "ib_latency_us": _LATENCY,
+    "collective_latency_us": "assumption: 10 us per TP reduce-scatter / all-gather (no public small-message table "
+    "found)",
+}
+_BLACKWELL_SOURCES = {
+    **ACHIEVABLE_SOURCES,
+    "efficiency.gemm": "Hopper's (no public Blackwell GEMM table found): " + ACHIEVABLE_SOURCES["efficiency.gemm"],
+    "efficiency.group_gemm": "Hopper's: " + ACHIEVABLE_SOURCES["efficiency.group_gemm"],
+    "efficiency.attention": f"estimated: {FLASHMLA_SPARSE.cite('sparse decode 350 TFLOPS on B200, 410 on H800')} x "
+    f"the dense/sparse ratio on H800 ({FLASHMLA_DENSE_TFLOPS:g} / 410) = {_B200_MLA_DECODE:.0f} TFLOPS of 2250; "
+    "memory Hopper's",
+    "efficiency.attention_prefill": "deepseek-ai/FlashMLA README.md @c28eca99dc, SM100 dense MHA prefill: up to "
+    "1460 TFLOPS forward on B200 (of 2250)",
 }
 
 T = 1e12
@@ -292,9 +307,10 @@ GB = 1e9
 _HOPPER_TABLES: dict[str, Any] = {"efficiency": _HOPPER_EFFICIENCY, "efficiency_curves": _GEMM,
                                   "kernel_floors": hopper_floors(), "kernel_latency_us": hopper_floors()["gemm"].us,
                                   "gemm_depth_half": round(fit_gemm().depth_half, 1),
-                                  "all_to_all_fits": hopper_links(50 * GB)}
+                                  "all_to_all_fits": hopper_links(50 * GB), "sources": ACHIEVABLE_SOURCES}
 _BLACKWELL_TABLES: dict[str, Any] = {**_HOPPER_TABLES, "efficiency": _BLACKWELL_EFFICIENCY,
-                                     "all_to_all_fits": {**hopper_links(50 * GB), **blackwell_nvlink(900 * GB)}}
+                                     "all_to_all_fits": {**hopper_links(50 * GB), **blackwell_nvlink(900 * GB)},
+                                     "sources": _BLACKWELL_SOURCES}
 BUILTIN: dict[str, HardwareSpec] = {
     "h100": HardwareSpec(
         name="h100",
