@@ -93,6 +93,14 @@ def test_single_node_closes_the_gap_at_large_batch(h200_rows: list[SweepRow]) ->
                    and r.plan.deployment.batch > node.deployment.batch for r in h200_rows)
 
 
+def test_single_node_edges_ahead_at_large_batch_once_memory_allows() -> None:
+    # With an FP8 latent cache the node's memory holds twice the batch: at low speed targets the
+    # NVLink-only node then edges ahead of 16 nodes on InfiniBand (and not at high ones).
+    rows = sweep(V3, H200, replace(MTP, kv_dtype="fp8"), eps=EPS, model_name=NAME)
+    assert _node_throughput(rows, 20, 8) > _node_throughput(rows, 20, 128)
+    assert _node_throughput(rows, 45, 8) < 0.5 * _node_throughput(rows, 45, 128)
+
+
 def test_memory_caps_the_single_node_batch(h200_rows: list[SweepRow]) -> None:
     caps = {r.plan.deployment.ep: r.plan.memory.max_batch_per_gpu for r in h200_rows if r.plan.deployment.tp == 1}
     assert caps[8] < 100 < caps[128]
