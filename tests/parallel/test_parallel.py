@@ -32,14 +32,18 @@ PROMPTS = [
     [11],
     list(range(450, 410, -1)),
     SHARED + [8],
+    [21, 22, 23],
 ]
 # Logits processing and prompt logprobs ride along: every layout must give the same processed tokens.
 PROCESSING = [{}, {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.3},
               {"prompt_logprobs": 2}, {"logit_bias": {7: 5.0, 300: -100.0}},
               {"structured": StructuredOutput("regex", "[a-z]{2,5}-[0-9]{2}")}, {"min_tokens": 4, "prompt_logprobs": 0},
-              {"frequency_penalty": -0.5}]
+              {"frequency_penalty": -0.5},
+              {"structured": StructuredOutput("json_schema", '{"type": "object", "properties": {"n": {"type": '
+                                              '"integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}, '
+                                              '"required": ["n", "ok"], "additionalProperties": false}')}]
 PARAMS = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True, logprobs=3, **PROCESSING[i])
-          for i in range(7)]
+          for i in range(len(PROCESSING))]
 ENGINE = dict(dtype="float32", num_blocks=256, max_num_batched_tokens=48)
 LOGPROB_ATOL = 1e-4
 

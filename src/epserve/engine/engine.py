@@ -51,6 +51,10 @@ class LLMEngine:
         self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
         self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
         self.step_tokens = 0  # tokens the leader's last step scheduled (the loop's histogram of them)
+        # leader: the requests the last step aborted for a reason of their own, and why (a constraint that
+        # leaves no token allowed: ``GrammarMasks``); their updates finish as "abort", the loop reports
+        # them failed
+        self.failed: dict[str, str] = {}
 
     def check_request(self, request: AddRequest) -> AddRequest:
         """The one check of a request, where it enters (the offline command on every rank, the gRPC
@@ -141,6 +145,14 @@ class LLMEngine:
             updates.append(scheduler.start_decoding(request))
         return writes, updates
 
+    def _abort_failed(self) -> None:
+        """Abort the requests whose constraint failed them this step (``GrammarMasks.accept``), alone:
+        a request sampled this step is reported by this step's update (its token dropped), as "abort",
+        with the reason in ``failed``."""
+        for rid, why in self.runner.grammar_masks.take_failures().items():
+            if self.abort_request(rid):
+                self.failed[rid] = why
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_unfinished_requests()
 
@@ -168,7 +180,10 @@ class LLMEngine:
         and times it when profiling). Returns the leader's request updates. ``stopping`` is this rank's
         vote to drain and stop; the step's all-reduce tells every rank (``anybody_stopping``)."""
         scheduler = self.scheduler
+        self.failed = {}
         writes, arrived = self._take_arrivals() if scheduler is not None else ([], [])
+        if scheduler is not None:
+            self._abort_failed()  # (a first token from a prefill instance its grammar refuses)
         output = scheduler.schedule() if scheduler is not None else None
         chunks = list(output.chunks) if output else []  # decodes first
         plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
@@ -200,6 +215,7 @@ class LLMEngine:
                 balancer.rebalance()
         if scheduler is None:
             return []
+        self._abort_failed()
         updates = arrived + scheduler.update(output, result.sampled if result else {},
                                              result.logprobs if result else None, drafts,
                                              result.prompt_logprobs if result else None)

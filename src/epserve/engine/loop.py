@@ -270,11 +270,15 @@ class EngineLoop:
     def _publish(self, updates: list[RequestUpdate]) -> None:
         """Each request's new tokens, handed to the frontend once per step (not once per request)."""
         out: list[LoopOutput] = list(self.engine.take_kv_wanted())  # decode side: transfers to start
-        requests, generated = self.requests, 0
+        requests, generated, failed = self.requests, 0, self.engine.failed
         for update in updates:
             rid = update.request_id
             request = requests.get(rid)
             if request is None:
+                continue
+            if update.finish_reason == "abort" and rid in failed:  # its own constraint stopped it
+                out.append(RequestFailed(rid, "invalid", failed[rid]))
+                del requests[rid]
                 continue
             if request.kv_transfer == "send" and update.finished and update.finish_reason != "abort":
                 out.append(self.engine.export_kv(rid))  # prefill side: its blocks, copied out

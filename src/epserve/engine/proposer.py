@@ -29,7 +29,7 @@ from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
 from epserve.engine.spec_manager import draft_room
-from epserve.engine.structured import GrammarMasks
+from epserve.engine.structured import GrammarMasks, min_tokens_rows
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.parallel.comm import broadcast_from_leader
@@ -125,7 +125,8 @@ class MTPProposer:
                 logits = self.logits_processor.apply(logits, [d.request for d in active], extras, in_place=True)
                 # (the grammar has taken the step's tokens already: the drafts before this one remain)
                 self.grammar_masks.apply_after(logits, [(d.request.request_id, i, tuple(drafts[d.request.request_id]))
-                                                        for i, d in enumerate(active)])
+                                                        for i, d in enumerate(active)],
+                                               min_tokens_rows([d.request for d in active], extras))
                 ids, q = draft_tokens(logits, params, positions, self.noise)
                 for d, t, qq in zip(active, ids.tolist(), q):
                     drafts[d.request.request_id].append(t)

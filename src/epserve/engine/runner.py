@@ -23,7 +23,7 @@ from epserve.engine.request import Request
 from epserve.engine.sampler import Sampler
 from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, VerifyGroup, verify
-from epserve.engine.structured import GrammarCompiler, GrammarMasks
+from epserve.engine.structured import GrammarCompiler, GrammarMasks, min_tokens_rows
 from epserve.kernels import backends as kernel_backends
 from epserve.messages.kv import KVLayout
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
@@ -279,12 +279,12 @@ class ModelRunner:
         if constrained:
             if logits is raw and not in_place:
                 logits = raw.clone()
-            masks.apply(logits, ids)
+            masks.apply(logits, ids, min_tokens_rows(requests))
         gens = [self._generator(r, p) for r, p in zip(requests, params)]
         out = self.sampler.sample(logits, params, gens, raw)
         for rid, token in zip(ids, out.token_ids):
             if rid in constrained:
-                masks.accept(rid, [token])
+                masks.accept(rid, [token])  # (a request whose row had no token left fails: take_failures)
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         return StepResult(dict(zip(ids, out.token_ids)), logprobs, prompt_logprobs)
 
@@ -307,7 +307,8 @@ class ModelRunner:
             if logits is raw and not in_place:
                 logits = raw.clone()
             first = list(itertools.accumulate((len(c.drafts) + 1 for c in sampling), initial=0))
-            masks.apply_groups(logits, [(c.request.request_id, f, c.drafts) for c, f in zip(sampling, first)])
+            masks.apply_groups(logits, [(c.request.request_id, f, c.drafts) for c, f in zip(sampling, first)],
+                               min_tokens_rows(requests, extras))
         outcomes = verify(logits, groups, self.noise, raw)
         sampled, logprobs = {}, {}
         for c, out in zip(sampling, outcomes):

@@ -2,10 +2,15 @@
 grammar, one matcher per constrained request on the leader that samples, and each step's token bitmask
 applied to the constrained rows' logits before sampling.
 
-Compiling happens off the step loop (``GrammarCompiler.submit``, on its own thread; xgrammar caches
-compiled grammars by their text), so a request waits for its grammar without holding others back: the
-loop queues it once it compiled (``engine/loop.py``), and a constraint that does not compile fails its
-request as invalid, naming the problem. The matcher allows EOS only where the grammar can end, and
+Compiling happens off the step loop (``GrammarCompiler.submit``, on its own thread; the last compiled
+grammars are cached by their constraint), so a request waits for its grammar without holding others
+back: the loop queues it once it compiled (``engine/loop.py``), and a constraint that does not compile
+fails its request as invalid, naming the problem. So does a JSON schema that uses what xgrammar would
+silently ignore (``prepare_schema``: the keyword and its JSON pointer), and the string formats xgrammar
+gets wrong are replaced by exact patterns (``FORMAT_PATTERNS``). A request whose constraint and
+sampling parameters leave a row no token, or whose grammar refuses a sampled token, fails alone
+(``GrammarMasks.accept``; the engine aborts it, the loop reports why), never the step; where the grammar
+can only end, it ends whatever ``min_tokens`` says. The matcher allows EOS only where the grammar can end, and
 advances on every token the request keeps; it lives until the request finishes (a preemption recomputes
 the KV, not the tokens, so the matcher stays right). With MTP, verification row ``j`` is masked by the
 grammar after the first ``j`` drafts (accepted tentatively, then rolled back): a draft the grammar
@@ -20,6 +25,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -45,12 +53,240 @@ _ANY_SPACE = "[ \\n\\r\\t]*"
 _LOOSE_CHARS, _JSON_CHARS = '[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
+# ---- JSON schemas: what xgrammar enforces, and the string formats it gets wrong -----------------
+# Probed on xgrammar 0.2.9 (tests/engine/test_structured.py holds each case): these keywords are
+# silently ignored by its converter, so a schema that uses them is refused (the client would get
+# outputs that do not validate), naming the keyword and where it sits.
+
+_IGNORED = {
+    "not": "not enforced",
+    "if": "conditional schemas are not enforced", "then": "conditional schemas are not enforced",
+    "else": "conditional schemas are not enforced",
+    "dependentSchemas": "not enforced", "dependentRequired": "not enforced", "dependencies": "not enforced",
+    "contains": "not enforced", "minContains": "not enforced", "maxContains": "not enforced",
+}
+# Keywords that only annotate (or hold definitions): allowed beside anything.
+_ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly",
+    "$schema", "$id", "$anchor", "$defs", "definitions", "discriminator", "contentEncoding",
+    "contentMediaType", "contentSchema",
+})
+# Where subschemas sit: maps of them, single ones, lists of them.
+_SUB_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUB_ONE = ("additionalProperties", "unevaluatedProperties", "items", "propertyNames", "unevaluatedItems")
+_SUB_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+# The string formats xgrammar constrains; the standard ones it leaves unconstrained (any string), refused
+# rather than ignored. Formats outside the standard ones are annotations (JSON Schema's rule) and
+# constrain nothing.
+_XGRAMMAR_FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6",
+                               "uuid", "uri", "uri-reference", "uri-template", "json-pointer",
+                               "relative-json-pointer"})
+_UNENFORCED_FORMATS = frozenset({"idn-email", "idn-hostname", "iri", "iri-reference", "regex"})
+
+# Formats whose xgrammar rule admits invalid values (days past the month's end such as 2023-11-31 or
+# 2023-02-30, second 60, IPv4 octets with leading zeros such as 010, hostname labels over 63
+# characters), replaced by exact patterns: every value they admit is valid (RFC 3339 dates from year
+# 0001 with leap years, times with up to three fraction digits, RFC 1123 hostnames of up to three
+# labels). The patterns avoid what xgrammar 0.2.9 matches wrongly inside a JSON string: a group made
+# optional or repeated around ``+`` or ``{m,n}`` (``([.][0-9]+)?`` also admits ``2``), hence the
+# spelled-out repetitions.
+_YEAR = "(000[1-9]|00[1-9][0-9]|0[1-9][0-9][0-9]|[1-9][0-9][0-9][0-9])"
+_LEAP_YEAR = "([0-9][0-9](0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"({_YEAR}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)"
+         f"|02-(0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9][0-9]?[0-9]?)?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
+_LABEL = "[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "ipv4": f"^{_OCTET}[.]{_OCTET}[.]{_OCTET}[.]{_OCTET}$",
+    "hostname": f"^{_LABEL}([.]{_LABEL})?([.]{_LABEL})?$",
+}
+
+
+class UnsupportedSchema(ValueError):
+    """A JSON schema that uses what the grammar would not enforce."""
+
+    def __init__(self, keyword: str, path: str, why: str) -> None:
+        super().__init__(f"{keyword!r} at {path} is not supported ({why})")
+
+
+def prepare_schema(schema: Any) -> Any:
+    """``schema`` as xgrammar gets it: the string formats it gets wrong replaced by exact patterns, an
+    ``enum``/``const`` narrowed to the values of its ``type``; UnsupportedSchema for a keyword it would
+    ignore (its JSON pointer in the message, e.g. ``#/properties/a``)."""
+    return _prepare(schema, "#", schema)
+
+
+def _pointer(path: str, *keys: object) -> str:
+    return "/".join([path, *(str(k).replace("~", "~0").replace("/", "~1") for k in keys)])
+
+
+def _prepare(node: Any, path: str, root: Any) -> Any:
+    if not isinstance(node, dict):
+        return node  # (true/false, or what xgrammar's converter refuses itself)
+    for key, why in _IGNORED.items():
+        if key in node:
+            raise UnsupportedSchema(key, path, why)
+    if node.get("uniqueItems") is True:
+        raise UnsupportedSchema("uniqueItems", path, "not enforced")
+    if "allOf" in node and (not isinstance(node["allOf"], list) or len(node["allOf"]) > 1):
+        raise UnsupportedSchema("allOf", path, "only an allOf of one schema is enforced")
+    if "multipleOf" in node and not (node.get("type") == "integer" and isinstance(node["multipleOf"], int)):
+        raise UnsupportedSchema("multipleOf", path, "enforced only for type integer with an integer multipleOf")
+    fmt = node.get("format")
+    if isinstance(fmt, str) and node.get("type") == "string":
+        if fmt in _UNENFORCED_FORMATS:
+            raise UnsupportedSchema("format", path, f"format {fmt!r} is not enforced")
+        rest = {k: v for k, v in node.items() if k != "format"}
+        if fmt in _XGRAMMAR_FORMATS:
+            beside = next((k for k in ("pattern", "minLength", "maxLength") if k in node), None)
+            if beside is not None:
+                raise UnsupportedSchema(beside, path, f"not enforced together with format {fmt!r}")
+            if fmt in FORMAT_PATTERNS:
+                node = {**rest, "pattern": FORMAT_PATTERNS[fmt]}
+        else:
+            node = rest  # (an annotation)
+    if "pattern" in node:
+        beside = next((k for k in ("minLength", "maxLength") if k in node), None)
+        if beside is not None:
+            raise UnsupportedSchema(beside, path, "not enforced together with pattern")
+    for key in ("anyOf", "oneOf", "allOf", "$ref"):  # xgrammar applies these alone: siblings are dropped
+        if key in node:
+            beside = sorted(set(node) - _ANNOTATIONS - {key})
+            if beside:
+                raise UnsupportedSchema(beside[0], path, f"not enforced beside {key}: move it into its schemas")
+    if "enum" in node or "const" in node:
+        node = _narrow_values(node, path)
+    if isinstance(node.get("required"), list):
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [name for name in node["required"] if name not in props]
+        if missing:
+            raise UnsupportedSchema("required", path, f"{missing[0]!r} is not among its properties")
+    if isinstance(node.get("oneOf"), list) and not _disjoint(node["oneOf"], root):
+        raise UnsupportedSchema("oneOf", path, "its schemas may overlap and xgrammar enforces it as anyOf: "
+                                "use anyOf, or tell them apart by type or by a required property's const")
+    out = dict(node)
+    for key in _SUB_MAPS:
+        if isinstance(node.get(key), dict):
+            out[key] = {name: _prepare(sub, _pointer(path, key, name), root) for name, sub in node[key].items()}
+    for key in _SUB_ONE:
+        if key in node:
+            out[key] = _prepare(node[key], _pointer(path, key), root)
+    for key in _SUB_LISTS:
+        if isinstance(node.get(key), list):
+            out[key] = [_prepare(sub, _pointer(path, key, i), root) for i, sub in enumerate(node[key])]
+    return out
+
+
+_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer()),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _narrow_values(node: dict, path: str) -> dict:
+    """An ``enum``/``const`` with its ``type`` (xgrammar ignores the type beside them): the values of that
+    type only; any other validation keyword beside them is refused."""
+    key = "const" if "const" in node else "enum"
+    beside = sorted(set(node) - _ANNOTATIONS - {key, "type"})
+    if beside:
+        raise UnsupportedSchema(beside[0], path, f"not enforced beside {key}")
+    types = node.get("type")
+    if types is None:
+        return node
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not all(t in _TYPES for t in types):
+        return node  # (xgrammar refuses an unknown type itself)
+    values = [node["const"]] if key == "const" else node[key] if isinstance(node[key], list) else None
+    if values is None:
+        return node
+    kept = [v for v in values if any(_TYPES[t](v) for t in types)]
+    if not kept:
+        raise UnsupportedSchema(key, path, f"no value of it has type {node['type']}")
+    rest = {k: v for k, v in node.items() if k not in (key, "type")}
+    return {**rest, "enum": kept}
+
+
+def _resolve(node: Any, root: Any) -> Any:
+    """``node`` with local ``$ref``s followed (``#/$defs/X``)."""
+    for _ in range(32):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            return node
+        target = root
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            target = target.get(part) if isinstance(target, dict) else None
+        node = target
+    return node
+
+
+def _values(node: Any) -> set[str] | None:
+    """The values ``node`` admits, as canonical JSON, if it lists them (``const``/``enum``)."""
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return {json.dumps(node["const"], sort_keys=True)}
+    if isinstance(node.get("enum"), list):
+        return {json.dumps(v, sort_keys=True) for v in node["enum"]}
+    return None
+
+
+def _apart(sets: list[set[str] | None]) -> bool:
+    """No value in two of ``sets`` (each listed)."""
+    if any(s is None for s in sets):
+        return False
+    return sum(map(len, sets)) == len(set().union(*sets))  # type: ignore[arg-type]
+
+
+def _disjoint(branches: list, root: Any) -> bool:
+    """Whether no value can match two of ``branches`` (so xgrammar's anyOf is oneOf exactly): they have
+    different types (integer and number overlap), list disjoint values, or require a property whose
+    listed values tell them apart (a discriminator)."""
+    schemas = [_resolve(b, root) for b in branches]
+    if not all(isinstance(s, dict) for s in schemas):
+        return False
+    types = [s.get("type") for s in schemas]
+    if (all(isinstance(t, str) for t in types) and len(set(types)) == len(types)
+            and not {"integer", "number"} <= set(types)):
+        return True
+    if _apart([_values(s) for s in schemas]):
+        return True
+    required = [set(s.get("required", ())) if isinstance(s.get("required"), list) else set() for s in schemas]
+    for name in sorted(set.intersection(*required)) if required else ():
+        props = [s.get("properties") if isinstance(s.get("properties"), dict) else {} for s in schemas]
+        if _apart([_values(_resolve(p.get(name), root)) for p in props]):
+            return True
+    return False
+
+
+def _prepare_tag(node: Any) -> Any:
+    """A structural tag with each of its JSON schemas prepared (``prepare_schema``)."""
+    if isinstance(node, list):
+        return [_prepare_tag(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node:
+        return {**node, "json_schema": prepare_schema(node["json_schema"])}
+    return {k: _prepare_tag(v) for k, v in node.items()}
+
+
 def _json_schema_grammar(spec: str) -> str:
     """The EBNF grammar of JSON schema ``spec`` (compact separators, OpenAI ``strict`` semantics: no
-    properties or items beyond the schema's), its strings free of control characters."""
+    properties or items beyond the schema's), its strings free of control characters; UnsupportedSchema
+    for what it would not enforce (``prepare_schema``)."""
     import xgrammar as xgr
 
-    return _tidy(str(xgr.Grammar.from_json_schema(spec, any_whitespace=False, strict_mode=True)))
+    schema = json.dumps(prepare_schema(json.loads(spec)))
+    return _tidy(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)))
 
 
 def _tidy(ebnf: str) -> str:
@@ -60,13 +296,20 @@ def _tidy(ebnf: str) -> str:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one model's tokenizer and vocabulary, on a thread of its own."""
+    """Compiles constraints for one model's tokenizer and vocabulary, on a thread of its own; the last
+    ``cache_size`` compiled grammars are kept by their constraint (a request whose constraint compiled
+    before does not compile again)."""
 
-    def __init__(self, model_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_size: int = 256) -> None:
         self.model_path = Path(model_path)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.cache_size = cache_size
+        self.num_compiled = 0  # constraints compiled (not taken from the cache)
         self._compiler: Any = None
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._lock = threading.Lock()  # (the compiler's thread and callers of ``compile``)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-grammar")
 
     @property
@@ -78,6 +321,22 @@ class GrammarCompiler:
         return self._pool.submit(self.compile, constraint)
 
     def compile(self, constraint: StructuredOutput) -> Any:
+        """The compiled grammar of ``constraint`` (from the cache when it compiled before); ValueError
+        naming what does not compile or would not be enforced."""
+        with self._lock:
+            grammar = self._cache.get(constraint)
+            if grammar is not None:
+                self._cache.move_to_end(constraint)
+                return grammar
+        grammar = self._compile(constraint)
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[constraint] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def _compile(self, constraint: StructuredOutput) -> Any:
         compiler = self._get_compiler()
         kind, spec = constraint.kind, constraint.spec
         try:
@@ -93,37 +352,71 @@ class GrammarCompiler:
             if kind == "structural_tag":
                 import xgrammar as xgr
 
-                return compiler.compile_grammar(_tidy(str(xgr.Grammar.from_structural_tag(spec))))
+                tag = json.dumps(_prepare_tag(json.loads(spec)))
+                return compiler.compile_grammar(_tidy(str(xgr.Grammar.from_structural_tag(tag))))
             return compiler.compile_grammar(spec)
+        except UnsupportedSchema as e:
+            raise ValueError(f"the {kind} constraint asks what the grammar would not enforce: {e}") from None
         except (RuntimeError, ValueError) as e:  # xgrammar's errors are RuntimeErrors with a C++ location
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"the {kind} constraint does not compile: {message.split(': ', 1)[-1]}") from None
 
     def _get_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
-            from transformers import PreTrainedTokenizerFast
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import PreTrainedTokenizerFast
 
-            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_path / "tokenizer.json"))
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=list(self.eos_token_ids))
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            logger.info("structured outputs: xgrammar compiler ready (%s vocabulary, %d entries)",
-                        info.vocab_type.name.lower(), self.vocab_size)
-        return self._compiler
+                tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_path / "tokenizer.json"))
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=list(self.eos_token_ids))
+                # (no cache of xgrammar's own, unbounded by default: this one's, bounded, is kept instead)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                logger.info("structured outputs: xgrammar compiler ready (%s vocabulary, %d entries)",
+                            info.vocab_type.name.lower(), self.vocab_size)
+            return self._compiler
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def min_tokens_rows(requests: list, extras: list | None = None) -> set[int]:
+    """The rows whose stop tokens and EOS ``min_tokens`` masks (``LogitsProcessor``'s rule: row ``r``
+    follows ``requests[r]``'s outputs, then ``extras[r]``): there a grammar that can only end ends anyway
+    (``GrammarMasks``)."""
+    out = set()
+    for r, request in enumerate(requests):
+        params = request.sampling_params
+        if params.min_tokens and not params.ignore_eos:
+            if request.num_output_tokens + (len(extras[r]) if extras is not None else 0) < params.min_tokens:
+                out.add(r)
+    return out
+
+
 class GrammarMasks:
-    """The leader's matchers, one per constrained request, and the per-step bitmask."""
+    """The leader's matchers, one per constrained request, and the per-step bitmask.
+
+    Where the constraints of a request leave a row no token at all, that request fails alone: the
+    grammar wins over ``min_tokens`` (a row whose grammar allows nothing but its end gets EOS back,
+    though ``min_tokens`` masked it: the output ends shorter than ``min_tokens``); where ``bad_words``,
+    ``logit_bias`` or the stop tokens under ``min_tokens`` mask every token the grammar allows, or the
+    matcher refuses a token it is given, :meth:`accept` records the request's failure (``take_failures``;
+    the engine aborts it and its client gets the reason) instead of raising: nothing one request asks
+    for fails the step. Whether a masked row kept a token is computed on the device with the mask and
+    read after sampling (whose own transfer has synchronized by then).
+    """
 
     def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None
+        # this step's masked rows: per request the index, in ``_empty``, of its row ``j`` (after its first
+        # ``j`` drafts), and whether each masked row was left without any token ([rows] bool, device)
+        self._rows: dict[str, list[int]] = {}
+        self._empty: torch.Tensor | None = None
+        self._empty_host: list[bool] | None = None
+        self._failures: dict[str, str] = {}
 
     def add(self, request_id: str, grammar: Any) -> None:
         import xgrammar as xgr
@@ -133,41 +426,54 @@ class GrammarMasks:
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._failures.pop(request_id, None)
 
     def constrains(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def apply(self, logits: torch.Tensor, request_ids: list[str]) -> None:
-        """Mask, in place, what each constrained row's grammar does not allow next (rows of other
-        requests untouched): the bitmask is filled on the host, applied on the logits' device."""
-        self.apply_groups(logits, [(rid, r, ()) for r, rid in enumerate(request_ids)])
+    @property
+    def num_matchers(self) -> int:
+        return len(self._matchers)
 
-    def apply_groups(self, logits: torch.Tensor, groups: list[tuple[str, int, tuple[int, ...]]]) -> None:
+    def apply(self, logits: torch.Tensor, request_ids: list[str], held: Collection[int] = ()) -> None:
+        """Mask, in place, what each constrained row's grammar does not allow next (rows of other
+        requests untouched): the bitmask is filled on the host, applied on the logits' device. ``held``:
+        the rows whose EOS ``min_tokens`` masked (``min_tokens_rows``)."""
+        self.apply_groups(logits, [(rid, r, ()) for r, rid in enumerate(request_ids)], held)
+
+    def apply_groups(self, logits: torch.Tensor, groups: list[tuple[str, int, tuple[int, ...]]],
+                     held: Collection[int] = ()) -> None:
         """The same for a verification's rows: ``(request, first row, drafts)``, rows ``first + j`` follow
         the request's first ``j`` drafts. Each row's mask is its grammar after those drafts (accepted
         tentatively, then rolled back); rows after a draft the grammar refuses are left as they are (that
         draft has probability 0 under its masked row, so verification stops there)."""
+        self._rows, self._empty, self._empty_host = {}, None, None
         groups = [g for g in groups if g[0] in self._matchers]
         if not groups:
             return
         bitmask = self._buffer(logits.shape[0])
-        rows = []
+        rows: list[int] = []
         for rid, first, drafts in groups:
             matcher, tried = self._matchers[rid], 0
+            mine = self._rows[rid] = []
             for j in range(len(drafts) + 1):
                 self._fill(matcher, bitmask, first + j)
+                mine.append(len(rows))
                 rows.append(first + j)
                 if j == len(drafts) or matcher.is_terminated() or not matcher.accept_token(drafts[j]):
                     break
                 tried += 1
             if tried:
                 matcher.rollback(tried)
-        self._mask(logits, bitmask, rows)
+        self._empty = self._mask(logits, bitmask, rows, held)
 
-    def apply_after(self, logits: torch.Tensor, rows: list[tuple[str, int, tuple[int, ...]]]) -> None:
+    def apply_after(self, logits: torch.Tensor, rows: list[tuple[str, int, tuple[int, ...]]],
+                    held: Collection[int] = ()) -> None:
         """Mask row ``row`` by the request's grammar after ``tokens`` it does not hold yet (an MTP draft row:
         the drafts before it), accepted tentatively and rolled back; a row whose tokens the grammar
-        refuses is left as it is."""
+        refuses is left as it is. A row left without any token is made uniform instead (its draft is
+        rejected by a verification row as empty, which fails the request): no NaN reaches the drafts'
+        distributions."""
         rows = [r for r in rows if r[0] in self._matchers]
         if not rows:
             return
@@ -185,7 +491,9 @@ class GrammarMasks:
             if tried:
                 matcher.rollback(tried)
         if masked:
-            self._mask(logits, bitmask, masked)
+            empty = self._mask(logits, bitmask, masked, held)
+            index = torch.tensor(masked, dtype=torch.long, device=logits.device)
+            logits[index] = logits[index].masked_fill(empty[:, None], 0.0)
 
     def _buffer(self, num_rows: int) -> torch.Tensor:
         """The host bitmask for ``num_rows`` rows (grown as needed, kept between steps)."""
@@ -195,12 +503,32 @@ class GrammarMasks:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
         return self._bitmask[:num_rows]
 
-    @staticmethod
-    def _mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """The filled ``rows`` of ``bitmask`` applied to the logits, on their device."""
+    def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], held: Collection[int]) -> torch.Tensor:
+        """The filled ``rows`` of ``bitmask`` applied to the logits, on their device; in the ``held`` rows
+        whose grammar allows only its end, EOS unmasked again (``min_tokens`` masked it). Returns, for each
+        of ``rows``, whether it was left without any token ([len(rows)] bool, on the device; not read)."""
         import xgrammar as xgr
 
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+        device = logits.device
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(device, non_blocking=True), indices=rows)
+        ends = [(r, t) for r in rows if r in held for t in self._only_ends(bitmask[r])]
+        if ends:
+            at = (torch.tensor([r for r, _ in ends], device=device), torch.tensor([t for _, t in ends], device=device))
+            values = logits[at]
+            logits[at] = values.masked_fill(torch.isneginf(values), 0.0)
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        return torch.isneginf(logits.index_select(0, index)).all(dim=-1)
+
+    def _only_ends(self, words: torch.Tensor) -> list[int]:
+        """The EOS tokens a bitmask row ``words`` allows if it allows nothing else, else none."""
+        allowed = [t for t in self.eos_token_ids if t < self.vocab_size and int(words[t // 32]) >> (t % 32) & 1]
+        if not allowed:
+            return []
+        rest = words.clone()
+        for t in allowed:
+            bit = 1 << (t % 32)
+            rest[t // 32] &= ~(bit - (1 << 32) if bit >= 1 << 31 else bit)  # (an int32 word)
+        return [] if bool(rest.any()) else allowed
 
     def _fill(self, matcher: Any, bitmask: torch.Tensor, row: int) -> None:
         if matcher.is_terminated():  # complete (a request that ignores EOS goes on): EOS only
@@ -211,13 +539,35 @@ class GrammarMasks:
         else:
             matcher.fill_next_token_bitmask(bitmask, row)
 
-    def accept(self, request_id: str, tokens: list[int]) -> None:
-        """The tokens the request keeps, in order (a matcher that refuses one is a bug: it was masked)."""
+    def accept(self, request_id: str, tokens: list[int] | tuple[int, ...]) -> bool:
+        """The tokens the request keeps, in order, after this step's sampling (a verification's: the
+        accepted drafts and the token after them). False, with the request's failure recorded and its
+        matcher dropped, where a row they were drawn from had no token left or the grammar refuses one."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
-            return
+            return request_id not in self._failures
+        rows = self._rows.pop(request_id, None)
+        if rows is not None and self._empty is not None:
+            if self._empty_host is None:
+                self._empty_host = self._empty.tolist()
+            if any(self._empty_host[i] for i in rows[: len(tokens)]):
+                return self._fail(request_id, "the structured-output constraint and the sampling parameters "
+                                  "leave no token allowed (bad_words, logit_bias or the stop tokens under "
+                                  "min_tokens mask every token the grammar allows next)")
         for token in tokens:
             if matcher.is_terminated():
-                return
+                return True
             if not matcher.accept_token(token):
-                raise RuntimeError(f"request {request_id!r}: token {token} breaks its grammar")
+                return self._fail(request_id, f"the sampled token {token} breaks the structured-output grammar")
+        return True
+
+    def _fail(self, request_id: str, why: str) -> bool:
+        logger.warning("request %s fails: %s", request_id, why)
+        del self._matchers[request_id]
+        self._failures[request_id] = why
+        return False
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests :meth:`accept` failed since the last call, and why."""
+        failures, self._failures = self._failures, {}
+        return failures
