@@ -9,34 +9,37 @@ import pytest
 import torch
 
 from epserve import LLM, SamplingParams
-from epserve.engine.logits_processor import LogitsProcessor
+from epserve.engine.logits_processor import PAGE, LogitsProcessor
 from epserve.engine.request import Request
+from epserve.engine.sampler import filter_logits
+from epserve.engine.spec_decode import Noise, VerifyGroup, draft_tokens, verify
 from tests.model.test_model_parity import engine_logits
 
 V = 50
 
 
 def reference(logits: torch.Tensor, request: Request, extra: tuple[int, ...] = ()) -> torch.Tensor:
-    """vLLM's definitions, one row, written out plainly."""
+    """vLLM v1's sampler, one row, written out plainly: bad words, then min_tokens and logit_bias, then the
+    repetition, frequency and presence penalties (on the biased logits)."""
     p = request.sampling_params
     out = logits.clone()
     outputs = [*request.output_token_ids, *extra]
+    for word in p.bad_words:
+        if len(word) == 1 or (len(outputs) >= len(word) - 1 and tuple(outputs[len(outputs) - len(word) + 1:]) == word[:-1]):
+            out[word[-1]] = float("-inf")
+    if len(outputs) < p.min_tokens:
+        for t in (*p.stop_token_ids, *(() if p.ignore_eos else request.eos_token_ids)):
+            out[t] = float("-inf")
+    for t, b in p.logit_bias:
+        out[t] += b
     counts = torch.zeros(out.shape[-1])
     for t in outputs:
         counts[t] += 1
     if p.repetition_penalty != 1:
-        for t in set(outputs) | set(request.prompt_token_ids):
-            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+        seen = torch.tensor(sorted(set(outputs) | set(request.prompt_token_ids)))
+        out[seen] = torch.where(out[seen] > 0, out[seen] / p.repetition_penalty, out[seen] * p.repetition_penalty)
     out -= p.frequency_penalty * counts
     out -= p.presence_penalty * (counts > 0).float()
-    for t, b in p.logit_bias:
-        out[t] += b
-    if len(outputs) < p.min_tokens:
-        for t in (*p.stop_token_ids, *(() if p.ignore_eos else request.eos_token_ids)):
-            out[t] = float("-inf")
-    for word in p.bad_words:
-        if len(word) == 1 or (len(outputs) >= len(word) - 1 and tuple(outputs[len(outputs) - len(word) + 1:]) == word[:-1]):
-            out[word[-1]] = float("-inf")
     return out
 
 
@@ -68,10 +71,10 @@ def test_processor_matches_the_reference_formulas() -> None:
         logits = torch.randn(len(rows), V, generator=gen) * 3
         ours = proc.apply(logits, rows, extras)
         for r, (req, extra) in enumerate(zip(rows, extras)):
-            assert torch.allclose(ours[r], reference(logits[r], req, extra), atol=1e-5), (step, req.request_id)
+            assert torch.equal(ours[r], reference(logits[r], req, extra)), (step, req.request_id)
         for req in requests:
             req.append_output_token(int(torch.randint(V, (1,), generator=gen)))
-    assert proc.num_tracked == 4  # only the requests with penalties keep counts
+    assert proc.num_tracked == 7  # the requests that process their logits hold a slot
     untouched = torch.randn(2, V)
     assert proc.apply(untouched, [requests[0], requests[0]]) is untouched  # nothing to do: no copy, no op
     for req in requests:
@@ -93,8 +96,71 @@ def test_in_place_over_every_row_matches_the_reference() -> None:
         logits = torch.randn(len(rows), V, generator=gen) * 2
         want = torch.stack([reference(logits[r], req, extra) for r, (req, extra) in enumerate(zip(rows, extras))])
         out = proc.apply(logits, rows, extras, in_place=True)
-        assert out is logits and torch.allclose(out, want, atol=1e-5)
+        assert out is logits and torch.equal(out, want)
+        strided = torch.randn(V, len(rows), generator=gen).t()  # not contiguous: processed, written back
+        want = torch.stack([reference(strided[r], req, extra) for r, (req, extra) in enumerate(zip(rows, extras))])
+        assert proc.apply(strided, rows, extras, in_place=True) is strided and torch.equal(strided, want)
         a.append_output_token(30), b.append_output_token(5)
+
+
+def test_repetition_penalty_acts_on_the_biased_logit() -> None:
+    """vLLM biases first, then penalizes: a seen token with a negative logit and a positive bias is
+    divided by the penalty (penalizing first would multiply it, then add the bias)."""
+    proc = LogitsProcessor(V, torch.device("cpu"))
+    request = make("rb", [7], [12], repetition_penalty=2.0, logit_bias={12: 3.0, 7: -1.0})
+    logits = torch.zeros(1, V)
+    logits[0, 12], logits[0, 7] = -1.0, 0.5
+    out = proc.apply(logits, [request])
+    assert out[0, 12] == (-1.0 + 3.0) / 2.0  # vLLM; the other order gives -1.0 * 2.0 + 3.0 = 1.0
+    assert out[0, 7] == (0.5 - 1.0) * 2.0  # negative once biased: multiplied
+    assert torch.equal(out[0], reference(logits[0], request))
+
+
+def test_tables_follow_tracked_requests_and_shrink_when_the_widest_is_released() -> None:
+    """Requests come and go (prompts crossing pages, extras, every kind of processing): each step equals
+    the reference exactly; releasing the one wide request (4000 distinct seen tokens, 100 bias entries)
+    compacts the tables to what the others need, and they stay exact."""
+    vocab = 4096
+    gen = torch.Generator().manual_seed(2)
+    proc = LogitsProcessor(vocab, torch.device("cpu"))
+
+    def randint(hi: int, n: int = 1) -> list[int]:
+        return torch.randint(hi, (n,), generator=gen).tolist()
+
+    kinds = [dict(repetition_penalty=1.4, frequency_penalty=0.3), dict(presence_penalty=-0.7, logit_bias={3: 2.0}),
+             dict(min_tokens=15, stop_token_ids=[5, 6], bad_words=[(9,), (4, 8)]), dict(frequency_penalty=0.2)]
+    wide = make("wide", list(range(4000)), [7], repetition_penalty=1.2, logit_bias={t: 0.5 for t in range(100)})
+    live = {"wide": wide}
+    for step in range(8):
+        if step % 2 == 0:  # a new request in, an old small one out
+            i = step // 2
+            prompt = list(range(300, 300 + PAGE)) if i == 0 else randint(600, randint(400)[0] + 1)  # s0: a page full
+            live[f"s{i}"] = make(f"s{i}", prompt, randint(300, 2), **kinds[i % 4])
+            if f"s{i - 2}" in live:
+                proc.release(f"s{i - 2}"), live.pop(f"s{i - 2}")
+        reqs = list(live.values())
+        rows = [*reqs, reqs[-1], reqs[-1]]
+        extras = [() for _ in reqs] + [tuple(randint(600, 1)), tuple(randint(600, 3))]
+        logits = torch.randn(len(rows), vocab, generator=gen) * 3
+        out = proc.apply(logits, rows, extras)
+        for r, (req, extra) in enumerate(zip(rows, extras)):
+            assert torch.equal(out[r], reference(logits[r], req, extra)), (step, req.request_id)
+        for req in reqs:
+            for t in randint(600, 2):
+                req.append_output_token(t)
+    before = proc.memory_bytes
+    proc.release("wide"), live.pop("wide")
+    assert proc.memory_bytes < before / 4
+    assert proc._entry_tokens.shape[1] < 100 and proc._page_tokens.shape[0] <= 4 * max(
+        sum(len(s.pages) for s in proc._states.values()), 4)
+    reqs = list(live.values())
+    logits = torch.randn(len(reqs), vocab, generator=gen)
+    out = proc.apply(logits, reqs, [(1, 1)] * len(reqs))
+    for r, req in enumerate(reqs):
+        assert torch.equal(out[r], reference(logits[r], req, (1, 1))), req.request_id
+    for rid in list(live):
+        proc.release(rid)
+    assert proc.num_tracked == 0 and proc.memory_bytes < 20_000
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +182,25 @@ def test_greedy_decode_with_processing_follows_the_reference_step_by_step(llm) -
     assert out.token_ids == state.output_token_ids
     plain = llm.generate([PROMPT], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))[0]
     assert plain.token_ids != out.token_ids  # the processing changed the text
+
+
+def test_processing_with_the_captured_decode_equals_eager(tiny_ckpt, llm, monkeypatch) -> None:
+    """``compile=True``: the decode forward is one captured graph per bucket and the processing acts on its
+    logits: the tokens and logprobs of penalized, biased, min_tokens requests (greedy and seeded) equal
+    eager decoding's."""
+    monkeypatch.setenv("EPSERVE_COMPILE_BACKEND", "aot_eager")  # the fullgraph trace, no codegen
+    eos = llm.config.model.eos_token_ids[0]
+    kw = dict(max_tokens=8, logprobs=1, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.2,
+              logit_bias={eos: 50.0, 3: 2.0}, min_tokens=6)
+    params = [SamplingParams(temperature=0.0, **kw), SamplingParams(temperature=0.9, seed=5, **kw)]
+    prompts = [PROMPT, [7, 8, 9]]
+    eager = llm.generate(prompts, params)
+    captured = LLM(tiny_ckpt, dtype="float32", num_blocks=128, block_size=8, max_num_batched_tokens=24,
+                   max_num_seqs=2, compile=True)
+    assert captured.engine.runner.decode_graphs is not None
+    for a, b in zip(eager, captured.generate(prompts, params)):
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 7 and a.token_ids[-1] == eos  # held to 6
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
 
 
 def test_logprobs_stay_the_models_own(llm) -> None:
@@ -184,6 +269,57 @@ def test_prompt_logprobs_match_transformers(tiny_ckpt, llm) -> None:
             assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
     plain = llm.generate([long], SamplingParams(max_tokens=2))[0]
     assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # others still hit the cache
+
+
+def test_sampled_processing_under_mtp_keeps_plain_decodings_distribution() -> None:
+    """Rejection sampling over processed rows: 2 drafts from a draft model unlike the target, both draft
+    rows and the 3 verification rows processed with their extra tokens (penalties, logit_bias, and
+    min_tokens whose EOS mask lifts at the second row). The first token follows plain decoding's
+    processed target, and the pair (first, second) where a draft was accepted follows
+    min(p0, q0)(a) * p1(b | a), p1 processed after a: each frequency within 5 sigma of 4000 samples."""
+    vocab, n, batch = 6, 4000, 500
+    params = SamplingParams(max_tokens=50, temperature=0.9, repetition_penalty=1.6, frequency_penalty=0.4,
+                            presence_penalty=0.3, logit_bias={4: 0.8}, min_tokens=2)
+    request = Request("s", [0, 1], params, eos_token_ids=(5,))
+    request.append_output_token(2)
+    target = torch.tensor([[1.0, 0.5, 0.2, -0.3, 0.8, 1.5], [0.1, 0.9, -0.5, 0.4, 0.0, 0.3],
+                           [0.3, -0.2, 0.6, 0.1, 0.5, -0.4]])
+    draft = torch.tensor([[0.2, 1.2, -0.2, 0.6, -0.5, 0.9], [0.7, 0.1, 0.4, -0.6, 0.2, 0.0]])
+    proc = LogitsProcessor(vocab, torch.device("cpu"))
+    noise = Noise(torch.Generator().manual_seed(4321))
+    pos = request.num_tokens
+
+    def dist(logits: torch.Tensor, extra: tuple[int, ...] = ()) -> torch.Tensor:
+        return filter_logits(reference(logits, request, extra)[None], [params]).softmax(-1)[0].double()
+
+    firsts, pairs = [], []
+    for _ in range(n // batch):
+        same = [request] * batch
+        d0, q0 = draft_tokens(proc.apply(draft[0].repeat(batch, 1), same, [()] * batch), [params] * batch,
+                              [pos] * batch, noise)
+        d0 = d0.tolist()
+        d1, q1 = draft_tokens(proc.apply(draft[1].repeat(batch, 1), same, [(d,) for d in d0]), [params] * batch,
+                              [pos + 1] * batch, noise)
+        drafts = list(zip(d0, d1.tolist()))
+        extras = [e for a, b in drafts for e in ((), (a,), (a, b))]
+        logits = proc.apply(target.repeat(batch, 1), [request] * 3 * batch, extras)
+        groups = [VerifyGroup(d, torch.stack([q0[i], q1[i]]), params, pos) for i, d in enumerate(drafts)]
+        for out in verify(logits, groups, noise):
+            firsts.append(out.token_ids[0])
+            if out.num_accepted:
+                pairs.append(out.token_ids[0] * vocab + out.token_ids[1])
+    p0, q0 = dist(target[0]), dist(draft[0])
+    p1 = torch.stack([dist(target[1], (a,)) for a in range(vocab)])  # [a, b]: p1(b | a)
+    assert p0[5] == 0 and p1[:, 5].min() > 0  # EOS held below min_tokens at the first row only
+    assert (p1 - dist(target[1])).abs().max() > 0.05  # the extra token matters: the test has power
+    freq = torch.bincount(torch.tensor(firsts), minlength=vocab).double() / n
+    assert ((freq - p0).abs() <= 5 * (p0 * (1 - p0) / n).sqrt() + 1e-9).all(), (freq, p0)
+    joint = (torch.minimum(p0, q0)[:, None] * p1).flatten()
+    joint /= joint.sum()
+    m = len(pairs)
+    assert m > n / 4
+    freq = torch.bincount(torch.tensor(pairs), minlength=vocab * vocab).double() / m
+    assert ((freq - joint).abs() <= 5 * (joint * (1 - joint) / m).sqrt() + 1e-9).all(), (freq, joint)
 
 
 def test_processing_is_exact_under_mtp_verification(counter_ckpt, device) -> None:

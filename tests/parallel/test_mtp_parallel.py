@@ -1,6 +1,7 @@
 """MTP speculative decoding across ranks: every layout, dispatcher and overlap mode gives the tokens of
 one process decoding plainly, while DP groups accept different numbers of drafts (the ranks stay in
-lockstep: every rank runs the same number of MTP passes each step)."""
+lockstep: every rank runs the same number of MTP passes each step), logits processing (penalties,
+``logit_bias``, ``min_tokens``, ``bad_words``) included."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ from epserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = [[11, 12, 13], [40, 41], list(range(100, 140)), [7], [200, 201, 202, 203, 204], [60] * 9]
-PARAMS = [SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True, logprobs=2) for i in range(6)]
+PROMPTS = [[11, 12, 13], [40, 41], list(range(100, 140)), [7], [200, 201, 202, 203, 204], [60] * 9, [90, 91, 92],
+           [300, 301]]
+PARAMS = [SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, ignore_eos=True, logprobs=2) for i in range(6)] + [
+    # logits processing over the drafts' rows: the bias takes 50 once (its penalties then count it), the
+    # stop token 303 is held back below min_tokens and 304 is banned (both change the counter's tokens)
+    SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=2, logit_bias={50: 14.0},
+                   frequency_penalty=2.0, repetition_penalty=1.2),
+    SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2, presence_penalty=0.8, min_tokens=5,
+                   stop_token_ids=[303], logit_bias={303: 30.0}, bad_words=[(304,)]),
+]
 ENGINE = dict(dtype="float32", num_blocks=256, block_size=8, max_num_batched_tokens=32)
 
 
