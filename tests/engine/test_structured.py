@@ -20,8 +20,9 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.config import LoopOptions
 from epserve.engine.engine import RequestError
+from epserve.engine.json_schema import FORMAT_PATTERNS
 from epserve.engine.loop import EngineLoop
-from epserve.engine.structured import FORMAT_PATTERNS, GrammarCompiler, GrammarMasks
+from epserve.engine.structured import GrammarCompiler, GrammarMasks
 from epserve.messages.engine import AbortRequest, AddRequest, GeneratedTokens, RequestFailed
 from epserve.messages.sampling import StructuredOutput
 
