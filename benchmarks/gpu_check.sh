@@ -63,7 +63,7 @@ declare -A SELECT=(
   [capture]="tests/engine/test_graph_startup.py tests/engine/test_decode_graphs.py tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp -m 'not slow'"
   [sampling]="tests/engine/test_logits_processing.py tests/engine/test_structured.py"
 )
-SCRIPTS=(benchmarks/v3_layer.py benchmarks/gpu_micro.py benchmarks/fp8_gemm.py benchmarks/common.py)
+SCRIPTS=(benchmarks/v3_layer.py benchmarks/step_timers.py benchmarks/gpu_micro.py benchmarks/fp8_gemm.py benchmarks/common.py)
 V3_ARGS="--device cuda --variants fp8 --batches 1 16 64"
 TOKENS_ARGS="--size tiny --device cuda --variants bf16 fp8 fp8-kv --batches 1 4 --no-timing --tokens 16"
 declare -A DESC=(
