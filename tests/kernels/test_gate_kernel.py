@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton_harness
 
 from epserve.config import ModelConfig
+from epserve.kernels import cpu
 from epserve.kernels import gate as gate_kernel
 from epserve.moe.gate import ExpertGate
 from epserve.presets import build_config
@@ -96,20 +97,25 @@ def assert_same_routing(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torc
 
 
 @pytest.mark.parametrize("name", sorted(ROUTER_OVERRIDES))
-def test_reference_matches_expert_gate(name):
+def test_reference_matches_expert_gate(name, monkeypatch):
     gate = make_gate(name)
     for t in (0, 1, 5, 33):
         x = torch.randn(t, gate.weight.shape[1], generator=torch.Generator().manual_seed(t))
-        want = gate(x)
+        with torch.no_grad():
+            fused = gate(x)  # the CPU's C kernels (gate GEMM and fused top-k) where they load
+        with monkeypatch.context() as m:  # torch only: the reference's ops, bit for bit
+            m.setattr(cpu, "_available", {cpu.OPS: False, torch.float32: False})
+            want = gate(x)
         got = gate_kernel.grouped_topk_ref(F.linear(x.float(), gate.weight), **gate_kwargs(gate))
         assert_same_routing(got, (want.topk_ids, want.topk_weights), rtol=0, atol=0)
+        assert_same_routing((fused.topk_ids, fused.topk_weights), (want.topk_ids, want.topk_weights))
         assert gate_kernel.grouped_topk(F.linear(x.float(), gate.weight), **gate_kwargs(gate))[0].shape == (t, 4)
 
 
 def test_reference_maps_to_physical_slots():
     logits, (bias, table) = make_logits(9, 256), make_bias_and_table(256)
     ids, w = gate_kernel.grouped_topk_ref(logits, **V3, bias=bias)
-    phys, w_phys = gate_kernel.grouped_topk(logits, **V3, bias=bias, logical_to_physical=table)
+    phys, w_phys = gate_kernel.grouped_topk_ref(logits, **V3, bias=bias, logical_to_physical=table)
     assert torch.equal(phys, table[ids]) and torch.equal(w_phys, w)
     assert torch.allclose(w.sum(dim=1), torch.full((9,), 2.5))
 

@@ -7,6 +7,12 @@ one row does; BLAS's small-M GEMM does not stream (two fp32 rows cost about twic
 tensors with few rows (decode), and fall back to torch otherwise, or when the CPU lacks the
 instructions, no C compiler is found, or ``EPSERVE_CPU_KERNELS=0``. Results match torch's path up to
 summation order.
+
+``cpu_ops.c`` (AVX2 + FMA) holds the small ops of a decode step fused, each in place of a chain of
+eager torch ops that costs more in dispatch than in arithmetic: ``mla_decode`` (paged MLA decode
+attention), ``grouped_topk`` (DeepSeek's gate) and ``rms_norm``. They return None where they do not
+apply (the caller then runs its torch reference); their front ends (``kernels.mla_decode``,
+``kernels.gate``, ``kernels.rms_norm``) use them on the CPU in eager steps, never in a trace.
 """
 
 from __future__ import annotations
@@ -25,17 +31,20 @@ import torch
 import torch.nn.functional as F
 
 from epserve import env
-from epserve.kernels.ops import tracing
+from epserve.kernels.device import tracing
 
 logger = logging.getLogger(__name__)
 
 TILE_M = 16  # rows per weight pass; must match the C sources
 _SOURCE = Path(__file__).with_name("cpu_bf16.c")
 _SOURCE_F32 = Path(__file__).with_name("cpu_f32.c")
-# per element type: the source, the compiler flags, the CPU flags it needs, its kernels' names
-_KINDS = {
+_SOURCE_OPS = Path(__file__).with_name("cpu_ops.c")
+OPS = "ops"  # the library of fused small ops (any dtype)
+# per element type (or OPS): the source, the compiler flags, the CPU flags it needs, its kernels' names
+_KINDS: dict[torch.dtype | str, tuple[str, list[str], tuple[str, ...], str]] = {
     torch.bfloat16: ("_SOURCE", ["-mavx512f", "-mavx512bf16"], ("avx512f", "avx512_bf16"), "bf16"),
     torch.float32: ("_SOURCE_F32", ["-mavx2", "-mfma"], ("avx2", "fma"), "f32"),
+    OPS: ("_SOURCE_OPS", ["-mavx2", "-mfma"], ("avx2", "fma"), "ops"),
 }
 
 
@@ -63,7 +72,7 @@ def _build(cc: str, lib_path: Path, source: Path, flags: list[str]) -> None:
 
 
 @cache
-def _library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
     source_attr, cflags, cpu_flags, name = _KINDS[dtype]
     if not env.cpu_kernels_enabled() or not _cpu_has(*cpu_flags):
         return None
@@ -81,17 +90,23 @@ def _library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", None) or str(e)
         logger.warning("CPU %s kernels unavailable (%s); using torch", name, detail.strip()[:200])
         return None
-    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    getattr(lib, f"epserve_linear_{name}").argtypes = [p, i64, p, i64, i64, p, c_int]
-    getattr(lib, f"epserve_moe_swiglu_{name}").argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
+    p, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    if dtype == OPS:
+        lib.epserve_mla_decode.argtypes = [p, i64, i64, i64, p, c_int, i64, p, i64, p, f32, i64, p, c_int]
+        lib.epserve_grouped_topk.argtypes = [p, i64, i64, i64, i64, i64, c_int, c_int, c_int, c_int, f32, p, p, p, p]
+        lib.epserve_rms_norm.argtypes = [p, p, i64, i64, i64, f32, c_int, p]
+        lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p]
+    else:
+        getattr(lib, f"epserve_linear_{name}").argtypes = [p, i64, p, i64, i64, p, c_int]
+        getattr(lib, f"epserve_moe_swiglu_{name}").argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
     logger.info("CPU %s decode kernels loaded from %s", name, lib_path)
     return lib
 
 
-_available: dict[torch.dtype, bool] = {}  # available()'s answers, once asked: constants to torch.compile
+_available: dict[torch.dtype | str, bool] = {}  # available()'s answers, once asked: constants to torch.compile
 
 
-def available(dtype: torch.dtype = torch.bfloat16) -> bool:
+def available(dtype: torch.dtype | str = torch.bfloat16) -> bool:
     """Whether the ``dtype`` kernels load here (built on first ask). Ask once before compiling a forward
     that may call them (``engine/graphs.py`` does), so torch.compile reads a constant instead of tracing
     the build."""
@@ -154,4 +169,95 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
         lo, hi = int(offsets[e]), int(offsets[e + 1])
         gate, up = F.linear(x[lo:hi], w13[e]).chunk(2, dim=-1)
         out[lo:hi] = F.linear(F.silu(gate) * up, w2[e])
+    return out
+
+
+# ---- the fused small ops (cpu_ops.c) ------------------------------------------------------------------
+
+_NORM_MAX_ROWS = 256  # past this (prefill) torch's threaded ops win over one C thread
+_METHODS = {"noaux_tc": 0, "group_limited_greedy": 1}  # greedy: never grouped
+
+
+def _ops(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library, unless tracing or ``tensors`` need gradients (the training model shares RMSNorm)."""
+    if tracing() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    return _library(OPS) if available(OPS) else None
+
+
+def mla_decode(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: list[int],
+               softmax_scale: float, kv_lora_rank: int) -> torch.Tensor | None:
+    """Paged MLA decode for fp32 queries over a bf16 or fp32 cache (``lens``: the checked sequence
+    lengths) -> o_latent [B, h, r] fp32; None where it does not apply (an FP8 cache, CUDA, a trace)."""
+    if q_latent.device.type != "cpu" or kv_cache.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    lib = _ops()
+    if lib is None or not kv_cache.is_contiguous() or q_latent.requires_grad:
+        return None
+    b, h, d = q_latent.shape
+    q = q_latent.float().contiguous()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32)
+    lib.epserve_mla_decode(q.data_ptr(), b, h, d, kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+                           kv_cache.shape[1], tables.data_ptr(), tables.shape[1], lens_t.data_ptr(), softmax_scale,
+                           kv_lora_rank, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def grouped_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, method: str, scoring: str,
+                 norm_topk_prob: bool, routed_scaling_factor: float, bias: torch.Tensor | None,
+                 logical_to_physical: torch.Tensor | None, grouped: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``kernels.gate``'s checked arguments -> (ids int64 [T, K], weights fp32 [T, K]), or None."""
+    if logits.device.type != "cpu":
+        return None
+    lib = _ops()
+    if lib is None:
+        return None
+    x = logits.float().contiguous()
+    t, e = x.shape
+    b = bias.float().contiguous() if bias is not None else None
+    table = logical_to_physical.to(torch.int64).contiguous() if logical_to_physical is not None else None
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    lib.epserve_grouped_topk(x.data_ptr(), t, e, top_k, n_group, topk_group, _METHODS.get(method, 0),
+                             int(scoring == "softmax"), int(grouped), int(norm_topk_prob), routed_scaling_factor,
+                             None if b is None else b.data_ptr(), None if table is None else table.data_ptr(),
+                             ids.data_ptr(), weights.data_ptr())
+    return ids, weights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``kernels.rms_norm_ref`` for a few bf16 or fp32 rows (rows may be strided, as a split's view is),
+    or None."""
+    d = x.shape[-1]
+    if (x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype
+            or weight.shape != (d,) or not weight.is_contiguous()):
+        return None
+    rows = x if x.dim() == 2 else x.reshape(-1, d)
+    if rows.shape[0] > _NORM_MAX_ROWS or (rows.shape[0] and rows.stride(1) != 1):
+        return None
+    lib = _ops(x, weight)
+    if lib is None:
+        return None
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    lib.epserve_rms_norm(rows.data_ptr(), weight.data_ptr(), rows.shape[0], d, rows.stride(0) if rows.shape[0] else d,
+                         eps, int(x.dtype == torch.bfloat16), out.data_ptr())
+    return out.view(x.shape)
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [B, h, K] (bf16 or fp32, the last dim contiguous) times each head's fp32 weight w [h, K, N] ->
+    fp32 [B, h, N] (MLA's absorbed projections), or None."""
+    if (x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != torch.float32
+            or x.dim() != 3 or w.dim() != 3 or x.shape[1:] != w.shape[:2] or not w.is_contiguous()
+            or (x.numel() and x.stride(2) != 1) or x.shape[0] > TILE_M):
+        return None
+    lib = _ops(x, w)
+    if lib is None:
+        return None
+    b, h, k = x.shape
+    out = torch.empty(b, h, w.shape[2], dtype=torch.float32)
+    lib.epserve_head_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), b, h, k, x.stride(0), x.stride(1),
+                            w.data_ptr(), w.shape[2], out.data_ptr())
     return out

@@ -14,8 +14,9 @@
 
 On CUDA tensors the op is one fused Triton kernel (``kernels.gate_triton``, imported only then, so
 the CPU engine never loads triton; no host syncs, so it can be captured in a CUDA graph; when traced,
-the custom op ``epserve::grouped_topk`` of ``kernels/ops.py``); elsewhere it is ``grouped_topk_ref``,
-torch ops in ExpertGate's exact order. The order of the K ids within a row is unspecified (the kernel
+the custom op ``epserve::grouped_topk`` of ``kernels/ops.py``); on the CPU in eager steps the same
+fusion in C (``kernels.cpu``); elsewhere it is ``grouped_topk_ref``, torch ops in ExpertGate's exact
+order. The order of the K ids within a row is unspecified (the kernel
 returns them best first); ties between equal scores may break differently in the two backends. Both return ids int64 [T, K] and weights fp32 [T, K].
 """
 
@@ -25,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from epserve.kernels import cpu
 from epserve.kernels.device import is_cuda, tracing
 
 METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
@@ -146,6 +148,12 @@ def grouped_topk(
     if is_cuda(logits) and tracing():
         return torch.ops.epserve.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
                                               routed_scaling_factor, bias, logical_to_physical)
+    if not is_cuda(logits) and cpu.available(cpu.OPS):  # the C kernel, eager on the CPU (None otherwise)
+        check_args(logits, top_k, n_group, topk_group, method, scoring, bias, logical_to_physical)
+        out = cpu.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
+                               routed_scaling_factor, bias, logical_to_physical, is_grouped(method, n_group))
+        if out is not None:
+            return out
     fn = _triton().grouped_topk_triton if is_cuda(logits) else grouped_topk_ref
     return fn(
         logits, top_k=top_k, n_group=n_group, topk_group=topk_group, method=method, scoring=scoring,

@@ -9,8 +9,9 @@ scale; read = stored * scale). Sequence ``i`` holds its ``seq_lens[i]`` tokens i
 Rows with ``seq_lens[i] == 0`` (padding of a padded batch) come out zero.
 
 ``paged_mla_decode`` picks the backend from the tensors' device: the split-K Triton kernels on CUDA
-(``kernels.mla_decode_triton``, imported only then, so the CPU engine never loads triton) and the
-torch reference ``paged_mla_decode_ref`` elsewhere. The reference walks the context a chunk of blocks
+(``kernels.mla_decode_triton``, imported only then, so the CPU engine never loads triton), the C
+kernel of ``kernels.cpu`` on the CPU for a bf16 or fp32 cache (one pass per sequence and head, no
+gather), and the torch reference ``paged_mla_decode_ref`` otherwise. The reference walks the context a chunk of blocks
 at a time for all sequences still running, gathering those blocks through the block table
 (dequantizing FP8 as read) and merging chunks with an online softmax, so its memory stays bounded
 (about ``_CHUNK_ELEMS`` fp32 values) however long the contexts are. It reads ``seq_lens`` on the host;
@@ -24,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from epserve.kernels import backends
+from epserve.kernels import backends, cpu
 from epserve.kernels.device import is_cuda
 from epserve.kernels.fp8 import FP8_DTYPE, cdiv
 
@@ -101,6 +102,17 @@ def _read_blocks(kv_cache: torch.Tensor, tables: torch.Tensor, kv_scale: torch.T
     return blocks if kv_scale is None else blocks * kv_scale.float()
 
 
+def _host_lens(seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> list[int]:
+    """``seq_lens`` read on the host, each checked to fit its block table."""
+    lens = [int(n) for n in seq_lens.tolist()]
+    if min(lens, default=0) < 0 or max(lens, default=0) > block_tables.shape[1] * block_size:
+        raise ValueError(
+            f"seq_lens {lens} must lie in [0, {block_tables.shape[1] * block_size}] "
+            f"(block_tables {_shape(block_tables)}, block_size {block_size})"
+        )
+    return lens
+
+
 def paged_mla_decode_ref(
     q_latent: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -114,15 +126,10 @@ def paged_mla_decode_ref(
     """o_latent [B, h, kv_lora_rank] fp32: softmax(q k^T * softmax_scale) v over each sequence's cached
     rows, ``chunk_blocks`` cache blocks at a time (default: ~``_CHUNK_ELEMS`` values per chunk)."""
     check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, kv_scale)
+    lens = _host_lens(seq_lens, block_tables, kv_cache.shape[1])
     b, h, d = q_latent.shape
     block_size, r = kv_cache.shape[1], kv_lora_rank
     device = q_latent.device
-    lens = [int(n) for n in seq_lens.tolist()]
-    if min(lens, default=0) < 0 or max(lens, default=0) > block_tables.shape[1] * block_size:
-        raise ValueError(
-            f"seq_lens {lens} must lie in [0, {block_tables.shape[1] * block_size}] "
-            f"(block_tables {_shape(block_tables)}, block_size {block_size})"
-        )
     acc = torch.zeros(b, h, r, dtype=torch.float32, device=device)
     max_blocks = cdiv(max(lens, default=0), block_size)
     if max_blocks == 0 or h == 0:
@@ -193,6 +200,12 @@ def paged_mla_decode(
         return _triton().paged_mla_decode_triton(
             q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale, num_splits
         )
+    if kv_scale is None and cpu.available(cpu.OPS):  # the C kernel (bf16 or fp32 cache; None otherwise)
+        check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, kv_scale)
+        lens = _host_lens(seq_lens, block_tables, kv_cache.shape[1])
+        out = cpu.mla_decode(q_latent, kv_cache, block_tables, lens, softmax_scale, kv_lora_rank)
+        if out is not None:
+            return out
     return paged_mla_decode_ref(
         q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale
     )

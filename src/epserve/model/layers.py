@@ -12,7 +12,7 @@ from torch import nn
 
 from epserve.checkpoint import fp8_block_dequantize
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
-from epserve.kernels import linear
+from epserve.kernels import linear, rms_norm
 from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul_quant
 
 
@@ -48,11 +48,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [..., dim] -> [..., dim], normalised in fp32, scaled in x's dtype."""
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        """x: [..., dim] -> [..., dim], normalised in fp32, scaled in x's dtype (``kernels.rms_norm``)."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 def yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> torch.Tensor:

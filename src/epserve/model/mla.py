@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
+from epserve.kernels import head_matmul
 from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from epserve.kernels.ops import mla_decode
 from epserve.model.batch import ForwardBatch, MicroBatch
@@ -147,8 +148,7 @@ class MLAttention(nn.Module):
     def absorb_q(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Decode queries into the latent space (fp32): [B, h, qk_head] -> [B, h, kv_lora + rope]."""
         q_nope, q_pe = q[: batch.num_decode_seqs].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_nope = q_nope.to(self.w_uk.dtype).transpose(0, 1)
-        q_latent = torch.bmm(q_nope, self.w_uk).transpose(0, 1).float()  # [B, h, r]
+        q_latent = head_matmul(q_nope, self.w_uk).float()  # [B, h, r]
         return torch.cat([q_latent, q_pe.float()], dim=-1)
 
     def expand_kv(self, batch: ForwardBatch, kv_cache: torch.Tensor, dtype: torch.dtype) -> list[PrefillKV]:
@@ -197,8 +197,7 @@ class MLAttention(nn.Module):
 
     def absorb_v(self, o_latent: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Decode outputs back from the latent space into ``out``'s first rows; returns ``out``."""
-        o = torch.bmm(o_latent.to(self.w_uv_t.dtype).transpose(0, 1), self.w_uv_t)
-        out[: o_latent.shape[0]] = o.transpose(0, 1).to(out.dtype)
+        out[: o_latent.shape[0]] = head_matmul(o_latent, self.w_uv_t).to(out.dtype)
         return out
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,213 @@
+/* The small fused ops of a CPU decode step (x86-64 with AVX2 + FMA; plain C the compiler vectorizes).
+ *
+ * Each replaces a chain of eager torch ops whose cost at decode sizes is the dispatch of every op,
+ * not its arithmetic: paged MLA decode attention (the torch reference gathers, pads, masks and runs
+ * two bmm per layer), DeepSeek's grouped top-k gate (about twenty ops per layer) and RMSNorm (eight).
+ * All math is fp32, in the order of the torch references up to summation order. Built and loaded at
+ * run time by kernels/cpu.py; the torch references are the fallback.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = ((uint32_t)h) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+  bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(bits >> 16);
+}
+
+/* q . row over d columns; row in bf16 (is_bf16) or fp32. */
+static inline float dot_row(const float *q, const void *row, int is_bf16, int64_t d) {
+  float acc = 0.0f;
+  if (is_bf16) {
+    const uint16_t *r = (const uint16_t *)row;
+    #pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < d; j++) acc += q[j] * bf16_to_f32(r[j]);
+  } else {
+    const float *r = (const float *)row;
+    #pragma omp simd reduction(+ : acc)
+    for (int64_t j = 0; j < d; j++) acc += q[j] * r[j];
+  }
+  return acc;
+}
+
+static inline void axpy_row(float *o, float p, const void *row, int is_bf16, int64_t r) {
+  if (is_bf16) {
+    const uint16_t *v = (const uint16_t *)row;
+    for (int64_t j = 0; j < r; j++) o[j] += p * bf16_to_f32(v[j]);
+  } else {
+    const float *v = (const float *)row;
+    for (int64_t j = 0; j < r; j++) o[j] += p * v[j];
+  }
+}
+
+/* Absorbed MLA decode: out[b, h, :R] = softmax_t(q[b, h] . kv_t * scale) @ kv_t[:R] over the lens[b]
+ * cached rows of sequence b, row t in block tables[b, t / block_size] at t % block_size. q fp32
+ * [B, H, D]; cache [blocks, block_size, D] bf16 or fp32; tables int64 [B, max_blocks]; lens int64 [B]
+ * (checked by the caller to fit the tables). Empty sequences come out zero. One (sequence, head) pair
+ * per work item. */
+void epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const void *cache, int is_bf16,
+                        int64_t block_size, const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                        float scale, int64_t R, float *out, int num_threads) {
+  const int64_t elem = is_bf16 ? 2 : 4;
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; b++) work += lens[b];
+  const int threads = work * H * D > (1 << 16) ? num_threads : 1; /* small steps: no thread hand-off */
+  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t bh = 0; bh < B * H; bh++) {
+    const int64_t b = bh / H, L = lens[b];
+    const float *qv = q + bh * D;
+    float *o = out + bh * R;
+    memset(o, 0, sizeof(float) * R);
+    if (L <= 0) continue;
+    float *s = (float *)malloc(sizeof(float) * L);
+    const int64_t *table = tables + b * max_blocks;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < L; t++) {
+      const char *row = (const char *)cache + ((table[t / block_size] * block_size + t % block_size) * D) * elem;
+      s[t] = dot_row(qv, row, is_bf16, D) * scale;
+      if (s[t] > m) m = s[t];
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < L; t++) {
+      s[t] = expf(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < L; t++) {
+      const char *row = (const char *)cache + ((table[t / block_size] * block_size + t % block_size) * D) * elem;
+      axpy_row(o, s[t] * inv, row, is_bf16, R);
+    }
+    free(s);
+  }
+}
+
+/* The index of the largest value among v[0..n) not yet taken (first one on ties); marks it taken. */
+static inline int64_t take_max(const float *v, unsigned char *taken, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; i++)
+    if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+  if (best < 0) return 0; /* n values all taken: the caller never asks for more than n */
+  taken[best] = 1;
+  return best;
+}
+
+/* DeepSeek's grouped top-k gate on fp32 logits [T, E] (kernels/gate.py's reference, step for step):
+ * scores by sigmoid (scoring 0) or softmax (1); selection scores plus bias (may be NULL); grouped
+ * (grouped != 0): groups ranked by the sum of their top-2 (method 0, noaux_tc) or their best (1),
+ * all but the best topk_group masked; the top_k best left; weights the unbiased scores, normalized
+ * (norm) and scaled; ids mapped through l2p (may be NULL). ids int64 [T, K], weights fp32 [T, K]. */
+void epserve_grouped_topk(const float *logits, int64_t T, int64_t E, int64_t K, int64_t G, int64_t topk_group,
+                          int method, int scoring, int grouped, int norm, float scaling, const float *bias,
+                          const int64_t *l2p, int64_t *ids, float *weights) {
+  float *scores = (float *)malloc(sizeof(float) * E);
+  float *choice = (float *)malloc(sizeof(float) * E);
+  float *group_scores = (float *)malloc(sizeof(float) * (G > 0 ? G : 1));
+  unsigned char *taken = (unsigned char *)malloc((size_t)(E > G ? E : G));
+  const int64_t size = G > 0 ? E / G : E;
+  for (int64_t t = 0; t < T; t++) {
+    const float *l = logits + t * E;
+    if (scoring == 0) {
+      for (int64_t e = 0; e < E; e++) scores[e] = 1.0f / (1.0f + expf(-l[e]));
+    } else {
+      float m = -INFINITY, sum = 0.0f;
+      for (int64_t e = 0; e < E; e++) m = l[e] > m ? l[e] : m;
+      for (int64_t e = 0; e < E; e++) sum += (scores[e] = expf(l[e] - m));
+      for (int64_t e = 0; e < E; e++) scores[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; e++) choice[e] = bias ? scores[e] + bias[e] : scores[e];
+    if (grouped) {
+      for (int64_t g = 0; g < G; g++) {
+        const float *c = choice + g * size;
+        float a = -INFINITY, b = -INFINITY; /* the group's best and second best */
+        for (int64_t i = 0; i < size; i++) {
+          if (c[i] > a) { b = a; a = c[i]; } else if (c[i] > b) b = c[i];
+        }
+        group_scores[g] = method == 0 ? a + b : a;
+      }
+      for (int64_t g = 0; g < G; g++) taken[g] = 0;
+      for (int64_t i = 0; i < topk_group; i++) take_max(group_scores, taken, G);
+      for (int64_t g = 0; g < G; g++)
+        if (!taken[g])
+          for (int64_t i = 0; i < size; i++) choice[g * size + i] = -INFINITY;
+    }
+    memset(taken, 0, (size_t)E);
+    int64_t *row_ids = ids + t * K;
+    float *row_w = weights + t * K;
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+      row_ids[k] = take_max(choice, taken, E);
+      row_w[k] = scores[row_ids[k]];
+      sum += row_w[k];
+    }
+    for (int64_t k = 0; k < K; k++) {
+      if (norm) row_w[k] = row_w[k] / (sum + 1e-20f);
+      row_w[k] *= scaling;
+      if (l2p) row_ids[k] = l2p[row_ids[k]];
+    }
+  }
+  free(scores);
+  free(choice);
+  free(group_scores);
+  free(taken);
+}
+
+/* RMSNorm as kernels.rms_norm_ref: h = x * rsqrt(mean(x^2) + eps) in fp32, rounded to the dtype, then
+ * times the weight (rounded again). x, w, out bf16 (is_bf16) or fp32; x [T, D] with row stride ldx,
+ * w [D], out [T, D] contiguous. */
+void epserve_rms_norm(const void *x, const void *w, int64_t T, int64_t D, int64_t ldx, float eps, int is_bf16,
+                      void *out) {
+  for (int64_t t = 0; t < T; t++) {
+    if (is_bf16) {
+      const uint16_t *xr = (const uint16_t *)x + t * ldx, *wr = (const uint16_t *)w;
+      uint16_t *o = (uint16_t *)out + t * D;
+      float ss = 0.0f;
+      #pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < D; j++) {
+        const float v = bf16_to_f32(xr[j]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+      for (int64_t j = 0; j < D; j++)
+        o[j] = f32_to_bf16(bf16_to_f32(wr[j]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(xr[j]) * inv)));
+    } else {
+      const float *xr = (const float *)x + t * ldx, *wr = (const float *)w;
+      float *o = (float *)out + t * D;
+      float ss = 0.0f;
+      #pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < D; j++) ss += xr[j] * xr[j];
+      const float inv = 1.0f / sqrtf(ss / (float)D + eps);
+      for (int64_t j = 0; j < D; j++) o[j] = wr[j] * (xr[j] * inv);
+    }
+  }
+}
+
+/* Per-head projection (MLA's absorbed W_UK and W_UV): out[b, h, :] = x[b, h, :] @ w[h] for x [B, H, K]
+ * bf16 (is_bf16) or fp32 with strides (ldb, ldh, 1), w fp32 [H, K, N], out fp32 [B, H, N]. Each weight
+ * row is read once for every b. */
+void epserve_head_matmul(const void *x, int is_bf16, int64_t B, int64_t H, int64_t K, int64_t ldb, int64_t ldh,
+                         const float *w, int64_t N, float *out) {
+  memset(out, 0, sizeof(float) * B * H * N);
+  for (int64_t h = 0; h < H; h++) {
+    for (int64_t k = 0; k < K; k++) {
+      const float *wr = w + (h * K + k) * N;
+      for (int64_t b = 0; b < B; b++) {
+        const int64_t at = b * ldb + h * ldh + k;
+        const float a = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+        float *o = out + (b * H + h) * N;
+        for (int64_t n = 0; n < N; n++) o[n] += a * wr[n];
+      }
+    }
+  }
+}

@@ -1,0 +1,179 @@
+"""The fused small ops of a CPU decode step (``kernels/cpu_ops.c``) against their torch references:
+paged MLA decode, the grouped top-k gate, RMSNorm and MLA's per-head projections; the references
+wherever a kernel does not apply (FP8 cache, fp16, too many rows, a trace, no library)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from epserve.kernels import cpu, head_matmul, rms_norm, rms_norm_ref
+from epserve.kernels.fp8 import FP8_DTYPE
+from epserve.kernels.gate import grouped_topk, grouped_topk_ref
+from epserve.kernels.mla_decode import paged_mla_decode, paged_mla_decode_ref
+
+pytestmark = pytest.mark.skipif(not cpu.available(cpu.OPS), reason="the fused CPU ops need AVX2, FMA and a C compiler")
+
+
+@pytest.fixture
+def without_kernels(monkeypatch):
+    """The fused ops' library reported missing, as on a CPU without AVX2 or a compiler."""
+    monkeypatch.setitem(cpu._available, cpu.OPS, False)
+
+
+def _paged(g: torch.Generator, lens: list[int], dtype: torch.dtype, block_size: int = 16, d: int = 160):
+    """A shuffled paged cache holding ``lens`` tokens per sequence, its block tables (int32) and queries."""
+    per_seq = max(-(-n // block_size) for n in lens) or 1
+    num_blocks = per_seq * len(lens) + 3
+    cache = torch.randn(num_blocks, block_size, d, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: per_seq * len(lens)].view(len(lens), per_seq).int()
+    q = torch.randn(len(lens), 8, d, generator=g)
+    return q, cache, tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("lens", [[1], [5, 0, 64], [300, 17, 1, 33]])
+def test_mla_decode_matches_the_reference(dtype, lens):
+    q, cache, tables, seq_lens = _paged(torch.Generator().manual_seed(len(lens)), lens, dtype)
+    ours = paged_mla_decode(q, cache, tables, seq_lens, 0.1, 128)
+    ref = paged_mla_decode_ref(q, cache, tables, seq_lens, 0.1, 128)
+    direct = cpu.mla_decode(q, cache, tables, lens, 0.1, 128)
+    assert direct is not None and torch.equal(direct, ours)  # the front end took the kernel
+    assert ours.dtype == torch.float32 and ours.shape == (len(lens), 8, 128)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert not ours[torch.tensor(lens) == 0].any()  # empty sequences come out zero
+
+
+def test_mla_decode_keeps_the_checks_and_leaves_fp8_to_the_reference():
+    q, cache, tables, seq_lens = _paged(torch.Generator().manual_seed(0), [20, 3], torch.bfloat16)
+    with pytest.raises(ValueError, match="seq_lens"):  # past the block table's capacity
+        paged_mla_decode(q, cache, tables, torch.tensor([20, 10_000]), 0.1, 128)
+    with pytest.raises(ValueError, match="last dim"):
+        paged_mla_decode(q[..., :100], cache, tables, seq_lens, 0.1, 128)
+    fp8 = (cache.float() / 4).to(FP8_DTYPE)
+    scale = torch.tensor(4.0)
+    assert cpu.mla_decode(q, fp8, tables, [20, 3], 0.1, 128) is None
+    assert torch.equal(paged_mla_decode(q, fp8, tables, seq_lens, 0.1, 128, scale),
+                       paged_mla_decode_ref(q, fp8, tables, seq_lens, 0.1, 128, scale))
+
+
+GATES = [  # (experts, top_k, n_group, topk_group, method, scoring, bias, a logical -> physical table)
+    (64, 6, 8, 4, "noaux_tc", "sigmoid", True, False),
+    (256, 8, 8, 4, "noaux_tc", "sigmoid", True, True),
+    (64, 6, 8, 3, "group_limited_greedy", "softmax", False, True),
+    (16, 2, 1, 1, "greedy", "softmax", False, False),
+    (32, 4, 4, 2, "greedy", "sigmoid", False, False),  # greedy ignores the groups
+]
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("case", GATES, ids=[f"{c[4]}-{c[5]}-{c[0]}" for c in GATES])
+def test_gate_matches_the_reference(case, norm):
+    e, k, n_group, topk_group, method, scoring, with_bias, with_table = case
+    g = torch.Generator().manual_seed(e + k)
+    logits = torch.randn(9, e, generator=g)
+    kw = dict(top_k=k, n_group=n_group, topk_group=topk_group, method=method, scoring=scoring,
+              norm_topk_prob=norm, routed_scaling_factor=2.5,
+              bias=torch.randn(e, generator=g) * 0.2 if with_bias else None,
+              logical_to_physical=torch.randperm(e, generator=g) + 100 if with_table else None)
+    ids, weights = grouped_topk(logits, **kw)
+    ref_ids, ref_weights = grouped_topk_ref(logits, **kw)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (9, k)
+    order, ref_order = ids.sort(dim=1), ref_ids.sort(dim=1)  # the order within a row is unspecified
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), ref_weights.gather(1, ref_order.indices))
+
+
+def test_gate_keeps_its_argument_checks():
+    with pytest.raises(ValueError, match="topk_group"):
+        grouped_topk(torch.randn(2, 64), top_k=6, n_group=8, topk_group=9, method="noaux_tc", scoring="sigmoid",
+                     norm_topk_prob=True, routed_scaling_factor=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_matches_the_reference(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 1024, generator=g) * 3).to(dtype)
+    w = torch.randn(1024, generator=g).to(dtype)
+    ours, ref = rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6)
+    assert ours.dtype == dtype and ours.shape == x.shape
+    tol = 8e-3 if dtype == torch.bfloat16 else 1e-6  # a bf16 rounding either side at most
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=tol, atol=tol)
+    latent = torch.randn(3, 160, generator=g).to(dtype)  # a split's strided view, and a 3-D input
+    view = latent[:, :128]
+    torch.testing.assert_close(rms_norm(view, w[:128], 1e-6).float(), rms_norm_ref(view, w[:128], 1e-6).float(),
+                               rtol=tol, atol=tol)
+    x3 = x.view(5, 2, 512)
+    torch.testing.assert_close(rms_norm(x3, w[:512], 1e-6).float(), rms_norm_ref(x3, w[:512], 1e-6).float(),
+                               rtol=tol, atol=tol)
+
+
+def test_rms_norm_outside_the_kernel_is_the_reference():
+    w = torch.randn(64)
+    for x, weight in [(torch.randn(300, 64), w),  # prefill-sized: torch's threaded ops
+                      (torch.randn(2, 64).half(), w.half()),  # no fp16 kernel
+                      (torch.randn(2, 64).bfloat16(), w)]:  # mixed dtypes promote as torch does
+        assert cpu.rms_norm(x, weight, 1e-6) is None
+        assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_matmul_matches_bmm(dtype):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(4, 8, 96, generator=g).to(dtype)[..., :64]  # q_nope: a view of q
+    w = torch.randn(8, 64, 128, generator=g)
+    ours = head_matmul(q, w)
+    assert cpu.head_matmul(q, w) is not None
+    torch.testing.assert_close(ours, torch.bmm(q.float().transpose(0, 1), w).transpose(0, 1), rtol=1e-5, atol=1e-5)
+    w16 = w.bfloat16()  # bf16 absorbed weights (FP8 models): the bmm in bf16, as before
+    assert cpu.head_matmul(q, w16) is None
+    assert torch.equal(head_matmul(q, w16), torch.bmm(q.to(w16.dtype).transpose(0, 1), w16).transpose(0, 1))
+
+
+def test_without_the_library_every_op_is_its_reference(without_kernels):
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+    q, cache, tables, seq_lens = _paged(g, [7, 2], torch.float32)
+    assert torch.equal(paged_mla_decode(q, cache, tables, seq_lens, 0.1, 128),
+                       paged_mla_decode_ref(q, cache, tables, seq_lens, 0.1, 128))
+    kw = dict(top_k=6, n_group=8, topk_group=4, method="noaux_tc", scoring="sigmoid", norm_topk_prob=True,
+              routed_scaling_factor=1.0)
+    logits = torch.randn(3, 64, generator=g)
+    assert all(torch.equal(a, b) for a, b in zip(grouped_topk(logits, **kw), grouped_topk_ref(logits, **kw)))
+
+
+def test_traces_take_the_references():
+    """Under a fake-tensor trace (what torch.compile sees) no C call is made: the ops trace as before."""
+    with FakeTensorMode():
+        x, w = torch.randn(2, 64).bfloat16(), torch.randn(64).bfloat16()
+        assert rms_norm(x, w, 1e-6).shape == (2, 64)
+        assert head_matmul(torch.randn(2, 8, 64), torch.randn(8, 64, 128)).shape == (2, 8, 128)
+        ids, weights = grouped_topk(torch.randn(3, 64), top_k=6, n_group=8, topk_group=4, method="noaux_tc",
+                                    scoring="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0)
+        assert ids.shape == weights.shape == (3, 6)
+
+
+def test_compiled_norm_and_projection_equal_eager():
+    w = torch.randn(64)
+    x = torch.randn(3, 64)
+    wq = torch.randn(8, 32, 16)
+    q = torch.randn(3, 8, 32)
+
+    def f(x, q):
+        return rms_norm(x, w, 1e-6), head_matmul(q, wq)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    for a, b in zip(compiled(x, q), f(x, q)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_flow_through_the_reference():
+    """The training model shares RMSNorm: with gradients on, the norm is torch's and differentiable."""
+    x = torch.randn(2, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    rms_norm(x, w, 1e-6).sum().backward()
+    assert x.grad is not None and w.grad is not None
+    with torch.no_grad():
+        assert cpu.rms_norm(x, w, 1e-6) is not None  # inference: the kernel
