@@ -1,6 +1,7 @@
 """The fused small ops of a CPU decode step (``kernels/cpu_ops.c``) against their torch references:
-paged MLA decode, the grouped top-k gate, RMSNorm and MLA's per-head projections; the references
-wherever a kernel does not apply (FP8 cache, fp16, too many rows, a trace, no library)."""
+paged MLA decode, the grouped top-k gate, RMSNorm, rotary embedding, MLA's latent append and per-head
+projections; the references wherever a kernel does not apply (FP8 cache, fp16, too many rows, a trace,
+gradients, no library)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from epserve.kernels import cpu, head_matmul, rms_norm, rms_norm_ref
+from epserve.kernels import append_latent, cpu, head_matmul, rms_norm, rms_norm_ref, rope_heads, rope_ref
 from epserve.kernels.fp8 import FP8_DTYPE
 from epserve.kernels.gate import grouped_topk, grouped_topk_ref
 from epserve.kernels.mla_decode import paged_mla_decode, paged_mla_decode_ref
@@ -153,6 +154,10 @@ def test_traces_take_the_references():
         ids, weights = grouped_topk(torch.randn(3, 64), top_k=6, n_group=8, topk_group=4, method="noaux_tc",
                                     scoring="sigmoid", norm_topk_prob=True, routed_scaling_factor=1.0)
         assert ids.shape == weights.shape == (3, 6)
+        q, cos = torch.randn(2, 8, 96), torch.randn(2, 16)
+        assert rope_heads(q, cos, cos, True, 32).shape == (2, 8, 96)
+        append_latent(torch.randn(2, 160), torch.randn(128), 1e-6, cos, cos, True, torch.tensor([0, 1]),
+                      torch.zeros(4, 160), 128)
 
 
 def test_compiled_norm_and_projection_equal_eager():
@@ -177,3 +182,47 @@ def test_gradients_flow_through_the_reference():
     assert x.grad is not None and w.grad is not None
     with torch.no_grad():
         assert cpu.rms_norm(x, w, 1e-6) is not None  # inference: the kernel
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_heads_equals_the_reference_bit_for_bit(dtype, interleave):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 8, 96, generator=g).to(dtype)
+    cos, sin = torch.randn(5, 16, generator=g).to(dtype), torch.randn(5, 16, generator=g).to(dtype)
+    nope, pe = q.split([64, 32], dim=-1)
+    want = torch.cat([nope, rope_ref(pe, cos, sin, interleave)], dim=-1)
+    x = q.clone()
+    got = rope_heads(x, cos, sin, interleave, 32)
+    assert got.data_ptr() == x.data_ptr()  # rotated in place: no cat
+    assert torch.equal(got, want)  # each bf16 product, difference and sum rounded as torch rounds it
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_append_latent_writes_what_the_reference_writes(dtype, cache_dtype):
+    g = torch.Generator().manual_seed(5)
+    latent = torch.randn(4, 170, generator=g).to(dtype)[:, :160]  # a view of the fused projection's output
+    cos, sin = torch.randn(4, 16, generator=g).to(dtype), torch.randn(4, 16, generator=g).to(dtype)
+    w = torch.randn(128, generator=g).to(dtype)
+    slots = torch.tensor([9, 0, 4, 5])
+    ours, ref = torch.zeros(12, 160, dtype=cache_dtype), torch.zeros(12, 160, dtype=cache_dtype)
+    append_latent(latent, w, 1e-6, cos, sin, True, slots, ours, 128)
+    c_kv, k_pe = latent.split([128, 32], dim=-1)
+    rows = torch.cat([rms_norm_ref(c_kv, w, 1e-6), rope_ref(k_pe, cos, sin, True)], dim=-1)
+    ref.index_copy_(0, slots, rows.to(cache_dtype))
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[slots] = False
+    assert not ours[untouched].any()
+    assert torch.equal(ours[:, 128:], ref[:, 128:])  # the rotary part bit for bit
+    tol = 8e-3 if torch.bfloat16 in (dtype, cache_dtype) else 1e-6  # the norm's mean: a rounding either side
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_append_latent_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    latent, w = torch.randn(2, 160), torch.randn(128)
+    cos, sin = torch.randn(2, 16), torch.randn(2, 16)
+    cache = torch.zeros(8, 160)
+    with pytest.raises(IndexError, match="outside the cache's 8 rows"):
+        append_latent(latent, w, 1e-6, cos, sin, True, torch.tensor([3, 8]), cache, 128)
+    assert not cache.any()

@@ -44,7 +44,7 @@ OPS = "ops"  # the library of fused small ops (any dtype)
 _KINDS: dict[torch.dtype | str, tuple[str, list[str], tuple[str, ...], str]] = {
     torch.bfloat16: ("_SOURCE", ["-mavx512f", "-mavx512bf16"], ("avx512f", "avx512_bf16"), "bf16"),
     torch.float32: ("_SOURCE_F32", ["-mavx2", "-mfma"], ("avx2", "fma"), "f32"),
-    OPS: ("_SOURCE_OPS", ["-mavx2", "-mfma"], ("avx2", "fma"), "ops"),
+    OPS: ("_SOURCE_OPS", ["-mavx2", "-mfma", "-ffp-contract=off"], ("avx2", "fma"), "ops"),  # torch's roundings
 }
 
 
@@ -96,6 +96,9 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
         lib.epserve_grouped_topk.argtypes = [p, i64, i64, i64, i64, i64, c_int, c_int, c_int, c_int, f32, p, p, p, p]
         lib.epserve_rms_norm.argtypes = [p, p, i64, i64, i64, f32, c_int, p]
         lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p]
+        lib.epserve_rope_heads.argtypes = [p, i64, i64, i64, p, p, i64, c_int, c_int]
+        lib.epserve_append_latent.argtypes = [p, i64, i64, i64, i64, p, f32, p, p, c_int, c_int, p, p, i64, c_int]
+        lib.epserve_append_latent.restype = c_int
     else:
         getattr(lib, f"epserve_linear_{name}").argtypes = [p, i64, p, i64, i64, p, c_int]
         getattr(lib, f"epserve_moe_swiglu_{name}").argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
@@ -261,3 +264,51 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     lib.epserve_head_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), b, h, k, x.stride(0), x.stride(1),
                             w.data_ptr(), w.shape[2], out.data_ptr())
     return out
+
+
+_FLOATS = (torch.bfloat16, torch.float32)
+_MAX_ROPE = 512  # the C buffers' size
+
+
+def _rope_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int) -> bool:
+    half = cos.shape[-1] if cos.dim() == 2 else -1
+    return (x.dtype in _FLOATS and cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (rows, half)
+            and cos.is_contiguous() and sin.is_contiguous() and 0 < 2 * half <= _MAX_ROPE)
+
+
+def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> bool:
+    """Rotates the last ``2 * half`` columns of each head of ``x`` [T, h, D] (contiguous) in place, with
+    cos/sin [T, half] in x's dtype; False (nothing done) where the kernel does not apply."""
+    if (x.device.type != "cpu" or x.dim() != 3 or not x.is_contiguous() or not _rope_ok(x, cos, sin, x.shape[0])
+            or 2 * cos.shape[1] > x.shape[2]):
+        return False
+    lib = _ops(x)
+    if lib is None:
+        return False
+    t, h, d = x.shape
+    lib.epserve_rope_heads(x.data_ptr(), t, h, d, cos.data_ptr(), sin.data_ptr(), cos.shape[1], int(interleave),
+                           int(x.dtype == torch.bfloat16))
+    return True
+
+
+def append_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  interleave: bool, slots: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """MLA's latent append: rows ``[RMSNorm(c_kv) | rope(k_pe)]`` of ``latent`` [T, r + rope] (rows may be
+    strided) written to the flat cache rows ``slots``; False (nothing written) where it does not apply."""
+    t = latent.shape[0] if latent.dim() == 2 else -1
+    if (latent.device.type != "cpu" or t < 0 or cache.dtype not in _FLOATS or not cache.is_contiguous()
+            or norm_weight.dtype != latent.dtype or norm_weight.shape != (kv_lora_rank,)
+            or not _rope_ok(latent, cos, sin, t) or latent.shape[1] != kv_lora_rank + 2 * cos.shape[1]
+            or cache.shape[-1] != latent.shape[1] or (t and latent.stride(1) != 1) or slots.shape != (t,)):
+        return False
+    lib = _ops(latent)
+    if lib is None:
+        return False
+    slots = slots.to(torch.int64).contiguous()
+    rows = cache.numel() // cache.shape[-1]
+    if lib.epserve_append_latent(latent.data_ptr(), t, latent.stride(0) if t else 0, kv_lora_rank, cos.shape[1],
+                                 norm_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), int(interleave),
+                                 int(latent.dtype == torch.bfloat16), slots.data_ptr(), cache.data_ptr(), rows,
+                                 int(cache.dtype == torch.bfloat16)):
+        raise IndexError(f"a KV slot of {slots.tolist()} lies outside the cache's {rows} rows")
+    return True

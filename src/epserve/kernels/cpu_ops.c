@@ -211,3 +211,78 @@ void epserve_head_matmul(const void *x, int is_bf16, int64_t B, int64_t H, int64
     }
   }
 }
+
+/* A value as the dtype holds it: rounded to bf16 (is_bf16) or kept (fp32). Rounding after every op
+ * as torch's bf16 ops round is what keeps the fused ops equal to their references bit for bit. */
+static inline float as_dtype(float v, int is_bf16) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline float load(const void *p, int64_t i, int is_bf16) {
+  return is_bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int is_bf16) {
+  if (is_bf16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+  else ((float *)p)[i] = v;
+}
+
+/* Rotary embedding of 2 * half values v (read first, so src may be dst), in the dtype's rounding:
+ * pairs (v[2i], v[2i+1]) when interleaved, else (v[i], v[half + i]); the output de-interleaved,
+ * dst[i] = x1 cos - x2 sin, dst[half + i] = x2 cos + x1 sin (model/layers.py's RopeTable.apply). */
+static void rope_values(const float *v, const void *cos, const void *sin, int64_t half, int interleave,
+                        int is_bf16, float *dst) {
+  for (int64_t i = 0; i < half; i++) {
+    const float x1 = interleave ? v[2 * i] : v[i], x2 = interleave ? v[2 * i + 1] : v[half + i];
+    const float c = load(cos, i, is_bf16), s = load(sin, i, is_bf16);
+    dst[i] = as_dtype(as_dtype(x1 * c, is_bf16) - as_dtype(x2 * s, is_bf16), is_bf16);
+    dst[half + i] = as_dtype(as_dtype(x2 * c, is_bf16) + as_dtype(x1 * s, is_bf16), is_bf16);
+  }
+}
+
+/* In place: the last 2 * half columns of each of the H heads of x [T, H, D] (contiguous) rotated by
+ * row t's cos/sin [T, half] (x's dtype). */
+void epserve_rope_heads(void *x, int64_t T, int64_t H, int64_t D, const void *cos, const void *sin, int64_t half,
+                        int interleave, int is_bf16) {
+  float v[512], out[512];
+  const int64_t rope = 2 * half, elem = is_bf16 ? 2 : 4;
+  for (int64_t t = 0; t < T; t++) {
+    const char *c = (const char *)cos + t * half * elem, *s = (const char *)sin + t * half * elem;
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t base = (t * H + h) * D + D - rope;
+      for (int64_t i = 0; i < rope; i++) v[i] = load(x, base + i, is_bf16);
+      rope_values(v, c, s, half, interleave, is_bf16, out);
+      for (int64_t i = 0; i < rope; i++) store(x, base + i, out[i], is_bf16);
+    }
+  }
+}
+
+/* MLA's latent KV append: row t of latent [T, R + 2 * half] (row stride ld, x's dtype) becomes
+ * [RMSNorm(c_kv) | rope(k_pe)] computed in x's dtype, written in the cache's dtype to cache row
+ * slots[t] (cache [rows, R + 2 * half], bf16 or fp32). Returns -1, writing nothing, when a slot lies
+ * outside the cache's rows; else 0. */
+int epserve_append_latent(const void *latent, int64_t T, int64_t ld, int64_t R, int64_t half, const void *norm_w,
+                          float eps, const void *cos, const void *sin, int interleave, int is_bf16,
+                          const int64_t *slots, void *cache, int64_t rows, int cache_bf16) {
+  float v[512], out[512];
+  const int64_t rope = 2 * half, D = R + rope, elem = is_bf16 ? 2 : 4;
+  for (int64_t t = 0; t < T; t++)
+    if (slots[t] < 0 || slots[t] >= rows) return -1;
+  for (int64_t t = 0; t < T; t++) {
+    const int64_t row = t * ld, dst = slots[t] * D;
+    float ss = 0.0f; /* summed as epserve_rms_norm sums */
+    #pragma omp simd reduction(+ : ss)
+    for (int64_t j = 0; j < R; j++) {
+      const float x = load(latent, row + j, is_bf16);
+      ss += x * x;
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)R + eps);
+    for (int64_t j = 0; j < R; j++) {
+      const float h = as_dtype(load(latent, row + j, is_bf16) * inv, is_bf16);
+      store(cache, dst + j, as_dtype(load(norm_w, j, is_bf16) * h, is_bf16), cache_bf16);
+    }
+    for (int64_t i = 0; i < rope; i++) v[i] = load(latent, row + R + i, is_bf16);
+    rope_values(v, (const char *)cos + t * half * elem, (const char *)sin + t * half * elem, half, interleave,
+                is_bf16, out);
+    for (int64_t i = 0; i < rope; i++) store(cache, dst + R + i, out[i], cache_bf16);
+  }
+  return 0;
+}

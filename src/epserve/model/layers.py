@@ -12,7 +12,7 @@ from torch import nn
 
 from epserve.checkpoint import fp8_block_dequantize
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
-from epserve.kernels import linear, rms_norm
+from epserve.kernels import linear, rms_norm, rope_ref
 from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul_quant
 
 
@@ -123,13 +123,7 @@ class RopeTable:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, ..., rope_dim] -> same shape, rotated."""
-        shape = [x.shape[0]] + [1] * (x.dim() - 2) + [self.cos.shape[-1]]
-        cos, sin = self.cos.view(shape), self.sin.view(shape)
-        if self.interleave:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rope_ref(x, self.cos, self.sin, self.interleave)
 
 
 class GatedMLP(nn.Module):

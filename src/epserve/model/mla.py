@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
-from epserve.kernels import head_matmul
+from epserve.kernels import append_latent, head_matmul, rope_heads
 from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from epserve.kernels.ops import mla_decode
 from epserve.model.batch import ForwardBatch, MicroBatch
@@ -110,19 +110,21 @@ class MLAttention(nn.Module):
         """-> q [T, h, qk_head] with the rotary part rotated."""
         q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.view(-1, self.num_heads, self.qk_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        return torch.cat([q_nope, rope.apply(q_pe)], dim=-1)
+        return rope_heads(q, rope.cos, rope.sin, rope.interleave, self.qk_rope_head_dim)
 
     def append_kv(self, latent: torch.Tensor, batch: ForwardBatch, kv_cache: torch.Tensor, rope: RopeTable) -> None:
         """Normalise ``c_kv``, rotate ``k_pe`` and write them to the paged latent cache."""
-        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        latent = torch.cat([self.kv_a_layernorm(c_kv), rope.apply(k_pe)], dim=-1)
         flat = kv_cache.view(-1, kv_cache.shape[-1])
+        norm = self.kv_a_layernorm
         if kv_cache.dtype != FP8_DTYPE:
-            flat.index_copy_(0, batch.slot_mapping, latent.to(kv_cache.dtype))
-        else:  # stored = latent / scale, saturated; copied as bytes (index ops lack float8 kernels)
-            q = (latent.float() / self.kv_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-            flat.view(torch.uint8).index_copy_(0, batch.slot_mapping, q.view(torch.uint8))
+            append_latent(latent, norm.weight, norm.eps, rope.cos, rope.sin, rope.interleave, batch.slot_mapping, flat,
+                          self.kv_lora_rank)
+            return
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = torch.cat([norm(c_kv), rope.apply(k_pe)], dim=-1)
+        # stored = latent / scale, saturated; copied as bytes (index ops lack float8 kernels)
+        q = (latent.float() / self.kv_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        flat.view(torch.uint8).index_copy_(0, batch.slot_mapping, q.view(torch.uint8))
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
