@@ -1,6 +1,6 @@
 """The fused small ops of a CPU decode step (``kernels/cpu_ops.c``) against their torch references:
 paged MLA decode, the grouped top-k gate, RMSNorm, rotary embedding, MLA's latent append and per-head
-projections; the references wherever a kernel does not apply (FP8 cache, fp16, too many rows, a trace,
+projections, the dispatchers' grouping by expert and the weighted combine; the references wherever a kernel does not apply (FP8 cache, fp16, too many rows, a trace,
 gradients, no library)."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from epserve.kernels import append_latent, cpu, head_matmul, rms_norm, rms_norm_
 from epserve.kernels.fp8 import FP8_DTYPE
 from epserve.kernels.gate import grouped_topk, grouped_topk_ref
 from epserve.kernels.mla_decode import paged_mla_decode, paged_mla_decode_ref
+from epserve.moe.dispatch.base import weighted_combine
+from epserve.moe.dispatch.local import group_by_expert
 
 pytestmark = pytest.mark.skipif(not cpu.available(cpu.OPS), reason="the fused CPU ops need AVX2, FMA and a C compiler")
 
@@ -226,3 +228,25 @@ def test_append_latent_refuses_a_slot_outside_the_cache_and_writes_nothing():
     with pytest.raises(IndexError, match="outside the cache's 8 rows"):
         append_latent(latent, w, 1e-6, cos, sin, True, torch.tensor([3, 8]), cache, 128)
     assert not cache.any()
+
+
+def test_grouping_and_combine_equal_torch_bit_for_bit(monkeypatch):
+    """The dispatchers' grouping (a stable sort by expert) and the weighted combine (index_add_'s order
+    and roundings: products in the dtype, sums in fp32) give torch's exact tensors."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 16, (11, 4), generator=g)
+    cases = [(torch.randn(44, 256, generator=g).to(dt), torch.randint(0, 11, (44,), generator=g),
+              torch.rand(44, generator=g)) for dt in (torch.bfloat16, torch.float32)]
+    fused = [group_by_expert(ids, 16)] + [weighted_combine(y, t, w, 11) for y, t, w in cases]
+    monkeypatch.setitem(cpu._available, cpu.OPS, False)
+    torch_ = [group_by_expert(ids, 16)] + [weighted_combine(y, t, w, 11) for y, t, w in cases]
+    order, counts = fused[0]
+    assert torch.equal(order, torch_[0][0]) and torch.equal(counts, torch_[0][1])
+    assert all(torch.equal(a, b) for a, b in zip(fused[1:], torch_[1:]))
+
+
+def test_grouping_an_id_out_of_range_still_raises():
+    with pytest.raises((IndexError, RuntimeError)):
+        group_by_expert(torch.tensor([[0, 16]]), 16)
+    assert cpu.group_by_expert(torch.tensor([[0, 16]]), 16) is None
+    assert cpu.weighted_combine(torch.randn(2, 8), torch.tensor([0, 5]), torch.rand(2), 3) is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -99,6 +100,10 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
         lib.epserve_rope_heads.argtypes = [p, i64, i64, i64, p, p, i64, c_int, c_int]
         lib.epserve_append_latent.argtypes = [p, i64, i64, i64, i64, p, f32, p, p, c_int, c_int, p, p, i64, c_int]
         lib.epserve_append_latent.restype = c_int
+        lib.epserve_group_by_expert.argtypes = [p, i64, i64, p, p]
+        lib.epserve_group_by_expert.restype = c_int
+        lib.epserve_weighted_combine.argtypes = [p, i64, i64, p, p, i64, c_int, p]
+        lib.epserve_weighted_combine.restype = c_int
     else:
         getattr(lib, f"epserve_linear_{name}").argtypes = [p, i64, p, i64, i64, p, c_int]
         getattr(lib, f"epserve_moe_swiglu_{name}").argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
@@ -163,13 +168,14 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
     lib = _library(x.dtype)
     if lib is None:
         return None
-    offsets = torch.tensor([0, *counts], dtype=torch.int64).cumsum(0)
+    starts = list(itertools.accumulate(counts, initial=0))
+    offsets = torch.tensor(starts, dtype=torch.int64)
     out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
     kernel = lib.epserve_moe_swiglu_f32 if x.dtype == torch.float32 else lib.epserve_moe_swiglu_bf16
     kernel(x.data_ptr(), offsets.data_ptr(), len(counts), w13.data_ptr(), w2.data_ptr(), hidden, inter,
            out.data_ptr(), torch.get_num_threads())
     for e in big:
-        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        lo, hi = starts[e], starts[e + 1]
         gate, up = F.linear(x[lo:hi], w13[e]).chunk(2, dim=-1)
         out[lo:hi] = F.linear(F.silu(gate) * up, w2[e])
     return out
@@ -178,6 +184,7 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
 # ---- the fused small ops (cpu_ops.c) ------------------------------------------------------------------
 
 _NORM_MAX_ROWS = 256  # past this (prefill) torch's threaded ops win over one C thread
+_COMBINE_MAX_ELEMS = 1 << 20  # the same for the combine's expert-output elements
 _METHODS = {"noaux_tc": 0, "group_limited_greedy": 1}  # greedy: never grouped
 
 
@@ -312,3 +319,37 @@ def append_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, c
                                  int(cache.dtype == torch.bfloat16)):
         raise IndexError(f"a KV slot of {slots.tolist()} lies outside the cache's {rows} rows")
     return True
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(order [T*K], counts [num_experts]) as ``moe.dispatch.local.group_by_expert`` returns them (a stable
+    counting sort), or None (an id out of range included: the reference raises)."""
+    if topk_ids.device.type != "cpu" or topk_ids.is_floating_point():
+        return None
+    lib = _ops()
+    if lib is None:
+        return None
+    flat = topk_ids.reshape(-1).to(torch.int64).contiguous()
+    order = torch.empty(flat.shape[0], dtype=torch.int64)
+    counts = torch.empty(num_experts, dtype=torch.int64)
+    if lib.epserve_group_by_expert(flat.data_ptr(), flat.shape[0], num_experts, order.data_ptr(), counts.data_ptr()):
+        return None
+    return order, counts
+
+
+def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+    """``moe.dispatch.base.weighted_combine`` bit for bit (index_add_'s order and roundings), or None."""
+    if (y.device.type != "cpu" or y.dtype not in _FLOATS or y.dim() != 2 or not y.is_contiguous()
+            or y.numel() > _COMBINE_MAX_ELEMS
+            or weights.dtype != torch.float32 or token_idx.shape != (y.shape[0],) or weights.shape != (y.shape[0],)):
+        return None
+    lib = _ops(y)
+    if lib is None:
+        return None
+    token = token_idx.to(torch.int64).contiguous()
+    w = weights.contiguous()
+    out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype)
+    if lib.epserve_weighted_combine(y.data_ptr(), y.shape[0], y.shape[1], token.data_ptr(), w.data_ptr(), num_tokens,
+                                    int(y.dtype == torch.bfloat16), out.data_ptr()):
+        return None
+    return out

@@ -286,3 +286,46 @@ int epserve_append_latent(const void *latent, int64_t T, int64_t ld, int64_t R, 
   }
   return 0;
 }
+
+/* Token copies grouped by expert, as a stable argsort of the flat ids [N] would order them:
+ * order[j] the flat (token, k) index of the j-th copy, counts[e] the copies of expert e. Returns -1,
+ * writing nothing, when an id lies outside [0, E); else 0. */
+int epserve_group_by_expert(const int64_t *ids, int64_t N, int64_t E, int64_t *order, int64_t *counts) {
+  for (int64_t i = 0; i < N; i++)
+    if (ids[i] < 0 || ids[i] >= E) return -1;
+  int64_t *next = (int64_t *)calloc((size_t)E, sizeof(int64_t));
+  memset(counts, 0, sizeof(int64_t) * E);
+  for (int64_t i = 0; i < N; i++) counts[ids[i]]++;
+  for (int64_t e = 1; e < E; e++) next[e] = next[e - 1] + counts[e - 1];
+  for (int64_t i = 0; i < N; i++) order[next[ids[i]]++] = i;
+  free(next);
+  return 0;
+}
+
+/* The weighted combine: out[T, H] = sum over rows n of token[n] of y[n] * w[n], with the weight and
+ * each product rounded to y's dtype and the sums kept in fp32 in row order, rounded once at the end
+ * (what index_add_ does on the CPU). y, out bf16 (is_bf16) or fp32; w fp32. Returns -1, writing
+ * nothing, when a token lies outside [0, T); else 0. */
+int epserve_weighted_combine(const void *y, int64_t N, int64_t H, const int64_t *token, const float *w, int64_t T,
+                             int is_bf16, void *out) {
+  for (int64_t n = 0; n < N; n++)
+    if (token[n] < 0 || token[n] >= T) return -1;
+  float *acc = is_bf16 ? (float *)calloc((size_t)(T * H), sizeof(float)) : (float *)out;
+  if (!is_bf16) memset(acc, 0, sizeof(float) * T * H);
+  for (int64_t n = 0; n < N; n++) {
+    const float wn = as_dtype(w[n], is_bf16);
+    float *o = acc + token[n] * H;
+    if (is_bf16) {
+      const uint16_t *yr = (const uint16_t *)y + n * H;
+      for (int64_t j = 0; j < H; j++) o[j] += as_dtype(bf16_to_f32(yr[j]) * wn, 1);
+    } else {
+      const float *yr = (const float *)y + n * H;
+      for (int64_t j = 0; j < H; j++) o[j] += yr[j] * wn;
+    }
+  }
+  if (is_bf16) {
+    for (int64_t i = 0; i < T * H; i++) ((uint16_t *)out)[i] = f32_to_bf16(acc[i]);
+    free(acc);
+  }
+  return 0;
+}

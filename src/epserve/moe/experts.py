@@ -28,11 +28,13 @@ def grouped_swiglu_host(x: torch.Tensor, sizes: tuple[int, ...], w13: torch.Tens
     (``sizes[e]`` each, in order, known on the host; rows past their sum come out zero): the CPU decode
     kernel where it applies, else ``torch._grouped_mm`` (bf16), else the per-expert loop."""
     total = sum(sizes)
-    out = x.new_zeros(x.shape[0], w2.shape[1])
     if total == 0:
-        return out
+        return x.new_zeros(x.shape[0], w2.shape[1])
     rows = x[:total]
     y = moe_swiglu(rows, sizes, w13, w2)  # the CPU decode kernel, where it applies
+    if y is not None and total == x.shape[0]:  # no padding rows (the local dispatcher's input)
+        return y
+    out = x.new_zeros(x.shape[0], w2.shape[1])
     if y is None and grouped_mm_ok(rows):
         y = grouped_mm_swiglu(rows, torch.tensor(sizes), w13, w2)
     if y is None:

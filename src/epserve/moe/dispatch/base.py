@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from epserve.kernels import cpu
+from epserve.kernels.device import tracing
+
 
 @dataclass(frozen=True)
 class ExpertInput:
@@ -36,7 +39,11 @@ class ExpertInput:
 
 def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The combine every backend ends with: expert-output rows ``y`` [N, H], each from token
-    ``token_idx`` [N] with routing weight ``weights`` [N] (fp32), summed per token -> [num_tokens, H]."""
+    ``token_idx`` [N] with routing weight ``weights`` [N] (fp32), summed per token -> [num_tokens, H]
+    (one C call on the CPU in eager steps, ``kernels.cpu``: the same order and roundings)."""
+    fused = None if tracing() else cpu.weighted_combine(y, token_idx, weights, num_tokens)
+    if fused is not None:
+        return fused
     out = y.new_zeros(num_tokens, y.shape[1])
     out.index_add_(0, token_idx, y * weights[:, None].to(y.dtype))
     return out

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epserve.kernels import cpu
+from epserve.kernels.device import tracing
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 from epserve.moe.dispatch.payload import Payload
 
@@ -42,7 +44,11 @@ def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, K] -> (order [T*K]: flat (token, k) indices sorted by expert, counts [num_experts])."""
+    """topk_ids [T, K] -> (order [T*K]: flat (token, k) indices sorted by expert, counts [num_experts]):
+    one C call on the CPU in eager steps (``kernels.cpu``), a stable argsort otherwise."""
+    fused = None if tracing() else cpu.group_by_expert(topk_ids, num_experts)
+    if fused is not None:
+        return fused
     order = torch.argsort(topk_ids.reshape(-1), stable=True)
     return order, count_per_expert(topk_ids, num_experts)
 
