@@ -300,7 +300,8 @@ class Generation:
                         yield self._chunk(head, choice, delta, offsets, include_usage, chat)
                     yield _sse(unavailable(ENGINE_ABORTED).body())
                     continue
-                if not (delta.text or delta.reasoning or delta.tool_calls or delta.finish_reason or delta.logprobs):
+                if not (delta.text or delta.reasoning or delta.tool_calls or delta.finish_reason or delta.logprobs
+                        or delta.token_ids):  # new tokens whose text is held back still get a chunk (vLLM)
                     continue
                 yield self._chunk(head, choice, delta, offsets, include_usage, chat)
             if include_usage:
@@ -333,6 +334,8 @@ class Generation:
                 content["content"] = delta.text
             if delta.tool_calls:
                 content["tool_calls"] = delta.tool_calls
+            if not content and delta.finish_reason is None:  # tokens whose text is not out yet (a UTF-8 prefix)
+                content["content"] = ""
             body = {"index": choice.index, "delta": content, "logprobs": logprobs,
                     "finish_reason": _client_finish(delta.finish_reason, choice)}
         else:
