@@ -109,3 +109,17 @@ def test_gpu_micro_refuses_cleanly_without_cuda(tmp_path):
     assert proc.returncode == 2
     assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
     assert json.loads(out.read_text())["status"] == "skipped"
+
+
+def test_cpu_decode_steps_compares_fused_and_torch_ops(tmp_path):
+    """The CPU decode benchmark's quick run: both sides timed in one engine, the floor from the bytes read."""
+    out = tmp_path / "steps.json"
+    proc = subprocess.run(
+        [sys.executable, "cpu_decode.py", "steps", "--tiny", "--checkpoint", str(tmp_path / "ckpt"), "--batches", "1",
+         "--rounds", "1", "--steps", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT / "benchmarks",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["steps"]
+    assert row["batch"] == 1 and row["fused_ms"] > 0 and row["torch_ms"] > 0 and row["floor_ms"] > 0
+    assert len(row["rounds_fused_ms"]) == len(row["rounds_torch_ms"]) == 1
