@@ -3,14 +3,20 @@ and a token-range shorthand; of the in-process HTTP tests: the router with a scr
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from epserve.router.instances import Router
 from epserve.router.radix_tree import PrefixTree
 from epserve.router.server import RouterOptions, build_router
 from epserve.rpc.proto import engine_pb2 as pb
+from epserve.tokenizer import Tokenizer, write_tokenizer_files
 
 
 class ScriptedRouter(Router):
@@ -53,6 +59,20 @@ def build_over(router_class: type[Router], options: RouterOptions, api_key: str 
         server = build_router(options, api_key=api_key)
     assert isinstance(server.router, router_class)
     return server
+
+
+def scripted_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tokenizer]:
+    """A small byte-level tokenizer's folder (the router's --model) and the tokenizer."""
+    tok_dir = write_tokenizer_files(tmp_path_factory.mktemp("tok"), vocab_size=512, model_max_length=2048)
+    return tok_dir, Tokenizer.from_dir(tok_dir)
+
+
+@contextlib.contextmanager
+def openai_over(router_class: type[Router], options: RouterOptions) -> Iterator[openai.OpenAI]:
+    """The ``openai`` client talking to ``build_over(router_class, options)`` in process."""
+    server = build_over(router_class, options)
+    with TestClient(server.app) as http:
+        yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
 
 
 class FakeClock:

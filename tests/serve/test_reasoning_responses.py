@@ -7,15 +7,11 @@ chat stream's ``continuous_usage_stats``."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from epserve.router.server import RouterOptions
-from epserve.tokenizer import Tokenizer, write_tokenizer_files
-from tests.router_toys import ScriptedRouter, build_over
+from tests.router_toys import ScriptedRouter, openai_over, scripted_tokenizer
 
 MODEL = "tiny-r1"
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -32,13 +28,12 @@ class ScriptedEngine(ScriptedRouter):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):
-    tok_dir: Path = write_tokenizer_files(tmp_path_factory.mktemp("tok"), vocab_size=512, model_max_length=2048)
-    ScriptedEngine.tokens = Tokenizer.from_dir(tok_dir).encode(OUTPUT, add_special_tokens=False)
+    tok_dir, tok = scripted_tokenizer(tmp_path_factory)
+    ScriptedEngine.tokens = tok.encode(OUTPUT, add_special_tokens=False)
     options = RouterOptions(model=str(tok_dir), engines=("127.0.0.1:1",), served_model_name=MODEL,
                             chat_template=TEMPLATE, reasoning_parser="deepseek_r1")
-    server = build_over(ScriptedEngine, options)
-    with TestClient(server.app) as http:
-        yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
+    with openai_over(ScriptedEngine, options) as client:
+        yield client
 
 
 MESSAGES = [{"role": "user", "content": "2+2?"}]

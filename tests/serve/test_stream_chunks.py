@@ -4,15 +4,10 @@ gap is the time per output token, not a burst each time a character completes.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from epserve.router.server import RouterOptions
-from epserve.tokenizer import Tokenizer, write_tokenizer_files
-from tests.router_toys import ScriptedRouter, build_over
+from tests.router_toys import ScriptedRouter, openai_over, scripted_tokenizer
 
 MODEL = "tiny"
 OUTPUT = "naïve → 世界 ok"  # characters of two and three UTF-8 bytes, each likely several tokens
@@ -25,16 +20,14 @@ class ScriptedEngine(ScriptedRouter):
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory):
-    tok_dir: Path = write_tokenizer_files(tmp_path_factory.mktemp("tok"), vocab_size=512, model_max_length=2048)
-    tok = Tokenizer.from_dir(tok_dir)
+    tok_dir, tok = scripted_tokenizer(tmp_path_factory)
     ScriptedEngine.tokens = tok.encode(OUTPUT, add_special_tokens=False)
     # the test means something only if some token ends inside a character
     assert any("\ufffd" in tok.decode(ScriptedEngine.tokens[: i + 1]) for i in range(len(ScriptedEngine.tokens)))
     options = RouterOptions(model=str(tok_dir), engines=("127.0.0.1:1",), served_model_name=MODEL,
                             chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    server = build_over(ScriptedEngine, options)
-    with TestClient(server.app) as http:
-        yield openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
+    with openai_over(ScriptedEngine, options) as client:
+        yield client
 
 
 def test_a_completion_stream_has_a_chunk_per_token(client) -> None:

@@ -40,6 +40,7 @@ TILE_M = 16  # rows per weight pass; must match the C sources
 _SOURCE = Path(__file__).with_name("cpu_bf16.c")
 _SOURCE_F32 = Path(__file__).with_name("cpu_f32.c")
 _SOURCE_OPS = Path(__file__).with_name("cpu_ops.c")
+_HEADER = Path(__file__).with_name("cpu_bf16.h")  # included by the sources: part of every build's tag
 OPS = "ops"  # the library of fused small ops (any dtype)
 # per element type (or OPS): the source, the compiler flags, the CPU flags it needs, its kernels' names
 _KINDS: dict[torch.dtype | str, tuple[str, list[str], tuple[str, ...], str]] = {
@@ -81,7 +82,7 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
     if cc is None:
         return None
     source_path: Path = globals()[source_attr]
-    tag = hashlib.sha256(source_path.read_bytes()).hexdigest()[:16]
+    tag = hashlib.sha256(source_path.read_bytes() + _HEADER.read_bytes()).hexdigest()[:16]
     lib_path = env.cache_dir() / "kernels" / f"cpu_{name}-{tag}.so"
     try:
         if not lib_path.exists():

@@ -12,22 +12,9 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cpu_bf16.h"
+
 #define TILE_M 16
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(bits >> 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = ((uint32_t)h) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
 
 /* R weight rows (R streams in flight) against M <= 4 rows of x, for compile-time R and M so the
  * R*M accumulators live in registers: y[m, r] = sum_k x[m, k] * w[r, k]. */

@@ -1,10 +1,13 @@
-/* The small fused ops of a CPU decode step (x86-64 with AVX2 + FMA; plain C the compiler vectorizes).
+/* The small fused ops of a CPU decode step (x86-64 with AVX2 + FMA; plain C the compiler vectorizes;
+ * built with -ffp-contract=off so products and sums round as torch's separate ops do).
  *
  * Each replaces a chain of eager torch ops whose cost at decode sizes is the dispatch of every op,
  * not its arithmetic: paged MLA decode attention (the torch reference gathers, pads, masks and runs
- * two bmm per layer), DeepSeek's grouped top-k gate (about twenty ops per layer) and RMSNorm (eight).
- * All math is fp32, in the order of the torch references up to summation order. Built and loaded at
- * run time by kernels/cpu.py; the torch references are the fallback.
+ * two bmm per layer), DeepSeek's grouped top-k gate (about twenty ops per layer), RMSNorm (eight),
+ * rotary embedding, MLA's latent KV append, its absorbed per-head projections, the dispatchers'
+ * grouping by expert and the weighted combine. Math is fp32 rounded to the dtype where torch's ops
+ * round; results equal the references up to the order of a sum. Built and loaded at run time by
+ * kernels/cpu.py; the torch references are the fallback.
  */
 #include <math.h>
 #include <stdint.h>
@@ -12,20 +15,7 @@
 #include <string.h>
 #include <omp.h>
 
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = ((uint32_t)h) << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-  bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(bits >> 16);
-}
+#include "cpu_bf16.h"
 
 /* q . row over d columns; row in bf16 (is_bf16) or fp32. */
 static inline float dot_row(const float *q, const void *row, int is_bf16, int64_t d) {
