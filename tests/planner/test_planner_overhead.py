@@ -138,6 +138,10 @@ def test_fit_overhead_recovers_the_host_overhead() -> None:
     # a negative coefficient is dropped, the others refitted
     op_us, token_us, step_us = fit_overhead(TOY, _engine_points(25.0, 0.0, 0.0))
     assert (op_us, token_us, step_us) == pytest.approx((25.0, 0.0, 0.0), abs=1e-6)
+    # per-op cost growing faster with the tokens than a positive intercept allows (a host whose small
+    # ops are fused away): one per-op figure, the mean of the batches' slopes, never zero
+    op_us, token_us, step_us = fit_overhead(TOY, _engine_points(-5.0, 2.0, 0.0))
+    assert token_us == 0.0 and op_us > 0
 
 
 def test_hardware_file_with_curves_and_overheads_loads_back(tmp_path: Path) -> None:

@@ -147,7 +147,8 @@ def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[f
     ``ops x (op_overhead + tokens x per_token) + step_overhead``, the op count read off the planner
     itself (the same stage list). At each batch the slope over the depths is the overhead per op
     (the intercept, the step's, cannot leak into it); a line through those slopes against the
-    tokens gives the per-op and per-token parts; the intercept at the smallest batch the step's."""
+    tokens gives the per-op and per-token parts (where that line is not physical, a negative part, the
+    mean slope is all per-op); the intercept at the smallest batch the step's."""
     bare = replace(spec, op_overhead_us=0.0, op_overhead_per_token_us=0.0, step_overhead_us=0.0)
     by_batch: dict[int, list[tuple[float, float]]] = {}
     for model, d, time_us in _steps(points, "engine_step"):
@@ -162,8 +163,8 @@ def fit_overhead(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -> tuple[f
         per_op, per_token = max(lines[first][0], 0.0), 0.0
     else:
         per_token, per_op = linear_regression(list(lines), [slope for slope, _ in lines.values()])
-        per_token = max(per_token, 0.0)
-        per_op = max(per_op, 0.0) if per_token else max(sum(s for s, _ in lines.values()) / len(lines), 0.0)
+        if per_token <= 0 or per_op <= 0:  # the batches do not separate the parts (a busy or a fused host):
+            per_token, per_op = 0.0, max(sum(s for s, _ in lines.values()) / len(lines), 0.0)  # one per op
     slope_first = per_op + per_token * first
     step = sum(y - slope_first * x for x, y in by_batch[first]) / len(by_batch[first])
     return per_op, per_token, max(step, 0.0)
