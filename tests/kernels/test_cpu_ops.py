@@ -54,6 +54,10 @@ def test_mla_decode_keeps_the_checks_and_leaves_fp8_to_the_reference():
         paged_mla_decode(q, cache, tables, torch.tensor([20, 10_000]), 0.1, 128)
     with pytest.raises(ValueError, match="last dim"):
         paged_mla_decode(q[..., :100], cache, tables, seq_lens, 0.1, 128)
+    bad = tables.clone()
+    bad[0, 1] = cache.shape[0]  # a block the first sequence reaches, past the cache
+    with pytest.raises(IndexError, match="outside the cache"):
+        paged_mla_decode(q, cache, bad, seq_lens, 0.1, 128)
     fp8 = (cache.float() / 4).to(FP8_DTYPE)
     scale = torch.tensor(4.0)
     assert cpu.mla_decode(q, fp8, tables, [20, 3], 0.1, 128) is None

@@ -94,7 +94,8 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
         return None
     p, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     if dtype == OPS:
-        lib.epserve_mla_decode.argtypes = [p, i64, i64, i64, p, c_int, i64, p, i64, p, f32, i64, p, c_int]
+        lib.epserve_mla_decode.argtypes = [p, i64, i64, i64, p, c_int, i64, i64, p, i64, p, f32, i64, p, c_int]
+        lib.epserve_mla_decode.restype = c_int
         lib.epserve_grouped_topk.argtypes = [p, i64, i64, i64, i64, i64, c_int, c_int, c_int, c_int, f32, p, p, p, p]
         lib.epserve_rms_norm.argtypes = [p, p, i64, i64, i64, f32, c_int, p]
         lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p]
@@ -210,9 +211,10 @@ def mla_decode(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     tables = block_tables.to(torch.int64).contiguous()
     lens_t = torch.tensor(lens, dtype=torch.int64)
     out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32)
-    lib.epserve_mla_decode(q.data_ptr(), b, h, d, kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
-                           kv_cache.shape[1], tables.data_ptr(), tables.shape[1], lens_t.data_ptr(), softmax_scale,
-                           kv_lora_rank, out.data_ptr(), torch.get_num_threads())
+    if lib.epserve_mla_decode(q.data_ptr(), b, h, d, kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
+                              kv_cache.shape[0], kv_cache.shape[1], tables.data_ptr(), tables.shape[1], lens_t.data_ptr(),
+                              softmax_scale, kv_lora_rank, out.data_ptr(), torch.get_num_threads()):
+        raise IndexError(f"a block of block_tables lies outside the cache's {kv_cache.shape[0]} blocks")
     return out
 
 

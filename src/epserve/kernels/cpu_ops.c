@@ -46,13 +46,18 @@ static inline void axpy_row(float *o, float p, const void *row, int is_bf16, int
  * cached rows of sequence b, row t in block tables[b, t / block_size] at t % block_size. q fp32
  * [B, H, D]; cache [blocks, block_size, D] bf16 or fp32; tables int64 [B, max_blocks]; lens int64 [B]
  * (checked by the caller to fit the tables). Empty sequences come out zero. One (sequence, head) pair
- * per work item. */
-void epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const void *cache, int is_bf16,
-                        int64_t block_size, const int64_t *tables, int64_t max_blocks, const int64_t *lens,
-                        float scale, int64_t R, float *out, int num_threads) {
+ * per work item. Returns -1, computing nothing, when a block the lengths reach lies outside the
+ * cache's num_blocks; else 0. */
+int epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const void *cache, int is_bf16,
+                       int64_t num_blocks, int64_t block_size, const int64_t *tables, int64_t max_blocks,
+                       const int64_t *lens, float scale, int64_t R, float *out, int num_threads) {
   const int64_t elem = is_bf16 ? 2 : 4;
   int64_t work = 0;
-  for (int64_t b = 0; b < B; b++) work += lens[b];
+  for (int64_t b = 0; b < B; b++) {
+    for (int64_t i = 0; i * block_size < lens[b]; i++)
+      if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return -1;
+    work += lens[b];
+  }
   const int threads = work * H * D > (1 << 16) ? num_threads : 1; /* small steps: no thread hand-off */
   #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
   for (int64_t bh = 0; bh < B * H; bh++) {
@@ -81,6 +86,7 @@ void epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const v
     }
     free(s);
   }
+  return 0;
 }
 
 /* The index of the largest value among v[0..n) not yet taken (first one on ties); marks it taken. */
