@@ -4,6 +4,7 @@ script, and report one JSON line of ``{case: None | traceback}`` that the parent
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
@@ -22,12 +23,40 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **extra}
 
 
+_RUNS: dict[str, subprocess.Popen] = {}  # test file -> its interpreter run, started with its siblings
+
+
+def _stop_leftovers() -> None:
+    """Runs whose tests were deselected after collection: not left running past the session."""
+    for proc in _RUNS.values():
+        proc.kill()
+        proc.wait()
+
+
+def _start(test_file: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(test_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=subprocess_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
+
+
 def interpreter_results(test_file: str) -> dict[str, str | None]:
-    """Run ``test_file`` as a script under the interpreter (no GPU visible); its cases' outcomes."""
-    proc = subprocess.run([sys.executable, test_file], capture_output=True, text=True, timeout=600,
-                          env=subprocess_env(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES=""))
-    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """Run ``test_file`` as a script under the interpreter (no GPU visible); its cases' outcomes. The
+    first call also starts every collected sibling test file that reports cases, so the interpreter
+    runs (single-threaded Python, most of their time) overlap instead of queueing one after another."""
+    path = Path(test_file).resolve()
+    if not _RUNS:
+        collected = {name.rsplit(".", 1)[-1] for name in sys.modules}  # the test modules pytest imported
+        for sibling in sorted(path.parent.glob("test_*.py")):
+            if sibling != path and sibling.stem in collected and "triton_harness.report_cases" in sibling.read_text():
+                _RUNS[str(sibling)] = _start(sibling)
+        atexit.register(_stop_leftovers)
+    proc = _RUNS.pop(str(path), None) or _start(path)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and stdout.strip(), stderr[-3000:]
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def report_cases(cases: dict[str, Callable[[ModuleType], None]], kernels: ModuleType,
