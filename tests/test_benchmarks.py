@@ -123,3 +123,52 @@ def test_cpu_decode_steps_compares_fused_and_torch_ops(tmp_path):
     (row,) = json.loads(out.read_text())["steps"]
     assert row["batch"] == 1 and row["fused_ms"] > 0 and row["torch_ms"] > 0 and row["floor_ms"] > 0
     assert len(row["rounds_fused_ms"]) == len(row["rounds_torch_ms"]) == 1
+
+
+def _vs_llamacpp():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import vs_llamacpp
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return vs_llamacpp
+
+
+def test_vs_llamacpp_epserve_side_and_the_table(make_ckpt, tmp_path):
+    """The llama.cpp comparison's own parts (the llama.cpp build itself runs in the benchmark, minutes on 2
+    cores): llama-batched-bench's JSON lines read, epserve's side counted as they count, the table put
+    between the document's markers and replaced on the next run."""
+    from epserve import LLM
+
+    v = _vs_llamacpp()
+    lines = ('main: n_kv_max = 512, n_batch = 2048\n'
+             '{"n_kv_max": 512, "pp": 64, "tg": 8, "pl": 1, "t_pp": 0.148783, "speed_pp": 430.156677, '
+             '"t_tg": 0.096352, "speed_tg": 83.028893}\n'
+             '{"n_kv_max": 512, "pp": 64, "tg": 8, "pl": 16, "t_pp": 0.6, "speed_pp": 1706.6, "t_tg": 0.2, '
+             '"speed_tg": 640.0}\n')
+    rows = v.parse_batched_bench(lines)
+    assert set(rows) == {1, 16} and rows[16]["speed_tg"] == 640.0 and rows[1]["speed_pp"] == 430.156677
+
+    llm = LLM(make_ckpt("tiny", dtype="bfloat16"), dtype="bfloat16", num_blocks=64, enable_prefix_caching=False)
+    measured = v.epserve_batched(llm, [1, 4, 16], prompt_len=8, steps=3, seed=0)
+    assert set(measured) == {1, 4, 16} and all(m["prefill"] > 0 and m["decode"] > 0 for m in measured.values())
+    assert not llm.engine.has_unfinished_requests()
+    tokens, logprobs = v.epserve_greedy(llm, [5, 6, 7], 4)
+    assert len(tokens) == len(logprobs) == 4 and all(lp <= 0 for lp in logprobs)
+
+    table = {"epserve": {"decode_b1": 200.0, "decode_b4": 400.0, "decode_b16": 700.0, "prefill_b16": 2000.0,
+                         "served_out_tok_s": 220.0},
+             "llama.cpp": {"decode_b1": 250.0, "decode_b4": 400.0, "decode_b16": 560.0, "prefill_b16": 1600.0,
+                           "served_out_tok_s": 160.0}}
+    result = {"timings": {"table": table}, "machine": "test machine", "llama_cpp_python": "0.3.36",
+              "date": "2026-12-04", "agreement": {"equal": 64, "tokens": 64, "max_logprob_diff": 8e-6}}
+    text = v.markdown(result, "python benchmarks/vs_llamacpp.py")
+    assert "| batch-1 decode (tok/s) | 200 | 250 | **0.80×** |" in text
+    assert "| batch-16 decode (tok/s) | 700 | 560 | **1.25×** |" in text and "64/64 greedy tokens equal" in text
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# B\n\nbefore\n\n{v.BEGIN}\nold table\n{v.END}\n\nafter\n")
+    v.write_docs(text, doc)
+    v.write_docs(text, doc)
+    written = doc.read_text()
+    assert written.count(v.BEGIN) == 1 and "old table" not in written and written.count("batch-1 decode") == 1
+    assert written.startswith("# B\n\nbefore\n\n") and written.endswith(f"{v.END}\n\nafter\n")

@@ -8,8 +8,9 @@ Only a trace goes through an op (:func:`tracing`: under ``torch.compile`` or a f
 custom op's first eager call imports torch's compiler stack (seconds, in every rank process), and eager
 callers gain nothing from it. The front ends switch themselves: ``kernels.fp8`` (activation quantization,
 block and grouped GEMMs), ``kernels.gate`` (the fused gate on CUDA), ``kernels.grouped`` (the Triton
-grouped SwiGLU) call ``torch.ops.epserve.<name>`` when traced; this module defines those ops (importing
-``epserve.kernels`` registers them). The CPU kernels' ops sit with them (``kernels.cpu``,
+grouped SwiGLU), ``kernels.fused`` (RMSNorm, rotary embedding and the latent append on CUDA) call
+``torch.ops.epserve.<name>`` when traced; this module defines those ops (importing ``epserve.kernels``
+registers them). The CPU kernels' ops sit with them (``kernels.cpu``,
 ``moe/experts.py``).
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from epserve.kernels import fp8, gate, grouped
+from epserve.kernels import fp8, fused, gate, grouped
 from epserve.kernels.device import tracing
 from epserve.kernels.mla_decode import paged_mla_decode
 
@@ -151,3 +152,45 @@ def grouped_swiglu_triton(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tens
 def _(x, counts, w13, w2):  # noqa: ANN001
     grouped.check_grouped_swiglu(x, counts, w13, w2)
     return x.new_empty(x.shape[0], w2.shape[1])
+
+
+# ---- the small fused ops on CUDA (kernels.fused, Triton in kernels.fused_triton) ------------------------
+
+
+@torch.library.custom_op("epserve::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``fused_triton.rms_norm_triton``: x [..., D] -> a new [..., D] in the promoted dtype of x and weight."""
+    return fused._triton().rms_norm_triton(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):  # noqa: ANN001
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+
+
+@torch.library.custom_op("epserve::rope_heads", mutates_args=())
+def rope_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+               rope_dim: int) -> torch.Tensor:
+    """``fused_triton.rope_heads_triton`` out of place (eager calls rotate q in place): q [T, h, D] -> a new
+    [T, h, D] with the last ``rope_dim`` columns of each head rotated."""
+    return fused._triton().rope_heads_triton(q.clone(memory_format=torch.contiguous_format), cos, sin, interleave,
+                                              rope_dim)
+
+
+@rope_heads.register_fake
+def _(q, cos, sin, interleave, rope_dim):  # noqa: ANN001
+    return q.new_empty(q.shape)
+
+
+@torch.library.custom_op("epserve::append_latent", mutates_args=("flat_cache",))
+def append_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  interleave: bool, slots: torch.Tensor, flat_cache: torch.Tensor, kv_lora_rank: int) -> None:
+    """``fused_triton.append_latent_triton``: ``[RMSNorm(c_kv) | rope(k_pe)]`` of each latent row written to
+    ``flat_cache``'s rows ``slots``."""
+    fused._triton().append_latent_triton(latent, norm_weight, eps, cos, sin, interleave, slots, flat_cache,
+                                         kv_lora_rank)
+
+
+@append_latent.register_fake
+def _(latent, norm_weight, eps, cos, sin, interleave, slots, flat_cache, kv_lora_rank):  # noqa: ANN001
+    return None
