@@ -197,28 +197,38 @@ def test_torchrun_rank_exits_when_its_peer_is_killed(ckpt):
     port = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    args = ["-m", "epserve.cli", "--log-level", "WARNING", "generate", str(ckpt), "--dtype", "float32", "--dp", "2",
+    args = ["-m", "epserve.cli", "--log-level", "INFO", "generate", str(ckpt), "--dtype", "float32", "--dp", "2",
             "--max-tokens", "1900", "--ignore-eos", "--num-blocks", "2048"]
     args += [arg for i in range(32) for arg in ("--prompt", f"prompt {i}")]  # ~2000 steps of 16 sequences per rank
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
-        subprocess.Popen([*torchrun, "--node-rank", str(n), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        subprocess.Popen([*torchrun, "--node-rank", str(n), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          text=True, env=env, start_new_session=True)
         for n in range(2)
     ]
+    logs: list[list[str]] = [[], []]
+    loaded = [threading.Event(), threading.Event()]
+
+    def read(n: int) -> None:  # each node's log; "loaded" once its rank holds the model
+        for line in nodes[n].stderr:
+            logs[n].append(line)
+            if "loaded " in line:
+                loaded[n].set()
+
+    readers = [threading.Thread(target=read, args=(n,), daemon=True) for n in range(2)]
+    for r in readers:
+        r.start()
     try:
-        deadline = time.monotonic() + 60
-        while not all(children(n.pid) for n in nodes) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        time.sleep(6)  # both ranks have loaded the model and are generating
-        assert nodes[0].poll() is None, nodes[0].communicate()[1][-2000:]
+        assert all(e.wait(120) for e in loaded), "".join(logs[0][-20:] + logs[1][-20:])
+        assert nodes[0].poll() is None, "".join(logs[0][-20:])
         [worker] = children(nodes[1].pid)  # torchrun runs the rank in a session of its own
         os.kill(worker, signal.SIGKILL)
         start = time.monotonic()
-        _, err = nodes[0].communicate(timeout=60)
+        nodes[0].wait(timeout=60)
         assert time.monotonic() - start < 30
         assert nodes[0].returncode != 0
-        assert "epserve: error: rank 0 failed" in err
+        readers[0].join(10)
+        assert "epserve: error: rank 0 failed" in "".join(logs[0])
     finally:
         for node in nodes:
             for pid in [node.pid, *children(node.pid)]:
