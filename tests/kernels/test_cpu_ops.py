@@ -138,6 +138,20 @@ def test_head_matmul_matches_bmm(dtype):
     assert torch.equal(head_matmul(q, w16), torch.bmm(q.to(w16.dtype).transpose(0, 1), w16).transpose(0, 1))
 
 
+@pytest.mark.parametrize("batch", [1, 16])
+def test_head_matmul_sums_over_k_in_order_whatever_the_blocking(batch):
+    """Each output is x[b, h, 0] w[h, 0] + x[b, h, 1] w[h, 1] + ... in that order, each product and sum
+    rounded on its own: registers over 32 columns, the scalar tail (N = 40) and, at batch 16, two threads
+    give those exact values."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(batch, 8, 64, generator=g)
+    w = torch.randn(8, 64, 40, generator=g)
+    want = torch.zeros(batch, 8, 40)
+    for k in range(64):
+        want = want + x[:, :, k : k + 1] * w[:, k].unsqueeze(0)
+    assert torch.equal(cpu.head_matmul(x, w), want)
+
+
 def test_without_the_library_every_op_is_its_reference(without_kernels):
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()

@@ -98,7 +98,7 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
         lib.epserve_mla_decode.restype = c_int
         lib.epserve_grouped_topk.argtypes = [p, i64, i64, i64, i64, i64, c_int, c_int, c_int, c_int, f32, p, p, p, p]
         lib.epserve_rms_norm.argtypes = [p, p, i64, i64, i64, f32, c_int, p]
-        lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p]
+        lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p, c_int]
         lib.epserve_rope_heads.argtypes = [p, i64, i64, i64, p, p, i64, c_int, c_int]
         lib.epserve_append_latent.argtypes = [p, i64, i64, i64, i64, p, f32, p, p, c_int, c_int, p, p, i64, c_int]
         lib.epserve_append_latent.restype = c_int
@@ -272,7 +272,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     b, h, k = x.shape
     out = torch.empty(b, h, w.shape[2], dtype=torch.float32)
     lib.epserve_head_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), b, h, k, x.stride(0), x.stride(1),
-                            w.data_ptr(), w.shape[2], out.data_ptr())
+                            w.data_ptr(), w.shape[2], out.data_ptr(), torch.get_num_threads())
     return out
 
 
