@@ -244,7 +244,7 @@ def timings(args: argparse.Namespace, source: Path, bin_dir: Path, work: Path) -
     gguf = to_gguf(source, ckpt, "bf16")
     runs: dict[str, list] = {"epserve": [], "llama.cpp": []}
     llm = LLM(ckpt, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
-    epserve_batched(llm, [1], args.prompt_len, 4, seed=999)  # warm
+    epserve_batched(llm, args.batches, args.prompt_len, 4, seed=999)  # warm: every shape once (as llama-batched-bench warms)
     for r in tqdm(range(args.repeats), desc="offline, alternated"):
         runs["epserve"].append(epserve_batched(llm, args.batches, args.prompt_len, args.steps, seed=r))
         runs["llama.cpp"].append(llama_batched(bin_dir, gguf, args.threads, args.batches, args.prompt_len,

@@ -25,25 +25,27 @@ def without_kernels(monkeypatch):
     monkeypatch.setitem(cpu._available, cpu.OPS, False)
 
 
-def _paged(g: torch.Generator, lens: list[int], dtype: torch.dtype, block_size: int = 16, d: int = 160):
+def _paged(g: torch.Generator, lens: list[int], dtype: torch.dtype, block_size: int = 16, d: int = 160,
+           heads: int = 8):
     """A shuffled paged cache holding ``lens`` tokens per sequence, its block tables (int32) and queries."""
     per_seq = max(-(-n // block_size) for n in lens) or 1
     num_blocks = per_seq * len(lens) + 3
     cache = torch.randn(num_blocks, block_size, d, generator=g).to(dtype)
     tables = torch.randperm(num_blocks, generator=g)[: per_seq * len(lens)].view(len(lens), per_seq).int()
-    q = torch.randn(len(lens), 8, d, generator=g)
+    q = torch.randn(len(lens), heads, d, generator=g)
     return q, cache, tables, torch.tensor(lens)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("lens", [[1], [5, 0, 64], [300, 17, 1, 33]])
-def test_mla_decode_matches_the_reference(dtype, lens):
-    q, cache, tables, seq_lens = _paged(torch.Generator().manual_seed(len(lens)), lens, dtype)
+@pytest.mark.parametrize("heads", [8, 6, 1])  # whole and partial groups of the kernel's four heads
+def test_mla_decode_matches_the_reference(dtype, lens, heads):
+    q, cache, tables, seq_lens = _paged(torch.Generator().manual_seed(len(lens)), lens, dtype, heads=heads)
     ours = paged_mla_decode(q, cache, tables, seq_lens, 0.1, 128)
     ref = paged_mla_decode_ref(q, cache, tables, seq_lens, 0.1, 128)
     direct = cpu.mla_decode(q, cache, tables, lens, 0.1, 128)
     assert direct is not None and torch.equal(direct, ours)  # the front end took the kernel
-    assert ours.dtype == torch.float32 and ours.shape == (len(lens), 8, 128)
+    assert ours.dtype == torch.float32 and ours.shape == (len(lens), heads, 128)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert not ours[torch.tensor(lens) == 0].any()  # empty sequences come out zero
 

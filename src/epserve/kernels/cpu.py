@@ -201,7 +201,8 @@ def mla_decode(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                softmax_scale: float, kv_lora_rank: int) -> torch.Tensor | None:
     """Paged MLA decode for fp32 queries over a bf16 or fp32 cache (``lens``: the checked sequence
     lengths) -> o_latent [B, h, r] fp32; None where it does not apply (an FP8 cache, CUDA, a trace)."""
-    if q_latent.device.type != "cpu" or kv_cache.dtype not in (torch.bfloat16, torch.float32):
+    if (q_latent.device.type != "cpu" or kv_cache.dtype not in (torch.bfloat16, torch.float32)
+            or q_latent.shape[-1] % 8 or kv_lora_rank % 8):  # the kernel takes eight columns at a time
         return None
     lib = _ops()
     if lib is None or not kv_cache.is_contiguous() or q_latent.requires_grad:

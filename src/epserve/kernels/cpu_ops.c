@@ -9,6 +9,7 @@
  * round; results equal the references up to the order of a sum. Built and loaded at run time by
  * kernels/cpu.py; the torch references are the fallback.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,74 +18,130 @@
 
 #include "cpu_bf16.h"
 
-/* q . row over d columns; row in bf16 (is_bf16) or fp32. */
-static inline float dot_row(const float *q, const void *row, int is_bf16, int64_t d) {
-  float acc = 0.0f;
+/* ---- paged MLA decode (AVX2 + FMA intrinsics: its sums are not torch's bit for bit in any case) ---- */
+
+/* Eight values of a cache row as fp32: bf16 widened (is_bf16) or fp32 loaded. */
+static inline __m256 load8(const void *row, int64_t j, int is_bf16) {
   if (is_bf16) {
-    const uint16_t *r = (const uint16_t *)row;
-    #pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < d; j++) acc += q[j] * bf16_to_f32(r[j]);
-  } else {
-    const float *r = (const float *)row;
-    #pragma omp simd reduction(+ : acc)
-    for (int64_t j = 0; j < d; j++) acc += q[j] * r[j];
+    __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + j));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
   }
-  return acc;
+  return _mm256_loadu_ps((const float *)row + j);
 }
 
-static inline void axpy_row(float *o, float p, const void *row, int is_bf16, int64_t r) {
-  if (is_bf16) {
-    const uint16_t *v = (const uint16_t *)row;
-    for (int64_t j = 0; j < r; j++) o[j] += p * bf16_to_f32(v[j]);
-  } else {
-    const float *v = (const float *)row;
-    for (int64_t j = 0; j < r; j++) o[j] += p * v[j];
-  }
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
+
+/* e^x for eight fp32 values (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial,
+ * 2^n from the exponent bits; within 2 ulp of expf over the softmax's range, e^-inf = 0). */
+static inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3365478515625f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+#define MLA_HEADS 4 /* heads of one sequence per work item: each cache row is read once for all of them */
 
 /* Absorbed MLA decode: out[b, h, :R] = softmax_t(q[b, h] . kv_t * scale) @ kv_t[:R] over the lens[b]
  * cached rows of sequence b, row t in block tables[b, t / block_size] at t % block_size. q fp32
  * [B, H, D]; cache [blocks, block_size, D] bf16 or fp32; tables int64 [B, max_blocks]; lens int64 [B]
- * (checked by the caller to fit the tables). Empty sequences come out zero. One (sequence, head) pair
- * per work item. Returns -1, computing nothing, when a block the lengths reach lies outside the
- * cache's num_blocks; else 0. */
+ * (checked by the caller to fit the tables). Empty sequences come out zero. A work item is up to
+ * MLA_HEADS heads of one sequence: each cache row's scores for them in one pass over the row, then 8
+ * output columns at a time for all of them over every row, the accumulators in registers. D and R are
+ * multiples of 8 (the caller checks). Returns -1, computing nothing, when a block the lengths reach
+ * lies outside the cache's num_blocks; else 0. */
 int epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const void *cache, int is_bf16,
                        int64_t num_blocks, int64_t block_size, const int64_t *tables, int64_t max_blocks,
                        const int64_t *lens, float scale, int64_t R, float *out, int num_threads) {
   const int64_t elem = is_bf16 ? 2 : 4;
-  int64_t work = 0;
+  int64_t work = 0, max_len = 0;
   for (int64_t b = 0; b < B; b++) {
     for (int64_t i = 0; i * block_size < lens[b]; i++)
       if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return -1;
     work += lens[b];
+    if (lens[b] > max_len) max_len = lens[b];
   }
+  const int64_t blocks_per_seq = (H + MLA_HEADS - 1) / MLA_HEADS;
   const int threads = work * H * D > (1 << 16) ? num_threads : 1; /* small steps: no thread hand-off */
-  #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (int64_t bh = 0; bh < B * H; bh++) {
-    const int64_t b = bh / H, L = lens[b];
-    const float *qv = q + bh * D;
-    float *o = out + bh * R;
-    memset(o, 0, sizeof(float) * R);
-    if (L <= 0) continue;
-    float *s = (float *)malloc(sizeof(float) * L);
-    const int64_t *table = tables + b * max_blocks;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < L; t++) {
-      const char *row = (const char *)cache + ((table[t / block_size] * block_size + t % block_size) * D) * elem;
-      s[t] = dot_row(qv, row, is_bf16, D) * scale;
-      if (s[t] > m) m = s[t];
+  #pragma omp parallel num_threads(threads)
+  {
+    float *p = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1) * MLA_HEADS);
+    const char **rows = (const char **)malloc(sizeof(char *) * (max_len > 0 ? max_len : 1));
+    #pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < B * blocks_per_seq; item++) {
+      const int64_t b = item / blocks_per_seq, h0 = (item % blocks_per_seq) * MLA_HEADS, L = lens[b];
+      const int64_t nh = H - h0 < MLA_HEADS ? H - h0 : MLA_HEADS;
+      for (int64_t h = 0; h < nh; h++) memset(out + (b * H + h0 + h) * R, 0, sizeof(float) * R);
+      if (L <= 0) continue;
+      const int64_t *table = tables + b * max_blocks;
+      for (int64_t t = 0; t < L; t++)
+        rows[t] = (const char *)cache + ((table[t / block_size] * block_size + t % block_size) * D) * elem;
+      const float *qb = q + (b * H + h0) * D;
+      /* scores p[h * L + t] and each head's max */
+      float m[MLA_HEADS];
+      for (int64_t h = 0; h < MLA_HEADS; h++) m[h] = -INFINITY;
+      for (int64_t t = 0; t < L; t++) {
+        __m256 acc[MLA_HEADS];
+        for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < D; j += 8) {
+          const __m256 v = load8(rows[t], j, is_bf16);
+          for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + h * D + j), v, acc[h]);
+        }
+        for (int64_t h = 0; h < nh; h++) {
+          const float sc = hsum8(acc[h]) * scale;
+          p[h * L + t] = sc;
+          if (sc > m[h]) m[h] = sc;
+        }
+      }
+      /* softmax weights, normalized */
+      for (int64_t h = 0; h < nh; h++) {
+        float *ph = p + h * L;
+        const __m256 mh = _mm256_set1_ps(m[h]);
+        __m256 sum8 = _mm256_setzero_ps();
+        int64_t t = 0;
+        for (; t + 8 <= L; t += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(ph + t), mh));
+          _mm256_storeu_ps(ph + t, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum8(sum8);
+        for (; t < L; t++) {
+          ph[t] = expf(ph[t] - m[h]);
+          sum += ph[t];
+        }
+        const float inv = 1.0f / sum;
+        for (t = 0; t < L; t++) ph[t] *= inv;
+      }
+      /* out[h, j:j+8] = sum_t p[h, t] kv_t[j:j+8] */
+      for (int64_t j = 0; j < R; j += 8) {
+        __m256 acc[MLA_HEADS];
+        for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < L; t++) {
+          const __m256 v = load8(rows[t], j, is_bf16);
+          for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * L + t]), v, acc[h]);
+        }
+        for (int64_t h = 0; h < nh; h++) _mm256_storeu_ps(out + (b * H + h0 + h) * R + j, acc[h]);
+      }
     }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < L; t++) {
-      s[t] = expf(s[t] - m);
-      sum += s[t];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < L; t++) {
-      const char *row = (const char *)cache + ((table[t / block_size] * block_size + t % block_size) * D) * elem;
-      axpy_row(o, s[t] * inv, row, is_bf16, R);
-    }
-    free(s);
+    free(p);
+    free((void *)rows);
   }
   return 0;
 }
