@@ -281,7 +281,7 @@ static void head_row(const void *x, int is_bf16, int64_t at, int64_t K, const fl
 
 void epserve_head_matmul(const void *x, int is_bf16, int64_t B, int64_t H, int64_t K, int64_t ldb, int64_t ldh,
                          const float *w, int64_t N, float *out, int num_threads) {
-  #pragma omp parallel for schedule(static) num_threads(num_threads) if (B * H * K * N >= (1 << 19))
+  #pragma omp parallel for schedule(static) num_threads(num_threads) if (B * H * K * N >= (1 << 15))
   for (int64_t i = 0; i < B * H; i++) {
     const int64_t b = i / H, h = i % H;
     head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, out + i * N);
