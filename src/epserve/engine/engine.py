@@ -15,6 +15,7 @@ from dataclasses import replace
 from epserve.config import EngineConfig
 from epserve.engine.balancer import RebalanceReport
 from epserve.engine.kv_handoff import KVWrite
+from epserve.engine.memory import keep_freed_host_memory
 from epserve.engine.request import Request, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.scheduler import RequestUpdate, Scheduler
@@ -41,6 +42,8 @@ class LLMEngine:
         self.config = config
         self.ctx = ctx if ctx is not None else ParallelContext.single(resolve_device(config.device))
         self.runner = ModelRunner(config, self.ctx)
+        if self.ctx.device.type == "cpu":  # after loading: the load's temporaries are not kept
+            keep_freed_host_memory()
         self.scheduler = (
             Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len, config.num_spec_tokens)
             if self.ctx.is_leader
