@@ -306,7 +306,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 2))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=32, help="decode steps per batch")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per batch")
     ap.add_argument("--repeats", type=int, default=3, help="alternated rounds of the offline timings")
     ap.add_argument("--served-repeats", type=int, default=1, help="alternated rounds of the served workload")
     ap.add_argument("--agree-tokens", type=int, default=64)
