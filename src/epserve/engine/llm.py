@@ -96,7 +96,12 @@ class LLM:
         elif torchrun is not None:
             info, world = torchrun
             self.rank = info.rank
-            self._worker = join_torchrun(self.config, info, world)
+            try:
+                self._worker = join_torchrun(self.config, info, world)
+            except RuntimeError as e:  # a start-up collective failed: a peer is gone (as in _call)
+                if isinstance(e, RankFailure):
+                    raise
+                raise RankFailure(f"rank {self.rank} failed while starting: {str(e).splitlines()[0]}") from e
         else:
             self.rank = parallel.node_rank * parallel.local_world_size
             self._ranks = spawn_ranks(self.config)
