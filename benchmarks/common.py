@@ -46,6 +46,21 @@ def _epserve(*args: str) -> list[str]:
     return [sys.executable, "-m", "epserve.cli", "--log-level", "WARNING", *args]
 
 
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float, what: str) -> None:
+    """Until ``url``'s ``/health`` answers 200; SystemExit with the log's tail if ``proc`` exits first or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{what} did not come up:\n{log.read_text()[-3000:]}") from None
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def serving(serve_args: list[str], log: Path, timeout_s: float = 300.0, src: Path | None = None,
             environ: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
@@ -61,16 +76,7 @@ def serving(serve_args: list[str], log: Path, timeout_s: float = 300.0, src: Pat
                                 stderr=subprocess.STDOUT, env=child_env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the server did not come up:\n{log.read_text()[-3000:]}") from None
-                time.sleep(0.2)
+        wait_healthy(url, proc, log, timeout_s, "the server")
         yield proc, url
     finally:
         proc.send_signal(signal.SIGTERM)

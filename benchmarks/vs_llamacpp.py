@@ -34,12 +34,11 @@ import subprocess
 import sys
 import tarfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from common import bench_serve, serving
+from common import bench_serve, serving, wait_healthy
 from tqdm import tqdm
 
 from epserve import LLM, SamplingParams
@@ -133,16 +132,7 @@ def llama_serving(bin_dir: Path, model: Path, log: Path, threads: int, parallel:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"llama-server did not come up:\n{log.read_text()[-3000:]}") from None
-                time.sleep(0.2)
+        wait_healthy(url, proc, log, 300, "llama-server")
         yield url
     finally:
         proc.terminate()
