@@ -1,5 +1,6 @@
-/* The small fused ops of a CPU decode step (x86-64 with AVX2 + FMA; plain C the compiler vectorizes;
- * built with -ffp-contract=off so products and sums round as torch's separate ops do).
+/* The small fused ops of a CPU decode step (x86-64 with AVX2 + FMA; plain C the compiler vectorizes,
+ * built with -ffp-contract=off so products and sums round as torch's separate ops do; paged MLA decode,
+ * whose sums are not torch's in any case, in AVX2/FMA intrinsics).
  *
  * Each replaces a chain of eager torch ops whose cost at decode sizes is the dispatch of every op,
  * not its arithmetic: paged MLA decode attention (the torch reference gathers, pads, masks and runs
