@@ -121,7 +121,7 @@ def keep_freed_host_memory() -> bool:
     blocks under 32 MB from the heap instead of fresh ``mmap`` pages, and freed heap memory not returned
     to the kernel below 1 GiB. Without it a step's activations (a prefill's MB-sized blocks) come from
     pages the kernel maps and zeroes again every step (docs/benchmarks.md, issue 30: batch-16 prefill
-    1.2-1.5x faster). Whether it applied: False off glibc."""
+    1.4x faster). Whether it applied: False off glibc."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
