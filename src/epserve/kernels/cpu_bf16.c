@@ -31,8 +31,8 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 /* R weight rows (R streams in flight) against M <= 4 rows of x, for compile-time R and M so the
  * R*M accumulators live in registers: y[m, r] = sum_k x[m, k] * w[r, k]. With two or more rows of x the
  * arithmetic no longer hides the loads, so each load also prefetches the next group's row at the same
- * offset (R rows on; past the end it is a harmless hint); with one row the hardware prefetcher alone is
- * faster. Four rows' sums come out of one transposing reduction (the short rows of a down projection,
+ * offset (R rows on; past the end it is a harmless hint); a single row of x (the last of an odd tile)
+ * needs none. A one-row GEMM does not come here at all: dot_seq below. Four rows' sums come out of one transposing reduction (the short rows of a down projection,
  * K = 256, spent as much in four separate reductions as in their dot products). */
 #define DEFINE_DOT(R, M)                                                                              \
   static void dot_##R##x##M(const uint16_t *x, const uint16_t *w, int64_t K, float *y, int64_t ldy) { \
