@@ -1,14 +1,15 @@
 """CPU decode on the `small` preset (bf16): the fused small ops against the torch ops they replace, a
 decode step beside a competing process, and the gaps between streamed chunks when served.
 
-    .venv/bin/python benchmarks/cpu_decode.py steps        # fused C ops on/off, alternated in one engine
+    .venv/bin/python benchmarks/cpu_decode.py steps        # captured / eager / torch ops, alternated in one engine
     .venv/bin/python benchmarks/cpu_decode.py contention   # batch-1 steps quiet, then beside a busy process
     .venv/bin/python benchmarks/cpu_decode.py streams      # epserve serve + bench: median chunk gap vs TPOT
 
 ``steps``: one engine, steady decode batches of ``--batches`` sequences; each round times ``--steps``
-steps with the fused ops of ``kernels/cpu_ops.c`` and as many with them reported missing (every op then
-runs its torch reference), alternating, so both see the same machine; medians of the rounds' medians,
-with the weight-streaming floor of the step (the bytes it reads at the measured read bandwidth).
+steps three ways, alternating, so all see the same machine: replayed as the bucket's recorded C kernel
+calls (``cpu_graph``, the default), eagerly with the fused ops of ``kernels/cpu_ops.c``, and eagerly with
+them reported missing (every op then runs its torch reference); medians of the rounds' medians, with the
+weight-streaming floor of the step (the bytes it reads at the measured read bandwidth).
 ``contention``: the same step alone and beside one process spinning on the cores (a Python loop, or a
 two-thread torch loop with ``--busy torch``), alternated. ``streams``: the served workload of
 docs/benchmarks.md (64 requests, concurrency 16, 256 tokens in, 32 out). Figures go in
@@ -35,6 +36,7 @@ from epserve.kernels import cpu
 from epserve.model.moe import MoE
 from epserve.presets import make_checkpoint
 
+VARIANTS = ("graph", "eager", "torch")  # the captured CPU decode; eager steps with the fused ops; torch ops
 BUSY = {"python": "while True: pass",
         "torch": "import torch\ntorch.set_num_threads(2)\na = torch.randn(64, 64)\nwhile True: a = (a @ a).tanh()"}
 
@@ -79,28 +81,34 @@ def run_steps(args: argparse.Namespace) -> dict:
     engine = llm.engine
     fused_available = cpu.available(cpu.OPS)
     bandwidth = measure_bandwidth("cpu")
+    runner = engine.runner
+    captured = runner.captured
     rows = []
     for batch in args.batches:
-        start_decode_batch(engine, batch, args.prompt_len, 2 * args.rounds * args.steps + 4, batch, tag=f"b{batch}")
-        nbytes = step_bytes(engine, batch)
-        runs: dict[bool, list[float]] = {True: [], False: []}
+        start_decode_batch(engine, batch, args.prompt_len, 3 * args.rounds * args.steps + 4, batch, tag=f"b{batch}")
+        nbytes = step_bytes(engine, batch)  # (also records the bucket's CPU graph)
+        runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
         try:
             for _ in range(args.rounds):
-                for fused in (True, False):
-                    cpu._available[cpu.OPS] = fused and fused_available
-                    runs[fused].append(timed(engine, args.steps))
+                for variant in VARIANTS:
+                    runner.captured = captured if variant == "graph" else None
+                    cpu._available[cpu.OPS] = variant != "torch" and fused_available
+                    runs[variant].append(timed(engine, args.steps))
         finally:
+            runner.captured = captured
             cpu._available[cpu.OPS] = fused_available
         while engine.has_unfinished_requests():
             engine.step()
-        on, off = statistics.median(runs[True]), statistics.median(runs[False])
+        ms = {v: statistics.median(r) for v, r in runs.items()}
         floor = 1e3 * nbytes / bandwidth
-        rows.append({"batch": batch, "fused_ms": on, "torch_ms": off, "fused_over_torch": on / off,
-                     "floor_ms": floor, "fused_over_floor": on / floor, "rounds_fused_ms": runs[True],
-                     "rounds_torch_ms": runs[False]})
-        print(f"batch {batch:2d}: fused {on:7.2f} ms  torch {off:7.2f} ms  ({on / off:.2f}x)  "
-              f"floor {floor:6.2f} ms ({nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s): {on / floor:.2f}x")
-    return {"fused_ops_available": fused_available, "read_bandwidth_GBps": bandwidth / 1e9, "steps": rows}
+        rows.append({"batch": batch, **{f"{v}_ms": ms[v] for v in VARIANTS}, "floor_ms": floor,
+                     "graph_over_floor": ms["graph"] / floor, "eager_over_graph": ms["eager"] / ms["graph"],
+                     **{f"rounds_{v}_ms": runs[v] for v in VARIANTS}})
+        print(f"batch {batch:2d}: graph {ms['graph']:6.2f} ms  eager {ms['eager']:6.2f} ms  torch ops "
+              f"{ms['torch']:6.2f} ms  floor {floor:6.2f} ms ({nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s): "
+              f"graph {ms['graph'] / floor:.2f}x the floor")
+    return {"fused_ops_available": fused_available, "capture": None if captured is None else captured.mode,
+            "read_bandwidth_GBps": bandwidth / 1e9, "steps": rows}
 
 
 def run_contention(args: argparse.Namespace) -> dict:

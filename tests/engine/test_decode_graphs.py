@@ -1,6 +1,7 @@
 """The device-resident decode step: padded batch buckets, a forward with no host syncs (run under
-FakeTensorMode, where reading a tensor's value on the host raises), and ``compile=True`` (the same decode
-forward through ``torch.compile(fullgraph=True)``) giving the eager engine's tokens."""
+FakeTensorMode, where reading a tensor's value on the host raises), ``compile=True`` (the same decode
+forward through ``torch.compile(fullgraph=True)``) giving the eager engine's tokens, and the CPU's default
+captured decode (``cpu_graph``: the step's C kernel calls recorded, then replayed) giving them bit for bit."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from epserve import LLM, SamplingParams
 from epserve.config import ConfigError
 from epserve.engine.graphs import DecodeGraphs, decode_buckets, pad_decode
+from epserve.kernels import cpu, cpu_ops
+from epserve.kernels.cpu_graph import CpuGraph
 from epserve.moe.dispatch.padded import PaddedDispatcher
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], [42] * 5, list(range(300, 340))]
@@ -109,7 +112,7 @@ def test_compiled_decode_matches_eager(ckpt, monkeypatch):
     # times inductor).
     monkeypatch.setenv("EPSERVE_COMPILE_BACKEND", "aot_eager")
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
-    eager = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2).generate(PROMPTS, params)
+    eager = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2, cuda_graph=False).generate(PROMPTS, params)
     llm = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2, compile=True)
     assert llm.engine.runner.decode_graphs is not None
     for a, b in zip(eager, llm.generate(PROMPTS, params)):
@@ -143,3 +146,78 @@ def test_capture_options_are_checked(ckpt):
 def test_captured_decode_over_ranks_needs_the_padded_dispatcher(ckpt):
     with pytest.raises(ValueError, match="dispatch='padded'"):
         LLM(ckpt, compile=True, dp=2)
+
+
+needs_cpu_kernels = pytest.mark.skipif(not (cpu.available(cpu.OPS) and cpu.available(torch.bfloat16)),
+                                       reason="the CPU graph records the C kernels: AVX512-BF16, AVX2, a compiler")
+
+
+def _count_replays(monkeypatch) -> list[int]:
+    replays = [0]
+    replay = CpuGraph.replay
+
+    def counted(self, seconds=None):  # noqa: ANN001, ANN202
+        replays[0] += 1
+        return replay(self, seconds)
+
+    monkeypatch.setattr(CpuGraph, "replay", counted)
+    return replays
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_graph_is_the_cpu_default_and_gives_the_eager_engine_bit_for_bit(ckpt, dtype, monkeypatch):
+    """On one rank the CPU records each decode bucket's kernel calls once and replays them: the same tokens,
+    logprobs and expert load counters as ``--enforce-eager`` (the same kernels on the same rows)."""
+    replays = _count_replays(monkeypatch)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    eager_llm = LLM(ckpt, dtype=dtype, num_blocks=64, cuda_graph=False)
+    assert eager_llm.engine.runner.decode_graphs is None
+    eager = eager_llm.generate(PROMPTS, params)
+    llm = LLM(ckpt, dtype=dtype, num_blocks=64)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None and graphs.mode == "cpu_graph"
+    assert graphs.buckets == tuple(range(1, cpu.TILE_M + 1))  # every size: no padding rows on the CPU
+    out = llm.generate(PROMPTS, params)
+    assert graphs._cpu_graphs and not graphs._eager and replays[0] >= 5  # recorded once, then replayed
+    for a, b in zip(eager, out):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [y.logprob for y in b.logprobs]
+    assert eager_llm.expert_load() == llm.expert_load()
+
+
+@needs_cpu_kernels
+def test_a_bucket_that_cannot_be_recorded_runs_eagerly_and_counts_once(ckpt, monkeypatch):
+    """A torch op on the step's data (here the residual add's kernel reported missing) ends the recording:
+    the bucket runs eagerly from then on, with the same results, and the load counters the failed
+    recording had advanced are put back."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
+    eager_llm = LLM(ckpt, dtype="bfloat16", num_blocks=64, cuda_graph=False)
+    eager = eager_llm.generate(PROMPTS, params)
+    llm = LLM(ckpt, dtype="bfloat16", num_blocks=64)
+    monkeypatch.setattr(cpu_ops, "add", lambda a, b: None)  # after the first MoE layer has counted its tokens
+    replays = _count_replays(monkeypatch)
+    out = llm.generate(PROMPTS, params)
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs._eager and not graphs._cpu_graphs and replays[0] == 0
+    for a, b in zip(eager, out):
+        assert a.token_ids == b.token_ids
+        assert [x.logprob for x in a.logprobs] == [y.logprob for y in b.logprobs]
+    assert eager_llm.expert_load() == llm.expert_load()
+
+
+@needs_cpu_kernels
+def test_the_mtp_draft_passes_replay_too(counter_ckpt, monkeypatch):
+    """Speculative decoding on the CPU graph: the MTP layer's draft passes are recorded as well; drafts,
+    acceptance and tokens are the eager engine's."""
+    kw = dict(speculative="mtp", num_speculative_tokens=2, dtype="float32", num_blocks=256, block_size=8)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [[3, 4, 5, 6], [10, 11, 12]]
+    eager_llm = LLM(counter_ckpt, cuda_graph=False, **kw)
+    eager = eager_llm.generate(prompts, params)
+    llm = LLM(counter_ckpt, **kw)
+    out = llm.generate(prompts, params)
+    captured = llm.engine.runner.captured
+    assert captured.drafts is not None and captured.drafts._cpu_graphs and not captured.drafts._eager
+    assert [a.token_ids for a in eager] == [b.token_ids for b in out]
+    assert eager_llm.engine.runner.speculative_stats() == llm.engine.runner.speculative_stats()

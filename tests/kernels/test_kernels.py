@@ -32,13 +32,28 @@ def test_linear_matches_torch(m, dtype):
     assert torch.allclose(ours.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
 
 
+@pytest.mark.parametrize("k", [1, 31, 48, 100])
+@pytest.mark.parametrize("m", [1, 3, 5])
+def test_bf16_linear_takes_any_inner_dimension(m, k):
+    """The last K % 32 columns run zero-filled through the same dot products (the tiny test presets' 48)."""
+    if not cpu.available(torch.bfloat16):
+        pytest.skip("bf16 kernels need AVX512-BF16 and a C compiler")
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(9, k, generator=g) * 0.1).to(torch.bfloat16)
+    ours = cpu._linear_kernel(x, w)
+    ref = x.double() @ w.double().T
+    assert torch.allclose(ours.double(), ref, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_falls_back_outside_its_domain(dtype):
     x = torch.randn(17, 64).to(dtype)  # too many rows for one weight pass
     w = torch.randn(8, 64).to(dtype)
     assert torch.equal(cpu.linear(x, w), F.linear(x, w))
-    x, w = torch.randn(2, 40).to(dtype), torch.randn(8, 40).to(dtype)  # K not a multiple of 32
-    assert torch.equal(cpu.linear(x, w), F.linear(x, w))
+    if dtype == torch.float32:
+        x, w = torch.randn(2, 36), torch.randn(8, 36)  # K not a multiple of the fp32 kernel's 8
+        assert torch.equal(cpu.linear(x, w), F.linear(x, w))
     x16, w16 = x.half(), w.half()  # no kernel for fp16
     assert torch.equal(cpu.linear(x16, w16), F.linear(x16, w16))
 

@@ -211,7 +211,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quantization: Quantization = "auto"
-    cuda_graph: bool | None = None  # decode captured per batch bucket (engine/graphs.py); compile: on the CPU
+    cuda_graph: bool | None = None  # decode captured per batch bucket (engine/graphs.py); False: every step eager
     compile: bool = False
     cuda_graph_max_bs: int | None = None
     speculative: SpeculativeMethod = None
@@ -258,12 +258,16 @@ class EngineConfig:
 
     @property
     def capture_mode(self) -> str | None:
-        """``cuda_graph``, ``compile`` or None (every step eager; also with the all_to_all dispatcher)."""
+        """``cuda_graph``, ``compile``, ``cpu_graph`` (the CPU's default on one rank) or None (every step eager;
+        also with the all_to_all dispatcher, and with ``cuda_graph=False``: ``--enforce-eager``)."""
         if not self.parallel.fixed_shape_dispatch:
             return None
         if self.device.startswith("cuda"):
             return None if self.cuda_graph is False else "cuda_graph"
-        return "compile" if self.compile else None
+        if self.compile:
+            return "compile"
+        # one rank: its forward has no collective, so its C kernel calls record as one step (engine/graphs.py)
+        return "cpu_graph" if self.cuda_graph is not False and self.parallel.world_size == 1 else None
 
     @property
     def num_spec_tokens(self) -> int:

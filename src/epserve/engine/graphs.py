@@ -1,5 +1,6 @@
-"""Decode steps as one captured forward per batch bucket: CUDA graphs on a GPU, ``torch.compile(fullgraph=True)``
-on the CPU, with the same bucketing and padding.
+"""Decode steps as one captured forward per batch bucket: CUDA graphs on a GPU; on the CPU the step's C kernel
+calls recorded and replayed from C (``kernels/cpu_graph.py``), or ``torch.compile(fullgraph=True)``, with the
+same padding.
 
 A pure-decode step of ``n`` sequences runs as the bucket ``b >= n`` (1, 2, 4, 8, then every multiple of
 8 up to the maximum): rows ``n..b`` are padding (token 0 at position 0, context length 0, their KV written
@@ -11,7 +12,10 @@ one graph: ``fullgraph=True`` is the proof. Prefill and mixed steps run eagerly.
 CUDA graphs are captured at start-up (:meth:`DecodeGraphs.warm_up`, every bucket, largest first), after a
 probe capture of the largest bucket measured what the graphs need so the KV pool is sized without it
 (``engine/runner.py``). ``torch.compile`` graphs on the CPU compile at a bucket's first use: compiling every
-bucket would take minutes of start-up.
+bucket would take minutes of start-up. CPU graphs record at a bucket's first use too (one eager forward);
+their buckets are every batch size up to the kernels' ``TILE_M`` rows, since a padding row costs the CPU
+the experts it routes to, and a bucket whose forward cannot be recorded (a torch op on the step's data:
+a collective, an FP8 reference) runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import torch
 from epserve import env
 from epserve.config import OverlapMode
 from epserve.kernels import cpu as cpu_kernels
+from epserve.kernels.cpu_graph import CaptureError, CpuGraph, record
 from epserve.model.batch import ForwardBatch
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
-CaptureMode = Literal["cuda_graph", "compile"]
+CaptureMode = Literal["cuda_graph", "compile", "cpu_graph"]
 
 
 def decode_buckets(max_batch: int) -> tuple[int, ...]:
@@ -145,12 +150,15 @@ class DecodeGraphs:
         self.mtp = mtp
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.buckets = decode_buckets(max_batch)
+        self.buckets = (tuple(range(1, min(max_batch, cpu_kernels.TILE_M) + 1)) if mode == "cpu_graph"
+                        else decode_buckets(max_batch))
         self.mode = mode
         self.on_bucket = on_bucket or (lambda bucket: None)
         self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._pool: tuple[int, int] | None = None  # the CUDA graphs' shared memory pool
+        self._cpu_graphs: dict[tuple[int, str], tuple[CpuGraph, DecodeInputs, torch.Tensor]] = {}
+        self._eager: set[tuple[int, str]] = set()  # CPU buckets whose forward could not be recorded
         self._warm: set[tuple[int, str]] = set()  # (bucket, overlap) run once: captured or compiled
         self.warming_up = False  # a first run (capture or compile) is under way: a step may take minutes
         if mode == "compile":
@@ -231,10 +239,44 @@ class DecodeGraphs:
         self.on_bucket(inputs.bucket)
         if self._compiled is not None:
             return self._compiled(*self._args(inputs, overlap))
+        if self.mode == "cpu_graph":
+            return self._replay_cpu(inputs, overlap)
         graph, static, out = self._graph(inputs, overlap)
         for dst, src in zip(static.tensors(), inputs.tensors()):
             dst.copy_(src, non_blocking=True)
         graph.replay()
+        return out
+
+    def _replay_cpu(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
+        """The bucket's CPU graph replayed on ``inputs`` (recorded on its first use), or the eager forward
+        for a bucket that cannot be recorded."""
+        key = (inputs.bucket, overlap)
+        if key in self._eager:
+            return self._forward(*self._args(inputs, overlap))
+        entry = self._cpu_graphs.get(key)
+        if entry is not None:
+            graph, static, out = entry
+            for dst, src in zip(static.tensors(), inputs.tensors()):
+                dst.copy_(src)
+            graph.replay()
+            return out
+        static = DecodeInputs(*(t.clone() for t in inputs.tensors()[:5]),
+                              hidden=None if inputs.hidden is None else inputs.hidden.clone())
+        buffers = list(self.model.buffers())
+        saved = [b.clone() for b in buffers]  # a failed recording's effects on them undone (the load counters)
+        start = time.perf_counter()
+        try:
+            graph, out = record(lambda: self._forward(*self._args(static, overlap)),
+                                [*static.tensors(), *self.kv_caches, *buffers])
+        except CaptureError as e:
+            for b, old in zip(buffers, saved):
+                b.copy_(old)
+            self._eager.add(key)
+            logger.info("decode batch %d%s runs eagerly: %s", inputs.bucket, " (MTP)" if self.mtp else "", e)
+            return self._forward(*self._args(inputs, overlap))
+        self._cpu_graphs[key] = (graph, static, out)
+        logger.debug("recorded the CPU decode of batch %d%s (%s): %d kernel calls in %.3f s", inputs.bucket,
+                     " (MTP)" if self.mtp else "", overlap, len(graph.calls), time.perf_counter() - start)
         return out
 
     def _graph(self, inputs: DecodeInputs, overlap: OverlapMode) -> tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]:

@@ -16,7 +16,19 @@ import torch
 from epserve.kernels import cpu, ops  # noqa: F401 - ops: registers torch.ops.epserve.*
 from epserve.kernels.cpu import moe_swiglu
 from epserve.kernels.fp8 import fp8_linear
-from epserve.kernels.fused import append_latent, head_matmul, rms_norm, rms_norm_ref, rope_heads, rope_ref
+from epserve.kernels.fused import (
+    add,
+    append_latent,
+    cast,
+    copy_,
+    gather_rows,
+    head_matmul,
+    rms_norm,
+    rms_norm_ref,
+    rope_heads,
+    rope_ref,
+    silu_mul,
+)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
@@ -26,5 +38,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor | None = No
     return cpu.linear(x, w)
 
 
-__all__ = ["append_latent", "head_matmul", "linear", "moe_swiglu", "rms_norm", "rms_norm_ref", "rope_heads",
-           "rope_ref"]
+__all__ = ["add", "append_latent", "cast", "copy_", "gather_rows", "head_matmul", "linear", "moe_swiglu", "rms_norm",
+           "rms_norm_ref", "rope_heads", "rope_ref", "silu_mul"]

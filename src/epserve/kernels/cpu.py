@@ -9,10 +9,9 @@ instructions, no C compiler is found, or ``EPSERVE_CPU_KERNELS=0``. Results matc
 summation order.
 
 ``cpu_ops.c`` (AVX2 + FMA) holds the small ops of a decode step fused, each in place of a chain of
-eager torch ops that costs more in dispatch than in arithmetic: ``mla_decode`` (paged MLA decode
-attention), ``grouped_topk`` (DeepSeek's gate) and ``rms_norm``. They return None where they do not
-apply (the caller then runs its torch reference); their front ends (``kernels.mla_decode``,
-``kernels.gate``, ``kernels.rms_norm``) use them on the CPU in eager steps, never in a trace.
+eager torch ops that costs more in dispatch than in arithmetic; ``kernels.cpu_ops`` is their front end.
+Every kernel call goes through ``_lib``, so that while a decode step is recorded (``kernels/cpu_graph.py``)
+the calls are recorded as they run.
 """
 
 from __future__ import annotations
@@ -96,9 +95,10 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
     if dtype == OPS:
         lib.epserve_mla_decode.argtypes = [p, i64, i64, i64, p, c_int, i64, i64, p, i64, p, f32, i64, p, c_int]
         lib.epserve_mla_decode.restype = c_int
-        lib.epserve_grouped_topk.argtypes = [p, i64, i64, i64, i64, i64, c_int, c_int, c_int, c_int, f32, p, p, p, p]
+        lib.epserve_grouped_topk.argtypes = [p, i64, i64, i64, i64, i64, c_int, c_int, c_int, c_int, f32, p, p, i64,
+                                             p, p]
         lib.epserve_rms_norm.argtypes = [p, p, i64, i64, i64, f32, c_int, p]
-        lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p, c_int]
+        lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p, i64, i64, c_int, c_int]
         lib.epserve_rope_heads.argtypes = [p, i64, i64, i64, p, p, i64, c_int, c_int]
         lib.epserve_append_latent.argtypes = [p, i64, i64, i64, i64, p, f32, p, p, c_int, c_int, p, p, i64, c_int]
         lib.epserve_append_latent.restype = c_int
@@ -106,11 +106,33 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
         lib.epserve_group_by_expert.restype = c_int
         lib.epserve_weighted_combine.argtypes = [p, i64, i64, p, p, i64, c_int, p]
         lib.epserve_weighted_combine.restype = c_int
+        lib.epserve_gather_rows.argtypes = [p, i64, p, i64, i64, c_int, p, c_int]
+        lib.epserve_gather_rows.restype = c_int
+        lib.epserve_copy_cast.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, c_int, i64, i64]
+        lib.epserve_add.argtypes = [p, p, i64, c_int, p]
+        lib.epserve_silu_mul.argtypes = [p, i64, i64, i64, c_int, p]
+        lib.epserve_local_dispatch.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, p, p, p]
+        lib.epserve_local_dispatch.restype = c_int
+        lib.epserve_index_add_i64.argtypes = [p, i64, p, p, i64]
+        lib.epserve_index_add_i64.restype = c_int
+        lib.epserve_replay.argtypes = [p, p, i64, ctypes.POINTER(c_int), p]
+        lib.epserve_replay.restype = i64
     else:
         getattr(lib, f"epserve_linear_{name}").argtypes = [p, i64, p, i64, i64, p, c_int]
         getattr(lib, f"epserve_moe_swiglu_{name}").argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
+        getattr(lib, f"epserve_moe_swiglu_counts_{name}").argtypes = [p, i64, p, i64, p, p, i64, i64, p, c_int]
+        getattr(lib, f"epserve_moe_swiglu_counts_{name}").restype = c_int
     logger.info("CPU %s decode kernels loaded from %s", name, lib_path)
     return lib
+
+
+_recorder = None  # kernels/cpu_graph.py's recorder while a decode step is recorded: every kernel call goes to it
+
+
+def _lib(dtype: torch.dtype | str) -> ctypes.CDLL | None:
+    """The ``dtype`` library (loaded), or, while a step is recorded, its calls through the recorder."""
+    lib = _library(dtype)
+    return lib if lib is None or _recorder is None else _recorder.library(lib)
 
 
 _available: dict[torch.dtype | str, bool] = {}  # available()'s answers, once asked: constants to torch.compile
@@ -130,9 +152,15 @@ def _eligible(*tensors: torch.Tensor) -> bool:
     return dtype in _KINDS and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
+def _k_ok(dtype: torch.dtype, k: int) -> bool:
+    """Whether the GEMM kernels of ``dtype`` take an inner dimension of ``k`` (fp32: eight at a time; bf16: any)."""
+    return k > 0 and (dtype == torch.bfloat16 or k % 8 == 0)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T; the kernel streams ``w`` once when M <= TILE_M."""
-    if x.dim() == 2 and 0 < x.shape[0] <= TILE_M and x.shape[1] % 32 == 0 and _eligible(x, w) and available(x.dtype):
+    if (x.dim() == 2 and 0 < x.shape[0] <= TILE_M and _eligible(x, w) and _k_ok(x.dtype, x.shape[1])
+            and available(x.dtype)):
         return linear_kernel(x, w) if tracing() else _linear_kernel(x, w)
     return F.linear(x, w)
 
@@ -140,7 +168,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _linear_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The decode GEMM of ``x``'s dtype, bf16 or fp32 (as a custom op below: one opaque call to
     ``torch.compile``)."""
-    lib = _library(x.dtype)
+    lib = _lib(x.dtype)
     assert lib is not None, f"the CPU {x.dtype} kernels are not available (kernels.cpu.available)"
     x = x.contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
@@ -162,12 +190,12 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
     the few larger ones (skewed routing) run through torch here. Returns None when the kernel does not
     apply or most of the work is large groups (prefill), for which the caller's grouped GEMM is best."""
     hidden, inter = w2.shape[1], w2.shape[2]
-    if not counts or hidden % 32 or inter % 32 or not _eligible(x, w13, w2):
+    if not counts or not _eligible(x, w13, w2) or not (_k_ok(x.dtype, hidden) and _k_ok(x.dtype, inter)):
         return None
     big = [e for e, n in enumerate(counts) if n > TILE_M]
     if sum(counts[e] for e in big) * 2 > len(x):
         return None
-    lib = _library(x.dtype)
+    lib = _lib(x.dtype)
     if lib is None:
         return None
     starts = list(itertools.accumulate(counts, initial=0))
@@ -183,177 +211,24 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
     return out
 
 
-# ---- the fused small ops (cpu_ops.c) ------------------------------------------------------------------
-
-_NORM_MAX_ROWS = 256  # past this (prefill) torch's threaded ops win over one C thread
-_COMBINE_MAX_ELEMS = 1 << 20  # the same for the combine's expert-output elements
-_METHODS = {"noaux_tc": 0, "group_limited_greedy": 1}  # greedy: never grouped
+_COUNTS_MAX_ROWS = 8 * TILE_M  # decode-sized expert inputs: the device counts path
 
 
-def _ops(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, unless tracing or ``tensors`` need gradients (the training model shares RMSNorm)."""
-    if tracing() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+def moe_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+    """Experts on rows grouped by expert, the row counts [E] read by the kernel (never on the host); rows of
+    ``x`` [N, H] past the counts' sum come out zero. For decode-sized inputs (N at most ``_COUNTS_MAX_ROWS``),
+    else None."""
+    hidden, inter = w2.shape[1], w2.shape[2]
+    if (not 0 < x.shape[0] <= _COUNTS_MAX_ROWS or not _eligible(x, w13, w2)
+            or not (_k_ok(x.dtype, hidden) and _k_ok(x.dtype, inter))
+            or counts.dtype != torch.int64 or counts.shape != (w13.shape[0],) or not counts.is_contiguous()):
         return None
-    return _library(OPS) if available(OPS) else None
-
-
-def mla_decode(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, lens: list[int],
-               softmax_scale: float, kv_lora_rank: int) -> torch.Tensor | None:
-    """Paged MLA decode for fp32 queries over a bf16 or fp32 cache (``lens``: the checked sequence
-    lengths) -> o_latent [B, h, r] fp32; None where it does not apply (an FP8 cache, CUDA, a trace)."""
-    if (q_latent.device.type != "cpu" or kv_cache.dtype not in (torch.bfloat16, torch.float32)
-            or q_latent.shape[-1] % 8 or kv_lora_rank % 8):  # the kernel takes eight columns at a time
+    lib = _lib(x.dtype)
+    if lib is None or tracing():
         return None
-    lib = _ops()
-    if lib is None or not kv_cache.is_contiguous() or q_latent.requires_grad:
-        return None
-    b, h, d = q_latent.shape
-    q = q_latent.float().contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens_t = torch.tensor(lens, dtype=torch.int64)
-    out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32)
-    if lib.epserve_mla_decode(q.data_ptr(), b, h, d, kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
-                              kv_cache.shape[0], kv_cache.shape[1], tables.data_ptr(), tables.shape[1], lens_t.data_ptr(),
-                              softmax_scale, kv_lora_rank, out.data_ptr(), torch.get_num_threads()):
-        raise IndexError(f"a block of block_tables lies outside the cache's {kv_cache.shape[0]} blocks")
-    return out
-
-
-def grouped_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, method: str, scoring: str,
-                 norm_topk_prob: bool, routed_scaling_factor: float, bias: torch.Tensor | None,
-                 logical_to_physical: torch.Tensor | None, grouped: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``kernels.gate``'s checked arguments -> (ids int64 [T, K], weights fp32 [T, K]), or None."""
-    if logits.device.type != "cpu":
-        return None
-    lib = _ops()
-    if lib is None:
-        return None
-    x = logits.float().contiguous()
-    t, e = x.shape
-    b = bias.float().contiguous() if bias is not None else None
-    table = logical_to_physical.to(torch.int64).contiguous() if logical_to_physical is not None else None
-    ids = torch.empty(t, top_k, dtype=torch.int64)
-    weights = torch.empty(t, top_k, dtype=torch.float32)
-    lib.epserve_grouped_topk(x.data_ptr(), t, e, top_k, n_group, topk_group, _METHODS.get(method, 0),
-                             int(scoring == "softmax"), int(grouped), int(norm_topk_prob), routed_scaling_factor,
-                             None if b is None else b.data_ptr(), None if table is None else table.data_ptr(),
-                             ids.data_ptr(), weights.data_ptr())
-    return ids, weights
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``kernels.rms_norm_ref`` for a few bf16 or fp32 rows (rows may be strided, as a split's view is),
-    or None."""
-    d = x.shape[-1]
-    if (x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype
-            or weight.shape != (d,) or not weight.is_contiguous()):
-        return None
-    rows = x if x.dim() == 2 else x.reshape(-1, d)
-    if rows.shape[0] > _NORM_MAX_ROWS or (rows.shape[0] and rows.stride(1) != 1):
-        return None
-    lib = _ops(x, weight)
-    if lib is None:
-        return None
-    out = torch.empty(rows.shape, dtype=x.dtype)
-    lib.epserve_rms_norm(rows.data_ptr(), weight.data_ptr(), rows.shape[0], d, rows.stride(0) if rows.shape[0] else d,
-                         eps, int(x.dtype == torch.bfloat16), out.data_ptr())
-    return out.view(x.shape)
-
-
-def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x [B, h, K] (bf16 or fp32, the last dim contiguous) times each head's fp32 weight w [h, K, N] ->
-    fp32 [B, h, N] (MLA's absorbed projections), or None."""
-    if (x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != torch.float32
-            or x.dim() != 3 or w.dim() != 3 or x.shape[1:] != w.shape[:2] or not w.is_contiguous()
-            or (x.numel() and x.stride(2) != 1) or x.shape[0] > TILE_M):
-        return None
-    lib = _ops(x, w)
-    if lib is None:
-        return None
-    b, h, k = x.shape
-    out = torch.empty(b, h, w.shape[2], dtype=torch.float32)
-    lib.epserve_head_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), b, h, k, x.stride(0), x.stride(1),
-                            w.data_ptr(), w.shape[2], out.data_ptr(), torch.get_num_threads())
-    return out
-
-
-_FLOATS = (torch.bfloat16, torch.float32)
-_MAX_ROPE = 512  # the C buffers' size
-
-
-def _rope_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: int) -> bool:
-    half = cos.shape[-1] if cos.dim() == 2 else -1
-    return (x.dtype in _FLOATS and cos.dtype == sin.dtype == x.dtype and cos.shape == sin.shape == (rows, half)
-            and cos.is_contiguous() and sin.is_contiguous() and 0 < 2 * half <= _MAX_ROPE)
-
-
-def rope_heads(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> bool:
-    """Rotates the last ``2 * half`` columns of each head of ``x`` [T, h, D] (contiguous) in place, with
-    cos/sin [T, half] in x's dtype; False (nothing done) where the kernel does not apply."""
-    if (x.device.type != "cpu" or x.dim() != 3 or not x.is_contiguous() or not _rope_ok(x, cos, sin, x.shape[0])
-            or 2 * cos.shape[1] > x.shape[2]):
-        return False
-    lib = _ops(x)
-    if lib is None:
-        return False
-    t, h, d = x.shape
-    lib.epserve_rope_heads(x.data_ptr(), t, h, d, cos.data_ptr(), sin.data_ptr(), cos.shape[1], int(interleave),
-                           int(x.dtype == torch.bfloat16))
-    return True
-
-
-def append_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                  interleave: bool, slots: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int) -> bool:
-    """MLA's latent append: rows ``[RMSNorm(c_kv) | rope(k_pe)]`` of ``latent`` [T, r + rope] (rows may be
-    strided) written to the flat cache rows ``slots``; False (nothing written) where it does not apply."""
-    t = latent.shape[0] if latent.dim() == 2 else -1
-    if (latent.device.type != "cpu" or t < 0 or cache.dtype not in _FLOATS or not cache.is_contiguous()
-            or norm_weight.dtype != latent.dtype or norm_weight.shape != (kv_lora_rank,)
-            or not _rope_ok(latent, cos, sin, t) or latent.shape[1] != kv_lora_rank + 2 * cos.shape[1]
-            or cache.shape[-1] != latent.shape[1] or (t and latent.stride(1) != 1) or slots.shape != (t,)):
-        return False
-    lib = _ops(latent)
-    if lib is None:
-        return False
-    slots = slots.to(torch.int64).contiguous()
-    rows = cache.numel() // cache.shape[-1]
-    if lib.epserve_append_latent(latent.data_ptr(), t, latent.stride(0) if t else 0, kv_lora_rank, cos.shape[1],
-                                 norm_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), int(interleave),
-                                 int(latent.dtype == torch.bfloat16), slots.data_ptr(), cache.data_ptr(), rows,
-                                 int(cache.dtype == torch.bfloat16)):
-        raise IndexError(f"a KV slot of {slots.tolist()} lies outside the cache's {rows} rows")
-    return True
-
-
-def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(order [T*K], counts [num_experts]) as ``moe.dispatch.local.group_by_expert`` returns them (a stable
-    counting sort), or None (an id out of range included: the reference raises)."""
-    if topk_ids.device.type != "cpu" or topk_ids.is_floating_point():
-        return None
-    lib = _ops()
-    if lib is None:
-        return None
-    flat = topk_ids.reshape(-1).to(torch.int64).contiguous()
-    order = torch.empty(flat.shape[0], dtype=torch.int64)
-    counts = torch.empty(num_experts, dtype=torch.int64)
-    if lib.epserve_group_by_expert(flat.data_ptr(), flat.shape[0], num_experts, order.data_ptr(), counts.data_ptr()):
-        return None
-    return order, counts
-
-
-def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
-    """``moe.dispatch.base.weighted_combine`` bit for bit (index_add_'s order and roundings), or None."""
-    if (y.device.type != "cpu" or y.dtype not in _FLOATS or y.dim() != 2 or not y.is_contiguous()
-            or y.numel() > _COMBINE_MAX_ELEMS
-            or weights.dtype != torch.float32 or token_idx.shape != (y.shape[0],) or weights.shape != (y.shape[0],)):
-        return None
-    lib = _ops(y)
-    if lib is None:
-        return None
-    token = token_idx.to(torch.int64).contiguous()
-    w = weights.contiguous()
-    out = torch.empty(num_tokens, y.shape[1], dtype=y.dtype)
-    if lib.epserve_weighted_combine(y.data_ptr(), y.shape[0], y.shape[1], token.data_ptr(), w.data_ptr(), num_tokens,
-                                    int(y.dtype == torch.bfloat16), out.data_ptr()):
-        return None
+    out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
+    kernel = lib.epserve_moe_swiglu_counts_f32 if x.dtype == torch.float32 else lib.epserve_moe_swiglu_counts_bf16
+    if kernel(x.data_ptr(), x.shape[0], counts.data_ptr(), counts.shape[0], w13.data_ptr(), w2.data_ptr(), hidden,
+              inter, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"expert row counts {counts.tolist()} add up to more than the {x.shape[0]} rows")
     return out

@@ -39,7 +39,8 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     __m512 acc[R][M];                                                                                 \
     for (int r = 0; r < R; r++)                                                                       \
       for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();                                    \
-    for (int64_t k = 0; k < K; k += 32) {                                                             \
+    int64_t k = 0;                                                                                    \
+    for (; k + 32 <= K; k += 32) {                                                                    \
       __m512bh wv[R];                                                                                 \
       for (int r = 0; r < R; r++) {                                                                   \
         if (M > 1) _mm_prefetch((const char *)(w + (R + r) * K + k), _MM_HINT_T0);                    \
@@ -47,6 +48,15 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
       }                                                                                               \
       for (int m = 0; m < M; m++) {                                                                   \
         __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + m * K + k));                    \
+        for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv, wv[r]);               \
+      }                                                                                               \
+    }                                                                                                 \
+    if (k < K) { /* the last K % 32 columns, zero-filled */                                           \
+      const __mmask32 tail = (__mmask32)((1u << (K - k)) - 1u);                                       \
+      __m512bh wv[R];                                                                                 \
+      for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + r * K + k);     \
+      for (int m = 0; m < M; m++) {                                                                   \
+        __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + k);                         \
         for (int r = 0; r < R; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], xv, wv[r]);               \
       }                                                                                               \
     }                                                                                                 \
@@ -62,7 +72,7 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 DEFINE_DOT(4, 1) DEFINE_DOT(4, 2) DEFINE_DOT(4, 3) DEFINE_DOT(4, 4)
 DEFINE_DOT(1, 1) DEFINE_DOT(1, 2) DEFINE_DOT(1, 3) DEFINE_DOT(1, 4)
 
-/* One weight row against one row of x, k in four interleaved accumulators (K % 32 == 0). With one token
+/* One weight row against one row of x, k in four interleaved accumulators. With one token
  * row a thread reads its weight rows one after another, a single sequential stream the hardware prefetcher
  * follows across rows and pages (four rows in lockstep are four short streams: 5-7 % slower). */
 static inline float dot_seq(const uint16_t *x, const uint16_t *w, int64_t K) {
@@ -74,8 +84,13 @@ static inline float dot_seq(const uint16_t *x, const uint16_t *w, int64_t K) {
     a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(x + k + 64), (__m512bh)_mm512_loadu_si512(w + k + 64));
     a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(x + k + 96), (__m512bh)_mm512_loadu_si512(w + k + 96));
   }
-  for (; k < K; k += 32)
+  for (; k + 32 <= K; k += 32)
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
+  if (k < K) { /* the last K % 32 columns, zero-filled */
+    const __mmask32 tail = (__mmask32)((1u << (K - k)) - 1u);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + k),
+                          (__m512bh)_mm512_maskz_loadu_epi16(tail, w + k));
+  }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
@@ -83,7 +98,7 @@ typedef void (*dot_fn)(const uint16_t *, const uint16_t *, int64_t, float *, int
 static const dot_fn DOT4[5] = {0, dot_4x1, dot_4x2, dot_4x3, dot_4x4};
 static const dot_fn DOT1[5] = {0, dot_1x1, dot_1x2, dot_1x3, dot_1x4};
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] for rows n in [n0, n1); M <= TILE_M; K % 32 == 0. fp32 out.
+/* y[m, n] = sum_k x[m, k] * w[n, k] for rows n in [n0, n1); M <= TILE_M; any K. fp32 out.
  * Weight rows are the outer loop so each group of four stays in L1 while every 4-row tile of x
  * passes over it: the weights are read from memory once whatever M is. */
 static void rows_dot(const uint16_t *x, int64_t M, const uint16_t *w, int64_t n0, int64_t n1, int64_t K,
@@ -115,13 +130,32 @@ void epserve_linear_bf16(const uint16_t *x, int64_t M, const uint16_t *w, int64_
   free(y);
 }
 
+/* One expert's rows x[M, H] through down(silu(gate(x)) * up(x)) in tiles of TILE_M rows, rounding to bf16
+ * where torch would (after each GEMM and after the activation); h, act, y: one tile's scratch. */
+static void expert_rows(const uint16_t *x, int64_t M, const uint16_t *w13, const uint16_t *w2, int64_t H, int64_t I,
+                        uint16_t *out, float *h, uint16_t *act, float *y) {
+  for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
+    const int64_t T = M - m0 < TILE_M ? M - m0 : TILE_M;
+    rows_dot(x + m0 * H, T, w13, 0, 2 * I, H, h, 2 * I);
+    for (int64_t m = 0; m < T; m++) {
+      for (int64_t j = 0; j < I; j++) {
+        float g = bf16_to_f32(f32_to_bf16(h[m * 2 * I + j]));
+        float u = bf16_to_f32(f32_to_bf16(h[m * 2 * I + I + j]));
+        float s = bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g))));
+        act[m * I + j] = f32_to_bf16(s * u);
+      }
+    }
+    rows_dot(act, T, w2, 0, H, I, y, H);
+    for (int64_t i = 0; i < T * H; i++) out[m0 * H + i] = f32_to_bf16(y[i]);
+  }
+}
+
 /* Routed experts on rows grouped by expert: for expert e, rows [offsets[e], offsets[e+1]) of x[*, H]
  * go through down(silu(gate(x)) * up(x)) with w13[e] = [gate; up] (2I x H) and w2[e] (H x I).
- * Rounds to bf16 where torch would (after each GEMM and after the activation). Experts with more
- * than TILE_M rows are skipped (their output rows are left untouched for the caller). */
-void epserve_moe_swiglu_bf16(const uint16_t *x, const int64_t *offsets, int64_t E, const uint16_t *w13,
-                             const uint16_t *w2, int64_t H, int64_t I, uint16_t *out, int num_threads) {
-  /* Work items: (expert, half of the rows of its weight) so two threads share a busy expert. */
+ * Experts with more than max_rows rows are skipped (their output rows are left untouched for the
+ * caller). */
+static void moe_swiglu(const uint16_t *x, const int64_t *offsets, int64_t E, const uint16_t *w13, const uint16_t *w2,
+                       int64_t H, int64_t I, uint16_t *out, int num_threads, int64_t max_rows) {
   #pragma omp parallel num_threads(num_threads)
   {
     float *h = (float *)malloc(sizeof(float) * TILE_M * 2 * I);
@@ -130,21 +164,44 @@ void epserve_moe_swiglu_bf16(const uint16_t *x, const int64_t *offsets, int64_t 
     #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < E; e++) {
       int64_t r0 = offsets[e], M = offsets[e + 1] - offsets[e];
-      if (M == 0 || M > TILE_M) continue;
-      rows_dot(x + r0 * H, M, w13 + e * 2 * I * H, 0, 2 * I, H, h, 2 * I);
-      for (int64_t m = 0; m < M; m++) {
-        for (int64_t j = 0; j < I; j++) {
-          float g = bf16_to_f32(f32_to_bf16(h[m * 2 * I + j]));
-          float u = bf16_to_f32(f32_to_bf16(h[m * 2 * I + I + j]));
-          float s = bf16_to_f32(f32_to_bf16(g / (1.0f + expf(-g))));
-          act[m * I + j] = f32_to_bf16(s * u);
-        }
-      }
-      rows_dot(act, M, w2 + e * H * I, 0, H, I, y, H);
-      for (int64_t i = 0; i < M * H; i++) out[r0 * H + i] = f32_to_bf16(y[i]);
+      if (M == 0 || M > max_rows) continue;
+      expert_rows(x + r0 * H, M, w13 + e * 2 * I * H, w2 + e * H * I, H, I, out + r0 * H, h, act, y);
     }
     free(h);
     free(act);
     free(y);
   }
+}
+
+/* Experts of at most TILE_M rows (the others are the caller's), offsets [E + 1] on the host. */
+void epserve_moe_swiglu_bf16(const uint16_t *x, const int64_t *offsets, int64_t E, const uint16_t *w13,
+                             const uint16_t *w2, int64_t H, int64_t I, uint16_t *out, int num_threads) {
+  moe_swiglu(x, offsets, E, w13, w2, H, I, out, num_threads, TILE_M);
+}
+
+/* Every expert, from the row counts [E] as the dispatcher left them (read here, at call time: a replayed
+ * step's counts), larger experts in tiles of TILE_M rows; rows of x [N, H] past the counts' sum come out
+ * zero. Returns -1, computing nothing, when the counts add up to more than N rows; else 0. */
+int epserve_moe_swiglu_counts_bf16(const uint16_t *x, int64_t N, const int64_t *counts, int64_t E, const uint16_t *w13,
+                                   const uint16_t *w2, int64_t H, int64_t I, uint16_t *out, int num_threads) {
+  int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (E + 1));
+  offsets[0] = 0;
+  for (int64_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + (counts[e] > 0 ? counts[e] : 0);
+  if (offsets[E] > N) {
+    free(offsets);
+    return -1;
+  }
+  moe_swiglu(x, offsets, E, w13, w2, H, I, out, num_threads, INT64_MAX);
+  memset(out + offsets[E] * H, 0, sizeof(uint16_t) * (N - offsets[E]) * H); /* rows past the counts: zero */
+  free(offsets);
+  return 0;
+}
+
+int epserve_linear_bf16_packed(const int64_t *a) {
+  epserve_linear_bf16(PTR(0), a[1], PTR(2), a[3], a[4], PTR(5), (int)a[6]);
+  return 0;
+}
+
+int epserve_moe_swiglu_counts_bf16_packed(const int64_t *a) {
+  return epserve_moe_swiglu_counts_bf16(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), a[6], a[7], PTR(8), (int)a[9]);
 }

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <omp.h>
 
+#include "cpu_bf16.h"
+
 #define TILE_M 16
 
 static inline float hsum(__m256 v) {
@@ -66,27 +68,64 @@ void epserve_linear_f32(const float *x, int64_t M, const float *w, int64_t N, in
 }
 
 /* Routed experts on rows grouped by expert: for expert e, rows [offsets[e], offsets[e+1]) of x[*, H]
- * go through down(silu(gate(x)) * up(x)) with w13[e] = [gate; up] (2I x H) and w2[e] (H x I). Experts
- * with more than TILE_M rows are skipped (their output rows are left untouched for the caller). */
-void epserve_moe_swiglu_f32(const float *x, const int64_t *offsets, int64_t E, const float *w13, const float *w2,
-                            int64_t H, int64_t I, float *out, int num_threads) {
+ * go through down(silu(gate(x)) * up(x)) with w13[e] = [gate; up] (2I x H) and w2[e] (H x I), in tiles
+ * of TILE_M rows. Experts with more than max_rows rows are skipped (their output rows are left untouched
+ * for the caller). */
+static void moe_swiglu(const float *x, const int64_t *offsets, int64_t E, const float *w13, const float *w2,
+                       int64_t H, int64_t I, float *out, int num_threads, int64_t max_rows) {
   #pragma omp parallel num_threads(num_threads)
   {
     float *h = (float *)malloc(sizeof(float) * TILE_M * 2 * I);
     float *act = (float *)malloc(sizeof(float) * TILE_M * I);
     #pragma omp for schedule(dynamic, 1)
     for (int64_t e = 0; e < E; e++) {
-      int64_t r0 = offsets[e], M = offsets[e + 1] - offsets[e];
-      if (M == 0 || M > TILE_M) continue;
-      rows_dot(x + r0 * H, M, w13 + e * 2 * I * H, 0, 2 * I, H, h, 2 * I);
-      for (int64_t m = 0; m < M; m++)
-        for (int64_t j = 0; j < I; j++) {
-          float g = h[m * 2 * I + j], u = h[m * 2 * I + I + j];
-          act[m * I + j] = g / (1.0f + expf(-g)) * u;
-        }
-      rows_dot(act, M, w2 + e * H * I, 0, H, I, out + r0 * H, H);
+      int64_t r0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+      if (rows == 0 || rows > max_rows) continue;
+      for (int64_t m0 = 0; m0 < rows; m0 += TILE_M) {
+        const int64_t M = rows - m0 < TILE_M ? rows - m0 : TILE_M;
+        rows_dot(x + (r0 + m0) * H, M, w13 + e * 2 * I * H, 0, 2 * I, H, h, 2 * I);
+        for (int64_t m = 0; m < M; m++)
+          for (int64_t j = 0; j < I; j++) {
+            float g = h[m * 2 * I + j], u = h[m * 2 * I + I + j];
+            act[m * I + j] = g / (1.0f + expf(-g)) * u;
+          }
+        rows_dot(act, M, w2 + e * H * I, 0, H, I, out + (r0 + m0) * H, H);
+      }
     }
     free(h);
     free(act);
   }
+}
+
+/* Experts of at most TILE_M rows (the others are the caller's), offsets [E + 1] on the host. */
+void epserve_moe_swiglu_f32(const float *x, const int64_t *offsets, int64_t E, const float *w13, const float *w2,
+                            int64_t H, int64_t I, float *out, int num_threads) {
+  moe_swiglu(x, offsets, E, w13, w2, H, I, out, num_threads, TILE_M);
+}
+
+/* Every expert, from the row counts [E] read at call time (a replayed step's), larger ones in tiles; rows
+ * of x [N, H] past the counts' sum come out zero. Returns -1, computing nothing, when the counts add up to
+ * more than N rows; else 0. */
+int epserve_moe_swiglu_counts_f32(const float *x, int64_t N, const int64_t *counts, int64_t E, const float *w13,
+                                  const float *w2, int64_t H, int64_t I, float *out, int num_threads) {
+  int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (E + 1));
+  offsets[0] = 0;
+  for (int64_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + (counts[e] > 0 ? counts[e] : 0);
+  if (offsets[E] > N) {
+    free(offsets);
+    return -1;
+  }
+  moe_swiglu(x, offsets, E, w13, w2, H, I, out, num_threads, INT64_MAX);
+  memset(out + offsets[E] * H, 0, sizeof(float) * (N - offsets[E]) * H); /* rows past the counts: zero */
+  free(offsets);
+  return 0;
+}
+
+int epserve_linear_f32_packed(const int64_t *a) {
+  epserve_linear_f32(PTR(0), a[1], PTR(2), a[3], a[4], PTR(5), (int)a[6]);
+  return 0;
+}
+
+int epserve_moe_swiglu_counts_f32_packed(const int64_t *a) {
+  return epserve_moe_swiglu_counts_f32(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), a[6], a[7], PTR(8), (int)a[9]);
 }

@@ -66,13 +66,16 @@ static inline __m256 exp8(__m256 x) {
  * (checked by the caller to fit the tables). Empty sequences come out zero. A work item is up to
  * MLA_HEADS heads of one sequence: each cache row's scores for them in one pass over the row, then 8
  * output columns at a time for all of them over every row, the accumulators in registers. D and R are
- * multiples of 8 (the caller checks). Returns -1, computing nothing, when a block the lengths reach
- * lies outside the cache's num_blocks; else 0. */
+ * multiples of 8 (the caller checks). Returns -2, computing nothing, when a length lies outside
+ * [0, max_blocks * block_size], -1 when a block the lengths reach lies outside the cache's num_blocks;
+ * else 0. */
 int epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const void *cache, int is_bf16,
                        int64_t num_blocks, int64_t block_size, const int64_t *tables, int64_t max_blocks,
                        const int64_t *lens, float scale, int64_t R, float *out, int num_threads) {
   const int64_t elem = is_bf16 ? 2 : 4;
   int64_t work = 0, max_len = 0;
+  for (int64_t b = 0; b < B; b++)
+    if (lens[b] < 0 || lens[b] > max_blocks * block_size) return -2;
   for (int64_t b = 0; b < B; b++) {
     for (int64_t i = 0; i * block_size < lens[b]; i++)
       if (tables[b * max_blocks + i] < 0 || tables[b * max_blocks + i] >= num_blocks) return -1;
@@ -161,10 +164,11 @@ static inline int64_t take_max(const float *v, unsigned char *taken, int64_t n) 
  * scores by sigmoid (scoring 0) or softmax (1); selection scores plus bias (may be NULL); grouped
  * (grouped != 0): groups ranked by the sum of their top-2 (method 0, noaux_tc) or their best (1),
  * all but the best topk_group masked; the top_k best left; weights the unbiased scores, normalized
- * (norm) and scaled; ids mapped through l2p (may be NULL). ids int64 [T, K], weights fp32 [T, K]. */
+ * (norm) and scaled; ids mapped through l2p (may be NULL; entries l2p_stride apart). ids int64 [T, K],
+ * weights fp32 [T, K]. */
 void epserve_grouped_topk(const float *logits, int64_t T, int64_t E, int64_t K, int64_t G, int64_t topk_group,
                           int method, int scoring, int grouped, int norm, float scaling, const float *bias,
-                          const int64_t *l2p, int64_t *ids, float *weights) {
+                          const int64_t *l2p, int64_t l2p_stride, int64_t *ids, float *weights) {
   float *scores = (float *)malloc(sizeof(float) * E);
   float *choice = (float *)malloc(sizeof(float) * E);
   float *group_scores = (float *)malloc(sizeof(float) * (G > 0 ? G : 1));
@@ -208,7 +212,7 @@ void epserve_grouped_topk(const float *logits, int64_t T, int64_t E, int64_t K, 
     for (int64_t k = 0; k < K; k++) {
       if (norm) row_w[k] = row_w[k] / (sum + 1e-20f);
       row_w[k] *= scaling;
-      if (l2p) row_ids[k] = l2p[row_ids[k]];
+      if (l2p) row_ids[k] = l2p[row_ids[k] * l2p_stride];
     }
   }
   free(scores);
@@ -248,7 +252,8 @@ void epserve_rms_norm(const void *x, const void *w, int64_t T, int64_t D, int64_
 }
 
 /* Per-head projection (MLA's absorbed W_UK and W_UV): out[b, h, :] = x[b, h, :] @ w[h] for x [B, H, K]
- * bf16 (is_bf16) or fp32 with strides (ldb, ldh, 1), w fp32 [H, K, N], out fp32 [B, H, N]. Each output
+ * bf16 (is_bf16) or fp32 with strides (ldb, ldh, 1), w fp32 [H, K, N], out [B, H, N] with strides
+ * (ldo_b, ldo_h, 1), fp32 or rounded to bf16 (out_bf16). Each output
  * is summed over k in order, a product then a sum (no FMA), so the result does not depend on the blocking:
  * 32 columns of one (b, h) stay in registers over all of k, and the (b, h) items split over
  * ``num_threads`` threads when there is enough work to pay for them. */
@@ -281,11 +286,18 @@ static void head_row(const void *x, int is_bf16, int64_t at, int64_t K, const fl
 }
 
 void epserve_head_matmul(const void *x, int is_bf16, int64_t B, int64_t H, int64_t K, int64_t ldb, int64_t ldh,
-                         const float *w, int64_t N, float *out, int num_threads) {
+                         const float *w, int64_t N, void *out, int64_t ldo_b, int64_t ldo_h, int out_bf16,
+                         int num_threads) {
   #pragma omp parallel for schedule(static) num_threads(num_threads) if (B * H * K * N >= (1 << 15))
   for (int64_t i = 0; i < B * H; i++) {
-    const int64_t b = i / H, h = i % H;
-    head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, out + i * N);
+    const int64_t b = i / H, h = i % H, at = b * ldo_b + h * ldo_h;
+    if (out_bf16) { /* the fp32 sums rounded once, as .to(bfloat16) rounds them */
+      float row[N];
+      head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, row);
+      for (int64_t n = 0; n < N; n++) ((uint16_t *)out)[at + n] = f32_to_bf16(row[n]);
+    } else {
+      head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, (float *)out + at);
+    }
   }
 }
 
@@ -405,4 +417,180 @@ int epserve_weighted_combine(const void *y, int64_t N, int64_t H, const int64_t 
     free(acc);
   }
   return 0;
+}
+
+/* ---- the rest of a decode step, so that a whole step can be one replayed sequence of these calls ---- */
+
+/* out[i] = table[ids[i]] for rows of cols values (the embedding lookup, and the rotary tables' rows of the
+ * step's positions), converted from the table's dtype to out's (bf16 rounded to nearest even, as .to()
+ * rounds). Returns -1, writing nothing, when an id lies outside [0, rows); else 0. */
+int epserve_gather_rows(const int64_t *ids, int64_t N, const void *table, int64_t rows, int64_t cols, int table_bf16,
+                        void *out, int out_bf16) {
+  for (int64_t i = 0; i < N; i++)
+    if (ids[i] < 0 || ids[i] >= rows) return -1;
+  const int64_t elem = table_bf16 ? 2 : 4;
+  for (int64_t i = 0; i < N; i++) {
+    const char *src = (const char *)table + ids[i] * cols * elem;
+    if (table_bf16 == out_bf16) {
+      memcpy((char *)out + i * cols * elem, src, (size_t)(cols * elem));
+    } else {
+      for (int64_t j = 0; j < cols; j++) store(out, i * cols + j, load(src, j, table_bf16), out_bf16);
+    }
+  }
+  return 0;
+}
+
+/* dst[i, j, :] = src[i, j, :] for i < n0, j < n1 and cols values each (the last dim contiguous on both
+ * sides, the others strided), converted between bf16 and fp32 as .to() converts. */
+void epserve_copy_cast(const void *src, int src_bf16, int64_t n0, int64_t n1, int64_t cols, int64_t ss0,
+                       int64_t ss1, void *dst, int dst_bf16, int64_t ds0, int64_t ds1) {
+  for (int64_t i = 0; i < n0; i++)
+    for (int64_t j = 0; j < n1; j++) {
+      const int64_t s = i * ss0 + j * ss1, d = i * ds0 + j * ds1;
+      for (int64_t c = 0; c < cols; c++) store(dst, d + c, load(src, s + c, src_bf16), dst_bf16);
+    }
+}
+
+/* out = a + b over n contiguous values, bf16 (rounded once, as torch's bf16 add rounds) or fp32. */
+void epserve_add(const void *a, const void *b, int64_t n, int is_bf16, void *out) {
+  if (is_bf16) {
+    const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;
+    uint16_t *o = (uint16_t *)out;
+    for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+  } else {
+    const float *x = (const float *)a, *y = (const float *)b;
+    float *o = (float *)out;
+    for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i];
+  }
+}
+
+/* SwiGLU's activation: x [T, 2I] (gate then up, rows ldx apart) -> out [T, I] = silu(gate) * up, each op
+ * rounded to the dtype as torch's F.silu(gate) * up rounds (bf16), or in fp32. */
+void epserve_silu_mul(const void *x, int64_t T, int64_t I, int64_t ldx, int is_bf16, void *out) {
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t j = 0; j < I; j++) {
+      const float g = load(x, t * ldx + j, is_bf16), u = load(x, t * ldx + I + j, is_bf16);
+      const float s = as_dtype(g / (1.0f + expf(-g)), is_bf16);
+      store(out, t * I + j, s * u, is_bf16);
+    }
+}
+
+/* The local dispatcher's permutation in one pass: the T * K token copies of ids [T, K] grouped by expert
+ * as a stable sort orders them (counts [E] per expert), each copy's source token, routing weight (of
+ * topk_w [T, K]) and row of x [T, H] (elem bytes a value) in that order. Returns -1, writing nothing, when
+ * an id lies outside [0, E); else 0. */
+int epserve_local_dispatch(const void *x, int64_t T, int64_t H, int64_t elem, const int64_t *ids, int64_t K,
+                           const float *topk_w, int64_t E, void *rows, int64_t *counts, int64_t *token_idx,
+                           float *weights) {
+  const int64_t N = T * K;
+  for (int64_t i = 0; i < N; i++)
+    if (ids[i] < 0 || ids[i] >= E) return -1;
+  int64_t *next = (int64_t *)calloc((size_t)E, sizeof(int64_t));
+  memset(counts, 0, sizeof(int64_t) * E);
+  for (int64_t i = 0; i < N; i++) counts[ids[i]]++;
+  for (int64_t e = 1; e < E; e++) next[e] = next[e - 1] + counts[e - 1];
+  for (int64_t i = 0; i < N; i++) {
+    const int64_t j = next[ids[i]]++, t = i / K;
+    token_idx[j] = t;
+    weights[j] = topk_w[i];
+    memcpy((char *)rows + j * H * elem, (const char *)x + t * H * elem, (size_t)(H * elem));
+  }
+  free(next);
+  return 0;
+}
+
+/* dst[idx[i]] += src[i] for i < n (int64; the experts' load counters). Returns -1, adding nothing, when an
+ * index lies outside [0, n_dst); else 0. */
+int epserve_index_add_i64(int64_t *dst, int64_t n_dst, const int64_t *idx, const int64_t *src, int64_t n) {
+  for (int64_t i = 0; i < n; i++)
+    if (idx[i] < 0 || idx[i] >= n_dst) return -1;
+  for (int64_t i = 0; i < n; i++) dst[idx[i]] += src[i];
+  return 0;
+}
+
+/* ---- packed twins (cpu_bf16.h) and the replay ---- */
+
+int epserve_mla_decode_packed(const int64_t *a) {
+  return epserve_mla_decode(PTR(0), a[1], a[2], a[3], PTR(4), (int)a[5], a[6], a[7], PTR(8), a[9], PTR(10),
+                            packed_float(a[11]), a[12], PTR(13), (int)a[14]);
+}
+
+int epserve_grouped_topk_packed(const int64_t *a) {
+  epserve_grouped_topk(PTR(0), a[1], a[2], a[3], a[4], a[5], (int)a[6], (int)a[7], (int)a[8], (int)a[9],
+                       packed_float(a[10]), PTR(11), PTR(12), a[13], PTR(14), PTR(15));
+  return 0;
+}
+
+int epserve_rms_norm_packed(const int64_t *a) {
+  epserve_rms_norm(PTR(0), PTR(1), a[2], a[3], a[4], packed_float(a[5]), (int)a[6], PTR(7));
+  return 0;
+}
+
+int epserve_head_matmul_packed(const int64_t *a) {
+  epserve_head_matmul(PTR(0), (int)a[1], a[2], a[3], a[4], a[5], a[6], PTR(7), a[8], PTR(9), a[10], a[11], (int)a[12],
+                      (int)a[13]);
+  return 0;
+}
+
+int epserve_rope_heads_packed(const int64_t *a) {
+  epserve_rope_heads(PTR(0), a[1], a[2], a[3], PTR(4), PTR(5), a[6], (int)a[7], (int)a[8]);
+  return 0;
+}
+
+int epserve_append_latent_packed(const int64_t *a) {
+  return epserve_append_latent(PTR(0), a[1], a[2], a[3], a[4], PTR(5), packed_float(a[6]), PTR(7), PTR(8), (int)a[9],
+                               (int)a[10], PTR(11), PTR(12), a[13], (int)a[14]);
+}
+
+int epserve_group_by_expert_packed(const int64_t *a) {
+  return epserve_group_by_expert(PTR(0), a[1], a[2], PTR(3), PTR(4));
+}
+
+int epserve_weighted_combine_packed(const int64_t *a) {
+  return epserve_weighted_combine(PTR(0), a[1], a[2], PTR(3), PTR(4), a[5], (int)a[6], PTR(7));
+}
+
+int epserve_gather_rows_packed(const int64_t *a) {
+  return epserve_gather_rows(PTR(0), a[1], PTR(2), a[3], a[4], (int)a[5], PTR(6), (int)a[7]);
+}
+
+int epserve_copy_cast_packed(const int64_t *a) {
+  epserve_copy_cast(PTR(0), (int)a[1], a[2], a[3], a[4], a[5], a[6], PTR(7), (int)a[8], a[9], a[10]);
+  return 0;
+}
+
+int epserve_add_packed(const int64_t *a) {
+  epserve_add(PTR(0), PTR(1), a[2], (int)a[3], PTR(4));
+  return 0;
+}
+
+int epserve_silu_mul_packed(const int64_t *a) {
+  epserve_silu_mul(PTR(0), a[1], a[2], a[3], (int)a[4], PTR(5));
+  return 0;
+}
+
+int epserve_local_dispatch_packed(const int64_t *a) {
+  return epserve_local_dispatch(PTR(0), a[1], a[2], a[3], PTR(4), a[5], PTR(6), a[7], PTR(8), PTR(9), PTR(10),
+                                PTR(11));
+}
+
+int epserve_index_add_i64_packed(const int64_t *a) {
+  return epserve_index_add_i64(PTR(0), a[1], PTR(2), PTR(3), a[4]);
+}
+
+/* Runs n recorded calls in order: fns[i] a packed kernel, args[i] the address of its argument array; with
+ * seconds (may be NULL) each call's wall time added to seconds[i]. Stops at the first call returning
+ * nonzero: returns its index (its code in *rc), or -1 when all ran. */
+int64_t epserve_replay(const int64_t *fns, const int64_t *args, int64_t n, int *rc, double *seconds) {
+  for (int64_t i = 0; i < n; i++) {
+    const double t0 = seconds ? omp_get_wtime() : 0.0;
+    const int code = ((epserve_packed_fn)(intptr_t)fns[i])((const int64_t *)(intptr_t)args[i]);
+    if (seconds) seconds[i] += omp_get_wtime() - t0;
+    if (code) {
+      *rc = code;
+      return i;
+    }
+  }
+  *rc = 0;
+  return -1;
 }

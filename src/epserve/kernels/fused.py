@@ -17,8 +17,9 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
-from epserve.kernels import cpu
+from epserve.kernels import cpu_ops
 from epserve.kernels.device import is_cuda, tracing
 
 _FLOATS = (torch.bfloat16, torch.float32)  # what the Triton kernels take
@@ -87,7 +88,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (``rms_norm_ref``): one C call for a few bf16/fp32 rows on the CPU, Triton on CUDA."""
     if is_cuda(x) and _triton_norm(x, weight):
         return torch.ops.epserve.rms_norm(x, weight, eps) if tracing() else _triton().rms_norm_triton(x, weight, eps)
-    out = None if tracing() else cpu.rms_norm(x, weight, eps)
+    out = None if tracing() else cpu_ops.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps) if out is None else out
 
 
@@ -111,7 +112,7 @@ def rope_heads(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         if tracing():
             return torch.ops.epserve.rope_heads(q, cos, sin, interleave, rope_dim)
         return _triton().rope_heads_triton(q, cos, sin, interleave, rope_dim)
-    if rope_dim == 2 * cos.shape[-1] and not tracing() and cpu.rope_heads(q, cos, sin, interleave):
+    if rope_dim == 2 * cos.shape[-1] and not tracing() and cpu_ops.rope_heads(q, cos, sin, interleave):
         return q
     nope, pe = q.split([q.shape[-1] - rope_dim, rope_dim], dim=-1)
     return torch.cat([nope, rope_ref(pe, cos, sin, interleave)], dim=-1)
@@ -127,7 +128,7 @@ def append_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, c
         fn = torch.ops.epserve.append_latent if tracing() else _triton().append_latent_triton
         fn(latent, norm_weight, eps, cos, sin, interleave, slots, flat_cache, kv_lora_rank)
         return
-    if not tracing() and cpu.append_latent(latent, norm_weight, eps, cos, sin, interleave, slots, flat_cache,
+    if not tracing() and cpu_ops.append_latent(latent, norm_weight, eps, cos, sin, interleave, slots, flat_cache,
                                            kv_lora_rank):
         return
     c_kv, k_pe = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
@@ -135,8 +136,53 @@ def append_latent(latent: torch.Tensor, norm_weight: torch.Tensor, eps: float, c
     flat_cache.index_copy_(0, slots, rows.to(flat_cache.dtype))
 
 
-def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, h, K] times each head's weight w [h, K, N] -> [B, h, N] in w's dtype (MLA's absorbed
-    projections): one C call for fp32 weights on the CPU, ``torch.bmm`` otherwise."""
-    out = None if tracing() else cpu.head_matmul(x, w)
-    return torch.bmm(x.to(w.dtype).transpose(0, 1), w).transpose(0, 1) if out is None else out
+    projections), or written into ``out`` [B, h, N] (rounded once to its dtype) and returned: one C call
+    for fp32 weights on the CPU, ``torch.bmm`` otherwise."""
+    fused = None if tracing() else cpu_ops.head_matmul(x, w, out)
+    if fused is not None:
+        return fused
+    y = torch.bmm(x.to(w.dtype).transpose(0, 1), w).transpose(0, 1)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``table[ids]`` [N, D] in ``dtype`` (default the table's): the embedding lookup and the rotary rows of
+    a step's positions; one C call on the CPU."""
+    dtype = dtype or table.dtype
+    out = None if tracing() else cpu_ops.gather_rows(table, ids, dtype)
+    return F.embedding(ids, table).to(dtype) if out is None else out
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` (a cast between bf16 and fp32 included): one C call on the CPU."""
+    if tracing() or not cpu_ops.copy_cast(dst, src):
+        dst.copy_(src)
+    return dst
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``: ``x`` itself in that dtype already, else a C copy on the CPU."""
+    if x.dtype == dtype:
+        return x
+    return copy_(torch.empty(x.shape, dtype=dtype, device=x.device), x)
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` (a residual add): one C call on the CPU for two bf16/fp32 tensors of one shape."""
+    out = None if tracing() else cpu_ops.add(a, b)
+    return a + b if out is None else out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation of ``x`` [T, 2I] = [gate | up]: ``F.silu(gate) * up`` [T, I], rounded as those
+    two ops round; one C call on the CPU."""
+    out = None if tracing() else cpu_ops.silu_mul(x)
+    if out is not None:
+        return out
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

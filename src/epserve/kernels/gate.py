@@ -26,7 +26,7 @@ from types import ModuleType
 
 import torch
 
-from epserve.kernels import cpu
+from epserve.kernels import cpu, cpu_ops
 from epserve.kernels.device import is_cuda, tracing
 
 METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
@@ -150,7 +150,7 @@ def grouped_topk(
                                               routed_scaling_factor, bias, logical_to_physical)
     if not is_cuda(logits) and cpu.available(cpu.OPS):  # the C kernel, eager on the CPU (None otherwise)
         check_args(logits, top_k, n_group, topk_group, method, scoring, bias, logical_to_physical)
-        out = cpu.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
+        out = cpu_ops.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
                                routed_scaling_factor, bias, logical_to_physical, is_grouped(method, n_group))
         if out is not None:
             return out

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from epserve.kernels import backends, cpu
+from epserve.kernels import backends, cpu, cpu_ops
 from epserve.kernels.device import is_cuda
 from epserve.kernels.fp8 import FP8_DTYPE, cdiv
 
@@ -202,8 +202,7 @@ def paged_mla_decode(
         )
     if kv_scale is None and cpu.available(cpu.OPS):  # the C kernel (bf16 or fp32 cache; None otherwise)
         check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, kv_scale)
-        lens = _host_lens(seq_lens, block_tables, kv_cache.shape[1])
-        out = cpu.mla_decode(q_latent, kv_cache, block_tables, lens, softmax_scale, kv_lora_rank)
+        out = cpu_ops.mla_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
         if out is not None:
             return out
     return paged_mla_decode_ref(

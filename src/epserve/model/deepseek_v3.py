@@ -14,11 +14,10 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import OVERLAP_MODES, ModelConfig, OverlapMode
-from epserve.kernels import linear
+from epserve.kernels import add, copy_, gather_rows, linear
 from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from epserve.model.mla import MLAttention
@@ -89,12 +88,12 @@ class DecoderLayer(nn.Module):
             out = routed.value
         else:
             out = run_op(hook, MLP, self.mlp, h)
-        result.value = run_op(hook, FFN_ALL_GATHER, self.tp.all_gather, own + out, x.shape[0])
+        result.value = run_op(hook, FFN_ALL_GATHER, self.tp.all_gather, add(own, out), x.shape[0])
         yield
 
     def _reduce_scatter(self, x: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
         """The residual of the tokens this TP rank owns plus the o_proj partials summed over TP."""
-        return self.tp.own_rows(x) + self.tp.reduce_scatter(partial)
+        return add(self.tp.own_rows(x), self.tp.reduce_scatter(partial))
 
 
 @cache
@@ -133,8 +132,11 @@ class MTPLayer(DecoderLayer):
     def combine(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The layer's input for tokens ``input_ids`` [T] (each the token after its position) and the
         previous depth's hidden states [T, H] (the main model's final, normed ones at depth 1)."""
-        e = self.enorm(F.embedding(input_ids, self.embed_tokens))
-        return self.eh_proj(torch.cat([e, self.hnorm(hidden)], dim=-1))
+        h = hidden.shape[1]
+        both = hidden.new_empty(hidden.shape[0], 2 * h)  # [enorm(e) | hnorm(h)], one C copy each on the CPU
+        copy_(both[:, :h], self.enorm(gather_rows(self.embed_tokens, input_ids)))
+        copy_(both[:, h:], self.hnorm(hidden))
+        return self.eh_proj(both)
 
 
 def _run_layers(
@@ -215,7 +217,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Run every layer over the flat batch, writing its latent KV; returns final hidden [T, H].
         ``overlap``: ``none``, ``dispatch`` or ``microbatch`` (two micro-batches over MoE layers;
         dense layers run the whole batch)."""
-        x = F.embedding(batch.input_ids, self.embed_tokens)
+        x = gather_rows(self.embed_tokens, batch.input_ids)
         mb = MicroBatch(batch, self.rotary.lookup(batch.positions, x.dtype), kv_caches)
         for _, layers in self.segments:
             x = _run_segment(layers, x, mb, overlap)

@@ -7,12 +7,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from epserve.checkpoint import fp8_block_dequantize
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
-from epserve.kernels import linear, rms_norm, rope_ref
+from epserve.kernels import gather_rows, linear, rms_norm, rope_ref, silu_mul
 from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul_quant
 
 
@@ -93,7 +92,8 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
         """cos/sin rows for ``positions`` [T], looked up once per forward and shared by every layer."""
-        return RopeTable(self.cos[positions].to(dtype), self.sin[positions].to(dtype), self.interleave)
+        return RopeTable(gather_rows(self.cos, positions, dtype), gather_rows(self.sin, positions, dtype),
+                         self.interleave)
 
 
 def _rotary_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,5 +141,4 @@ class GatedMLP(nn.Module):
         down = self.down_proj
         if down.weight_scale_inv is not None:  # SiLU·mul fused with the activation quantization
             return block_fp8_gemm(*silu_mul_quant(gate_up), down.weight, down.weight_scale_inv, x.dtype)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return down(F.silu(gate) * up)
+        return down(silu_mul(gate_up))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epserve.config import ModelConfig
-from epserve.kernels import append_latent, head_matmul, rope_heads
+from epserve.kernels import append_latent, copy_, head_matmul, rope_heads
 from epserve.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from epserve.kernels.ops import mla_decode
 from epserve.model.batch import ForwardBatch, MicroBatch
@@ -150,8 +150,11 @@ class MLAttention(nn.Module):
     def absorb_q(self, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Decode queries into the latent space (fp32): [B, h, qk_head] -> [B, h, kv_lora + rope]."""
         q_nope, q_pe = q[: batch.num_decode_seqs].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_latent = head_matmul(q_nope, self.w_uk).float()  # [B, h, r]
-        return torch.cat([q_latent, q_pe.float()], dim=-1)
+        r = self.kv_lora_rank
+        q_latent = q.new_empty(q_nope.shape[0], self.num_heads, r + self.qk_rope_head_dim, dtype=torch.float32)
+        head_matmul(q_nope, self.w_uk, out=q_latent[..., :r])  # [B, h, r]
+        copy_(q_latent[..., r:], q_pe)
+        return q_latent
 
     def expand_kv(self, batch: ForwardBatch, kv_cache: torch.Tensor, dtype: torch.dtype) -> list[PrefillKV]:
         """Prefill chunks: the whole cached context of each projected to per-head K and V."""
@@ -199,7 +202,7 @@ class MLAttention(nn.Module):
 
     def absorb_v(self, o_latent: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Decode outputs back from the latent space into ``out``'s first rows; returns ``out``."""
-        out[: o_latent.shape[0]] = head_matmul(o_latent, self.w_uv_t).to(out.dtype)
+        head_matmul(o_latent, self.w_uv_t, out=out[: o_latent.shape[0]])
         return out
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:

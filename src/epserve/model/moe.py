@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from epserve.config import ModelConfig
+from epserve.kernels import add, cpu_ops
 from epserve.model.layers import GatedMLP
 from epserve.model.streams import Forked, SideStream
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
@@ -90,7 +91,7 @@ class MoE(nn.Module):
             shared = self.side_stream.join(forked)
         else:
             shared = run_op(hook, SHARED_EXPERT, self.shared_expert, x)
-        result.value = out if shared is None else out + shared
+        result.value = out if shared is None else add(out, shared)
 
     def init_buffers(self) -> None:
         """The routing tables, computed (not loaded): after building on the meta device."""
@@ -124,5 +125,7 @@ class MoE(nn.Module):
 
     def _dispatch_recv(self, sent: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
         expert_input, route = self.dispatcher.dispatch_recv(sent)
-        self.expert_load.index_add_(0, self.slot_experts, expert_input.num_tokens_per_expert)  # on the device
+        counts = expert_input.num_tokens_per_expert
+        if not cpu_ops.index_add_counts(self.expert_load, self.slot_experts, counts):  # one C call on the CPU
+            self.expert_load.index_add_(0, self.slot_experts, counts)  # on the device
         return expert_input, route

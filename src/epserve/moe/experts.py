@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epserve.kernels import moe_swiglu
+from epserve.kernels import cpu, moe_swiglu
 from epserve.kernels.device import is_cuda, tracing
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_moe_swiglu, fp8_moe_swiglu_quantized, fp8_weight_pair
 from epserve.kernels.grouped import grouped_mm_ok, grouped_mm_swiglu, grouped_swiglu, grouped_swiglu_ref
@@ -120,4 +120,7 @@ class GroupedExperts(nn.Module):
             return grouped_swiglu(x, counts, self.w13, self.w2)
         if tracing():
             return grouped_swiglu_op(x, counts, self.w13, self.w2)
+        y = cpu.moe_swiglu_counts(x, counts, self.w13, self.w2)  # decode sizes: the kernel reads the counts
+        if y is not None:
+            return y
         return grouped_swiglu_host(x, expert_input.counts_list(), self.w13, self.w2)  # all_to_all's host counts

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels import cpu
+from epserve.kernels import cpu_ops
 from epserve.kernels.device import tracing
 
 
@@ -41,7 +41,7 @@ def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Te
     """The combine every backend ends with: expert-output rows ``y`` [N, H], each from token
     ``token_idx`` [N] with routing weight ``weights`` [N] (fp32), summed per token -> [num_tokens, H]
     (one C call on the CPU in eager steps, ``kernels.cpu``: the same order and roundings)."""
-    fused = None if tracing() else cpu.weighted_combine(y, token_idx, weights, num_tokens)
+    fused = None if tracing() else cpu_ops.weighted_combine(y, token_idx, weights, num_tokens)
     if fused is not None:
         return fused
     out = y.new_zeros(num_tokens, y.shape[1])

@@ -1,0 +1,180 @@
+"""The CPU's captured decode: a decode step recorded once as the sequence of C kernel calls it makes, then
+replayed from C in one call, with no Python and no torch dispatch between the kernels (the CPU twin of a
+CUDA graph).
+
+:func:`record` runs a forward once with every call of the ``kernels.cpu`` libraries going through a
+:class:`Recorder`: each call runs as it is recorded, through the kernel's packed twin (its arguments as
+one int64 array, ``cpu_bf16.h``), so what is recorded is exactly what ran. Like a CUDA graph, the replay
+reads and writes the same memory: the step's inputs are copied into the recorded input tensors before each
+replay (``engine/graphs.py``), every intermediate tensor is kept alive with the graph, and the kernels read
+the step's data (token ids, positions, lengths, block tables, expert counts) from memory at replay time,
+never as host values baked into the recording.
+
+A recording holds only if nothing but those kernels computed on the step's data. A torch dispatch mode
+(:class:`_Guard`) watches every torch op of the recorded forward: allocations and views pass, as do ops on
+weights alone; an op that reads the inputs, the KV cache, a module buffer or any tensor made during the
+recording (a torch fallback, a host read such as ``.tolist()``) ends the recording with
+:class:`CaptureError` before it runs, and the caller runs that bucket eagerly instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from epserve.kernels import cpu, cpu_ops
+
+
+class CaptureError(RuntimeError):
+    """The forward computed on the step's data outside the C kernels: it cannot be replayed."""
+
+
+_ALLOCATIONS = {
+    torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_empty.default, torch.ops.aten.new_empty_strided.default,
+}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Guard(TorchDispatchMode):
+    """Refuses every torch op that computes on the step's data (``dynamic`` storages: given, and every tensor
+    made under the guard, which a kernel may write); keeps every tensor it sees made alive in ``keep``."""
+
+    def __init__(self, dynamic: Iterable[torch.Tensor], keep: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.dynamic = {_storage(t) for t in dynamic} - {0}  # (0: empty tensors, which hold no data)
+        self.keep = keep
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func in _ALLOCATIONS:
+            out = func(*args, **kwargs)
+            self.dynamic.add(_storage(out))
+            self.dynamic.discard(0)
+            self.keep.append(out)
+            return out
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        reads_step = any(_storage(t) in self.dynamic for t in inputs)
+        if reads_step and not func.is_view:
+            raise CaptureError(f"{func} ({_shapes(inputs)}) computes on the step's data outside the C kernels")
+        out = func(*args, **kwargs)
+        aliased = {_storage(t) for t in inputs}
+        made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and _storage(t) not in aliased]
+        if made and reads_step:  # an op that may alias (``to``, ``contiguous``, ``reshape``) copied instead
+            raise CaptureError(f"{func} ({_shapes(inputs)}) copies the step's data outside the C kernels")
+        self.keep.extend(made)
+        self.dynamic.update(_storage(t) for t in made if t.numel())  # a kernel may write it: the step's data now
+        return out
+
+
+def _shapes(tensors: list[torch.Tensor]) -> str:
+    return ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in tensors)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One recorded kernel call: its name (for errors), its packed twin's address, its arguments."""
+
+    name: str
+    fn: int
+    args: ctypes.Array
+
+
+def _pack(argtypes: list, values: tuple) -> ctypes.Array:
+    """A call's arguments as the packed twin takes them: pointers as addresses, floats as their bits."""
+    packed = []
+    for kind, v in zip(argtypes, values, strict=True):
+        if kind is ctypes.c_float:
+            packed.append(struct.unpack("<I", struct.pack("<f", v))[0])
+        else:
+            packed.append(0 if v is None else int(v))
+    return (ctypes.c_int64 * max(len(packed), 1))(*packed)
+
+
+class _RecordingLibrary:
+    """A loaded kernel library whose calls are recorded as they run."""
+
+    def __init__(self, lib: ctypes.CDLL, recorder: Recorder) -> None:
+        self._lib = lib
+        self._recorder = recorder
+
+    def __getattr__(self, name: str) -> Callable[..., int]:
+        return partial(self._recorder.call, self._lib, name)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+
+    def library(self, lib: ctypes.CDLL) -> _RecordingLibrary:
+        return _RecordingLibrary(lib, self)
+
+    def call(self, lib: ctypes.CDLL, name: str, *values: Any) -> int:
+        """Runs ``name`` through its packed twin with these arguments, recorded; returns its code."""
+        packed_fn = getattr(lib, f"{name}_packed")
+        packed_fn.argtypes = [ctypes.c_void_p]
+        packed_fn.restype = ctypes.c_int
+        args = _pack(getattr(lib, name).argtypes, values)
+        self.calls.append(Call(name, ctypes.cast(packed_fn, ctypes.c_void_p).value or 0, args))
+        return int(packed_fn(ctypes.addressof(args)))
+
+
+class CpuGraph:
+    """A recorded forward: :meth:`replay` runs its kernel calls again, in one C call."""
+
+    def __init__(self, calls: list[Call], keep: list[torch.Tensor]) -> None:
+        self.calls = tuple(calls)
+        self._keep = keep  # every tensor the calls point into
+        n = len(self.calls)
+        self._program = ((ctypes.c_int64 * max(n, 1))(*(c.fn for c in self.calls)),
+                         (ctypes.c_int64 * max(n, 1))(*(ctypes.addressof(c.args) for c in self.calls)), n)
+
+    def replay(self, seconds: ctypes.Array | None = None) -> None:
+        """One replay; each call's wall time added to ``seconds`` (``timer()``'s array) when given."""
+        failed, code = cpu_ops.replay(self._program, seconds)
+        if failed >= 0:
+            raise IndexError(f"the captured CPU decode's {self.calls[failed].name} refused this step's inputs "
+                             f"(code {code}): a block, slot or id out of range")
+
+
+    def timer(self) -> ctypes.Array:
+        """Zeroed per-call seconds for :meth:`replay` (where a step goes: ``benchmarks/cpu_decode.py``)."""
+        return (ctypes.c_double * max(len(self.calls), 1))()
+
+
+@contextmanager
+def _recording(recorder: Recorder):  # noqa: ANN202
+    if cpu._recorder is not None:
+        raise RuntimeError("a CPU decode step is already being recorded")
+    cpu._recorder = recorder
+    try:
+        yield
+    finally:
+        cpu._recorder = None
+
+
+def record(forward: Callable[[], torch.Tensor], dynamic: Iterable[torch.Tensor]) -> tuple[CpuGraph, torch.Tensor]:
+    """Runs ``forward()`` once, recorded: (the graph that replays it, its output, which every replay rewrites).
+    ``dynamic``: what changes between replays (the inputs, the KV caches, the modules' buffers). Raises
+    CaptureError, part way through the forward, when it computes on them outside the kernels."""
+    if not cpu.available(cpu.OPS):
+        raise CaptureError("the CPU kernels of kernels/cpu_ops.c are not available")
+    recorder, keep = Recorder(), []
+    with _recording(recorder), _Guard(dynamic, keep):
+        out = forward()
+    if not recorder.calls:
+        raise CaptureError("the forward called no C kernel")
+    keep.append(out)
+    return CpuGraph(recorder.calls, keep), out
