@@ -277,17 +277,39 @@ def test_fuzzed_requests_get_no_5xx_and_answers_match_the_document(server, mode)
         assert statuses.get(200, 0) > 10, statuses
 
 
-def test_a_request_the_engine_aborts_ends_as_an_error_not_as_abort(server):
-    """Last: SIGTERM with --drain-timeout 0 aborts what the engine runs. A stream gets an OpenAI error
-    event and ``data: [DONE]``; a whole response is a 503 error body; ``"abort"`` is sent nowhere.
+@pytest.fixture
+def long_server(make_ckpt, tmp_path):
+    """A server of its own for the abort test (which stops it), whose requests may be long: 2,000 tokens
+    keep five sequences running together for seconds even on a fast host, where the module server's 120
+    took a few tens of milliseconds (the CPU's recorded decode steps)."""
+    (tmp_path / "key").write_text(API_KEY + "\n")
+    port = free_port()
+    proc = Proc(["serve", str(make_ckpt("tiny", dtype="float32")), "--dp", "1", "--port", str(port),
+                 "--api-key-file", str(tmp_path / "key"), "--drain-timeout", "0", "--dtype", "float32",
+                 "--num-blocks", "700", "--max-model-len", str(LONG_MODEL_LEN)], tmp_path / "serve.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ok(f"{url}/health", proc)
+        yield Server(proc, url, port)
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill_all()
 
-    The requests are held open by construction, not by racing them (120 tokens take well under a
-    second on a fast machine, less than the SIGTERM's way to the rank): once all five sequences run,
-    the rank is frozen (SIGSTOP), so no token is produced while ``epserve serve`` notices the signal
-    and passes it on; the rank runs again only once that SIGTERM is pending for it, and then aborts
-    within a step or two. (Frozen for a second or two: far under the default --step-timeout of 60 s,
-    so no watchdog or supervisor probe counts it as hung.)"""
-    body = {"prompt": "once", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
+
+LONG_MODEL_LEN = 2048  # the tiny preset's positions
+
+
+def test_a_request_the_engine_aborts_ends_as_an_error_not_as_abort(long_server):
+    """SIGTERM with --drain-timeout 0 aborts what the engine runs. A stream gets an OpenAI error event and
+    ``data: [DONE]``; a whole response is a 503 error body; ``"abort"`` is sent nowhere.
+
+    The requests are held open by construction, not by racing them (2,000 tokens each, so the five
+    sequences run together for seconds): once all five run, the rank is frozen (SIGSTOP), so no token is
+    produced while ``epserve serve`` notices the signal and passes it on; the rank runs again only once
+    that SIGTERM is pending for it, and then aborts within a step or two. (Frozen for a second or two: far
+    under the default --step-timeout of 60 s, so no watchdog or supervisor probe counts it as hung.)"""
+    server = long_server
+    body = {"prompt": "once", "max_tokens": LONG_MODEL_LEN - 8, "ignore_eos": True}
     whole: dict = {}
     [rank] = server.proc.ranks()
 

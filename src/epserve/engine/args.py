@@ -36,8 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="latent KV cache: auto (the model dtype) or fp8 (e4m3, twice the blocks)")
     p.add_argument("--no-cuda-graph", "--enforce-eager", "--disable-cuda-graph", action="store_true",
-                   help="CUDA: run decode steps eagerly, not as graphs (vLLM: --enforce-eager, SGLang: "
-                   "--disable-cuda-graph)")
+                   help="run decode steps eagerly, not as CUDA graphs (on one CPU rank: not as recorded kernel "
+                   "calls) (vLLM: --enforce-eager, SGLang: --disable-cuda-graph)")
     p.add_argument("--cuda-graph-max-bs", type=int, default=EngineConfig.cuda_graph_max_bs,
                    help="largest decode batch captured (CUDA graphs) or compiled (--compile); default max-num-seqs")
     p.add_argument("--compile", action="store_true",
