@@ -43,7 +43,8 @@ _HEADER = Path(__file__).with_name("cpu_bf16.h")  # included by the sources: par
 OPS = "ops"  # the library of fused small ops (any dtype)
 # per element type (or OPS): the source, the compiler flags, the CPU flags it needs, its kernels' names
 _KINDS: dict[torch.dtype | str, tuple[str, list[str], tuple[str, ...], str]] = {
-    torch.bfloat16: ("_SOURCE", ["-mavx512f", "-mavx512bf16"], ("avx512f", "avx512_bf16"), "bf16"),
+    torch.bfloat16: ("_SOURCE", ["-mavx512f", "-mavx512bf16", "-mavx2", "-mfma"], ("avx512f", "avx512_bf16", "avx2", "fma"),
+                     "bf16"),
     torch.float32: ("_SOURCE_F32", ["-mavx2", "-mfma"], ("avx2", "fma"), "f32"),
     OPS: ("_SOURCE_OPS", ["-mavx2", "-mfma", "-ffp-contract=off"], ("avx2", "fma"), "ops"),  # torch's roundings
 }

@@ -37,27 +37,6 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-/* e^x for eight fp32 values (Cephes' expf: range reduction by ln 2 in two parts, a degree-6 polynomial,
- * 2^n from the exponent bits; within 2 ulp of expf over the softmax's range, e^-inf = 0). */
-static inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3365478515625f), hi = _mm256_set1_ps(88.3762626647949f);
-  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
 #define MLA_HEADS 4 /* heads of one sequence per work item: each cache row is read once for all of them */
 
 /* Absorbed MLA decode: out[b, h, :R] = softmax_t(q[b, h] . kv_t * scale) @ kv_t[:R] over the lens[b]
@@ -406,14 +385,20 @@ int epserve_weighted_combine(const void *y, int64_t N, int64_t H, const int64_t 
     float *o = acc + token[n] * H;
     if (is_bf16) {
       const uint16_t *yr = (const uint16_t *)y + n * H;
-      for (int64_t j = 0; j < H; j++) o[j] += as_dtype(bf16_to_f32(yr[j]) * wn, 1);
+      const __m256 w8 = _mm256_set1_ps(wn);
+      int64_t j = 0;
+      for (; j + 8 <= H; j += 8) /* the loop below, eight at a time: the same roundings in the same order */
+        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), round_bf16_8(_mm256_mul_ps(load_bf16_8(yr + j), w8))));
+      for (; j < H; j++) o[j] += as_dtype(bf16_to_f32(yr[j]) * wn, 1);
     } else {
       const float *yr = (const float *)y + n * H;
       for (int64_t j = 0; j < H; j++) o[j] += yr[j] * wn;
     }
   }
   if (is_bf16) {
-    for (int64_t i = 0; i < T * H; i++) ((uint16_t *)out)[i] = f32_to_bf16(acc[i]);
+    int64_t i = 0;
+    for (; i + 8 <= T * H; i += 8) store_bf16_8((uint16_t *)out + i, _mm256_loadu_ps(acc + i));
+    for (; i < T * H; i++) ((uint16_t *)out)[i] = f32_to_bf16(acc[i]);
     free(acc);
   }
   return 0;
@@ -467,12 +452,25 @@ void epserve_add(const void *a, const void *b, int64_t n, int is_bf16, void *out
 /* SwiGLU's activation: x [T, 2I] (gate then up, rows ldx apart) -> out [T, I] = silu(gate) * up, each op
  * rounded to the dtype as torch's F.silu(gate) * up rounds (bf16), or in fp32. */
 void epserve_silu_mul(const void *x, int64_t T, int64_t I, int64_t ldx, int is_bf16, void *out) {
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t j = 0; j < I; j++) {
+  for (int64_t t = 0; t < T; t++) {
+    int64_t j = 0;
+    for (; j + 8 <= I; j += 8) { /* the scalar loop below, eight at a time (e^-g by exp8) */
+      if (is_bf16) {
+        const uint16_t *row = (const uint16_t *)x + t * ldx;
+        const __m256 g = load_bf16_8(row + j), u = load_bf16_8(row + I + j);
+        store_bf16_8((uint16_t *)out + t * I + j, _mm256_mul_ps(round_bf16_8(silu8(g)), u));
+      } else {
+        const float *row = (const float *)x + t * ldx;
+        const __m256 g = _mm256_loadu_ps(row + j), u = _mm256_loadu_ps(row + I + j);
+        _mm256_storeu_ps((float *)out + t * I + j, _mm256_mul_ps(silu8(g), u));
+      }
+    }
+    for (; j < I; j++) {
       const float g = load(x, t * ldx + j, is_bf16), u = load(x, t * ldx + I + j, is_bf16);
       const float s = as_dtype(g / (1.0f + expf(-g)), is_bf16);
       store(out, t * I + j, s * u, is_bf16);
     }
+  }
 }
 
 /* The local dispatcher's permutation in one pass: the T * K token copies of ids [T, K] grouped by expert
