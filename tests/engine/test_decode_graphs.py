@@ -5,6 +5,8 @@ captured decode (``cpu_graph``: the step's C kernel calls recorded, then replaye
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -221,3 +223,14 @@ def test_the_mtp_draft_passes_replay_too(counter_ckpt, monkeypatch):
     assert captured.drafts is not None and captured.drafts._cpu_graphs and not captured.drafts._eager
     assert [a.token_ids for a in eager] == [b.token_ids for b in out]
     assert eager_llm.engine.runner.speculative_stats() == llm.engine.runner.speculative_stats()
+
+
+@needs_cpu_kernels
+def test_cpu_graph_is_left_off_where_a_step_needs_torch_ops(ckpt):
+    """An FP8 KV cache (its append and attention are torch references) and ``--enforce-eager``: eager steps,
+    no recording tried; dp 2 (collectives in the forward) too."""
+    assert LLM(ckpt, dtype="bfloat16", num_blocks=64, kv_cache_dtype="fp8").engine.runner.decode_graphs is None
+    assert LLM(ckpt, dtype="bfloat16", num_blocks=64, cuda_graph=False).engine.runner.decode_graphs is None
+    config = LLM(ckpt, dtype="bfloat16", num_blocks=64).engine.config
+    assert config.capture_mode == "cpu_graph"
+    assert replace(config, parallel=replace(config.parallel, dp=2, dispatch="padded")).capture_mode is None

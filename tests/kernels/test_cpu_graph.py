@@ -4,6 +4,8 @@ on the step's data (it would be frozen into the recording)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -89,7 +91,25 @@ def test_kernel_calls_outside_a_recording_are_not_recorded():
     with torch.inference_mode():
         graph, _ = record(lambda: gather_rows(table, ids), [ids])
         gather_rows(table, ids)  # eager again: nothing appended
-        assert len(graph.calls) == 1 and cpu._recorder is None
+        assert len(graph.calls) == 1 and cpu._recording.recorder is None
         with pytest.raises(CaptureError):
             record(lambda: gather_rows(table, ids) + 0, [ids])
-        assert cpu._recorder is None  # a failed recording leaves the kernels eager
+        assert cpu._recording.recorder is None  # a failed recording leaves the kernels eager
+
+
+def test_only_the_recording_threads_calls_are_recorded():
+    """Another thread's kernel calls during a recording (a server's other threads) run eagerly, unrecorded."""
+    g = torch.Generator().manual_seed(4)
+    table, *_ = _weights(g)
+    ids = torch.tensor([2, 3])
+    other: list[torch.Tensor] = []
+
+    def forward():  # noqa: ANN202
+        worker = threading.Thread(target=lambda: other.append(gather_rows(table, torch.tensor([9]))))
+        worker.start()
+        worker.join()
+        return gather_rows(table, ids)
+
+    with torch.inference_mode():
+        graph, _ = record(forward, [ids])
+    assert [c.name for c in graph.calls] == ["epserve_gather_rows"] and torch.equal(other[0], table[[9]])

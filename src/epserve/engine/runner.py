@@ -25,6 +25,7 @@ from epserve.engine.scheduler import ScheduledChunk
 from epserve.engine.spec_decode import Noise, VerifyGroup, verify
 from epserve.engine.structured import GrammarCompiler, GrammarMasks, min_tokens_rows
 from epserve.kernels import backends as kernel_backends
+from epserve.kernels import cpu as cpu_kernels
 from epserve.messages.kv import KVLayout
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.model.batch import ForwardBatch
@@ -108,6 +109,8 @@ class ModelRunner:
         self.overlap = pc.overlap
         self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
         mode = config.capture_mode  # None with all_to_all: its count exchange syncs with the host
+        if mode == "cpu_graph" and not self._cpu_graph_applies():
+            mode = None  # its decode steps would make torch ops, which the recording refuses: eager
         # rows: one per decode, 1 + k with speculative decoding (each verified draft is a decode row)
         max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs * (1 + self.num_spec), 256)
         self.capture_shape = CaptureShape(
@@ -151,6 +154,12 @@ class ModelRunner:
                         " (and the MTP passes)" if self.captured.drafts else "")
             if mode == "cuda_graph":
                 capture_at_start(self.captured, graph_bytes)
+
+    def _cpu_graph_applies(self) -> bool:
+        """Whether this CPU engine's decode steps are made of C kernels alone (what ``cpu_graph`` records):
+        the kernels built for its dtype, its weights and KV cache in that dtype (FP8 runs torch references)."""
+        return (cpu_kernels.available(cpu_kernels.OPS) and cpu_kernels.available(self.dtype) and not self.fp8_weights
+                and self.kv_dtype == self.dtype)
 
     def _kv_pool(self, num_blocks: int) -> list[torch.Tensor]:
         shape = (num_blocks, self.block_size, self.config.model.kv_cache_dim)

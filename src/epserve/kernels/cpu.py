@@ -24,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -127,13 +128,14 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
     return lib
 
 
-_recorder = None  # kernels/cpu_graph.py's recorder while a decode step is recorded: every kernel call goes to it
+_recording = threading.local()  # .recorder: kernels/cpu_graph.py's, while this thread records a decode step
 
 
 def _lib(dtype: torch.dtype | str) -> ctypes.CDLL | None:
-    """The ``dtype`` library (loaded), or, while a step is recorded, its calls through the recorder."""
+    """The ``dtype`` library (loaded), or, while this thread records a step, its calls through the recorder."""
     lib = _library(dtype)
-    return lib if lib is None or _recorder is None else _recorder.library(lib)
+    recorder = getattr(_recording, "recorder", None)
+    return lib if lib is None or recorder is None else recorder.library(lib)
 
 
 _available: dict[torch.dtype | str, bool] = {}  # available()'s answers, once asked: constants to torch.compile

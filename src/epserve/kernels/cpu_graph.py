@@ -156,13 +156,13 @@ class CpuGraph:
 
 @contextmanager
 def _recording(recorder: Recorder):  # noqa: ANN202
-    if cpu._recorder is not None:
-        raise RuntimeError("a CPU decode step is already being recorded")
-    cpu._recorder = recorder
+    if getattr(cpu._recording, "recorder", None) is not None:
+        raise RuntimeError("this thread is already recording a CPU decode step")
+    cpu._recording.recorder = recorder  # this thread's kernel calls only
     try:
         yield
     finally:
-        cpu._recorder = None
+        cpu._recording.recorder = None
 
 
 def record(forward: Callable[[], torch.Tensor], dynamic: Iterable[torch.Tensor]) -> tuple[CpuGraph, torch.Tensor]:
