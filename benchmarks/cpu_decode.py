@@ -97,18 +97,38 @@ def run_steps(args: argparse.Namespace) -> dict:
         finally:
             runner.captured = captured
             cpu._available[cpu.OPS] = fused_available
+        breakdown = kernel_breakdown(captured, batch, args.steps) if captured is not None else {}
         while engine.has_unfinished_requests():
             engine.step()
         ms = {v: statistics.median(r) for v, r in runs.items()}
         floor = 1e3 * nbytes / bandwidth
         rows.append({"batch": batch, **{f"{v}_ms": ms[v] for v in VARIANTS}, "floor_ms": floor,
                      "graph_over_floor": ms["graph"] / floor, "eager_over_graph": ms["eager"] / ms["graph"],
-                     **{f"rounds_{v}_ms": runs[v] for v in VARIANTS}})
+                     **{f"rounds_{v}_ms": runs[v] for v in VARIANTS}, "kernels_ms": breakdown})
         print(f"batch {batch:2d}: graph {ms['graph']:6.2f} ms  eager {ms['eager']:6.2f} ms  torch ops "
               f"{ms['torch']:6.2f} ms  floor {floor:6.2f} ms ({nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s): "
               f"graph {ms['graph'] / floor:.2f}x the floor")
+        if breakdown:
+            print("  where a replay goes (ms a step): " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items()))
     return {"fused_ops_available": fused_available, "capture": None if captured is None else captured.mode,
             "read_bandwidth_GBps": bandwidth / 1e9, "steps": rows}
+
+
+def kernel_breakdown(captured, batch: int, replays: int) -> dict[str, float]:  # noqa: ANN001
+    """ms a step per C kernel of the bucket's recorded CPU graph (each call timed in C, ``replays`` replays
+    of the last step's inputs: what they compute is thrown away), largest first."""
+    entry = next((e for (bucket, _), e in captured.graphs._cpu_graphs.items() if bucket == batch), None)
+    if entry is None:
+        return {}
+    graph = entry[0]
+    seconds = graph.timer()
+    for _ in range(replays):
+        graph.replay(seconds)
+    totals: dict[str, float] = {}
+    for call, s in zip(graph.calls, seconds):
+        name = call.name.removeprefix("epserve_")
+        totals[name] = totals.get(name, 0.0) + 1e3 * s / replays
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def run_contention(args: argparse.Namespace) -> dict:

@@ -53,12 +53,17 @@ def server(make_ckpt, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hardening")
     (tmp / "key").write_text(API_KEY + "\n")
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE + "{% if flag is defined %}[flag]{% endif %}")
+    yield from _serving(make_ckpt, tmp, "--chat-template", str(tmp / "chat.jinja"), "--header-timeout",
+                        str(HEADER_TIMEOUT_S), "--body-timeout", str(BODY_TIMEOUT_S), "--num-blocks", "64",
+                        "--max-model-len", str(MAX_MODEL_LEN))
+
+
+def _serving(make_ckpt, tmp, *options: str):  # noqa: ANN001, ANN202
+    """``epserve serve`` on the tiny preset (fp32) with the API key in ``tmp``, until the generator closes."""
     port = free_port()
     proc = Proc(["serve", str(make_ckpt("tiny", dtype="float32")), "--dp", "1", "--port", str(port),
-                 "--api-key-file", str(tmp / "key"), "--chat-template", str(tmp / "chat.jinja"),
-                 "--header-timeout", str(HEADER_TIMEOUT_S),
-                 "--body-timeout", str(BODY_TIMEOUT_S), "--drain-timeout", "0", "--dtype", "float32",
-                 "--num-blocks", "64", "--max-model-len", str(MAX_MODEL_LEN)], tmp / "serve.log")
+                 "--api-key-file", str(tmp / "key"), "--drain-timeout", "0", "--dtype", "float32", *options],
+                tmp / "serve.log")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http_ok(f"{url}/health", proc)
@@ -283,17 +288,7 @@ def long_server(make_ckpt, tmp_path):
     keep five sequences running together for seconds even on a fast host, where the module server's 120
     took a few tens of milliseconds (the CPU's recorded decode steps)."""
     (tmp_path / "key").write_text(API_KEY + "\n")
-    port = free_port()
-    proc = Proc(["serve", str(make_ckpt("tiny", dtype="float32")), "--dp", "1", "--port", str(port),
-                 "--api-key-file", str(tmp_path / "key"), "--drain-timeout", "0", "--dtype", "float32",
-                 "--num-blocks", "700", "--max-model-len", str(LONG_MODEL_LEN)], tmp_path / "serve.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http_ok(f"{url}/health", proc)
-        yield Server(proc, url, port)
-    finally:
-        if proc.proc.poll() is None:
-            proc.kill_all()
+    yield from _serving(make_ckpt, tmp_path, "--num-blocks", "700", "--max-model-len", str(LONG_MODEL_LEN))
 
 
 LONG_MODEL_LEN = 2048  # the tiny preset's positions

@@ -4,6 +4,7 @@
 #define EPSERVE_CPU_BF16_H
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -66,6 +67,17 @@ static inline __m256 load_bf16_8(const uint16_t *p) {
 static inline void store_bf16_8(uint16_t *p, __m256 v) {
   const __m256i bits = bf16_bits8(v);
   _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+/* The offsets [E + 1] of rows grouped by expert from their counts [E] (a negative count as 0), malloc'd;
+ * NULL when they add up to more than N rows. */
+static inline int64_t *expert_offsets(const int64_t *counts, int64_t E, int64_t N) {
+  int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (E + 1));
+  offsets[0] = 0;
+  for (int64_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + (counts[e] > 0 ? counts[e] : 0);
+  if (offsets[E] <= N) return offsets;
+  free(offsets);
+  return NULL;
 }
 
 /* Every exported kernel also has a "packed" twin taking its arguments as one int64 array (pointers as

@@ -108,13 +108,8 @@ void epserve_moe_swiglu_f32(const float *x, const int64_t *offsets, int64_t E, c
  * more than N rows; else 0. */
 int epserve_moe_swiglu_counts_f32(const float *x, int64_t N, const int64_t *counts, int64_t E, const float *w13,
                                   const float *w2, int64_t H, int64_t I, float *out, int num_threads) {
-  int64_t *offsets = (int64_t *)malloc(sizeof(int64_t) * (E + 1));
-  offsets[0] = 0;
-  for (int64_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + (counts[e] > 0 ? counts[e] : 0);
-  if (offsets[E] > N) {
-    free(offsets);
-    return -1;
-  }
+  int64_t *offsets = expert_offsets(counts, E, N);
+  if (!offsets) return -1;
   moe_swiglu(x, offsets, E, w13, w2, H, I, out, num_threads, INT64_MAX);
   memset(out + offsets[E] * H, 0, sizeof(float) * (N - offsets[E]) * H); /* rows past the counts: zero */
   free(offsets);

@@ -358,13 +358,21 @@ int epserve_append_latent(const void *latent, int64_t T, int64_t ld, int64_t R, 
 /* Token copies grouped by expert, as a stable argsort of the flat ids [N] would order them:
  * order[j] the flat (token, k) index of the j-th copy, counts[e] the copies of expert e. Returns -1,
  * writing nothing, when an id lies outside [0, E); else 0. */
-int epserve_group_by_expert(const int64_t *ids, int64_t N, int64_t E, int64_t *order, int64_t *counts) {
+/* The counting sort's first half: counts [E] of ids [N] and each expert's first place (calloc'd), or NULL,
+ * writing nothing, when an id lies outside [0, E). */
+static int64_t *count_by_expert(const int64_t *ids, int64_t N, int64_t E, int64_t *counts) {
   for (int64_t i = 0; i < N; i++)
-    if (ids[i] < 0 || ids[i] >= E) return -1;
+    if (ids[i] < 0 || ids[i] >= E) return NULL;
   int64_t *next = (int64_t *)calloc((size_t)E, sizeof(int64_t));
   memset(counts, 0, sizeof(int64_t) * E);
   for (int64_t i = 0; i < N; i++) counts[ids[i]]++;
   for (int64_t e = 1; e < E; e++) next[e] = next[e - 1] + counts[e - 1];
+  return next;
+}
+
+int epserve_group_by_expert(const int64_t *ids, int64_t N, int64_t E, int64_t *order, int64_t *counts) {
+  int64_t *next = count_by_expert(ids, N, E, counts);
+  if (!next) return -1;
   for (int64_t i = 0; i < N; i++) order[next[ids[i]]++] = i;
   free(next);
   return 0;
@@ -481,12 +489,8 @@ int epserve_local_dispatch(const void *x, int64_t T, int64_t H, int64_t elem, co
                            const float *topk_w, int64_t E, void *rows, int64_t *counts, int64_t *token_idx,
                            float *weights) {
   const int64_t N = T * K;
-  for (int64_t i = 0; i < N; i++)
-    if (ids[i] < 0 || ids[i] >= E) return -1;
-  int64_t *next = (int64_t *)calloc((size_t)E, sizeof(int64_t));
-  memset(counts, 0, sizeof(int64_t) * E);
-  for (int64_t i = 0; i < N; i++) counts[ids[i]]++;
-  for (int64_t e = 1; e < E; e++) next[e] = next[e - 1] + counts[e - 1];
+  int64_t *next = count_by_expert(ids, N, E, counts);
+  if (!next) return -1;
   for (int64_t i = 0; i < N; i++) {
     const int64_t j = next[ids[i]]++, t = i / K;
     token_idx[j] = t;
