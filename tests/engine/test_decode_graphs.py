@@ -190,14 +190,14 @@ def test_cpu_graph_is_the_cpu_default_and_gives_the_eager_engine_bit_for_bit(ckp
 
 @needs_cpu_kernels
 def test_a_bucket_that_cannot_be_recorded_runs_eagerly_and_counts_once(ckpt, monkeypatch):
-    """A torch op on the step's data (here the residual add's kernel reported missing) ends the recording:
-    the bucket runs eagerly from then on, with the same results, and the load counters the failed
-    recording had advanced are put back."""
+    """A torch op on the step's data (here the weighted combine's kernel reported missing: the first MoE
+    layer has counted its tokens by then) ends the recording: the bucket runs eagerly from then on, with the
+    same results, and the load counters the failed recording had advanced are put back."""
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
     eager_llm = LLM(ckpt, dtype="bfloat16", num_blocks=64, cuda_graph=False)
     eager = eager_llm.generate(PROMPTS, params)
     llm = LLM(ckpt, dtype="bfloat16", num_blocks=64)
-    monkeypatch.setattr(cpu_ops, "add", lambda a, b: None)  # after the first MoE layer has counted its tokens
+    monkeypatch.setattr(cpu_ops, "weighted_combine", lambda *args: None)
     replays = _count_replays(monkeypatch)
     out = llm.generate(PROMPTS, params)
     graphs = llm.engine.runner.decode_graphs

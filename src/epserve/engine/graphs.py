@@ -262,7 +262,8 @@ class DecodeGraphs:
             return out
         static = DecodeInputs(*(t.clone() for t in inputs.tensors()[:5]),
                               hidden=None if inputs.hidden is None else inputs.hidden.clone())
-        buffers = list(self.model.buffers())
+        # the modules' state a step reads or writes (the load counters are plain attributes, not buffers)
+        buffers = [*self.model.buffers(), *(moe.expert_load for moe in self.model.moe_layers().values())]
         saved = [b.clone() for b in buffers]  # a failed recording's effects on them undone (the load counters)
         start = time.perf_counter()
         try:

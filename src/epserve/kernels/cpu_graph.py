@@ -148,7 +148,6 @@ class CpuGraph:
             raise IndexError(f"the captured CPU decode's {self.calls[failed].name} refused this step's inputs "
                              f"(code {code}): a block, slot or id out of range")
 
-
     def timer(self) -> ctypes.Array:
         """Zeroed per-call seconds for :meth:`replay` (where a step goes: ``benchmarks/cpu_decode.py``)."""
         return (ctypes.c_double * max(len(self.calls), 1))()
