@@ -1,8 +1,10 @@
 """Front ends of a decode step's small fused ops, with their torch references: RMSNorm, rotary
 embedding of each head's last columns, MLA's latent KV append (norm, rotary, write) and MLA's
-absorbed per-head projections.
+absorbed per-head projections; and the step's remaining small ops (row gathers, copies and casts,
+residual adds, SwiGLU's activation), so that a CPU step is C kernel calls only and can be recorded
+(``kernels/cpu_graph.py``).
 
-On the CPU in eager steps each is one C call (``kernels.cpu``, ``cpu_ops.c``) in place of a chain of
+On the CPU in eager steps each is one C call (``kernels.cpu_ops``, ``cpu_ops.c``) in place of a chain of
 small torch ops; in a CPU trace (``torch.compile`` fuses the references itself), for dtypes or shapes the
 kernels do not take, with gradients, or without the library, the torch reference runs. On CUDA the norm,
 the rotary embedding and the latent append are the same fusions in Triton (``kernels.fused_triton``,
