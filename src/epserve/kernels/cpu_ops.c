@@ -39,6 +39,80 @@ static inline float hsum8(__m256 v) {
 
 #define MLA_HEADS 4 /* heads of one sequence per work item: each cache row is read once for all of them */
 
+/* The two passes of a work item (nh <= MLA_HEADS heads of one sequence over its L cached rows): the scores
+ * p[h * L + t] = q_h . row_t * scale with each head's max raised into m, and the outputs out[h, :R] =
+ * sum_t p[h, t] row_t[:R], the accumulators in registers; eight columns at a time (AVX2), or sixteen
+ * (AVX-512, when D and R allow and the CPU has it: the same sums, fewer instructions). */
+static void mla_scores8(const float *qb, int64_t nh, int64_t D, const char *const *rows, int64_t L, int is_bf16,
+                        float scale, float *p, float *m) {
+  for (int64_t t = 0; t < L; t++) {
+    __m256 acc[MLA_HEADS];
+    for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D; j += 8) {
+      const __m256 v = load8(rows[t], j, is_bf16);
+      for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + h * D + j), v, acc[h]);
+    }
+    for (int64_t h = 0; h < nh; h++) {
+      const float sc = hsum8(acc[h]) * scale;
+      p[h * L + t] = sc;
+      if (sc > m[h]) m[h] = sc;
+    }
+  }
+}
+
+static void mla_values8(const float *p, int64_t nh, const char *const *rows, int64_t L, int64_t R, int is_bf16,
+                        float *out) {
+  for (int64_t j = 0; j < R; j += 8) {
+    __m256 acc[MLA_HEADS];
+    for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; t++) {
+      const __m256 v = load8(rows[t], j, is_bf16);
+      for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * L + t]), v, acc[h]);
+    }
+    for (int64_t h = 0; h < nh; h++) _mm256_storeu_ps(out + h * R + j, acc[h]);
+  }
+}
+
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+AVX512 static inline __m512 load16(const void *row, int64_t j, int is_bf16) {
+  if (is_bf16) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + j));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_loadu_ps((const float *)row + j);
+}
+
+AVX512 static void mla_scores16(const float *qb, int64_t nh, int64_t D, const char *const *rows, int64_t L,
+                                int is_bf16, float scale, float *p, float *m) {
+  for (int64_t t = 0; t < L; t++) {
+    __m512 acc[MLA_HEADS];
+    for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < D; j += 16) {
+      const __m512 v = load16(rows[t], j, is_bf16);
+      for (int64_t h = 0; h < nh; h++) acc[h] = _mm512_fmadd_ps(_mm512_loadu_ps(qb + h * D + j), v, acc[h]);
+    }
+    for (int64_t h = 0; h < nh; h++) {
+      const float sc = _mm512_reduce_add_ps(acc[h]) * scale;
+      p[h * L + t] = sc;
+      if (sc > m[h]) m[h] = sc;
+    }
+  }
+}
+
+AVX512 static void mla_values16(const float *p, int64_t nh, const char *const *rows, int64_t L, int64_t R,
+                                int is_bf16, float *out) {
+  for (int64_t j = 0; j < R; j += 16) {
+    __m512 acc[MLA_HEADS];
+    for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t++) {
+      const __m512 v = load16(rows[t], j, is_bf16);
+      for (int64_t h = 0; h < nh; h++) acc[h] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * L + t]), v, acc[h]);
+    }
+    for (int64_t h = 0; h < nh; h++) _mm512_storeu_ps(out + h * R + j, acc[h]);
+  }
+}
+
 /* Absorbed MLA decode: out[b, h, :R] = softmax_t(q[b, h] . kv_t * scale) @ kv_t[:R] over the lens[b]
  * cached rows of sequence b, row t in block tables[b, t / block_size] at t % block_size. q fp32
  * [B, H, D]; cache [blocks, block_size, D] bf16 or fp32; tables int64 [B, max_blocks]; lens int64 [B]
@@ -63,6 +137,7 @@ int epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const vo
   }
   const int64_t blocks_per_seq = (H + MLA_HEADS - 1) / MLA_HEADS;
   const int threads = work * H * D > (1 << 16) ? num_threads : 1; /* small steps: no thread hand-off */
+  const int wide = D % 16 == 0 && R % 16 == 0 && __builtin_cpu_supports("avx512f"); /* sixteen at a time */
   #pragma omp parallel num_threads(threads)
   {
     float *p = (float *)malloc(sizeof(float) * (max_len > 0 ? max_len : 1) * MLA_HEADS);
@@ -80,19 +155,7 @@ int epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const vo
       /* scores p[h * L + t] and each head's max */
       float m[MLA_HEADS];
       for (int64_t h = 0; h < MLA_HEADS; h++) m[h] = -INFINITY;
-      for (int64_t t = 0; t < L; t++) {
-        __m256 acc[MLA_HEADS];
-        for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < D; j += 8) {
-          const __m256 v = load8(rows[t], j, is_bf16);
-          for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + h * D + j), v, acc[h]);
-        }
-        for (int64_t h = 0; h < nh; h++) {
-          const float sc = hsum8(acc[h]) * scale;
-          p[h * L + t] = sc;
-          if (sc > m[h]) m[h] = sc;
-        }
-      }
+      (wide ? mla_scores16 : mla_scores8)(qb, nh, D, rows, L, is_bf16, scale, p, m);
       /* softmax weights, normalized */
       for (int64_t h = 0; h < nh; h++) {
         float *ph = p + h * L;
@@ -112,16 +175,7 @@ int epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const vo
         const float inv = 1.0f / sum;
         for (t = 0; t < L; t++) ph[t] *= inv;
       }
-      /* out[h, j:j+8] = sum_t p[h, t] kv_t[j:j+8] */
-      for (int64_t j = 0; j < R; j += 8) {
-        __m256 acc[MLA_HEADS];
-        for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < L; t++) {
-          const __m256 v = load8(rows[t], j, is_bf16);
-          for (int64_t h = 0; h < nh; h++) acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(p[h * L + t]), v, acc[h]);
-        }
-        for (int64_t h = 0; h < nh; h++) _mm256_storeu_ps(out + (b * H + h0 + h) * R + j, acc[h]);
-      }
+      (wide ? mla_values16 : mla_values8)(p, nh, rows, L, R, is_bf16, out + (b * H + h0) * R);
     }
     free(p);
     free((void *)rows);
