@@ -59,6 +59,13 @@ def test_mla_decode_matches_the_reference(dtype, lens, heads):
     assert not ours[torch.tensor(lens) == 0].any()  # empty sequences come out zero
 
 
+@pytest.mark.parametrize("d", [168, 160])  # eight columns at a time (AVX2), sixteen where AVX-512 takes them
+def test_mla_decode_both_widths_match_the_reference(d):
+    q, cache, tables, seq_lens = _paged(torch.Generator().manual_seed(d), [40, 7, 0], torch.bfloat16, d=d)
+    ours = cpu_ops.mla_decode(q, cache, tables, seq_lens, 0.1, 128)
+    torch.testing.assert_close(ours, paged_mla_decode_ref(q, cache, tables, seq_lens, 0.1, 128), rtol=1e-5, atol=1e-5)
+
+
 def test_mla_decode_keeps_the_checks_and_leaves_fp8_to_the_reference():
     q, cache, tables, seq_lens = _paged(torch.Generator().manual_seed(0), [20, 3], torch.bfloat16)
     with pytest.raises(ValueError, match="seq_lens"):  # past the block table's capacity
