@@ -21,7 +21,7 @@ TOL = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16])
 def test_linear_matches_torch(m, dtype):
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 256, generator=g).to(dtype)
