@@ -136,8 +136,7 @@ def test_rms_norm_matches_the_reference(dtype):
 
 def test_rms_norm_outside_the_kernel_is_the_reference():
     w = torch.randn(64)
-    for x, weight in [(torch.randn(300, 64), w),  # prefill-sized: torch's threaded ops
-                      (torch.randn(2, 64).half(), w.half()),  # no fp16 kernel
+    for x, weight in [(torch.randn(2, 64).half(), w.half()),  # no fp16 kernel
                       (torch.randn(2, 64).bfloat16(), w)]:  # mixed dtypes promote as torch does
         assert cpu_ops.rms_norm(x, weight, 1e-6) is None
         assert torch.equal(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))

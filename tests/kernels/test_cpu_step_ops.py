@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from epserve.kernels import cpu, cpu_ops
+from epserve.kernels.fused import rope_ref
 from epserve.kernels.gate import grouped_topk, grouped_topk_ref
 
 pytestmark = pytest.mark.skipif(not cpu.available(cpu.OPS), reason="the fused CPU ops need AVX2, FMA and a C compiler")
@@ -130,3 +131,47 @@ def test_experts_from_device_counts_equal_the_host_counts_kernel(dtype):
                                torch.cat(want).float(), rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="more than the 24 rows"):
         cpu.moe_swiglu_counts(xb, torch.tensor([20, 5, 0, 0, 0]), w13, w2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_sized_rows_run_threaded_with_the_same_bits(dtype):
+    """Past ``PARALLEL_MIN`` values (a prefill's rows) the row-wise ops run on every thread: the same bits
+    as the same rows taken a few at a time (one thread), and torch's where the op equals torch's."""
+    assert torch.get_num_threads() > 1 or pytest.skip("one thread: nothing runs threaded")
+    g = torch.Generator().manual_seed(11)
+    t, d, e, k = 600, 256, 16, 4  # 153,600 values a tensor: threaded
+    x = torch.randn(t, d, generator=g).to(dtype)
+    w = torch.randn(d, generator=g).to(dtype)
+
+    def chunks(fn):  # noqa: ANN001, ANN202
+        return torch.cat([fn(x[i : i + 8]) for i in range(0, t, 8)])  # 2,048 values a call: one thread
+
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), chunks(lambda r: cpu_ops.rms_norm(r, w, 1e-6)))
+    assert torch.equal(cpu_ops.silu_mul(x), chunks(cpu_ops.silu_mul))
+    b = torch.randn(t, d, generator=g).to(dtype)
+    assert torch.equal(cpu_ops.add(x, b), x + b)
+    wide = torch.empty(t, d, dtype=torch.float32)
+    assert cpu_ops.copy_cast(wide, x) and torch.equal(wide, x.float())
+    ids = torch.randint(0, t, (t,), generator=g)
+    assert torch.equal(cpu_ops.gather_rows(x, ids, torch.float32), x[ids].float())
+    q = torch.randn(t, 8, 96, generator=g).to(dtype)
+    cos, sin = torch.randn(t, 16, generator=g).to(dtype), torch.randn(t, 16, generator=g).to(dtype)
+    want = torch.cat([q[..., :64], rope_ref(q[..., 64:], cos, sin, True)], dim=-1)
+    assert cpu_ops.rope_heads(q, cos, sin, True) and torch.equal(q, want)
+    latent = torch.randn(t, 160, generator=g).to(dtype)
+    nw = torch.randn(128, generator=g).to(dtype)
+    slots = torch.randperm(t, generator=g)
+    threaded, serial = torch.zeros(t, 160, dtype=dtype), torch.zeros(t, 160, dtype=dtype)
+    assert cpu_ops.append_latent(latent, nw, 1e-6, cos, sin, True, slots, threaded, 128)
+    for i in range(0, t, 8):
+        cpu_ops.append_latent(latent[i : i + 8], nw, 1e-6, cos[i : i + 8], sin[i : i + 8], True, slots[i : i + 8],
+                              serial, 128)
+    assert torch.equal(threaded, serial)
+    topk = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g)
+    rows, counts, token_idx, row_w = cpu_ops.local_dispatch(x, topk, weights, e)
+    order = torch.argsort(topk.reshape(-1), stable=True)
+    assert torch.equal(rows, x[order // k]) and torch.equal(token_idx, order // k)
+    combined = cpu_ops.weighted_combine(rows, token_idx, row_w, t)
+    products = (rows * row_w.to(dtype)[:, None]).float()  # index_add_'s roundings: products in the dtype
+    assert torch.equal(combined, torch.zeros(t, d).index_add_(0, token_idx, products).to(dtype))

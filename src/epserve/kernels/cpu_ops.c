@@ -19,6 +19,12 @@
 
 #include "cpu_bf16.h"
 
+/* The row-wise ops below (norms, activations, adds, casts, rotary, gathers, the dispatch's copies and the
+ * combine) run on every OpenMP thread from this many values (a prefill's rows: torch's threaded ops would
+ * otherwise win there), on the calling thread below it (a decode step's few rows: a fork would cost more
+ * than the work). Rows never depend on one another, so the results do not depend on the threads. */
+#define PARALLEL_MIN ((int64_t)1 << 16)
+
 /* ---- paged MLA decode (AVX2 + FMA intrinsics: its sums are not torch's bit for bit in any case) ---- */
 
 /* Eight values of a cache row as fp32: bf16 widened (is_bf16) or fp32 loaded. */
@@ -259,6 +265,7 @@ void epserve_grouped_topk(const float *logits, int64_t T, int64_t E, int64_t K, 
  * w [D], out [T, D] contiguous. */
 void epserve_rms_norm(const void *x, const void *w, int64_t T, int64_t D, int64_t ldx, float eps, int is_bf16,
                       void *out) {
+  #pragma omp parallel for schedule(static) if (T * D >= PARALLEL_MIN)
   for (int64_t t = 0; t < T; t++) {
     if (is_bf16) {
       const uint16_t *xr = (const uint16_t *)x + t * ldx, *wr = (const uint16_t *)w;
@@ -364,9 +371,10 @@ static void rope_values(const float *v, const void *cos, const void *sin, int64_
  * row t's cos/sin [T, half] (x's dtype). */
 void epserve_rope_heads(void *x, int64_t T, int64_t H, int64_t D, const void *cos, const void *sin, int64_t half,
                         int interleave, int is_bf16) {
-  float v[512], out[512];
   const int64_t rope = 2 * half, elem = is_bf16 ? 2 : 4;
+  #pragma omp parallel for schedule(static) if (T * H * rope >= PARALLEL_MIN)
   for (int64_t t = 0; t < T; t++) {
+    float v[512], out[512];
     const char *c = (const char *)cos + t * half * elem, *s = (const char *)sin + t * half * elem;
     for (int64_t h = 0; h < H; h++) {
       const int64_t base = (t * H + h) * D + D - rope;
@@ -384,11 +392,13 @@ void epserve_rope_heads(void *x, int64_t T, int64_t H, int64_t D, const void *co
 int epserve_append_latent(const void *latent, int64_t T, int64_t ld, int64_t R, int64_t half, const void *norm_w,
                           float eps, const void *cos, const void *sin, int interleave, int is_bf16,
                           const int64_t *slots, void *cache, int64_t rows, int cache_bf16) {
-  float v[512], out[512];
   const int64_t rope = 2 * half, D = R + rope, elem = is_bf16 ? 2 : 4;
   for (int64_t t = 0; t < T; t++)
     if (slots[t] < 0 || slots[t] >= rows) return -1;
+  /* a prefill's slots are distinct rows (a repeated slot would be written by whichever thread comes last) */
+  #pragma omp parallel for schedule(static) if (T * D >= PARALLEL_MIN)
   for (int64_t t = 0; t < T; t++) {
+    float v[512], out[512];
     const int64_t row = t * ld, dst = slots[t] * D;
     float ss = 0.0f; /* summed as epserve_rms_norm sums */
     #pragma omp simd reduction(+ : ss)
@@ -440,29 +450,48 @@ int epserve_weighted_combine(const void *y, int64_t N, int64_t H, const int64_t 
                              int is_bf16, void *out) {
   for (int64_t n = 0; n < N; n++)
     if (token[n] < 0 || token[n] >= T) return -1;
-  float *acc = is_bf16 ? (float *)calloc((size_t)(T * H), sizeof(float)) : (float *)out;
-  if (!is_bf16) memset(acc, 0, sizeof(float) * T * H);
-  for (int64_t n = 0; n < N; n++) {
-    const float wn = as_dtype(w[n], is_bf16);
-    float *o = acc + token[n] * H;
-    if (is_bf16) {
-      const uint16_t *yr = (const uint16_t *)y + n * H;
-      const __m256 w8 = _mm256_set1_ps(wn);
-      int64_t j = 0;
-      for (; j + 8 <= H; j += 8) /* the loop below, eight at a time: the same roundings in the same order */
-        _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), round_bf16_8(_mm256_mul_ps(load_bf16_8(yr + j), w8))));
-      for (; j < H; j++) o[j] += as_dtype(bf16_to_f32(yr[j]) * wn, 1);
-    } else {
-      const float *yr = (const float *)y + n * H;
-      for (int64_t j = 0; j < H; j++) o[j] += yr[j] * wn;
+  /* each token's rows in row order (a counting sort by token), so that threads can take whole tokens and
+   * still add every token's products in the order index_add_ adds them */
+  int64_t *first = (int64_t *)calloc((size_t)(T + 1), sizeof(int64_t)), *rows = (int64_t *)malloc(sizeof(int64_t) * (N + 1));
+  for (int64_t n = 0; n < N; n++) first[token[n] + 1]++;
+  for (int64_t t = 0; t < T; t++) first[t + 1] += first[t];
+  int64_t *next = (int64_t *)malloc(sizeof(int64_t) * (T + 1));
+  memcpy(next, first, sizeof(int64_t) * (T + 1));
+  for (int64_t n = 0; n < N; n++) rows[next[token[n]]++] = n;
+  free(next);
+  #pragma omp parallel if (N * H >= PARALLEL_MIN)
+  {
+    float *acc = is_bf16 ? (float *)malloc(sizeof(float) * H) : NULL;
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+      float *o = is_bf16 ? acc : (float *)out + t * H;
+      memset(o, 0, sizeof(float) * H);
+      for (int64_t i = first[t]; i < first[t + 1]; i++) {
+        const int64_t n = rows[i];
+        const float wn = as_dtype(w[n], is_bf16);
+        if (is_bf16) {
+          const uint16_t *yr = (const uint16_t *)y + n * H;
+          const __m256 w8 = _mm256_set1_ps(wn);
+          int64_t j = 0;
+          for (; j + 8 <= H; j += 8) /* the loop below, eight at a time: the same roundings in the same order */
+            _mm256_storeu_ps(o + j, _mm256_add_ps(_mm256_loadu_ps(o + j), round_bf16_8(_mm256_mul_ps(load_bf16_8(yr + j), w8))));
+          for (; j < H; j++) o[j] += as_dtype(bf16_to_f32(yr[j]) * wn, 1);
+        } else {
+          const float *yr = (const float *)y + n * H;
+          for (int64_t j = 0; j < H; j++) o[j] += yr[j] * wn;
+        }
+      }
+      if (is_bf16) {
+        uint16_t *ob = (uint16_t *)out + t * H;
+        int64_t j = 0;
+        for (; j + 8 <= H; j += 8) store_bf16_8(ob + j, _mm256_loadu_ps(acc + j));
+        for (; j < H; j++) ob[j] = f32_to_bf16(acc[j]);
+      }
     }
-  }
-  if (is_bf16) {
-    int64_t i = 0;
-    for (; i + 8 <= T * H; i += 8) store_bf16_8((uint16_t *)out + i, _mm256_loadu_ps(acc + i));
-    for (; i < T * H; i++) ((uint16_t *)out)[i] = f32_to_bf16(acc[i]);
     free(acc);
   }
+  free(first);
+  free(rows);
   return 0;
 }
 
@@ -476,6 +505,7 @@ int epserve_gather_rows(const int64_t *ids, int64_t N, const void *table, int64_
   for (int64_t i = 0; i < N; i++)
     if (ids[i] < 0 || ids[i] >= rows) return -1;
   const int64_t elem = table_bf16 ? 2 : 4;
+  #pragma omp parallel for schedule(static) if (N * cols >= PARALLEL_MIN)
   for (int64_t i = 0; i < N; i++) {
     const char *src = (const char *)table + ids[i] * cols * elem;
     if (table_bf16 == out_bf16) {
@@ -491,6 +521,7 @@ int epserve_gather_rows(const int64_t *ids, int64_t N, const void *table, int64_
  * sides, the others strided), converted between bf16 and fp32 as .to() converts. */
 void epserve_copy_cast(const void *src, int src_bf16, int64_t n0, int64_t n1, int64_t cols, int64_t ss0,
                        int64_t ss1, void *dst, int dst_bf16, int64_t ds0, int64_t ds1) {
+  #pragma omp parallel for schedule(static) if (n0 * n1 * cols >= PARALLEL_MIN)
   for (int64_t i = 0; i < n0; i++)
     for (int64_t j = 0; j < n1; j++) {
       const int64_t s = i * ss0 + j * ss1, d = i * ds0 + j * ds1;
@@ -503,10 +534,12 @@ void epserve_add(const void *a, const void *b, int64_t n, int is_bf16, void *out
   if (is_bf16) {
     const uint16_t *x = (const uint16_t *)a, *y = (const uint16_t *)b;
     uint16_t *o = (uint16_t *)out;
+    #pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
     for (int64_t i = 0; i < n; i++) o[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
   } else {
     const float *x = (const float *)a, *y = (const float *)b;
     float *o = (float *)out;
+    #pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN)
     for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i];
   }
 }
@@ -514,6 +547,7 @@ void epserve_add(const void *a, const void *b, int64_t n, int is_bf16, void *out
 /* SwiGLU's activation: x [T, 2I] (gate then up, rows ldx apart) -> out [T, I] = silu(gate) * up, each op
  * rounded to the dtype as torch's F.silu(gate) * up rounds (bf16), or in fp32. */
 void epserve_silu_mul(const void *x, int64_t T, int64_t I, int64_t ldx, int is_bf16, void *out) {
+  #pragma omp parallel for schedule(static) if (T * I >= PARALLEL_MIN)
   for (int64_t t = 0; t < T; t++) {
     int64_t j = 0;
     for (; j + 8 <= I; j += 8) { /* the scalar loop below, eight at a time (e^-g by exp8) */
@@ -546,11 +580,13 @@ int epserve_local_dispatch(const void *x, int64_t T, int64_t H, int64_t elem, co
   int64_t *next = count_by_expert(ids, N, E, counts);
   if (!next) return -1;
   for (int64_t i = 0; i < N; i++) {
-    const int64_t j = next[ids[i]]++, t = i / K;
-    token_idx[j] = t;
+    const int64_t j = next[ids[i]]++;
+    token_idx[j] = i / K;
     weights[j] = topk_w[i];
-    memcpy((char *)rows + j * H * elem, (const char *)x + t * H * elem, (size_t)(H * elem));
   }
+  #pragma omp parallel for schedule(static) if (N * H >= PARALLEL_MIN)
+  for (int64_t j = 0; j < N; j++)
+    memcpy((char *)rows + j * H * elem, (const char *)x + token_idx[j] * H * elem, (size_t)(H * elem));
   free(next);
   return 0;
 }

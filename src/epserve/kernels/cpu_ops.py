@@ -16,8 +16,6 @@ import torch
 from epserve.kernels.cpu import OPS, TILE_M, _lib, _library, available
 from epserve.kernels.device import tracing
 
-_NORM_MAX_ROWS = 256  # past this (prefill) torch's threaded ops win over one C thread
-_COMBINE_MAX_ELEMS = 1 << 20  # the same for the combine's expert-output elements
 _METHODS = {"noaux_tc": 0, "group_limited_greedy": 1}  # greedy: never grouped
 
 
@@ -80,14 +78,13 @@ def grouped_topk(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """``kernels.rms_norm_ref`` for a few bf16 or fp32 rows (rows may be strided, as a split's view is),
-    or None."""
+    """``kernels.rms_norm_ref`` for bf16 or fp32 rows (rows may be strided, as a split's view is), or None."""
     d = x.shape[-1]
     if (x.device.type != "cpu" or x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype
             or weight.shape != (d,) or not weight.is_contiguous()):
         return None
     rows = x if x.dim() == 2 else x.reshape(-1, d)
-    if rows.shape[0] > _NORM_MAX_ROWS or (rows.shape[0] and rows.stride(1) != 1):
+    if rows.shape[0] and rows.stride(1) != 1:
         return None
     lib = _ops(x, weight)
     if lib is None:
@@ -188,7 +185,6 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
     """``moe.dispatch.base.weighted_combine`` bit for bit (index_add_'s order and roundings), or None."""
     if (y.device.type != "cpu" or y.dtype not in _FLOATS or y.dim() != 2 or not y.is_contiguous()
-            or y.numel() > _COMBINE_MAX_ELEMS
             or weights.dtype != torch.float32 or token_idx.shape != (y.shape[0],) or weights.shape != (y.shape[0],)):
         return None
     lib = _ops(y)
@@ -260,7 +256,7 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
 def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
     """``F.silu(gate) * up`` of ``x`` [T, 2I] = [gate | up] (bf16/fp32, rows may be strided) -> [T, I], or None."""
     if (x.device.type != "cpu" or x.dtype not in _FLOATS or x.dim() != 2 or x.shape[1] % 2
-            or (x.numel() and x.stride(1) != 1) or x.shape[0] > _NORM_MAX_ROWS):
+            or (x.numel() and x.stride(1) != 1)):
         return None
     lib = _ops(x)
     if lib is None:
@@ -279,8 +275,7 @@ def local_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     range included: the reference raises)."""
     if (x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous() or topk_ids.dtype != torch.int64
             or not topk_ids.is_contiguous() or topk_weights.dtype != torch.float32 or not topk_weights.is_contiguous()
-            or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape
-            or x.numel() * topk_ids.shape[1] > _COMBINE_MAX_ELEMS):
+            or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape):
         return None
     lib = _ops(x)
     if lib is None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from epserve.kernels.device import capability, is_cuda, tracing
+from epserve.kernels.fused import silu_mul
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -75,8 +76,8 @@ def grouped_mm_ok(x: torch.Tensor) -> bool:
 def grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """The experts as two ``torch._grouped_mm`` calls on device offsets (rows past sum(counts) undefined)."""
     offs = counts.cumsum(0).to(device=x.device, dtype=torch.int32)
-    gate, up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    gate_up = torch._grouped_mm(x, w13.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(silu_mul(gate_up), w2.transpose(1, 2), offs=offs)
 
 
 def _triton() -> ModuleType:
