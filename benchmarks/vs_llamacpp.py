@@ -61,8 +61,9 @@ def llama_source(version: str, cache: Path) -> Path:
     tree = cache / f"llama_cpp_python-{version}"
     if not (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
         cache.mkdir(parents=True, exist_ok=True)
+        # (pip reads the sdist's metadata in an isolated build environment: its build backend comes from PyPI)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                        "--no-build-isolation", f"llama-cpp-python=={version}", "-d", str(cache)], check=True)
+                        f"llama-cpp-python=={version}", "-d", str(cache)], check=True)
         with tarfile.open(cache / f"llama_cpp_python-{version}.tar.gz") as tar:
             tar.extractall(cache, filter="data")
     return tree / "vendor" / "llama.cpp"
