@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -36,7 +37,6 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epserve import __version__
 from epserve.chat_template import ChatTemplateError
 from epserve.router import openapi_doc
 from epserve.router.checks import (
@@ -184,7 +184,8 @@ class OpenAIServer:
         return card
 
     async def version(self) -> dict[str, str]:
-        return {"version": __version__}
+        """The installed package's version (its metadata: the package root would reach the engine)."""
+        return {"version": importlib.metadata.version("epserve")}
 
     async def health(self) -> JSONResponse:
         """Whether the router can serve, and how many of its engine instances can (not where they are)."""
