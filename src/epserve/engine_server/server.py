@@ -9,7 +9,8 @@ Threads of a rank process:
 - the **doorbell's reader** (``parallel/doorbell.py``): wakes and the world's heartbeat;
 - a **signal watcher**: SIGTERM/SIGINT make the rank vote to stop (``EngineLoop.request_stop``).
 
-:func:`epserve.engine_server.supervisor.serving_rank` is the entry of a spawned serving rank.
+:func:`serving_rank` is the entry of a spawned serving rank (the launcher's ``EngineRanks`` spawns them):
+it serves on :class:`Serve` and tells the launcher where a leader listens (:class:`Listening`).
 """
 
 from __future__ import annotations
@@ -19,23 +20,26 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epserve.config import EngineConfig
 from epserve.engine.loop import EngineLoop
-from epserve.engine.worker import EngineWorker
+from epserve.engine.worker import EngineWorker, start_rank
 from epserve.engine_server.options import ServeOptions
 from epserve.engine_server.service import EngineService
 from epserve.engine_server.signals import SignalWatcher
 from epserve.parallel.context import set_collective_timeout
 from epserve.parallel.doorbell import Doorbell
-from epserve.parallel.launch import wait_port_free
+from epserve.parallel.launch import RankInfo, notify_parent, wait_port_free
+from epserve.parallel.process import name_process
 from epserve.rpc.convert import GRPC_OPTIONS
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 from epserve.rpc.security import listen
 
-__all__ = ["EngineServer"]
+__all__ = ["EngineServer", "Listening", "Serve", "serving_rank"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +74,8 @@ class EngineServer:
         self.loop.request_stop()
 
     def serve(self) -> None:
-        signals = SignalWatcher(self.loop.request_stop) if threading.current_thread() is threading.main_thread() else None
+        on_main = threading.current_thread() is threading.main_thread()
+        signals = SignalWatcher(self.loop.request_stop) if on_main else None
         try:
             if self.ctx.is_leader:
                 self._service = EngineService(self.loop, self.options)
@@ -144,3 +149,43 @@ class EngineServer:
         except RuntimeError:
             pass
         thread.join(10.0)
+
+
+# ---- a spawned serving rank -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Serve:
+    """The one command of a serving rank: serve until every rank has stopped."""
+
+
+@dataclass(frozen=True)
+class Listening:
+    """A serving leader -> its supervisor (a notice over the rank's pipe): its gRPC service listens."""
+
+    dp_rank: int
+    address: str
+
+
+class ServingRank:
+    def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
+        self.worker = worker
+        self.options = options
+
+    def handle(self, command: Serve) -> None:
+        if not isinstance(command, Serve):
+            raise TypeError(f"a serving rank takes Serve, not {command!r}")
+        EngineServer(self.worker, self.options, on_listening=_tell_supervisor).serve()
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _tell_supervisor(dp_rank: int, address: str) -> None:
+    notify_parent(Listening(dp_rank, address))
+
+
+def serving_rank(info: RankInfo, config: EngineConfig, log_level: int, options: ServeOptions) -> ServingRank:
+    """Entry of a spawned serving rank: the rank's worker, which serves on :class:`Serve`. A rank of a
+    prefill or decode world says so in its name (``epserve-p-rank0``, ``epserve-d-rank0``)."""
+    if options.role != "both":
+        name_process(f"epserve-{options.role[0]}-rank{info.rank}")
+    return ServingRank(start_rank(info, config, log_level), options)

@@ -5,7 +5,7 @@ The supervisor (the process the user started) spawns the rank processes and asks
 leaders tell it over their ranks' pipes where they listen (never through the rendezvous store). It
 then starts the router process with those addresses and watches everything:
 
-- a rank that dies or hangs gets its engine group torn down and started again (``supervisor``), up to
+- a rank that dies or hangs gets its engine group torn down and started again (``launcher.supervisor``), up to
   ``--max-restarts`` times, while the router keeps serving; a restarted leader whose old port was
   taken meanwhile listens on a fresh one and the router is told over its pipe (``EngineMoved``);
 - the router is asked for ``/health`` each second: one that died, or gave no answer for the step
@@ -37,7 +37,7 @@ from epserve.engine.worker import join_torchrun
 from epserve.engine_server.options import ServeOptions
 from epserve.engine_server.server import EngineServer
 from epserve.engine_server.signals import StopSignals
-from epserve.engine_server.supervisor import START_TIMEOUT_S, EngineSupervisor
+from epserve.launcher.supervisor import START_TIMEOUT_S, EngineSupervisor
 from epserve.parallel.launch import (
     RankFailure,
     torchrun_rank,

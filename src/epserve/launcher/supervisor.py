@@ -1,8 +1,9 @@
 """Keeping this host's engine ranks serving (``epserve serve``, ``epserve engine``).
 
 :class:`EngineRanks` is one start of the ranks: spawned processes, each serving (the leaders over
-gRPC). A leader tells the supervisor where it listens over its rank's pipe (a :class:`Listening`
-notice), never through the rendezvous store, which any local process could write to.
+gRPC). A leader tells the supervisor where it listens over its rank's pipe (a :class:`Listening` notice:
+the ranks run ``engine_server.server.serving_rank``), never through the rendezvous store, which any
+local process could write to.
 :class:`EngineSupervisor` watches them from the process the user started:
 
 - a rank that **dies** or fails ends the ranks' serve call at once (``RankProcesses`` watches every
@@ -36,16 +37,14 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from epserve.config import EngineConfig
-from epserve.engine.worker import EngineWorker, spawn_ranks, start_rank
+from epserve.engine.worker import spawn_ranks
 from epserve.engine_server.options import ServeOptions
-from epserve.engine_server.server import EngineServer
-from epserve.parallel.launch import RankFailure, RankInfo, RankProcesses, notify_parent
-from epserve.parallel.process import name_process
+from epserve.engine_server.server import Listening, Serve, serving_rank
+from epserve.parallel.launch import RankFailure, RankProcesses
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 from epserve.rpc.security import engine_channel
@@ -54,46 +53,6 @@ logger = logging.getLogger(__name__)
 
 PROBE_INTERVAL_S = 1.0
 START_TIMEOUT_S = 120.0  # a start (or restart) whose leaders do not all listen by then failed
-
-
-# ---- a spawned serving rank -------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Serve:
-    """The one command of a serving rank: serve until every rank has stopped."""
-
-
-@dataclass(frozen=True)
-class Listening:
-    """A serving leader -> its supervisor (a notice over the rank's pipe): its gRPC service listens."""
-
-    dp_rank: int
-    address: str
-
-
-class ServingRank:
-    def __init__(self, worker: EngineWorker, options: ServeOptions) -> None:
-        self.worker = worker
-        self.options = options
-
-    def handle(self, command: Serve) -> None:
-        if not isinstance(command, Serve):
-            raise TypeError(f"a serving rank takes Serve, not {command!r}")
-        EngineServer(self.worker, self.options, on_listening=_tell_supervisor).serve()
-
-    def close(self) -> None:
-        self.worker.close()
-
-
-def _tell_supervisor(dp_rank: int, address: str) -> None:
-    notify_parent(Listening(dp_rank, address))
-
-
-def serving_rank(info: RankInfo, config: EngineConfig, log_level: int, options: ServeOptions) -> ServingRank:
-    """Entry of a spawned serving rank: the rank's worker, which serves on :class:`Serve`. A rank of a
-    prefill or decode world says so in its name (``epserve-p-rank0``, ``epserve-d-rank0``)."""
-    if options.role != "both":
-        name_process(f"epserve-{options.role[0]}-rank{info.rank}")
-    return ServingRank(start_rank(info, config, log_level), options)
 
 
 class EngineRanks:
