@@ -100,7 +100,8 @@ def wide_vocab_checkpoint(vocab: int) -> Path:
 
     path = Path(os.path.expanduser(f"~/.cache/epserve/bench-small-v{vocab or 8192}"))
     if not (path / "config.json").exists():
-        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0, overrides={"vocab_size": vocab} if vocab else None)
+        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0,
+                        overrides={"vocab_size": vocab} if vocab else None)
     return path
 
 

@@ -5,7 +5,8 @@ Colocated, each long prompt's prefill runs in the same lockstep steps as every d
 so the decodes' inter-token latency jumps while it runs; disaggregated, the prefill runs on a prefill
 instance and only its KV reaches the decode instance. Both deployments use the same number of rank
 processes: ``serve --dp 2`` (one world of two instances) against ``serve --disaggregate --prefill-dp 1
---decode-dp 1`` (two worlds of one); and ``serve --dp 1`` (one rank, every core, no collectives). Reports, per deployment: the decoders' ITL p50/p99 and mean, their
+--decode-dp 1`` (two worlds of one); and ``serve --dp 1`` (one rank, every core, no collectives).
+Reports, per deployment: the decoders' ITL p50/p99 and mean, their
 output throughput, the long prompts' TTFT p50/p99, total output tokens/s.
 
     python benchmarks/disagg_mixed.py                       # tiny model, 16 decoders, 12 long prompts
@@ -119,7 +120,8 @@ def main() -> None:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args()
     args.model_name = args.model or "epserve-tiny"  # the served model id
-    common = [*([args.model] if args.model else []), "--dtype", args.dtype, "--device", args.device, "--num-blocks", "1024",
+    common = [*([args.model] if args.model else []), "--dtype", args.dtype, "--device", args.device,
+              "--num-blocks", "1024",
               "--max-model-len", str(max(2048, args.long_len + 64)), "--max-num-seqs", "64"]
     results: dict[str, list[dict]] = {name: [] for name in args.deployments}
     with tempfile.TemporaryDirectory() as tmp:

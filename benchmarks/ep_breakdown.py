@@ -313,7 +313,8 @@ def main() -> None:
         path = Path(args.checkpoint) if args.checkpoint else cache_dir() / "bench-small"
         if not (path / "config.json").exists():
             make_checkpoint(path, preset="small", dtype="bfloat16", seed=0)
-    out_path = Path(args.out) if args.out else cache_dir() / ("ep_breakdown_quick.json" if args.quick else "ep_breakdown.json")
+    default_name = "ep_breakdown_quick.json" if args.quick else "ep_breakdown.json"
+    out_path = Path(args.out) if args.out else cache_dir() / default_name
 
     cfg = ModelConfig.from_hf(str(path))
     vocab, itemsize = cfg.vocab_size, torch.bfloat16.itemsize

@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> dict:
                              "rebalance_s": wall, "predicted_layer_imbalance": report.imbalance_after})
                 bar.update()
     bar.close()
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    machine = (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+               f"torch {torch.__version__}")
     return {"preset": preset, "hot_experts": args.hot_experts, "hot_bias": args.hot_bias, "batch_per_dp": args.batch,
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "rounds": args.rounds, "machine": machine,
             "rows": rows}

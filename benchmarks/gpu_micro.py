@@ -49,7 +49,8 @@ def bench_copy(repeats: int, flush: torch.Tensor) -> dict[str, Any]:
     a, b = (torch.randn(MATMUL, MATMUL, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     tm = timed(partial(torch.matmul, a, b), repeats, flush)
     out = {"copy_bytes": COPY_BYTES, "copy_us": t * 1e6, "copy_TBps": 2 * COPY_BYTES / t / 1e12,
-           "bf16_matmul_shape": [MATMUL] * 3, "bf16_matmul_us": tm * 1e6, "bf16_matmul_tflops": 2 * MATMUL**3 / tm / 1e12}
+           "bf16_matmul_shape": [MATMUL] * 3, "bf16_matmul_us": tm * 1e6,
+           "bf16_matmul_tflops": 2 * MATMUL**3 / tm / 1e12}
     print(f"  copy {COPY_BYTES / 2**30:.0f} GiB: {out['copy_TBps']:.2f} TB/s (read + written); bf16 matmul "
           f"{MATMUL}^3: {out['bf16_matmul_tflops']:.0f} TFLOP/s", flush=True)
     return out

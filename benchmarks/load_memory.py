@@ -85,7 +85,8 @@ def main() -> int:
                 print(proc.stderr[-3000:], file=sys.stderr)
                 return 1
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"{'weights':<12}{'checkpoint MB':>14}{'kept MB':>10}{'peak MB':>10}{'peak/ckpt':>10}{'bound MB':>10}{'load s':>8}")
+    print(f"{'weights':<12}{'checkpoint MB':>14}{'kept MB':>10}{'peak MB':>10}{'peak/ckpt':>10}"
+          f"{'bound MB':>10}{'load s':>8}")
     for r in rows:
         print(f"{'FP8 kept' if r['quantization'] == 'fp8' else 'bf16':<12}{r['checkpoint_bytes'] / MB:>14.0f}"
               f"{r['model_bytes'] / MB:>10.0f}{r['peak_over_import_bytes'] / MB:>10.0f}{r['ratio']:>10.2f}"

@@ -3,7 +3,8 @@
 Decode: the step time (``engine.step()``: forward, processing, sampling, scheduler) of a steady decode
 batch whose requests all use repetition, frequency and presence penalties, a 16-token ``logit_bias``
 and ``min_tokens``, against the same batch without them; greedy and sampled (temperature 0.8, top-p
-0.95), and the processing alone (``LogitsProcessor.apply`` on the same shape). Prefill: one step prefilling ``--prefill-batch`` prompts with ``prompt_logprobs=5`` against
+0.95), and the processing alone (``LogitsProcessor.apply`` on the same shape). Prefill: one step
+prefilling ``--prefill-batch`` prompts with ``prompt_logprobs=5`` against
 without. The `small` preset (bf16), with its vocabulary widened to DeepSeek-V3's 129280 by default
 (processing costs batch x vocabulary; ``--vocab 0`` keeps the preset's 8192). Rounds alternate.
 

@@ -124,7 +124,8 @@ def main() -> None:
         results["decode"].append(prof)
     del llm
     if not args.skip_transformers:
-        hf = min(run_transformers(path, prompts, args.max_tokens, args.device) for _ in tqdm(range(args.repeats), desc="transformers"))
+        hf = min(run_transformers(path, prompts, args.max_tokens, args.device)
+                 for _ in tqdm(range(args.repeats), desc="transformers"))
         results["transformers_s"] = hf
         results["transformers_tok_per_s"] = num_out / hf
         results["speedup"] = hf / best

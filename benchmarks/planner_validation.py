@@ -154,7 +154,8 @@ def _row_head(r: dict) -> str:
 
 def markdown_dp(rows: list[dict]) -> str:
     """dp > 1: the predicted breakdown splits out dispatch and combine, and the measured ones follow."""
-    lines = ["| batch/rank | KV | measured ms | predicted ms | error (range over rounds) | predicted: weights+compute / "
+    lines = ["| batch/rank | KV | measured ms | predicted ms | error (range over rounds) | "
+             "predicted: weights+compute / "
              "attention / dispatch / combine / other / host overhead ms | measured rank 0: dispatch / combine / "
              "experts ms |", "|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
@@ -179,7 +180,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="calibration + measurement rounds; medians are kept")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
-    ap.add_argument("--no-pin", action="store_true", help="dp 2: leave the rank processes, and the calibration's, unpinned (EPSERVE_PIN=0)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="dp 2: leave the rank processes, and the calibration's, unpinned (EPSERVE_PIN=0)")
     ap.add_argument("--public", action="store_true",
                     help="the planner against published figures instead of this engine (no engine run)")
     args = ap.parse_args()

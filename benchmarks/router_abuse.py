@@ -254,7 +254,8 @@ def main() -> None:
             p.error("--url needs --pid (the router process, to read its RSS)")
         result = measure(args.url, args.pid, args.connections, body_bytes, args.api_key, args.reply_timeout)
     else:
-        with tempfile.TemporaryDirectory() as tmp, serve(args.src, Path(tmp) / "serve.log", "--num-blocks", "64", "--max-model-len", "128",
+        with tempfile.TemporaryDirectory() as tmp, serve(args.src, Path(tmp) / "serve.log", "--num-blocks", "64",
+                                                         "--max-model-len", "128",
                    *(["--max-connections", str(args.max_connections)] if args.max_connections is not None else [])) \
                 as (url, pid):
             result = measure(url, pid, args.connections, body_bytes, API_KEY, args.reply_timeout)
@@ -266,7 +267,8 @@ def main() -> None:
                        ("all open and sending", "held_mib"), ("after they closed", "after_mib")]:
         print(f"{label:<28} {result[key]:>8.1f}")
     print(f"{'peak over idle':<28} {result['peak_over_idle_mib']:>8.1f}")
-    print("clients: " + ", ".join(f"{k} {v}" for k, v in o.items()) + f"; an authorized request after: {result['authorized_after']}")
+    print("clients: " + ", ".join(f"{k} {v}" for k, v in o.items())
+          + f"; an authorized request after: {result['authorized_after']}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -97,7 +97,8 @@ def main() -> None:
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {f['http_s'][-1]:.2f} s to HTTP, import {f['import_s'][-1]:.2f} s" for n, f in figures.items()),
             flush=True)
-    summary = {name: {"http_s_median": statistics.median(f["http_s"]), "import_s_median": statistics.median(f["import_s"]),
+    summary = {name: {"http_s_median": statistics.median(f["http_s"]),
+                      "import_s_median": statistics.median(f["import_s"]),
                       "loads_torch": any(f["torch"]), **f} for name, f in figures.items()}
     print(f"{'side':<12} {'to HTTP (median)':>18} {'import app (median)':>20} {'loads torch':>12}")
     for name, s in summary.items():

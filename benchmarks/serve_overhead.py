@@ -113,7 +113,8 @@ def over_grpc(model: str, datasets: list[list], tmp: Path, token: str | None = N
             await asyncio.gather(*(one(f"{k}-{i}", r) for i, r in enumerate(requests)))
             wall = time.perf_counter() - start
             out.append(len(requests) / wall)
-            print(f"gRPC{' (TLS)' if token else ''} run {k} (0: warm-up): {wall:.2f} s wall; this client's CPU {time.process_time() - cpu:.2f} s")
+            print(f"gRPC{' (TLS)' if token else ''} run {k} (0: warm-up): {wall:.2f} s wall; "
+                  f"this client's CPU {time.process_time() - cpu:.2f} s")
         await client.close()
         return out
 
@@ -161,7 +162,8 @@ def main() -> None:
     off, srv = statistics.median(offline_rps), statistics.median(served_rps)
     out = args.out or cache_dir() / ("serve_overhead_quick.json" if args.quick else "serve_overhead.json")
     out.write_text(json.dumps({"machine": f"{platform.machine()}, {os.cpu_count()} cores", "args": vars(args) |
-                               {"out": str(out)}, "offline_rps": offline_rps, "grpc_rps": grpc_rps, "grpc_tls_rps": tls_rps,
+                               {"out": str(out)}, "offline_rps": offline_rps, "grpc_rps": grpc_rps,
+                               "grpc_tls_rps": tls_rps,
                                "served": runs},
                               indent=2, default=str))
     print(f"| side | req/s (median of {args.rounds}) | per round |\n|---|---|---|")

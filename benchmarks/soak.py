@@ -143,7 +143,8 @@ def main() -> int:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
-    print(f"{result['requests']} requests in {result['seconds']:.0f} s ({result['requests'] / result['seconds']:.0f}/s): "
+    rate = result['requests'] / result['seconds']
+    print(f"{result['requests']} requests in {result['seconds']:.0f} s ({rate:.0f}/s): "
           f"{result['outcomes']}; {result['preemptions']:.0f} preemptions; KV in use after: "
           f"{result['kv_cache_usage_after']:.0%}")
     for name, rss in result["rss_before"].items():

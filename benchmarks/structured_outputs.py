@@ -2,7 +2,8 @@
 on half the batch against none, and the grammar compile time (cold and cached) of the test schemas.
 
 Decode: the median ``engine.step()`` of a steady batch (the `small` preset, bf16, its vocabulary widened
-to DeepSeek-V3's 129280 by default; ``--vocab 0`` keeps 8192), half of whose requests (at batch 1, its one) follow a JSON
+to DeepSeek-V3's 129280 by default; ``--vocab 0`` keeps 8192), half of whose requests (at batch 1, its one)
+follow a JSON
 schema that keeps them generating (an array of up to 200 small integers), against the same batch
 unconstrained; rounds alternate. Compile: each schema of ``tests/engine/test_structured.py`` compiled
 by a fresh compiler (cold), then again (the compiler's own cache of compiled grammars, keyed by the

@@ -186,7 +186,8 @@ def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLine
             info["allocated_bytes"] = torch.cuda.memory_allocated() - before
             info["peak_allocated_bytes"] = torch.cuda.max_memory_allocated() - before
         lines = log.take()
-        info["log"] = [line for line in lines if line.startswith(("kernels:", "KV cache:", "captured ", "decode steps:"))]
+        kept = ("kernels:", "KV cache:", "captured ", "decode steps:")
+        info["log"] = [line for line in lines if line.startswith(kept)]
         for line in lines:
             m = _GRAPHS_LINE.search(line)
             if m:
@@ -274,7 +275,8 @@ def key_figures(result: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", choices=sorted(SIZES), default="v3", help="v3: DeepSeek-V3's widths; tiny: seconds on a CPU")
+    ap.add_argument("--size", choices=sorted(SIZES), default="v3",
+                    help="v3: DeepSeek-V3's widths; tiny: seconds on a CPU")
     ap.add_argument("--tiny", action="store_const", const="tiny", dest="size", help="the same as --size tiny")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fp8"])

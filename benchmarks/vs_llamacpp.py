@@ -81,7 +81,8 @@ def build_llamacpp(source: Path, build: Path) -> Path:
                     "-DLLAMA_USE_PREBUILT_UI=OFF"], check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TARGETS],
                    check=True, stdout=subprocess.DEVNULL)
-    libs = [build / "src" / "libllama.a", *(build / "ggml" / "src" / f"lib{n}.a" for n in ("ggml", "ggml-cpu", "ggml-base"))]
+    libs = [build / "src" / "libllama.a",
+            *(build / "ggml" / "src" / f"lib{n}.a" for n in ("ggml", "ggml-cpu", "ggml-base"))]
     subprocess.run(["g++", "-O2", "-std=c++17", str(Path(__file__).with_name(f"{GREEDY}.cpp")), "-I",
                     str(source / "include"), "-I", str(source / "ggml" / "include"), *map(str, libs), "-fopenmp",
                     "-lpthread", "-ldl", "-o", str(bin_dir / GREEDY)], check=True)
@@ -129,7 +130,8 @@ def llama_serving(bin_dir: Path, model: Path, log: Path, threads: int, parallel:
     """``llama-server`` on a free port until ``/health`` answers 200; its base URL; stopped afterwards."""
     port = free_port()
     cmd = [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(ctx), "--alias", "small", "--no-webui"]
+           "-t", str(threads), "-tb", str(threads), "-np", str(parallel), "-c", str(ctx), "--alias", "small",
+           "--no-webui"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -236,7 +238,8 @@ def timings(args: argparse.Namespace, source: Path, bin_dir: Path, work: Path) -
     gguf = to_gguf(source, ckpt, "bf16")
     runs: dict[str, list] = {"epserve": [], "llama.cpp": []}
     llm = LLM(ckpt, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
-    epserve_batched(llm, args.batches, args.prompt_len, 4, seed=999)  # warm: every shape once (as llama-batched-bench warms)
+    # warm: every shape once (as llama-batched-bench warms)
+    epserve_batched(llm, args.batches, args.prompt_len, 4, seed=999)
     for r in tqdm(range(args.repeats), desc="offline, alternated"):
         runs["epserve"].append(epserve_batched(llm, args.batches, args.prompt_len, args.steps, seed=r))
         runs["llama.cpp"].append(llama_batched(bin_dir, gguf, args.threads, args.batches, args.prompt_len,
@@ -274,7 +277,8 @@ def markdown(result: dict, command: str) -> str:
             lines.append(f"| {label} | {a:.0f} | {b:.0f} | **{a / b:.2f}×** |")
     agree = result["agreement"]
     lines += ["", f"fp32 agreement: {agree['equal']}/{agree['tokens']} greedy tokens equal, logprobs within "
-              f"{agree['max_logprob_diff']:.1e} (llama.cpp's KV cache in fp32, flash attention off). {result['machine']}; "
+              f"{agree['max_logprob_diff']:.1e} (llama.cpp's KV cache in fp32, flash attention off). "
+              f"{result['machine']}; "
               f"llama.cpp from llama-cpp-python {result['llama_cpp_python']} (its defaults for the timings: "
               f"KV cache f16, flash attention as it chooses). `{command}`, {result['date']}."]
     return "\n".join(lines)

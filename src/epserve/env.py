@@ -5,13 +5,13 @@ may use it.
 | variable | meaning | default |
 |---|---|---|
 | ``EPSERVE_CACHE_DIR`` | built-in model and compiled CPU kernels | ``~/.cache/epserve`` |
-| ``EPSERVE_NO_PROGRESS`` | ``1``: no progress bars (loading logs progress lines instead) | progress bars on a terminal |
-| ``EPSERVE_CPU_KERNELS`` | ``0``: torch only, no C decode kernels (bf16: AVX512-BF16, fp32: AVX2) | on where supported |
+| ``EPSERVE_NO_PROGRESS`` | ``1``: no progress bars (loading logs progress lines instead) | bars on a terminal |
+| ``EPSERVE_CPU_KERNELS`` | ``0``: torch only, no C kernels (bf16: AVX512-BF16, fp32: AVX2) | on where supported |
 | ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
 | ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |
 | ``EPSERVE_API_KEY`` | the router's API key (how ``epserve serve`` hands it to the router process) | none |
-| ``EPSERVE_ENGINE_TOKEN`` | the token engines require as gRPC call metadata and routers send (``--engine-token``) | the API key, if any |
-| ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests use ``aot_eager``: the same fullgraph trace, no codegen) | ``inductor`` |
+| ``EPSERVE_ENGINE_TOKEN`` | the token engines require and routers send (``--engine-token``) | the API key, if any |
+| ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests: ``aot_eager``) | ``inductor`` |
 | ``EPSERVE_FP8_BACKEND`` | FP8 kernels on CUDA: ``auto``, ``triton``, ``scaled_mm`` or ``torch`` | ``auto`` |
 | ``EPSERVE_MLA_BACKEND`` | paged MLA decode on CUDA: ``auto``, ``flashinfer`` or ``triton`` | ``auto`` |
 """

@@ -111,5 +111,6 @@ def format_roles(rows: list[RoleFigures]) -> str:
         xfer = f"{ms(r.transfer_mean_ms)}/{ms(r.transfer_p50_ms)}/{ms(r.transfer_p99_ms)}"
         lines.append(f"{r.role:<8} {r.instances:>4} {r.requests:>8} {r.kv_bytes_sent / 2**20:>10.2f} "
                      f"{r.kv_bytes_received / 2**20:>9.2f} {r.transfers:>9} {xfer:>22} "
-                     f"{ms(r.ttft_p50_ms) + '/' + ms(r.ttft_p99_ms):>16} {ms(r.itl_p50_ms) + '/' + ms(r.itl_p99_ms):>15}")
+                     f"{ms(r.ttft_p50_ms) + '/' + ms(r.ttft_p99_ms):>16} "
+                     f"{ms(r.itl_p50_ms) + '/' + ms(r.itl_p99_ms):>15}")
     return "\n".join(lines)

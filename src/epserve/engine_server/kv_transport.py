@@ -195,7 +195,8 @@ class GrpcKVTransport(KVTransport):
             raise KVTransferError("the prefill instance ended the transfer without its first token")
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise KVTransferError(f"the prefill instance refused the request: {e.details()}", invalid=True) from None
+                raise KVTransferError(f"the prefill instance refused the request: {e.details()}",
+                                      invalid=True) from None
             raise KVTransferError(f"the prefill instance failed: {e.details() or e.code().name}") from None
         finally:
             call.cancel()

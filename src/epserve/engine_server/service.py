@@ -199,7 +199,8 @@ class EngineService(pb_grpc.EngineServicer):
         if remote is None:  # its call ended meanwhile (the loop aborts the request)
             return
         address, request = remote
-        job = PrefillJob(request.request_id, request.prompt_token_ids, request.params, wanted.first_block, wanted.num_blocks, self.layout)
+        job = PrefillJob(request.request_id, request.prompt_token_ids, request.params, wanted.first_block,
+                         wanted.num_blocks, self.layout)
         self._fetches[request.request_id] = asyncio.ensure_future(self._fetch(address, job))
 
     async def _fetch(self, address: str, job: PrefillJob) -> None:

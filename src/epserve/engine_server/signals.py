@@ -17,7 +17,8 @@ class SignalWatcher:
         self._read, self._write = socket.socketpair()
         self._write.setblocking(False)
         self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
-        self._old_handlers = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._old_handlers = {sig: signal.signal(sig, lambda signum, frame: None)
+                              for sig in (signal.SIGTERM, signal.SIGINT)}
         self._on_signal = on_signal
         self._thread = threading.Thread(target=self._watch, name="signals", daemon=True)
         self._thread.start()

@@ -46,7 +46,8 @@ class SamplingParams:
     the output, ``presence_penalty`` itself once for a token the output holds; ``logit_bias`` adds to
     the given tokens' logits; until ``min_tokens`` tokens were generated, the stop tokens and EOS cannot
     be drawn; ``bad_words`` (token id sequences) are never completed: a word's last token cannot be drawn
-    where the output ends with the rest of it (a one-token word: never). ``prompt_logprobs=k`` returns each prompt token's logprob (from the second on) and the
+    where the output ends with the rest of it (a one-token word: never). ``prompt_logprobs=k`` returns each
+    prompt token's logprob (from the second on) and the
     ``k`` most likely tokens at its position. ``structured``: the output follows that constraint (a
     JSON schema, regex, choice or grammar; EOS only where it can end).
     """

@@ -189,7 +189,8 @@ def _train(
         result.losses.append(main.item())
         result.mtp_losses.append(mtp.item())
         result.seconds = time.perf_counter() - start
-        bar.set_postfix(loss=f"{result.losses[-1]:.3f}", mtp=f"{result.mtp_losses[-1]:.3f}", tok_s=f"{result.tokens / result.seconds:.0f}")
+        bar.set_postfix(loss=f"{result.losses[-1]:.3f}", mtp=f"{result.mtp_losses[-1]:.3f}",
+                        tok_s=f"{result.tokens / result.seconds:.0f}")
         bar.update(1 if steps is not None else int(result.seconds) - bar.n)
     bar.close()
     model.eval()
