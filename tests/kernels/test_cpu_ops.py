@@ -1,7 +1,7 @@
-"""The fused small ops of a CPU decode step (``kernels/cpu_ops.c``) against their torch references:
+"""The fused small ops of a CPU decode step (``kernels/cpu_ops*.c``) against their torch references:
 paged MLA decode, the grouped top-k gate, RMSNorm, rotary embedding, MLA's latent append and per-head
-projections, the dispatchers' grouping by expert and the weighted combine; the references wherever a kernel does not apply (FP8 cache, fp16, too many rows, a trace,
-gradients, no library)."""
+projections, the dispatchers' grouping by expert and the weighted combine; the references wherever a kernel
+does not apply (FP8 cache, fp16, too many rows, a trace, gradients, no library)."""
 
 from __future__ import annotations
 

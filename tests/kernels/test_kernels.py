@@ -1,15 +1,17 @@
 """CPU decode kernels against torch: bf16 (skipped where the CPU lacks AVX512-BF16) and fp32 (skipped
-without AVX2 and FMA)."""
+without AVX2 and FMA); every library's signature table against its C sources."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from epserve.kernels import cpu
+from epserve.kernels import cpu, cpu_abi
 
 DTYPES = [
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not cpu.available(torch.bfloat16),
@@ -113,9 +115,9 @@ def test_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch, dtype):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
     monkeypatch.setenv("EPSERVE_CACHE_DIR", str(blocker))  # the kernels' folder cannot be created
-    attr = "_SOURCE" if dtype == torch.bfloat16 else "_SOURCE_F32"
-    source = getattr(cpu, attr).read_bytes() + b"\n/* rebuild */\n"
-    monkeypatch.setattr(cpu, attr, tmp_path / "kernels.c")
+    build = cpu._KINDS[dtype]
+    source = build.sources[0].read_bytes() + b"\n/* rebuild */\n"
+    monkeypatch.setitem(cpu._KINDS, dtype, dataclasses.replace(build, sources=(tmp_path / "kernels.c",)))
     (tmp_path / "kernels.c").write_bytes(source)  # a new hash, so nothing cached is reused
     cpu._library.cache_clear()
     monkeypatch.setattr(cpu, "_available", {})
@@ -125,3 +127,65 @@ def test_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch, dtype):
         assert torch.equal(cpu.linear(x, w), F.linear(x, w))
     finally:
         cpu._library.cache_clear()
+
+
+# ---- the signature tables (kernels/cpu_abi.py) against the C definitions ----
+
+_DEFINITION = re.compile(r"^(?!static\b|typedef\b)([A-Za-z_][\w \t*]*?)\s*\b(epserve_\w+)\s*\(([^)]*)\)\s*\{", re.M)
+_SCALARS = {"int64_t": cpu_abi.I64, "int": cpu_abi.INT, "float": cpu_abi.F32}
+_RETURNS = {"void": None, **_SCALARS}
+
+
+def _kind(declaration: str) -> str:
+    """An argument's kind from its C declaration (``const float *q`` -> ptr); "?" for a type the table has no
+    kind for."""
+    if "*" in declaration:
+        return cpu_abi.PTR
+    return _SCALARS.get(" ".join(w for w in declaration.split()[:-1] if w != "const"), "?")
+
+
+def _definitions(source: str) -> dict[str, tuple[tuple[str, ...], str | None]]:
+    """The exported functions a C source defines: name -> (its arguments' kinds, its return's)."""
+    found = {}
+    for ret, name, params in _DEFINITION.findall(source):
+        args = tuple(_kind(p) for p in params.split(",")) if params.strip() not in ("", "void") else ()
+        found[name] = (args, _RETURNS.get(ret.strip(), "?"))
+    return found
+
+
+def _mismatches(table: tuple[cpu_abi.Signature, ...], source: str) -> list[str]:
+    defined, declared = _definitions(source), {s.name: (s.args, s.returns) for s in table}
+    wrong = [f"{n}: not in the table" for n in defined.keys() - declared.keys()]
+    wrong += [f"{n}: not defined in C" for n in declared.keys() - defined.keys()]
+    for name in defined.keys() & declared.keys():
+        if defined[name] != declared[name]:
+            wrong.append(f"{name}: C {defined[name]}, table {declared[name]}")
+    return sorted(wrong)
+
+
+def _source(build: cpu._Build) -> str:
+    return "\n".join(path.read_text() for path in build.sources)
+
+
+@pytest.mark.parametrize("kind", list(cpu._KINDS), ids=str)
+def test_each_signature_table_matches_its_libraries_c_definitions(kind):
+    build = cpu._KINDS[kind]
+    assert _mismatches(build.table, _source(build)) == []
+    assert len(_definitions(_source(build))) == len(build.table) >= 3
+
+
+def test_the_signature_check_catches_a_c_signature_the_table_does_not_follow():
+    source = _source(cpu._KINDS[cpu.OPS])
+    assert _mismatches(cpu_abi.OPS_TABLE, source) == []
+    changed = {  # an argument's type, an argument more, a return type, a new function, a renamed one
+        "float eps, int is_bf16,\n                      void *out)": "int64_t eps, int is_bf16,\n void *out)",
+        "int64_t n, int is_bf16, void *out)": "int64_t n, int is_bf16, void *out, int extra)",
+        "void epserve_silu_mul(": "int epserve_silu_mul(",
+        "int epserve_index_add_i64(": "int epserve_index_add_i32(int *p) { return 0; }\nint epserve_index_add_i64(",
+        "int64_t epserve_replay(": "int64_t epserve_replay_all(",
+    }
+    expected = ["epserve_rms_norm", "epserve_add", "epserve_silu_mul", "epserve_index_add_i32", "epserve_replay"]
+    for (old, new), name in zip(changed.items(), expected):
+        assert old in source
+        found = _mismatches(cpu_abi.OPS_TABLE, source.replace(old, new))
+        assert found and all(name in m or "epserve_replay_all" in m for m in found), (name, found)

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -32,22 +33,35 @@ import torch
 import torch.nn.functional as F
 
 from epserve import env
+from epserve.kernels import cpu_abi
 from epserve.kernels.device import tracing
 
 logger = logging.getLogger(__name__)
 
 TILE_M = 16  # rows per weight pass; must match the C sources
-_SOURCE = Path(__file__).with_name("cpu_bf16.c")
-_SOURCE_F32 = Path(__file__).with_name("cpu_f32.c")
-_SOURCE_OPS = Path(__file__).with_name("cpu_ops.c")
-_HEADER = Path(__file__).with_name("cpu_bf16.h")  # included by the sources: part of every build's tag
+_DIR = Path(__file__).parent
 OPS = "ops"  # the library of fused small ops (any dtype)
-# per element type (or OPS): the source, the compiler flags, the CPU flags it needs, its kernels' names
-_KINDS: dict[torch.dtype | str, tuple[str, list[str], tuple[str, ...], str]] = {
-    torch.bfloat16: ("_SOURCE", ["-mavx512f", "-mavx512bf16", "-mavx2", "-mfma"], ("avx512f", "avx512_bf16", "avx2", "fma"),
-                     "bf16"),
-    torch.float32: ("_SOURCE_F32", ["-mavx2", "-mfma"], ("avx2", "fma"), "f32"),
-    OPS: ("_SOURCE_OPS", ["-mavx2", "-mfma", "-ffp-contract=off"], ("avx2", "fma"), "ops"),  # torch's roundings
+
+
+@dataclass(frozen=True)
+class _Build:
+    """A kernel library: its C sources (built together with the packed twins its table generates), the
+    compiler flags, the CPU flags it needs, its name, and its functions' signatures (``kernels/cpu_abi.py``)."""
+
+    name: str
+    sources: tuple[Path, ...]
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]
+    table: tuple[cpu_abi.Signature, ...]
+
+
+_KINDS: dict[torch.dtype | str, _Build] = {  # per element type, or OPS
+    torch.bfloat16: _Build("bf16", (_DIR / "cpu_bf16.c",), ("-mavx512f", "-mavx512bf16", "-mavx2", "-mfma"),
+                           ("avx512f", "avx512_bf16", "avx2", "fma"), cpu_abi.experts_table("bf16")),
+    torch.float32: _Build("f32", (_DIR / "cpu_f32.c",), ("-mavx2", "-mfma"), ("avx2", "fma"),
+                          cpu_abi.experts_table("f32")),
+    OPS: _Build("ops", (_DIR / "cpu_ops.c", _DIR / "cpu_ops_mla.c", _DIR / "cpu_ops_moe.c"),
+                ("-mavx2", "-mfma", "-ffp-contract=off"), ("avx2", "fma"), cpu_abi.OPS_TABLE),  # torch's roundings
 }
 
 
@@ -63,68 +77,52 @@ def _cpu_has_avx512_bf16() -> bool:
     return _cpu_has("avx512f", "avx512_bf16")
 
 
-def _build(cc: str, lib_path: Path, source: Path, flags: list[str]) -> None:
+def _tag(build: _Build, twins: str) -> str:
+    """The build's cache key: every input of the compile (its sources, every header beside them, the
+    generated twins, the flags), so that a changed one never loads a stale library."""
+    digest = hashlib.sha256("\0".join(build.cflags).encode())
+    for path in (*build.sources, *sorted(_DIR.glob("cpu_*.h"))):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(twins.encode())
+    return digest.hexdigest()[:16]
+
+
+def _build(cc: str, lib_path: Path, build: _Build, twins: str) -> None:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-        tmp_lib = Path(tmp) / lib_path.name
-        cmd = [cc, "-O3", *flags, "-fopenmp", "-shared", "-fPIC", str(source), "-o", str(tmp_lib), "-lm"]
+        tmp_lib, twins_path = Path(tmp) / lib_path.name, Path(tmp) / f"cpu_{build.name}_twins.c"
+        twins_path.write_text(twins)
+        cmd = [cc, "-O3", *build.cflags, "-fopenmp", "-shared", "-fPIC", f"-I{_DIR}", *map(str, build.sources),
+               str(twins_path), "-o", str(tmp_lib), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise subprocess.CalledProcessError(proc.returncode, cmd, stderr=proc.stderr)
         os.replace(tmp_lib, lib_path)  # atomic: concurrent builders never see a partial file
 
 
+_twins: dict[torch.dtype | str, dict[str, cpu_abi.Twin]] = {}  # per loaded library: its recorded functions' twins
+
+
 @cache
 def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
-    source_attr, cflags, cpu_flags, name = _KINDS[dtype]
-    if not env.cpu_kernels_enabled() or not _cpu_has(*cpu_flags):
+    build = _KINDS[dtype]
+    if not env.cpu_kernels_enabled() or not _cpu_has(*build.cpu_flags):
         return None
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
-    source_path: Path = globals()[source_attr]
-    tag = hashlib.sha256(source_path.read_bytes() + _HEADER.read_bytes()).hexdigest()[:16]
-    lib_path = env.cache_dir() / "kernels" / f"cpu_{name}-{tag}.so"
+    twins = cpu_abi.twins_source(build.table)
+    lib_path = env.cache_dir() / "kernels" / f"cpu_{build.name}-{_tag(build, twins)}.so"
     try:
         if not lib_path.exists():
-            _build(cc, lib_path, source_path, cflags)
+            _build(cc, lib_path, build, twins)
         lib = ctypes.CDLL(str(lib_path))
-    except (OSError, subprocess.CalledProcessError) as e:
+        _twins[dtype] = cpu_abi.bind(lib, build.table)
+    except (OSError, AttributeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        logger.warning("CPU %s kernels unavailable (%s); using torch", name, detail.strip()[:200])
+        logger.warning("CPU %s kernels unavailable (%s); using torch", build.name, detail.strip()[:200])
         return None
-    p, i64, c_int, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    if dtype == OPS:
-        lib.epserve_mla_decode.argtypes = [p, i64, i64, i64, p, c_int, i64, i64, p, i64, p, f32, i64, p, c_int]
-        lib.epserve_mla_decode.restype = c_int
-        lib.epserve_grouped_topk.argtypes = [p, i64, i64, i64, i64, i64, c_int, c_int, c_int, c_int, f32, p, p, i64,
-                                             p, p]
-        lib.epserve_rms_norm.argtypes = [p, p, i64, i64, i64, f32, c_int, p]
-        lib.epserve_head_matmul.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, i64, p, i64, i64, c_int, c_int]
-        lib.epserve_rope_heads.argtypes = [p, i64, i64, i64, p, p, i64, c_int, c_int]
-        lib.epserve_append_latent.argtypes = [p, i64, i64, i64, i64, p, f32, p, p, c_int, c_int, p, p, i64, c_int]
-        lib.epserve_append_latent.restype = c_int
-        lib.epserve_group_by_expert.argtypes = [p, i64, i64, p, p]
-        lib.epserve_group_by_expert.restype = c_int
-        lib.epserve_weighted_combine.argtypes = [p, i64, i64, p, p, i64, c_int, p]
-        lib.epserve_weighted_combine.restype = c_int
-        lib.epserve_gather_rows.argtypes = [p, i64, p, i64, i64, c_int, p, c_int]
-        lib.epserve_gather_rows.restype = c_int
-        lib.epserve_copy_cast.argtypes = [p, c_int, i64, i64, i64, i64, i64, p, c_int, i64, i64]
-        lib.epserve_add.argtypes = [p, p, i64, c_int, p]
-        lib.epserve_silu_mul.argtypes = [p, i64, i64, i64, c_int, p]
-        lib.epserve_local_dispatch.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, p, p, p]
-        lib.epserve_local_dispatch.restype = c_int
-        lib.epserve_index_add_i64.argtypes = [p, i64, p, p, i64]
-        lib.epserve_index_add_i64.restype = c_int
-        lib.epserve_replay.argtypes = [p, p, i64, ctypes.POINTER(c_int), p]
-        lib.epserve_replay.restype = i64
-    else:
-        getattr(lib, f"epserve_linear_{name}").argtypes = [p, i64, p, i64, i64, p, c_int]
-        getattr(lib, f"epserve_moe_swiglu_{name}").argtypes = [p, p, i64, p, p, i64, i64, p, c_int]
-        getattr(lib, f"epserve_moe_swiglu_counts_{name}").argtypes = [p, i64, p, i64, p, p, i64, i64, p, c_int]
-        getattr(lib, f"epserve_moe_swiglu_counts_{name}").restype = c_int
-    logger.info("CPU %s decode kernels loaded from %s", name, lib_path)
+    logger.info("CPU %s decode kernels loaded from %s", build.name, lib_path)
     return lib
 
 
@@ -135,7 +133,7 @@ def _lib(dtype: torch.dtype | str) -> ctypes.CDLL | None:
     """The ``dtype`` library (loaded), or, while this thread records a step, its calls through the recorder."""
     lib = _library(dtype)
     recorder = getattr(_recording, "recorder", None)
-    return lib if lib is None or recorder is None else recorder.library(lib)
+    return lib if lib is None or recorder is None else recorder.library(_twins[dtype])
 
 
 _available: dict[torch.dtype | str, bool] = {}  # available()'s answers, once asked: constants to torch.compile
@@ -217,7 +215,8 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
 _COUNTS_MAX_ROWS = 8 * TILE_M  # decode-sized expert inputs: the device counts path
 
 
-def moe_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+def moe_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+                      w2: torch.Tensor) -> torch.Tensor | None:
     """Experts on rows grouped by expert, the row counts [E] read by the kernel (never on the host); rows of
     ``x`` [N, H] past the counts' sum come out zero. For decode-sized inputs (N at most ``_COUNTS_MAX_ROWS``),
     else None."""

@@ -25,7 +25,8 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
   s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
   /* each 128-bit lane of s now holds one row's sum in all four places: take element 0 of each */
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), s));
+  const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(lanes, s));
 }
 
 /* Four weight rows (four streams in flight) against M <= 4 rows of x, for compile-time M so the 4*M
@@ -227,13 +228,4 @@ int epserve_moe_swiglu_counts_bf16(const uint16_t *x, int64_t N, const int64_t *
   memset(out + offsets[E] * H, 0, sizeof(uint16_t) * (N - offsets[E]) * H); /* rows past the counts: zero */
   free(offsets);
   return 0;
-}
-
-int epserve_linear_bf16_packed(const int64_t *a) {
-  epserve_linear_bf16(PTR(0), a[1], PTR(2), a[3], a[4], PTR(5), (int)a[6]);
-  return 0;
-}
-
-int epserve_moe_swiglu_counts_bf16_packed(const int64_t *a) {
-  return epserve_moe_swiglu_counts_bf16(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), a[6], a[7], PTR(8), (int)a[9]);
 }

@@ -80,16 +80,4 @@ static inline int64_t *expert_offsets(const int64_t *counts, int64_t E, int64_t 
   return NULL;
 }
 
-/* Every exported kernel also has a "packed" twin taking its arguments as one int64 array (pointers as
- * addresses, floats as their bit patterns), so a recorded sequence of kernel calls (kernels/cpu_graph.py)
- * replays from C without Python: epserve_replay in cpu_ops.c walks it. */
-typedef int (*epserve_packed_fn)(const int64_t *);
-#define PTR(i) ((void *)(intptr_t)a[i])
-static inline float packed_float(int64_t v) {
-  const uint32_t bits = (uint32_t)v;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
 #endif

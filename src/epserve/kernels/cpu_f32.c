@@ -158,12 +158,3 @@ int epserve_moe_swiglu_counts_f32(const float *x, int64_t N, const int64_t *coun
   free(offsets);
   return 0;
 }
-
-int epserve_linear_f32_packed(const int64_t *a) {
-  epserve_linear_f32(PTR(0), a[1], PTR(2), a[3], a[4], PTR(5), (int)a[6]);
-  return 0;
-}
-
-int epserve_moe_swiglu_counts_f32_packed(const int64_t *a) {
-  return epserve_moe_swiglu_counts_f32(PTR(0), a[1], PTR(2), a[3], PTR(4), PTR(5), a[6], a[7], PTR(8), (int)a[9]);
-}

@@ -4,7 +4,7 @@ CUDA graph).
 
 :func:`record` runs a forward once with every call of the ``kernels.cpu`` libraries going through a
 :class:`Recorder`: each call runs as it is recorded, through the kernel's packed twin (its arguments as
-one int64 array, ``cpu_bf16.h``), so what is recorded is exactly what ran. Like a CUDA graph, the replay
+one int64 array, ``kernels/cpu_abi.py``), so what is recorded is exactly what ran. Like a CUDA graph, the replay
 reads and writes the same memory: the step's inputs are copied into the recorded input tensors before each
 replay (``engine/graphs.py``), every intermediate tensor is kept alive with the graph, and the kernels read
 the step's data (token ids, positions, lengths, block tables, expert counts) from memory at replay time,
@@ -20,7 +20,6 @@ recording (a torch fallback, a host read such as ``.tolist()``) ends the recordi
 from __future__ import annotations
 
 import ctypes
-import struct
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from epserve.kernels import cpu, cpu_ops
+from epserve.kernels import cpu, cpu_abi, cpu_ops
 
 
 class CaptureError(RuntimeError):
@@ -92,43 +91,33 @@ class Call:
     args: ctypes.Array
 
 
-def _pack(argtypes: list, values: tuple) -> ctypes.Array:
-    """A call's arguments as the packed twin takes them: pointers as addresses, floats as their bits."""
-    packed = []
-    for kind, v in zip(argtypes, values, strict=True):
-        if kind is ctypes.c_float:
-            packed.append(struct.unpack("<I", struct.pack("<f", v))[0])
-        else:
-            packed.append(0 if v is None else int(v))
-    return (ctypes.c_int64 * max(len(packed), 1))(*packed)
-
-
 class _RecordingLibrary:
-    """A loaded kernel library whose calls are recorded as they run."""
+    """A loaded kernel library whose calls are recorded as they run (``twins``: its functions' packed twins,
+    ``kernels/cpu_abi.py``)."""
 
-    def __init__(self, lib: ctypes.CDLL, recorder: Recorder) -> None:
-        self._lib = lib
+    def __init__(self, twins: dict[str, cpu_abi.Twin], recorder: Recorder) -> None:
+        self._twins = twins
         self._recorder = recorder
 
     def __getattr__(self, name: str) -> Callable[..., int]:
-        return partial(self._recorder.call, self._lib, name)
+        twin = self._twins.get(name)
+        if twin is None:
+            raise CaptureError(f"{name} has no packed twin: a recorded step cannot call it")
+        return partial(self._recorder.call, twin)
 
 
 class Recorder:
     def __init__(self) -> None:
         self.calls: list[Call] = []
 
-    def library(self, lib: ctypes.CDLL) -> _RecordingLibrary:
-        return _RecordingLibrary(lib, self)
+    def library(self, twins: dict[str, cpu_abi.Twin]) -> _RecordingLibrary:
+        return _RecordingLibrary(twins, self)
 
-    def call(self, lib: ctypes.CDLL, name: str, *values: Any) -> int:
-        """Runs ``name`` through its packed twin with these arguments, recorded; returns its code."""
-        packed_fn = getattr(lib, f"{name}_packed")
-        packed_fn.argtypes = [ctypes.c_void_p]
-        packed_fn.restype = ctypes.c_int
-        args = _pack(getattr(lib, name).argtypes, values)
-        self.calls.append(Call(name, ctypes.cast(packed_fn, ctypes.c_void_p).value or 0, args))
-        return int(packed_fn(ctypes.addressof(args)))
+    def call(self, twin: cpu_abi.Twin, *values: Any) -> int:
+        """Runs a kernel through its packed twin with these arguments, recorded; returns its code."""
+        args = twin.pack(values)
+        self.calls.append(Call(twin.name, twin.address, args))
+        return int(twin.fn(ctypes.addressof(args)))
 
 
 class CpuGraph:
@@ -169,7 +158,7 @@ def record(forward: Callable[[], torch.Tensor], dynamic: Iterable[torch.Tensor])
     ``dynamic``: what changes between replays (the inputs, the KV caches, the modules' buffers). Raises
     CaptureError, part way through the forward, when it computes on them outside the kernels."""
     if not cpu.available(cpu.OPS):
-        raise CaptureError("the CPU kernels of kernels/cpu_ops.c are not available")
+        raise CaptureError("the CPU kernels of kernels/cpu_ops*.c are not available")
     recorder, keep = Recorder(), []
     with _recording(recorder), _Guard(dynamic, keep):
         out = forward()

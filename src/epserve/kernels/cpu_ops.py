@@ -184,7 +184,8 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return order, counts
 
 
-def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor,
+                     num_tokens: int) -> torch.Tensor | None:
     """``moe.dispatch.base.weighted_combine`` bit for bit (index_add_'s order and roundings), or None."""
     if (y.device.type != "cpu" or y.dtype not in _FLOATS or y.dim() != 2 or not y.is_contiguous()
             or weights.dtype != torch.float32 or token_idx.shape != (y.shape[0],) or weights.shape != (y.shape[0],)):
@@ -315,6 +316,6 @@ def replay(calls: tuple[ctypes.Array, ctypes.Array, int], seconds: ctypes.Array 
     assert lib is not None
     fns, args, n = calls
     rc = ctypes.c_int(0)
-    failed = lib.epserve_replay(ctypes.addressof(fns), ctypes.addressof(args), n, ctypes.byref(rc),
+    failed = lib.epserve_replay(ctypes.addressof(fns), ctypes.addressof(args), n, ctypes.addressof(rc),
                                 None if seconds is None else ctypes.addressof(seconds))
     return int(failed), int(rc.value)
