@@ -139,7 +139,8 @@ def test_engine_defaults_are_the_config_dataclasses(tmp_path, monkeypatch):
     from epserve.cli import build_parser
     from epserve.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
     from epserve.engine.args import engine_options
-    from epserve.engine.llm import LLM, build_engine_config
+    from epserve.engine.llm import LLM
+    from epserve.engine.options import build_engine_config
 
     keywords = {k: p.default for k, p in inspect.signature(build_engine_config).parameters.items() if k != "model"}
     for command in ("generate", "serve", "engine"):

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epserve import LLM, SamplingParams
-from epserve.engine.llm import build_engine_config
+from epserve.engine.options import build_engine_config
 from epserve.engine.worker import EngineWorker
 from epserve.engine_server.options import ServeOptions
 from epserve.engine_server.server import EngineServer

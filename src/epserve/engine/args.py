@@ -1,117 +1,67 @@
-"""The engine's command-line options (``epserve generate``, ``serve``, ``engine``): the model, its
-precision, the KV cache, the scheduler, the parallel layout and EPLB, and the engine config they make.
-vLLM's and SGLang's names for the same options are accepted too (docs/serving.md has the table)."""
+"""The engine's command-line options (``epserve generate``, ``serve``, ``engine``), made from their one
+declaration (``engine/options.py``'s ``EngineOptions``): the model, its precision, the KV cache, the scheduler,
+the parallel layout and EPLB, and the engine config they make. vLLM's and SGLang's names for the same options are
+accepted too (docs/serving.md has the table), and their flags without an equivalent refused with what to use."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import types
+import typing
+from dataclasses import Field, fields
+from typing import Any, Literal
 
-from epserve.config import (
-    DISPATCH_BACKENDS,
-    KV_CACHE_DTYPES,
-    OVERLAP_CHOICES,
-    REPLICA_SELECTIONS,
-    SPECULATIVE_METHODS,
-    CacheConfig,
-    EngineConfig,
-    EplbConfig,
-    ParallelConfig,
-    SchedulerConfig,
-)
-from epserve.config.engine import DISPATCH_DTYPES
+from epserve.engine.options import EngineOptions, Flag, build_engine_config
 
-# Every default below is the config dataclasses' own (config/engine.py), never a second literal.
+_HINTS = typing.get_type_hints(EngineOptions)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The checkpoint (MODEL or ``--model-path``), then a flag for each of ``EngineOptions``' spellings."""
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: built-in tiny model)")
     p.add_argument("--model-path", default=None, metavar="MODEL",
                    help="the MODEL argument given as an option (SGLang's --model-path)")
-    p.add_argument("--dtype", default=EngineConfig.dtype, choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--device", default=EngineConfig.device, help="cpu or cuda[:N]")
-    p.add_argument("--quantization", default=EngineConfig.quantization, choices=["auto", "fp8", "none"],
-                   help="weights: fp8 keeps FP8 block-scaled weights (quantizes a bf16 checkpoint at load), "
-                   "none dequantizes at load, auto = fp8 for an FP8 checkpoint on CUDA, none on CPU")
-    p.add_argument("--kv-cache-dtype", default=CacheConfig.kv_cache_dtype, choices=KV_CACHE_DTYPES,
-                   help="latent KV cache: auto (the model dtype) or fp8 (e4m3, twice the blocks)")
-    p.add_argument("--no-cuda-graph", "--enforce-eager", "--disable-cuda-graph", action="store_true",
-                   help="run decode steps eagerly, not as CUDA graphs (on one CPU rank: not as recorded kernel "
-                   "calls) (vLLM: --enforce-eager, SGLang: --disable-cuda-graph)")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=EngineConfig.cuda_graph_max_bs,
-                   help="largest decode batch captured (CUDA graphs) or compiled (--compile); default max-num-seqs")
-    p.add_argument("--compile", action="store_true",
-                   help="CPU: decode steps through torch.compile(fullgraph=True), one graph per batch bucket")
-    p.add_argument("--speculative", default=EngineConfig.speculative, choices=[m for m in SPECULATIVE_METHODS if m],
-                   help="speculative decoding: mtp drafts with the checkpoint's multi-token prediction layer")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft tokens per decode step with --speculative (the MTP layer chained on itself; default "
-                   f"{EngineConfig.num_speculative_tokens})")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="vLLM's speculative decoding option: '{\"method\": \"deepseek_mtp\" (or \"mtp\"), "
-                   "\"num_speculative_tokens\": K}' is --speculative mtp --num-speculative-tokens K")
-    p.add_argument("--block-size", type=int, default=CacheConfig.block_size, help="tokens per KV block (default %(default)s)")
-    p.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks, help="KV blocks (default: from memory)")
-    memory = p.add_mutually_exclusive_group()
-    memory.add_argument("--memory-budget-gb", type=float, default=None,
-                        help="memory for weights + KV cache (default: half of what is free once the weights are "
-                        "loaded)")
-    memory.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=None,
-                        metavar="FRACTION",
-                        help="the fraction (0, 1] of the device's total memory for weights + KV cache + activation "
-                        "headroom, as vLLM's --gpu-memory-utilization (--mem-fraction-static: SGLang's name); "
-                        "refused at start when that much is not free")
-    p.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=SchedulerConfig.max_num_seqs,
-                   help="running requests at most (default %(default)s; --max-running-requests: SGLang's name)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                   help="tokens per step at most, prefill chunks and decodes (default %(default)s)")
-    p.add_argument("--max-model-len", "--context-length", type=int, default=SchedulerConfig.max_model_len,
-                   help="the context: prompt + completion tokens (--context-length: SGLang's name)")
-    p.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache", action="store_true",
-                   help="no prefix caching (vLLM: --no-enable-prefix-caching, SGLang: --disable-radix-cache)")
-    par = p.add_argument_group("parallelism (world = dp x tp = EP ranks)")
-    par.add_argument("--dp", "--data-parallel-size", "-dp", "--dp-size", type=int, default=ParallelConfig.dp,
-                     help="data-parallel attention groups (engine instances); --data-parallel-size and -dp (vLLM), "
-                     "--dp-size (SGLang) are aliases")
-    par.add_argument("--tp", "--tensor-parallel-size", "-tp", "--tp-size", type=int, default=ParallelConfig.tp,
-                     help="tensor-parallel ranks per DP group; --tensor-parallel-size and -tp (vLLM), --tp-size "
-                     "(SGLang) are aliases")
-    par.add_argument("--enable-expert-parallel", action="store_true",
-                     help="accepted for vLLM's command lines, changes nothing: epserve always runs the MoE layers "
-                     "expert-parallel over all DP x TP ranks")
-    par.add_argument("--dispatch", default=ParallelConfig.dispatch, choices=DISPATCH_BACKENDS,
-                     help="MoE token exchange (auto: local for EP 1, else all_to_all; padded: fixed shape, "
-                     "capturable; symm_mem: exact and capturable, CUDA with NVSHMEM)")
-    par.add_argument("--dispatch-dtype", default=ParallelConfig.dispatch_dtype, choices=DISPATCH_DTYPES,
-                     help="the token rows the MoE exchange sends: auto/model in the activation dtype, fp8 quantized "
-                     "as the FP8 expert GEMM would (e4m3 + a scale per 128 columns: about half the bytes; needs "
-                     "FP8 expert weights)")
-    par.add_argument("--overlap", default=ParallelConfig.overlap, choices=OVERLAP_CHOICES)
-    par.add_argument("--microbatch-threshold", type=int, default=ParallelConfig.microbatch_threshold,
-                     help="auto overlap: tokens per rank from which two micro-batches run (default: 256 on "
-                     "CUDA, never on CPU)")
-    eplb = p.add_argument_group("expert load balancing (EPLB)")
-    eplb.add_argument("--num-redundant-experts", type=int, default=ParallelConfig.num_redundant_experts,
-                      help="extra expert slots holding replicas that share a busy expert's tokens")
-    eplb.add_argument("--enable-eplb", action="store_true",
-                      help="place experts (and replicas) by the recent load while serving, moving weights between steps")
-    eplb.add_argument("--eplb-window-size", type=int, default=EplbConfig.window_size,
-                      help="steps of expert load a rebalance looks at (default %(default)s)")
-    eplb.add_argument("--eplb-step-interval", type=int, default=EplbConfig.step_interval,
-                      help="steps between rebalances (default %(default)s)")
-    eplb.add_argument("--eplb-replica-selection", default=EplbConfig.replica_selection, choices=REPLICA_SELECTIONS,
-                      help="position: a token's replica by its row (even shares); local: the sender's rank, then "
-                      "node first")
-    par.add_argument("--nnodes", type=int, default=ParallelConfig.nnodes, help="hosts of the world; run the same command on each")
-    par.add_argument("--node-rank", type=int, default=ParallelConfig.node_rank)
-    par.add_argument("--master-addr", default=ParallelConfig.master_addr, help="address of node 0 (rendezvous)")
-    par.add_argument("--master-port", type=int, default=ParallelConfig.master_port, help="rendezvous port (default: a free one)")
-    par.add_argument("--node-ip", default=ParallelConfig.node_ip,
-                     help="this host's address the other hosts reach; gloo/NCCL use its interface (default: the "
-                     "interface that routes to --master-addr; GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME win)")
-    par.add_argument("--rendezvous-timeout", type=float, default=ParallelConfig.rendezvous_timeout_s,
-                     help="seconds a rank waits for the rendezvous store at --master-addr to answer (default %(default)s)")
+    groups: dict[str | None, Any] = {None: p}
+    exclusive: dict[str, Any] = {}
+    for f in fields(EngineOptions):
+        for flag in f.metadata["flags"]:
+            if flag.group not in groups:
+                groups[flag.group] = p.add_argument_group(flag.group)
+            into = groups[flag.group]
+            if flag.exclusive is not None:
+                if flag.exclusive not in exclusive:
+                    exclusive[flag.exclusive] = into.add_mutually_exclusive_group()
+                into = exclusive[flag.exclusive]
+            _add_flag(into, f, flag)
     add_foreign_flags(p)
+
+
+def _add_flag(into: Any, f: Field, flag: Flag) -> None:
+    """One flag: a switch (``store_true``), or a value of the field's type (its Literal's values as choices)."""
+    kind, choices = _kind(f)
+    extra = {} if flag.metavar is None else {"metavar": flag.metavar}
+    if _given(f, flag) is not None:
+        into.add_argument(*flag.names, action="store_true", help=flag.help)
+        return
+    into.add_argument(*flag.names, type=flag.type or kind, default=None if flag.unset or flag.sets else f.default,
+                      choices=flag.choices or choices, help=flag.help, **extra)
+
+
+def _kind(f: Field) -> tuple[type, tuple[str, ...] | None]:
+    """The field's value type with None taken out, and its Literal's values (less None) as choices."""
+    hint = _HINTS[f.name]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: X
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is Literal:
+        return str, tuple(a for a in typing.get_args(hint) if a is not None)
+    return hint, None
+
+
+def _given(f: Field, flag: Flag) -> bool | None:
+    """What a switch sets its field to (None: the flag takes a value)."""
+    if flag.given is not None:
+        return flag.given
+    return (not f.default) if _kind(f)[0] is bool else None
 
 
 _MULTI_HOST = "a world over several hosts is --nnodes, --node-rank, --master-addr, --master-port (docs/deployment.md)"
@@ -183,63 +133,32 @@ def apply_model_path(args: argparse.Namespace) -> None:
         args.model = path
 
 
-def speculative_options(args: argparse.Namespace) -> tuple[str | None, int]:
-    """``--speculative`` and ``--num-speculative-tokens``, or vLLM's ``--speculative-config`` JSON as
-    them; ValueError naming what it cannot take."""
-    num = EngineConfig.num_speculative_tokens if args.num_speculative_tokens is None else args.num_speculative_tokens
-    if args.speculative_config is None:
-        return args.speculative, num
-    flag = "--speculative-config"
-    if args.speculative is not None or args.num_speculative_tokens is not None:
-        raise ValueError(f"{flag} replaces --speculative and --num-speculative-tokens; give one or the other")
-    try:
-        spec = json.loads(args.speculative_config)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} is not JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"{flag} must be a JSON object, e.g. '{{\"method\": \"deepseek_mtp\", "
-                         f"\"num_speculative_tokens\": 1}}'")
-    method = spec.get("method")
-    if method not in ("deepseek_mtp", "mtp"):
-        raise ValueError(f"{flag}: method {method!r} is not supported; epserve drafts with the checkpoint's own MTP "
-                         "layer: \"deepseek_mtp\" or \"mtp\"")
-    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
-    if unknown:
-        raise ValueError(f"{flag}: {', '.join(map(repr, unknown))} not supported (only method and "
-                         "num_speculative_tokens)")
-    num = spec.get("num_speculative_tokens", EngineConfig.num_speculative_tokens)
-    if type(num) is not int or num < 1:
-        raise ValueError(f"{flag}: num_speculative_tokens must be an integer >= 1, got {num!r}")
-    return "mtp", num
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    """The engine options of ``_add_engine_args`` as keywords of ``build_engine_config`` / ``LLM``."""
-    budget = None if args.memory_budget_gb is None else int(args.memory_budget_gb * 2**30)
-    fraction = args.gpu_memory_utilization
-    if fraction is not None and not 0 < fraction <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
-    speculative, num_speculative_tokens = speculative_options(args)
-    return dict(
-        dtype=args.dtype, device=args.device, block_size=args.block_size, num_blocks=args.num_blocks,
-        memory_budget_bytes=budget, memory_fraction=fraction, enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, dp=args.dp, tp=args.tp, dispatch=args.dispatch, overlap=args.overlap,
-        dispatch_dtype=args.dispatch_dtype,
-        microbatch_threshold=args.microbatch_threshold, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, node_ip=args.node_ip,
-        rendezvous_timeout_s=args.rendezvous_timeout,
-        quantization=None if args.quantization == "none" else args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        cuda_graph=False if args.no_cuda_graph else None, compile=args.compile, cuda_graph_max_bs=args.cuda_graph_max_bs,
-        speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-        num_redundant_experts=args.num_redundant_experts, enable_eplb=args.enable_eplb,
-        eplb_window_size=args.eplb_window_size, eplb_step_interval=args.eplb_step_interval,
-        eplb_replica_selection=args.eplb_replica_selection,
-    )
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The options ``add_engine_args`` parsed, as keywords of ``build_engine_config`` / ``LLM`` (every field of
+    ``EngineOptions`` with a flag); ValueError naming a flag whose value is refused."""
+    options: dict[str, Any] = {}
+    joint: list[tuple[Flag, Any]] = []  # the flags that give other fields (--speculative-config): after their own
+    for f in fields(EngineOptions):
+        for flag in f.metadata["flags"]:
+            value = getattr(args, flag.dest)
+            if flag.sets is not None:
+                joint.append((flag, value))
+            elif _given(f, flag) is not None:
+                options[f.name] = _given(f, flag) if value else f.default
+            elif value is None:
+                options[f.name] = f.default
+            else:
+                options[f.name] = flag.parse(flag.names[0], value) if flag.parse else value
+    for flag, value in joint:
+        if value is None or not flag.sets:
+            continue
+        own = [g for f in fields(EngineOptions) if f.name in flag.sets for g in f.metadata["flags"] if g.sets is None]
+        if any(getattr(args, g.dest) not in (None, False) for g in own):
+            raise ValueError(f"{flag.names[0]} replaces {' and '.join(g.names[0] for g in own)}; give one or the other")
+        options.update(flag.parse(flag.names[0], value))
+    return options
 
 
 def engine_config(args: argparse.Namespace, **overrides: object):
     """The engine config of the options (``overrides``: keywords that replace some, e.g. a layout)."""
-    from epserve.engine.llm import build_engine_config
-
     return build_engine_config(args.model, **{**engine_options(args), **overrides})

@@ -14,23 +14,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from epserve.config import (
-    CacheConfig,
-    DispatchBackend,
-    EngineConfig,
-    EplbConfig,
-    KvCacheDtype,
-    ModelConfig,
-    OverlapSetting,
-    ParallelConfig,
-    Quantization,
-    ReplicaSelection,
-    SchedulerConfig,
-    SpeculativeMethod,
-)
-from epserve.config.engine import DispatchDtype
+from epserve.config import OverlapSetting
 from epserve.engine.balancer import RebalanceReport
 from epserve.engine.engine import LLMEngine
+from epserve.engine.options import EngineOptions, build_engine_config
 from epserve.engine.profiler import StepRecord
 from epserve.engine.worker import EngineWorker, join_torchrun, spawn_ranks
 from epserve.messages.commands import (
@@ -50,7 +37,6 @@ from epserve.messages.commands import (
 from epserve.messages.engine import AddRequest
 from epserve.messages.expert_load import ExpertLoad
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
-from epserve.model.quantization import resolve_fp8_weights
 from epserve.parallel.launch import RankFailure, RankProcesses, torchrun_rank
 from epserve.tokenizer import load_tokenizer
 
@@ -76,12 +62,12 @@ class LLM:
     """An engine with a tokenizer. ``model=None`` uses the built-in tiny checkpoint."""
 
     def __init__(
-        self, model: str | Path | None = None, dtype: str = EngineConfig.dtype, device: str = EngineConfig.device,
+        self, model: str | Path | None = None, dtype: str = EngineOptions.dtype, device: str = EngineOptions.device,
         **options: Any,
     ) -> None:
-        """``options``: the keywords of :func:`build_engine_config` (``block_size``, ``num_blocks``,
+        """``options``: the fields of ``EngineOptions`` (engine/options.py: ``block_size``, ``num_blocks``,
         ``max_num_seqs``, ``max_model_len``, ``dp``, ``tp``, ``dispatch``, ``overlap``, ``quantization``,
-        ``kv_cache_dtype``, ...)."""
+        ``kv_cache_dtype``, ...), as :func:`build_engine_config` takes them; TypeError naming any other."""
         self.config = build_engine_config(model, dtype, device, **options)
         path = self.config.model_path
         parallel = self.config.parallel
@@ -231,114 +217,3 @@ class LLM:
             raise ValueError("a prompt must be a string or a list of token ids")
         return list(prompt)
 
-
-# Every keyword defaults to its config dataclass's own default (config/engine.py), declared once there.
-def build_engine_config(
-    model: str | Path | None = None,
-    dtype: str = EngineConfig.dtype,
-    device: str = EngineConfig.device,
-    *,
-    block_size: int = CacheConfig.block_size,
-    num_blocks: int | None = CacheConfig.num_blocks,
-    memory_budget_bytes: int | None = CacheConfig.memory_budget_bytes,
-    memory_fraction: float | None = CacheConfig.memory_fraction,
-    memory_utilization: float = CacheConfig.memory_utilization,
-    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-    max_num_seqs: int = SchedulerConfig.max_num_seqs,
-    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
-    max_model_len: int | None = SchedulerConfig.max_model_len,
-    dp: int = ParallelConfig.dp,
-    tp: int = ParallelConfig.tp,
-    dispatch: DispatchBackend = ParallelConfig.dispatch,
-    dispatch_dtype: DispatchDtype = ParallelConfig.dispatch_dtype,
-    overlap: OverlapSetting = ParallelConfig.overlap,
-    microbatch_threshold: int | None = ParallelConfig.microbatch_threshold,
-    num_redundant_experts: int = ParallelConfig.num_redundant_experts,
-    enable_eplb: bool = EplbConfig.enabled,
-    eplb_window_size: int = EplbConfig.window_size,
-    eplb_step_interval: int = EplbConfig.step_interval,
-    eplb_replica_selection: ReplicaSelection = EplbConfig.replica_selection,
-    nnodes: int = ParallelConfig.nnodes,
-    node_rank: int = ParallelConfig.node_rank,
-    master_addr: str = ParallelConfig.master_addr,
-    master_port: int | None = ParallelConfig.master_port,
-    node_ip: str | None = ParallelConfig.node_ip,
-    rendezvous_timeout_s: float = ParallelConfig.rendezvous_timeout_s,
-    quantization: Quantization = EngineConfig.quantization,
-    kv_cache_dtype: KvCacheDtype = CacheConfig.kv_cache_dtype,
-    cuda_graph: bool | None = EngineConfig.cuda_graph,
-    compile: bool = EngineConfig.compile,
-    cuda_graph_max_bs: int | None = EngineConfig.cuda_graph_max_bs,
-    speculative: SpeculativeMethod = EngineConfig.speculative,
-    num_speculative_tokens: int = EngineConfig.num_speculative_tokens,
-) -> EngineConfig:
-    """The engine configuration ``LLM`` and ``epserve serve`` start from (``model=None``: the built-in
-    tiny checkpoint); ValueError for an inconsistent one. ``quantization``: ``"fp8"`` keeps FP8
-    block-scaled weights (quantizing a higher-precision checkpoint at load), ``None`` dequantizes at
-    load, ``"auto"`` keeps an FP8 checkpoint's weights on CUDA and dequantizes on the CPU.
-    ``memory_fraction``: the share of the device's total memory for weights, KV cache and activations
-    (vLLM's ``gpu_memory_utilization``; ``CacheConfig``). ``kv_cache_dtype``: ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3, per-layer scale: twice the
-    blocks in the same memory). ``cuda_graph`` (default on for CUDA) / ``compile`` (CPU): pure-decode
-    steps run one captured CUDA graph / one ``torch.compile(fullgraph=True)`` forward per batch bucket up
-    to ``cuda_graph_max_bs`` (default: ``max_num_seqs``, at most 256). ``speculative="mtp"``: decode with
-    the checkpoint's MTP layer drafting ``num_speculative_tokens`` tokens per step, verified by the model
-    in one forward (the output distribution is unchanged). ``num_redundant_experts`` extra expert slots
-    hold replicas that share their expert's tokens; ``enable_eplb``: every ``eplb_step_interval`` steps
-    the experts are placed by the load of the last ``eplb_window_size`` steps (``config.EplbConfig``)."""
-    if model is None:
-        from epserve.presets import default_model_path
-
-        model = default_model_path()
-    path = str(model)
-    model_config = ModelConfig.from_hf(path)
-    if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's {model_config.max_position_embeddings} positions"
-        )
-    parallel = ParallelConfig(
-        dp=dp, tp=tp, dispatch=dispatch, dispatch_dtype=dispatch_dtype, overlap=overlap,
-        microbatch_threshold=microbatch_threshold,
-        num_redundant_experts=num_redundant_experts, nnodes=nnodes,
-        eplb=EplbConfig(enabled=enable_eplb, window_size=eplb_window_size, step_interval=eplb_step_interval,
-                        replica_selection=eplb_replica_selection), node_rank=node_rank,
-        master_addr=master_addr, master_port=master_port, node_ip=node_ip,
-        rendezvous_timeout_s=rendezvous_timeout_s,
-    )
-    parallel.check_model(model_config)
-    if device.startswith("cuda") and parallel.world_size > 1:
-        import torch
-
-        if parallel.local_world_size > torch.cuda.device_count():
-            raise ValueError(
-                f"{parallel.local_world_size} ranks per host need as many GPUs; "
-                f"{torch.cuda.device_count()} visible"
-            )
-    config = EngineConfig(
-        model=model_config,
-        model_path=path,
-        dtype=dtype,
-        device=device,
-        cache=CacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks,
-            memory_budget_bytes=memory_budget_bytes,
-            memory_fraction=memory_fraction,
-            memory_utilization=memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            kv_cache_dtype=kv_cache_dtype,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        ),
-        parallel=parallel,
-        quantization=quantization,
-        cuda_graph=cuda_graph,
-        compile=compile,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-    )
-    resolve_fp8_weights(config.quantization, model_config, tp, device.split(":")[0])  # refuses what FP8 cannot run
-    return config
