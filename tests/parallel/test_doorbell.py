@@ -13,18 +13,9 @@ import time
 import pytest
 import torch.distributed as dist
 
+from epserve.parallel.bell import FRAME, HELLO, MAC, MAX_UNPROVEN, mac, secret_key
 from epserve.parallel.context import store_client
-from epserve.parallel.doorbell import (
-    _FRAME,
-    _HELLO,
-    _MAC,
-    _MAX_UNPROVEN,
-    Doorbell,
-    LocalDoorbell,
-    PeerLost,
-    _key,
-    _mac,
-)
+from epserve.parallel.doorbell import Doorbell, LocalDoorbell, PeerLost
 from tests.dist_harness import free_port
 
 SECRET = "world-secret"
@@ -98,18 +89,18 @@ def test_an_impostor_can_neither_ring_nor_crowd_the_bell(store):
     # A forged proof followed by a ring: the bell closes the connection and nothing is rung.
     with socket.create_connection((host, int(port)), timeout=10) as s:
         hello = s.recv(64)
-        assert hello.startswith(_HELLO)
+        assert hello.startswith(HELLO)
         s.sendall(os.urandom(16) + os.urandom(32) + b"R" + (0).to_bytes(8, "big"))
         assert s.recv(64) == b""  # closed: no proof of the secret
     bell = bells[0]._bell
     assert bell is not None and bell.rung == -1 and bell.refused >= 1
     assert all(t.is_alive() for t in sleeping)
     # Silent connections: past the cap of those still owing their proof, closed at once.
-    crowd = [socket.create_connection((host, int(port)), timeout=10) for _ in range(_MAX_UNPROVEN + 5)]
+    crowd = [socket.create_connection((host, int(port)), timeout=10) for _ in range(MAX_UNPROVEN + 5)]
     try:
         for s in crowd:
             s.recv(64)  # the hello (or the close, past the cap)
-        closed = sum(s.recv(64) == b"" for s in crowd[_MAX_UNPROVEN:])
+        closed = sum(s.recv(64) == b"" for s in crowd[MAX_UNPROVEN:])
         assert closed == 5
     finally:
         for s in crowd:
@@ -133,7 +124,7 @@ def test_a_false_bell_is_found_out(store):
 
     def answer() -> None:
         conn, _ = fake.accept()
-        conn.sendall(_HELLO + os.urandom(16))
+        conn.sendall(HELLO + os.urandom(16))
         conn.recv(48)
         conn.sendall(os.urandom(32))  # a proof it cannot make
         time.sleep(1)
@@ -185,10 +176,10 @@ def test_a_rank_that_stops_answering_is_lost_within_the_heartbeat_timeout(store)
     rank0.join(10)
     host, _, port = store_client("127.0.0.1", store).get("doorbell/address").decode().rpartition(":")
     hung = socket.create_connection((host, int(port)), timeout=10)  # proves, says who it is, then is silent
-    hello = hung.recv(len(_HELLO) + 16)
+    hello = hung.recv(len(HELLO) + 16)
     mine = os.urandom(16)
-    hung.sendall(mine + _mac(_key(SECRET), b"rank", hello[len(_HELLO):], mine) + _FRAME.pack(b"I", 1))
-    assert len(hung.recv(_MAC)) == _MAC
+    hung.sendall(mine + mac(secret_key(SECRET), b"rank", hello[len(HELLO):], mine) + FRAME.pack(b"I", 1))
+    assert len(hung.recv(MAC)) == MAC
     start = time.monotonic()
     with pytest.raises(PeerLost, match="rank 1 .*stopped answering"):
         bells[0].wait()

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from epserve.parallel.launch import RankFailure, RankInfo, RankProcesses, notify_parent
+from epserve.parallel.launch import RankFailure, RankProcesses
 from epserve.parallel.process import failure_message, last_line, process_state
+from epserve.parallel.spawned import RankInfo, notify_parent
 from tests.serve_harness import alive, freeze, thaw
 
 

@@ -6,10 +6,11 @@ A spawned rank runs an *entry* function ``entry(info, *args)`` that builds its h
 command (a small frozen dataclass the handler knows) over its pipe, each rank runs it (collectives
 included) and replies with a :class:`Reply`, :class:`Refused` or :class:`Failed`. While a command runs a
 rank may tell its parent things over the same pipe (:func:`notify_parent`: a :class:`Notice`, handed
-to the call's ``on_notice``). The parent watches every rank's pipe and process sentinel at once, so a
-rank that dies or fails stops the others and the call raises :class:`RankFailure` within moments
-instead of hanging; the report names the root cause (a rank that died, before the peers whose
-collectives failed because of it). Closing joins (then kills) every rank.
+to the call's ``on_notice``); the rank's side is ``parallel/spawned.py``. The parent watches every
+rank's pipe and process sentinel at once, so a rank that dies or fails stops the others and the call
+raises :class:`RankFailure` within moments instead of hanging; the report names the root cause (a rank
+that died, before the peers whose collectives failed because of it). Closing joins (then kills) every
+rank.
 
 A rank lives no longer than its parent: besides its command pipe it holds the read end of a pipe whose
 write end only the parent has, and a thread of the rank exits the process at once when that pipe
@@ -26,85 +27,31 @@ import os
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Protocol
+from typing import Any
 
 import torch.multiprocessing as mp
 
 from epserve import env
-from epserve.parallel.process import (
-    RankFailure,
-    exit_with_parent,
-    failure_message,
-    last_line,
-    name_process,
-    process_state,
-    signal_name,
+from epserve.parallel.process import RankFailure, failure_message, last_line, process_state, signal_name
+from epserve.parallel.spawned import (
+    CommandRefused,
+    Failed,
+    Notice,
+    RankHandler,
+    RankInfo,
+    Refused,
+    Shutdown,
+    notify_parent,
+    rank_main,
 )
 
+# Callers import the rank's side from here too, with the parent's (parallel/spawned.py is where it lives).
+__all__ = ["CommandRefused", "RankFailure", "RankHandler", "RankInfo", "RankProcesses", "free_port", "notify_parent",
+           "pin_to_cores", "threads_per_rank", "torchrun_rank", "wait_port_free"]
+
 logger = logging.getLogger(__name__)
-
-
-class CommandRefused(ValueError):
-    """A command every rank refused alike, before any collective (bad input): the ranks stay usable
-    and the caller gets a ValueError. Handlers raise subclasses of it."""
-
-
-class RankHandler(Protocol):
-    """What a rank's entry function returns: it runs the parent's commands, then closes."""
-
-    def handle(self, command: object) -> object: ...
-
-    def close(self) -> None: ...
-
-
-# ---- messages between the parent and a spawned rank ---------------------------------------------
-@dataclass(frozen=True)
-class Shutdown:
-    """Parent -> rank: close the handler and exit."""
-
-
-@dataclass(frozen=True)
-class Reply:
-    """Rank -> parent: the command ran (or, first of all, the handler was built)."""
-
-    value: Any = None
-
-
-@dataclass(frozen=True)
-class Refused:
-    """Rank -> parent: the handler raised :class:`CommandRefused`; the rank stays usable."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Rank -> parent: anything else went wrong; the rank exits after sending it."""
-
-    traceback: str
-
-
-@dataclass(frozen=True)
-class Notice:
-    """Rank -> parent, while a command runs (:func:`notify_parent`): handed to the call's ``on_notice``;
-    the call goes on waiting for the rank's reply."""
-
-    value: Any
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where one rank sits: its global rank, its index on this host, and the rendezvous."""
-
-    rank: int
-    local_rank: int
-    local_world_size: int
-    master_addr: str
-    master_port: int
 
 
 def free_port() -> int:
@@ -163,60 +110,6 @@ def pin_to_cores(local_rank: int, local_world_size: int) -> None:
         os.sched_setaffinity(0, cores[local_rank * per_rank : (local_rank + 1) * per_rank])
 
 
-_parent: Connection | None = None  # a spawned rank's pipe to its parent
-_parent_lock = threading.Lock()  # notices may come from any thread
-
-
-def notify_parent(value: object) -> bool:
-    """Send ``value`` to the parent as a :class:`Notice` while a command runs (a spawned rank); False in
-    a process no :class:`RankProcesses` started (one process, torchrun)."""
-    if _parent is None:
-        return False
-    with _parent_lock:
-        _parent.send(Notice(value))
-    return True
-
-
-def _rank_main(entry: Callable[..., RankHandler], info: RankInfo, conn: Connection, args: tuple,
-               environ: dict[str, str], watch: Connection) -> None:
-    """A spawned rank: build the handler, then run commands until Shutdown or the parent leaves.
-    ``environ``: the parent's environment when it started the rank (a forkserver child has the server's);
-    ``watch``: the pipe whose end tells that the parent is gone."""
-    global _parent
-    exit_with_parent(watch, f"epserve-rank{info.rank}")
-    os.environ.clear()
-    os.environ.update(environ)
-    name_process(f"epserve-rank{info.rank}")
-    _parent = conn
-    try:
-        handler = entry(info, *args)
-        _send(conn, Reply())
-    except BaseException:
-        _send(conn, Failed(traceback.format_exc()))
-        os._exit(1)
-    while True:
-        try:
-            command = conn.recv()
-        except (EOFError, OSError):  # the parent is gone
-            os._exit(1)
-        if isinstance(command, Shutdown):
-            handler.close()
-            _send(conn, Reply())
-            return
-        try:
-            _send(conn, Reply(handler.handle(command)))
-        except CommandRefused as e:
-            _send(conn, Refused(str(e)))
-        except BaseException:
-            _send(conn, Failed(traceback.format_exc()))
-            os._exit(1)
-
-
-def _send(conn: Connection, message: object) -> None:
-    with _parent_lock:
-        conn.send(message)
-
-
 class RankProcesses:
     """This host's ranks of a world, each running ``entry(RankInfo, *args)`` -> a :class:`RankHandler`
     to which the parent sends commands, to all of them at once, with :meth:`call`.
@@ -245,7 +138,7 @@ class RankProcesses:
                 parent, child = ctx.Pipe()
                 watch_r, watch_w = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
-                    target=_rank_main, args=(entry, info, child, args, dict(os.environ), watch_r),
+                    target=rank_main, args=(entry, info, child, args, dict(os.environ), watch_r),
                     name=f"epserve-rank{info.rank}", daemon=True
                 )
                 self._watches.append(watch_w)
