@@ -167,9 +167,11 @@ def test_vllm_and_sglang_flag_names_are_aliases_of_ours():
                                  "--speculative", "mtp", "--num-speculative-tokens", "2"]))
     assert (ours["tp"], ours["dp"], ours["speculative"], ours["num_speculative_tokens"]) == (2, 4, "mtp", 2)
     vllm = ["--max-num-seqs", "8", "--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
-            "--enable-expert-parallel", "--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 2}']
+            "--enable-expert-parallel", "--speculative-config",
+            '{"method": "deepseek_mtp", "num_speculative_tokens": 2}']
     sglang = ["--tp-size", "2", "--dp-size", "4", "--max-running-requests", "8", "--context-length", "512",
-              "--disable-radix-cache", "--disable-cuda-graph", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+              "--disable-radix-cache", "--disable-cuda-graph", "--speculative-config",
+              '{"method": "mtp", "num_speculative_tokens": 2}']
     for argv in (["--tensor-parallel-size", "2", "--data-parallel-size", "4", *vllm], ["-tp", "2", "-dp", "4", *vllm],
                  sglang):
         for command in ("serve", "engine"):
@@ -190,11 +192,13 @@ def test_bad_alias_values_are_one_line_errors(tmp_path, capsys):
         (["serve", "--speculative-config", "mtp"], "--speculative-config is not JSON"),
         (["serve", "--speculative-config", "[1]"], "--speculative-config must be a JSON object"),
         (["serve", "--speculative-config", '{"method": "eagle"}'], "method 'eagle' is not supported"),
-        (["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'], "must be an integer >= 1"),
+        (["serve", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'],
+         "must be an integer >= 1"),
         (["serve", "--speculative-config", '{"method": "mtp", "model": "x"}'], "'model' not supported"),
         (["serve", "--speculative", "mtp", "--speculative-config", '{"method": "mtp"}'], "give one or the other"),
         (["serve", "/a", "--model-path", "/b"], "name different checkpoints"),
-        (["serve", "--chat-template", "{% if %}"], "--chat-template (given as text): the chat template does not compile"),
+        (["serve", "--chat-template", "{% if %}"],
+         "--chat-template (given as text): the chat template does not compile"),
         (["router", "--engine", "h:1", "--chat-template", str(tmp_path / "none.jinja")], "looks like a file path"),
     ]
     for args, message in cases:  # in this process: refused before anything starts
@@ -214,7 +218,8 @@ def test_vllm_and_sglang_flags_without_an_equivalent(capsys):
     from epserve.engine.args import FOREIGN_FLAGS, engine_options, foreign_flags
 
     cases = [
-        (["serve", "--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: no equivalent in epserve: no pipeline"),
+        (["serve", "--pipeline-parallel-size", "2"],
+         "--pipeline-parallel-size 2: no equivalent in epserve: no pipeline"),
         (["engine", "--pp-size", "4"], "give --dp and --tp"),
         (["serve", "--dp", "2", "--ep-size", "4"], "--ep-size 4: no equivalent in epserve: expert parallelism always"),
         (["serve", "--tokenizer", "/tok"], "the checkpoint's own tokenizer"),

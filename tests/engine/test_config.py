@@ -121,3 +121,32 @@ def test_gpu_memory_utilization_is_a_share_of_total_memory(monkeypatch):
         blocks(memory_fraction=0.05)  # 0.5 GiB: less than the weights
     with pytest.raises(ConfigError, match="memory_fraction must be in"):
         CacheConfig(memory_fraction=1.5)
+
+
+def test_engine_options_are_declared_once_and_placed_by_one_mapping():
+    """Each field of ``EngineOptions`` names one field of the frozen configs and defaults to its default;
+    ``placed`` puts every value there, the configs' own options are all covered, and
+    ``build_engine_config``'s keywords are exactly the fields (an unknown one is a TypeError naming it)."""
+    import dataclasses
+    import inspect
+
+    from epserve.engine.options import SECTIONS, EngineOptions, build_engine_config
+
+    fields = dataclasses.fields(EngineOptions)
+    places = [f.metadata["into"] for f in fields]
+    assert len(set(places)) == len(places)  # no two options for one config field
+    for f, (section, name) in zip(fields, places):
+        target = {g.name: g for g in dataclasses.fields(SECTIONS[section])}[name]
+        assert f.default == target.default, f.name
+    values = {f.name: object() for f in fields}  # a distinct value each: placed where its field says
+    placed = EngineOptions(**values).placed()
+    assert all(placed[section][name] is values[f.name] for f, (section, name) in zip(fields, places))
+    assert sum(map(len, placed.values())) == len(fields)
+    not_options = {"engine": {"model", "model_path", "cache", "scheduler", "parallel"},  # built, not given
+                   "parallel": {"eplb", "timeout_s"}}  # (eplb: from its own options; timeout_s: no option)
+    for section, config in SECTIONS.items():
+        assert {g.name for g in dataclasses.fields(config)} - set(placed[section]) == not_options.get(section, set())
+    keywords = inspect.signature(build_engine_config).parameters
+    assert list(keywords) == ["model", *(f.name for f in fields)]
+    with pytest.raises(TypeError, match="unknown engine options bogus, max_seqs"):
+        build_engine_config(None, max_seqs=4, bogus=1)  # refused before any checkpoint is read

@@ -38,8 +38,10 @@ from epserve.config.model import (
 )
 
 __all__ = [
-    "DISPATCH_BACKENDS", "ENGINE_ROLES", "KV_CACHE_DTYPES", "MULTI_RANK_DISPATCH", "OVERLAP_CHOICES", "OVERLAP_MODES", "QUANTIZATIONS",
-    "REPLICA_SELECTIONS", "SPECULATIVE_METHODS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SCORING", "SUPPORTED_TOPK_METHODS", "CacheConfig",
-    "ConfigError", "OutOfMemoryError", "DispatchBackend", "EngineConfig", "EngineRole", "EplbConfig", "KvCacheDtype", "LoopOptions", "ModelConfig", "OverlapMode", "OverlapSetting",
-    "ParallelConfig", "Quantization", "ReplicaSelection", "RopeScaling", "SchedulerConfig", "SpeculativeMethod", "yarn_get_mscale",
+    "DISPATCH_BACKENDS", "ENGINE_ROLES", "KV_CACHE_DTYPES", "MULTI_RANK_DISPATCH", "OVERLAP_CHOICES", "OVERLAP_MODES",
+    "QUANTIZATIONS", "REPLICA_SELECTIONS", "SPECULATIVE_METHODS", "SUPPORTED_ARCHITECTURES", "SUPPORTED_SCORING",
+    "SUPPORTED_TOPK_METHODS", "CacheConfig", "ConfigError", "OutOfMemoryError", "DispatchBackend", "EngineConfig",
+    "EngineRole", "EplbConfig", "KvCacheDtype", "LoopOptions", "ModelConfig", "OverlapMode", "OverlapSetting",
+    "ParallelConfig", "Quantization", "ReplicaSelection", "RopeScaling", "SchedulerConfig", "SpeculativeMethod",
+    "yarn_get_mscale",
 ]

@@ -117,8 +117,8 @@ class ParallelConfig:
     collectives run on the cores the compute needs and micro-batching measured slower at every batch
     size, docs/benchmarks.md). ``nnodes``/``node_rank``/``master_addr``/``master_port``: a world spread
     over hosts, each running ``dp*tp/nnodes`` ranks; ``node_ip``: this host's address towards them
-    (default: the one that routes to ``master_addr``, parallel/addresses.py). ``num_redundant_experts``: extra expert slots
-    holding replicas of the busiest experts (placed by load when ``eplb`` rebalances)."""
+    (default: the one that routes to ``master_addr``, parallel/addresses.py). ``num_redundant_experts``:
+    extra expert slots holding replicas of the busiest experts (placed by load when ``eplb`` rebalances)."""
 
     dp: int = 1
     tp: int = 1
@@ -234,8 +234,8 @@ class EngineConfig:
         if self.cuda_graph and not self.device.startswith("cuda"):
             raise ConfigError("cuda_graph=True needs a CUDA device; on the CPU use compile=True")
         if (self.compile or self.cuda_graph) and not self.parallel.fixed_shape_dispatch:
-            raise ConfigError("compile / cuda_graph with EP > 1 need a fixed-shape dispatch='padded' (--dispatch padded)"
-                              " or, on CUDA, 'symm_mem'")
+            raise ConfigError("compile / cuda_graph with EP > 1 need a fixed-shape dispatch='padded' "
+                              "(--dispatch padded) or, on CUDA, 'symm_mem'")
         if self.parallel.dispatch == "symm_mem" and not self.device.startswith("cuda"):
             raise ConfigError(f"dispatch 'symm_mem' (--dispatch symm_mem) runs on CUDA with NVSHMEM only; device is "
                               f"{self.device!r}: use --dispatch padded or all_to_all")

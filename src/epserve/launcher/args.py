@@ -55,12 +55,14 @@ def disaggregated_layouts(args: argparse.Namespace) -> dict[str, dict[str, int]]
     it); ValueError for the side options without it, or with --dp/--tp."""
     sides = {"prefill": (args.prefill_dp, args.prefill_tp), "decode": (args.decode_dp, args.decode_tp)}
     if not args.disaggregate:
-        given = [f"--{side}-{k}" for side, values in sides.items() for k, v in zip(("dp", "tp"), values) if v is not None]
+        given = [f"--{side}-{k}" for side, values in sides.items() for k, v in zip(("dp", "tp"), values)
+                 if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} need --disaggregate")
         return None
     if args.dp != 1 or args.tp != 1:
-        raise ValueError("with --disaggregate give each side's layout: --prefill-dp/--prefill-tp, --decode-dp/--decode-tp")
+        raise ValueError("with --disaggregate give each side's layout: --prefill-dp/--prefill-tp, "
+                         "--decode-dp/--decode-tp")
     layouts = {}
     for side, (dp, tp) in sides.items():
         for name, value in (("dp", dp), ("tp", tp)):
@@ -94,7 +96,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="cache_aware: route to the longest prefix match above this fraction of the prompt")
     g.add_argument("--balance-abs-threshold", type=int, default=RouterOptions.balance_abs_threshold,
                    help="cache_aware: load is imbalanced when max - min exceeds this ...")
-    g.add_argument("--balance-rel-threshold", type=float, default=RouterOptions.balance_rel_threshold, help="... and max > this x min")
+    g.add_argument("--balance-rel-threshold", type=float, default=RouterOptions.balance_rel_threshold,
+                   help="... and max > this x min")
     g.add_argument("--max-tree-tokens", type=int, default=RouterOptions.max_tree_tokens,
                    help="cache_aware: prefix tokens remembered per instance (LRU beyond)")
     g.add_argument("--engine-wait-timeout", type=float, default=RouterOptions.engine_wait_s,
@@ -117,7 +120,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, extra EOS ids), "
                    "vllm = none (OpenAI's defaults), or a directory holding a generation_config.json")
     lim = p.add_argument_group("router limits (per HTTP request)")
-    lim.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes, help="larger bodies get 413 (default 4 MiB)")
+    lim.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes,
+                     help="larger bodies get 413 (default 4 MiB)")
     lim.add_argument("--max-choices-per-request", type=int, default=RouterOptions.max_choices_per_request,
                      help="most generations one request may ask for (prompts x n)")
     lim.add_argument("--header-timeout", type=float, default=RouterOptions.header_timeout_s,
@@ -134,7 +138,8 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
                    decode: tuple[str, ...] = ()):
 
     return RouterOptions(
-        model=args.model, engines=engines, prefill=prefill, decode=decode, host=args.host, port=args.port, policy=args.policy,
+        model=args.model, engines=engines, prefill=prefill, decode=decode, host=args.host, port=args.port,
+        policy=args.policy,
         served_model_name=args.served_model_name, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
         max_tree_tokens=args.max_tree_tokens, engine_wait_s=args.engine_wait_timeout, log_level=args.log_level.upper(),
