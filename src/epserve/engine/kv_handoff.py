@@ -20,12 +20,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from epserve.engine.kv_manager import KVCacheManager
 from epserve.engine.request import Request, RequestStatus
 from epserve.messages.kv import KVWanted, PrefilledKV
+
+if TYPE_CHECKING:  # (an annotation only: the handoff is plain bookkeeping)
+    import torch
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """A generation request: its sampling parameters, token history and scheduling state; the part of it one
-step runs (``ScheduledChunk``) and what the step did to it (``RequestUpdate``).
+step runs (``ScheduledChunk``), what the step did to it (``RequestUpdate``) and when a token ends it
+(``check_stop``).
 
 Plain Python, no tensors. The scheduler owns ``status`` and ``num_computed_tokens``; the KV cache
-manager owns ``block_ids`` and ``block_hashes``; the runner only reads.
+manager owns ``block_ids`` and ``block_hashes``; the runner and the sampling pipeline only read.
 """
 
 from __future__ import annotations
@@ -148,6 +149,32 @@ class Request:
         )
 
 
+def check_stop(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """The finished status ``token``, just appended, gives the request (EOS or a stop token; ``max_tokens``
+    or the context reached), or None while it goes on."""
+    params = request.sampling_params
+    if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def append_tokens(request: Request, tokens: tuple[int, ...], logprobs: tuple[object, ...],
+                  max_model_len: int) -> tuple[RequestStatus | None, int]:
+    """Append a step's tokens one by one (each with its logprobs entry or None) until one stops the request
+    (the rest cut, exactly where plain decoding would stop): the finished status or None, and how many
+    were appended."""
+    status, n = None, 0
+    for token, lp in zip(tokens, logprobs):
+        n += 1
+        request.append_output_token(token, lp)
+        status = check_stop(request, token, max_model_len)
+        if status is not None:
+            break
+    return status, n
+
+
 def decodes_at(request: Request, start: int) -> bool:
     """Whether running ``request`` from token ``start`` is a decode: only the last known token lacks
     KV, and it is an output token (so a recompute's prompt part never counts)."""
@@ -183,7 +210,7 @@ class ScheduledChunk:
 
     @property
     def needs_sample(self) -> bool:
-        """The chunk reaches the last known token, so the runner samples the next one (and verifies
+        """The chunk reaches the last known token, so the sampling pipeline draws the next one (and verifies
         the drafts)."""
         return self.start + self.num_known == self.request.num_tokens
 

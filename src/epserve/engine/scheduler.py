@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from epserve.config import CacheConfig, SchedulerConfig
 from epserve.engine.kv_handoff import KVHandoff
 from epserve.engine.kv_manager import KVCacheManager
-from epserve.engine.request import Request, RequestStatus, RequestUpdate, ScheduledChunk, decodes_at
+from epserve.engine.request import (
+    Request,
+    RequestStatus,
+    RequestUpdate,
+    ScheduledChunk,
+    append_tokens,
+    check_stop,
+    decodes_at,
+)
 from epserve.engine.spec_manager import SpecManager, step_tokens
 
 
@@ -187,7 +195,7 @@ class Scheduler:
         (``KVHandoff.take_arrivals``; call before ``schedule()``): it runs like any decode from now on.
         The update reports the token (and the end, if that token stops it)."""
         token = request.output_token_ids[-1]
-        status = self._check_stop(request, token)
+        status = check_stop(request, token, self.max_model_len)
         if status is not None:
             request.status = status
             self._release(request)
@@ -250,13 +258,7 @@ class Scheduler:
             if rid not in sampled:
                 raise KeyError(f"no sampled token for request {rid!r}")
             tokens, lps = step_tokens(sampled[rid], None if logprobs is None else logprobs.get(rid))
-            status, n = None, 0
-            for token, lp in zip(tokens, lps):
-                n += 1
-                request.append_output_token(token, lp)
-                status = self._check_stop(request, token)
-                if status is not None:
-                    break
+            status, n = append_tokens(request, tokens, lps, self.max_model_len)
             request.num_computed_tokens = chunk.start + chunk.num_known - 1 + n
             self.kv_manager.cache_full_blocks(request)
             if status is not None:
@@ -275,14 +277,6 @@ class Scheduler:
         return updates
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _arrival_of(self, request: Request) -> int:
         return self._arrival_index[request.request_id]
 
