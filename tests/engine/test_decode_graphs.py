@@ -222,7 +222,7 @@ def test_the_mtp_draft_passes_replay_too(counter_ckpt, monkeypatch):
     captured = llm.engine.runner.captured
     assert captured.drafts is not None and captured.drafts._cpu_graphs and not captured.drafts._eager
     assert [a.token_ids for a in eager] == [b.token_ids for b in out]
-    assert eager_llm.engine.runner.speculative_stats() == llm.engine.runner.speculative_stats()
+    assert eager_llm.engine.sampling.speculative_stats() == llm.engine.sampling.speculative_stats()
 
 
 @needs_cpu_kernels

@@ -149,7 +149,7 @@ def test_mtp_layer_kv_travels_and_drafts_continue(counter_ckpt, device):
     assert prefill.runner.kv_layout().num_layers == prefill.config.model.num_hidden_layers + 1
     tokens, _ = disaggregated(prefill, decode, prompts, params)
     assert tokens == want
-    assert decode.runner.speculative_stats()["num_accepted_tokens"] > 0
+    assert decode.sampling.speculative_stats()["num_accepted_tokens"] > 0
 
 
 def test_fp8_kv_travels_as_stored(ckpt, device):
@@ -220,7 +220,7 @@ def test_structured_output_continues_across_the_handoff(ckpt, device):
     alone = LLM(ckpt, dtype="float32", device=device, num_blocks=256, block_size=16).generate([PROMPTS[0]], params)[0]
     prefill, decode = _engine(ckpt, device), _engine(ckpt, device)
     for engine in (prefill, decode):
-        engine.runner.grammar_masks.add("r0", engine.runner.grammars.compile(structured))
+        engine.constraints.add("r0", engine.constraints.compile(structured))
     tokens, _ = disaggregated(prefill, decode, PROMPTS[:1], params)
     assert tokens["r0"] == alone.token_ids and alone.finish_reason == "stop"
     assert re.fullmatch("[a-z]{2,4}-[0-9]{2,3}", alone.text)

@@ -138,7 +138,7 @@ def test_string_formats_admit_only_valid_values(llm) -> None:
     """Every path through the format grammars is a valid value (xgrammar's own date, time, date-time,
     ipv4 and hostname rules admit 2023-11-31, second 60, octet 010, 64-character labels: replaced by
     exact patterns); the patterns' edges (leap years, month ends) checked one by one."""
-    grammars, tokenizer = llm.engine.runner.grammars, llm.tokenizer
+    grammars, tokenizer = llm.engine.constraints, llm.tokenizer
     vocab, eos, rng = llm.config.model.vocab_size, llm.config.model.eos_token_ids[0], torch.Generator().manual_seed(0)
     for fmt in ("date", "time", "date-time", "ipv4", "ipv6", "uuid", "email", "hostname"):
         schema = {"type": "string", "format": fmt}
@@ -191,7 +191,8 @@ def test_a_complete_grammar_allows_only_eos(llm) -> None:
     out = llm.generate(["x"], constrained("choice", json.dumps(["yes", "no"]), temperature=1.0, seed=5,
                                           ignore_eos=True, max_tokens=8))[0]
     text_ids = [t for t in out.token_ids if t != eos]
-    assert llm.tokenizer.decode(text_ids) in ("yes", "no") and out.token_ids[len(text_ids):] == [eos] * (8 - len(text_ids))
+    assert llm.tokenizer.decode(text_ids) in ("yes", "no")
+    assert out.token_ids[len(text_ids):] == [eos] * (8 - len(text_ids))
     masks = GrammarMasks(64, (31, 63))  # the top bit of an int32 word, twice
     masks._matchers["r"] = type("Done", (), {"is_terminated": lambda self: True})()
     logits = torch.zeros(1, 64)
@@ -299,14 +300,14 @@ def test_constrained_decode_steps_run_captured(tiny_ckpt, compiled_llm) -> None:
 def test_an_aborted_constrained_request_frees_its_matcher_and_blocks(llm) -> None:
     engine = llm.engine
     constraint = StructuredOutput("regex", "[a-z]{200}")
-    engine.runner.grammar_masks.add("cut", engine.runner.grammars.compile(constraint))
+    engine.constraints.add("cut", engine.constraints.compile(constraint))
     engine.add_request("cut", [5, 6, 7], SamplingParams(max_tokens=150, structured=constraint))
     for _ in range(4):
         engine.step()
-    assert engine.runner.grammar_masks.constrains("cut")
+    assert engine.constraints.constrains("cut")
     assert engine.abort_request("cut")
     while engine.has_unfinished_requests():
         engine.step()
-    assert not engine.runner.grammar_masks.constrains("cut")
+    assert not engine.constraints.constrains("cut")
     kv = engine.scheduler.kv_manager
     assert kv.num_free_blocks == kv.num_blocks

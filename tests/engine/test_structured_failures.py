@@ -30,7 +30,8 @@ xgr = pytest.importorskip("xgrammar")
 # ---- JSON-schema keywords xgrammar would ignore: refused, naming the keyword and where ---------------
 OBJ = {"type": "object", "additionalProperties": False}
 REFUSED = [  # (schema, keyword, JSON pointer); each probed: xgrammar 0.2.9 compiles it and does not enforce it
-    ({**OBJ, "properties": {"a": {"type": "integer", "not": {"const": 3}}}, "required": ["a"]}, "not", "#/properties/a"),
+    ({**OBJ, "properties": {"a": {"type": "integer", "not": {"const": 3}}}, "required": ["a"]}, "not",
+     "#/properties/a"),
     ({"allOf": [{"type": "integer", "maximum": 5}, {"type": "integer", "minimum": 3}]}, "allOf", "#"),
     ({"type": "number", "multipleOf": 0.5}, "multipleOf", "#"),
     ({"type": "integer", "multipleOf": 2.5}, "multipleOf", "#"),
@@ -60,8 +61,10 @@ ACCEPTED = [  # (schema, a valid value, a value the grammar must refuse)
     ({"const": "cat", "type": "string", "title": "Pet"}, "cat", "dog"),
     ({"allOf": [{"type": "integer", "maximum": 3}], "description": "d"}, 3, 4),
     ({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}]}, "ab", "abc"),
-    ({"$defs": {"Cat": {**OBJ, "properties": {"k": {"const": "cat"}, "n": {"type": "integer"}}, "required": ["k", "n"]},
-                "Dog": {**OBJ, "properties": {"k": {"const": "dog"}, "n": {"type": "integer"}}, "required": ["k", "n"]}},
+    ({"$defs": {"Cat": {**OBJ, "properties": {"k": {"const": "cat"}, "n": {"type": "integer"}},
+                        "required": ["k", "n"]},
+                "Dog": {**OBJ, "properties": {"k": {"const": "dog"}, "n": {"type": "integer"}},
+                        "required": ["k", "n"]}},
       "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "k"}},
      {"k": "dog", "n": 2}, {"k": "cow", "n": 2}),  # pydantic's discriminated union
     ({"type": "string", "format": "not-a-standard-format", "maxLength": 2}, "ab", "abc"),  # (an annotation)
@@ -69,7 +72,7 @@ ACCEPTED = [  # (schema, a valid value, a value the grammar must refuse)
 
 
 def test_schema_keywords_the_grammar_would_ignore_are_refused(llm) -> None:
-    grammars = llm.engine.runner.grammars
+    grammars = llm.engine.constraints
     for schema, keyword, path in REFUSED:
         with pytest.raises(ValueError, match=rf"'{re.escape(keyword)}' at {re.escape(path)} is not supported"):
             grammars.compile(StructuredOutput("json_schema", json.dumps(schema)))
@@ -127,14 +130,14 @@ def run_loop(llm: LLM, requests: dict[str, tuple[str, SamplingParams]]) -> Colle
 def assert_clean(llm: LLM) -> None:
     """The engine holds nothing of finished or failed requests."""
     engine = llm.engine
-    assert not engine.has_unfinished_requests() and engine.runner.grammar_masks.num_matchers == 0
+    assert not engine.has_unfinished_requests() and engine.constraints.num_matchers == 0
     kv = engine.scheduler.kv_manager
     assert kv.num_free_blocks == kv.num_blocks
 
 
 def allowed_tokens(llm: LLM, constraint: StructuredOutput, after: str = "") -> list[int]:
     """The tokens ``constraint``'s grammar allows first (after the text ``after``)."""
-    matcher = xgr.GrammarMatcher(llm.engine.runner.grammars.compile(constraint))
+    matcher = xgr.GrammarMatcher(llm.engine.constraints.compile(constraint))
     assert matcher.accept_string(after) or not after
     vocab = llm.config.model.vocab_size
     bitmask = xgr.allocate_token_bitmask(1, vocab)
@@ -216,7 +219,7 @@ class Serving:
 
     def __init__(self, llm: LLM, ids: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         self.llm, self.gate, self.entered = llm, threading.Event(), threading.Event()
-        grammars = llm.engine.runner.grammars
+        grammars = llm.engine.constraints.compiler  # (the compiler thread calls its compile)
         compile_ = grammars.compile
 
         def held(constraint: StructuredOutput):
@@ -261,7 +264,8 @@ def test_a_slow_compile_holds_no_request_back(llm, monkeypatch) -> None:
         assert not serving.front.finished["slow"].is_set() and "slow" in serving.loop.compiling
         serving.gate.set()
         end = serving.wait("slow")
-    assert end.finish_reason == "stop" and json.loads(llm.tokenizer.decode(serving.front.tokens("slow")))["slow"] in range(10)
+    assert end.finish_reason == "stop"
+    assert json.loads(llm.tokenizer.decode(serving.front.tokens("slow")))["slow"] in range(10)
     assert_clean(llm)
 
 
@@ -287,12 +291,12 @@ def test_an_abort_while_compiling_frees_the_request(llm, monkeypatch) -> None:
         serving.submit("after", "The quick brown fox", FREE)
         assert serving.wait("after").finish_reason == "length"  # (the loop took GrammarCompiled before it)
         assert serving.front.outputs["cut"] == [] and not loop.compiling and "cut" not in loop.requests
-    assert not llm.engine.runner.grammar_masks.constrains("cut")
+    assert not llm.engine.constraints.constrains("cut")
     assert_clean(llm)
 
 
 def test_an_identical_constraint_compiles_once(llm) -> None:
-    grammars = llm.engine.runner.grammars
+    grammars = llm.engine.constraints.compiler
     before = grammars.num_compiled
     same = constrained("json_schema", unique_schema("cached"), temperature=0.0)
     outs = llm.generate(["x", "y"], [same, same])

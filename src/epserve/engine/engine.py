@@ -4,7 +4,9 @@ Every rank of the EP group calls :meth:`LLMEngine.step` together: each DP group'
 its batch (possibly empty); one small all-reduce over every rank says whether anybody has work and
 how many tokens the largest batch holds; if anybody has, the leaders broadcast their batch to their
 TP peers and every rank runs the forward (an idle DP group runs the empty batch, so every MoE
-collective has all participants); leaders sample and update their requests.
+collective has all participants); leaders sample (the engine's sampling pipeline, ``engine/sampling.py``,
+which also holds the structured-output constraints the step loop adds and releases) and update their
+requests.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.memory import keep_freed_host_memory
 from epserve.engine.request import Request, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
+from epserve.engine.sampling import SamplingPipeline
 from epserve.engine.scheduler import RequestUpdate, Scheduler
 from epserve.messages.engine import AddRequest
 from epserve.messages.expert_load import ExpertLoad
@@ -42,10 +45,13 @@ class LLMEngine:
         self.config = config
         self.ctx = ctx if ctx is not None else ParallelContext.single(resolve_device(config.device))
         self.runner = ModelRunner(config, self.ctx)
+        self.sampling = SamplingPipeline(config, self.runner.model.compute_logits, self.ctx.device)
+        self.constraints = self.sampling.constraints  # structured outputs: the step loop's one seam
         if self.ctx.device.type == "cpu":  # after loading: the load's temporaries are not kept
             keep_freed_host_memory()
         self.scheduler = (
-            Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len, config.num_spec_tokens)
+            Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len,
+                      config.num_spec_tokens)
             if self.ctx.is_leader
             else None
         )
@@ -55,7 +61,7 @@ class LLMEngine:
         self.num_forwards = 0  # steps that ran a forward (the same count on every rank)
         self.step_tokens = 0  # tokens the leader's last step scheduled (the loop's histogram of them)
         # leader: the requests the last step aborted for a reason of their own, and why (a constraint that
-        # leaves no token allowed: ``GrammarMasks``); their updates finish as "abort", the loop reports
+        # leaves no token allowed: ``Constraints``); their updates finish as "abort", the loop reports
         # them failed
         self.failed: dict[str, str] = {}
 
@@ -77,7 +83,7 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"bad_words token id {bad} is outside the vocabulary [0, {vocab})")
         if params.structured is not None:
-            if not self.runner.grammars.available:
+            if not self.constraints.available:
                 raise RequestError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
         if request.kv_transfer == "receive" and (params.prompt_logprobs is not None or params.max_tokens == 0):
             raise RequestError("prompt_logprobs and max_tokens 0 need the prompt computed where the request "
@@ -143,16 +149,16 @@ class LLMEngine:
         assert scheduler is not None
         for write, request in scheduler.handoff.take_arrivals():
             # (a constrained request's first token was drawn under its grammar by the prefill instance)
-            self.runner.grammar_masks.accept(request.request_id, request.output_token_ids[:1])
+            self.constraints.accept(request.request_id, request.output_token_ids[:1])
             writes.append(write)
             updates.append(scheduler.start_decoding(request))
         return writes, updates
 
     def _abort_failed(self) -> None:
-        """Abort the requests whose constraint failed them this step (``GrammarMasks.accept``), alone:
+        """Abort the requests whose constraint failed them this step (``Constraints.accept``), alone:
         a request sampled this step is reported by this step's update (its token dropped), as "abort",
         with the reason in ``failed``."""
-        for rid, why in self.runner.grammar_masks.take_failures().items():
+        for rid, why in self.constraints.take_failures().items():
             if self.abort_request(rid):
                 self.failed[rid] = why
 
@@ -210,9 +216,9 @@ class LLMEngine:
             self.num_forwards += 1
             hidden = self.runner.forward(plan, max_tokens, all_decode=not any_prefill)
             if chunks:
-                result = self.runner.sample(chunks, hidden, plan)
+                result = self.runner.profiler.timed("sample", self.sampling.sample, chunks, hidden, plan)
             if self.runner.proposer is not None:  # every rank: the MTP layer's passes, in lockstep
-                drafts = self.runner.propose(chunks, plan, result, hidden, max_tokens, all_decode=not any_prefill)
+                drafts = self.runner.propose(chunks, plan, result, hidden, max_tokens, not any_prefill, self.sampling)
             balancer = self.runner.balancer
             if balancer is not None and balancer.record_step():  # every rank at the same step
                 balancer.rebalance()
@@ -230,5 +236,5 @@ class LLMEngine:
             )
         for update in updates:
             if update.finished:
-                self.runner.release(update.request_id)
+                self.sampling.release(update.request_id)
         return updates

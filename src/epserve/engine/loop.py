@@ -27,7 +27,6 @@ import torch
 
 from epserve.config import LoopOptions
 from epserve.engine.engine import LLMEngine
-from epserve.engine.profiler import UNTIMED
 from epserve.engine.request import Request
 from epserve.engine.scheduler import RequestUpdate
 from epserve.messages.engine import (
@@ -71,7 +70,7 @@ class EngineLoop:
         self.options = options
         self.doorbell = doorbell if doorbell is not None else LocalDoorbell()
         self.inbox: collections.deque[AddRequest | AbortRequest | KVReceived | GrammarCompiled] = collections.deque()
-        # requests waiting for their constraint to compile (``engine/structured.py``), and its future
+        # requests waiting for their constraint to compile (``engine.constraints``), and its future
         self.compiling: dict[str, tuple[AddRequest, Future]] = {}
         self._offline = False
         self.requests: dict[str, Request] = {}  # accepted by this leader, not finished (the loop's thread)
@@ -116,7 +115,7 @@ class EngineLoop:
         scheduler = self.engine.scheduler
         assert scheduler is not None
         kv = scheduler.kv_manager
-        spec = self.engine.runner.speculative_stats() or {}
+        spec = self.engine.sampling.speculative_stats() or {}
         balancer = self.engine.runner.balancer
         return EngineLoad(
             dp_rank=self.ctx.dp_rank,
@@ -181,8 +180,7 @@ class EngineLoop:
                     self._take_inbox()
                 if self._drain_deadline is not None and time.monotonic() > self._drain_deadline:
                     self._abort_all("drain timeout")
-            profiler = engine.runner.profiler
-            updates = (UNTIMED if profiler is None else profiler).time_step(engine.step, self.stop_requested)
+            updates = engine.runner.profiler.time_step(engine.step, self.stop_requested)
             if leader:
                 if n := engine.step_tokens:  # (counted before its outputs go out)
                     self.step_token_counts[bisect.bisect_left(ITERATION_TOKENS_BUCKETS, n)] += 1
@@ -233,7 +231,7 @@ class EngineLoop:
                     continue
                 message, future = self.compiling.pop(rid)
                 try:
-                    self.engine.runner.grammar_masks.add(rid, future.result())
+                    self.engine.constraints.add(rid, future.result())
                 except ValueError as e:
                     failed.append(RequestFailed(rid, "invalid", str(e)))
                     continue
@@ -245,7 +243,7 @@ class EngineLoop:
                 continue
             if self.draining:
                 failed.append(RequestFailed(rid, "unavailable", "the engine is shutting down"))
-                self.engine.runner.grammar_masks.release(rid)
+                self.engine.constraints.release(rid)
                 continue
             try:
                 request = self.engine.enqueue(message)
@@ -259,7 +257,7 @@ class EngineLoop:
     def _compile(self, message: AddRequest) -> None:
         """Compile the request's constraint on the compiler's thread; the loop takes the request when it
         is done (offline, at once: nothing else waits)."""
-        future = self.engine.runner.grammars.submit(message.params.structured)  # type: ignore[arg-type]
+        future = self.engine.constraints.submit(message.params.structured)  # type: ignore[arg-type]
         self.compiling[message.request_id] = (message, future)
         if self._offline:
             future.exception()

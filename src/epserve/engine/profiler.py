@@ -2,10 +2,11 @@
 
 Each decoder layer times every op it runs (a ``*_send`` op is the time to start a transfer, a
 ``*_recv`` op the time spent waiting for it: what the overlap did not hide); the runner adds the
-whole forward and the sampling, the step loop (:mod:`epserve.engine.loop`) the whole step
-(scheduling, the step's all-reduce and batch broadcast included) through :meth:`OpProfiler.time_step`,
-or :data:`UNTIMED` while profiling is off. One record per step that ran a forward, tagged with the
-step's shape.
+whole forward and the MTP passes, the engine the sampling, the step loop (:mod:`epserve.engine.loop`)
+the whole step (scheduling, the step's all-reduce and batch broadcast included) through
+:meth:`OpProfiler.time_step`. While profiling is off the runner holds :data:`UNTIMED`, the same calls
+that time nothing (no ``None`` to test). One record per step that ran a forward, tagged with the step's
+shape.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class StepRecord:
 
 
 class OpProfiler:
+    enabled = True
+
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.sync = sync  # e.g. torch.cuda.synchronize: make asynchronous kernels count where they run
         self.steps: list[StepRecord] = []
@@ -64,7 +67,18 @@ class OpProfiler:
 
 
 class Untimed:
-    """Profiling off: :meth:`time_step` just runs the step."""
+    """Profiling off: :class:`OpProfiler`'s calls, timing nothing and recording no step."""
+
+    enabled = False
+    steps: tuple[StepRecord, ...] = ()
+
+    @staticmethod
+    def begin_step(num_tokens: int, num_seqs: int, is_decode: bool, overlap: str) -> None:
+        pass
+
+    @staticmethod
+    def timed(name: str, fn: Callable[..., T], *args: object) -> T:
+        return fn(*args)
 
     @staticmethod
     def time_step(step: Callable[..., T], *args: object) -> T:

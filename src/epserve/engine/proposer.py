@@ -14,7 +14,8 @@ write KV past the request's computed tokens; the next step overwrites it,
 and the scheduler frees the blocks it no longer needs (``SpecManager.verified``).
 
 A DP group's leader builds each pass and broadcasts it to its TP peers (``DraftPass``); only the leader
-holds the head, so only it draws drafts (``spec_decode.draft_tokens``).
+holds the head, so only it draws drafts, from the engine's sampling pipeline
+(``SamplingPipeline.draft``: processed and masked as their verification rows will be).
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
-from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.request import Request, ScheduledChunk
-from epserve.engine.spec_decode import Noise, SpecStats, draft_tokens
+from epserve.engine.sampling import SamplingPipeline
 from epserve.engine.spec_manager import draft_room
-from epserve.engine.structured import GrammarMasks, min_tokens_rows
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.parallel.comm import broadcast_from_leader
@@ -66,9 +65,6 @@ class MTPProposer:
         block_size: int,
         num_spec: int,
         max_model_len: int,
-        noise: Noise,
-        logits_processor: LogitsProcessor,
-        grammar_masks: GrammarMasks,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -77,32 +73,18 @@ class MTPProposer:
         self.block_size = block_size
         self.num_spec = num_spec
         self.max_model_len = max_model_len
-        self.noise = noise
-        self.logits_processor = logits_processor  # drafts see the processing their verification applies
-        self.grammar_masks = grammar_masks  # ... and a constrained request's grammar
-        self.stats = SpecStats(num_spec)
         # A pure-decode step's passes through the captured draft graph: (plan, hidden, bucket, overlap) -> the
         # layer's output rows; set by the runner when the decode is captured.
         self.replay: Callable[[BatchPlan, torch.Tensor, int, str], torch.Tensor] | None = None
-        self._probs: dict[str, list[torch.Tensor | None]] = {}  # the draft distributions of sampled requests
-
-    def draft_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
-        """[num_drafts, V]: the distributions the request's pending drafts were drawn from (None if greedy)."""
-        probs = self._probs.get(request_id)
-        if not probs or probs[0] is None:
-            return None
-        return torch.stack(probs[:num_drafts])  # type: ignore[arg-type]
-
-    def release(self, request_id: str) -> None:
-        self._probs.pop(request_id, None)
 
     @torch.inference_mode()
     def propose(
         self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, hidden: torch.Tensor,
-        max_tokens_per_rank: int, overlap: str, bucket: int | None = None,
+        max_tokens_per_rank: int, overlap: str, bucket: int | None, sampling: SamplingPipeline,
     ) -> dict[str, list[int]]:
         """Every rank, after the step's forward (``hidden``: its final hidden states, every row) and the
-        leader's sampling (``result``). Returns the leader's drafts per request (empty elsewhere).
+        leader's sampling (``result``). Returns the leader's drafts per request (empty elsewhere), drawn by
+        ``sampling``, which keeps their distributions for the next verification.
         ``bucket``: every pass replays the captured draft graph of that bucket (a pure-decode step, the same
         bucket on every rank), else runs eagerly."""
         leader = self.ctx.is_leader
@@ -117,18 +99,13 @@ class MTPProposer:
         rows, active = step.plan.logits_indices, drafting
         for depth in range(self.num_spec):
             if active:
-                params = [d.request.sampling_params for d in active]
                 positions = [d.next_position + 1 + depth for d in active]  # where each draft would sit
                 logits = self.model.compute_mtp_logits(h[torch.tensor(rows, dtype=torch.long, device=h.device)])
                 # (each draft follows this step's tokens and the drafts before it, not yet the request's)
-                extras = [(*_tokens(result, d.request.request_id), *drafts[d.request.request_id]) for d in active]
-                logits = self.logits_processor.apply(logits, [d.request for d in active], extras, in_place=True)
-                # (the grammar has taken the step's tokens already: the drafts before this one remain)
-                self.grammar_masks.apply_after(logits, [(d.request.request_id, i, tuple(drafts[d.request.request_id]))
-                                                        for i, d in enumerate(active)],
-                                               min_tokens_rows([d.request for d in active], extras))
-                ids, q = draft_tokens(logits, params, positions, self.noise)
-                for d, t, qq in zip(active, ids.tolist(), q):
+                before = [tuple(drafts[d.request.request_id]) for d in active]
+                extras = [(*_tokens(result, d.request.request_id), *b) for d, b in zip(active, before)]
+                ids, q = sampling.draft(logits, [d.request for d in active], extras, before, positions)
+                for d, t, qq in zip(active, ids, q):
                     drafts[d.request.request_id].append(t)
                     probs[d.request.request_id].append(qq)
             if depth == self.num_spec - 1:
@@ -141,10 +118,7 @@ class MTPProposer:
             step = self._share(chained)
             h = self._run(step, h, max_tokens_per_rank, overlap, bucket)
             rows = step.plan.logits_indices
-        for chunk in chunks:  # stepped without drafting (finishing, or at its limits): nothing pending
-            if chunk.needs_sample and chunk.request.request_id not in probs:
-                self._probs.pop(chunk.request.request_id, None)
-        self._probs.update(probs)  # (a request this step did not run keeps its pending drafts' distributions)
+        sampling.keep_drafts(chunks, probs)
         return drafts
 
     # ---- building the passes (a DP group's leader) ---------------------------------------------

@@ -1,8 +1,9 @@
-"""The model runner: the only place where scheduled sequences become tensors."""
+"""The model runner: the only place where scheduled sequences become tensors. It owns the model, the KV
+cache and the captured decode steps, and runs the step's forward and the MTP passes; the tokens are
+drawn by the engine's sampling pipeline (``engine/sampling.py``)."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import replace
 
@@ -15,19 +16,14 @@ from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.captured import CapturedDecode, CaptureShape, capture_at_start, probe_graph_memory
 from epserve.engine.graphs import DecodeGraphs
 from epserve.engine.kv_handoff import KVWrite
-from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
-from epserve.engine.profiler import OpProfiler
+from epserve.engine.profiler import UNTIMED, OpProfiler, Untimed
 from epserve.engine.proposer import MTPProposer
-from epserve.engine.request import Request
-from epserve.engine.sampler import Sampler
-from epserve.engine.scheduler import ScheduledChunk
-from epserve.engine.spec_decode import Noise, VerifyGroup, verify
-from epserve.engine.structured import GrammarCompiler, GrammarMasks, min_tokens_rows
+from epserve.engine.request import ScheduledChunk
+from epserve.engine.sampling import SamplingPipeline
 from epserve.kernels import backends as kernel_backends
 from epserve.kernels import cpu as cpu_kernels
 from epserve.messages.kv import KVLayout
-from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.model.batch import ForwardBatch
 from epserve.model.loader import load_model, model_bytes
 from epserve.model.quantization import resolve_fp8_weights
@@ -133,16 +129,9 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens, %d bytes per token (%s), %.1f MiB", info["num_blocks"],
                     info["block_size"], info["bytes_per_token"], info["kv_cache_dtype"],
                     self.num_blocks * self.block_size * info["bytes_per_token"] / 2**20)
-        self.sampler = Sampler(self.device)
-        self._generators: dict[str, torch.Generator] = {}
-        self.noise = Noise(self.sampler.default_generator)  # speculative decoding's draws
-        self.logits_processor = LogitsProcessor(mc.vocab_size, self.device)
-        self.grammars = GrammarCompiler(config.model_path, mc.vocab_size, mc.eos_token_ids)  # (leaders use it)
-        self.grammar_masks = GrammarMasks(mc.vocab_size, mc.eos_token_ids)
         self.proposer = None if not self.num_spec else MTPProposer(
-            self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len,
-            self.noise, self.logits_processor, self.grammar_masks)
-        self.profiler: OpProfiler | None = None
+            self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len)
+        self.profiler: OpProfiler | Untimed = UNTIMED
         self.captured: CapturedDecode | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if mode is not None:
@@ -167,7 +156,7 @@ class ModelRunner:
 
     def _replay_bucket(self, global_max_tokens: int, all_decode: bool, overlap: str) -> int | None:
         """The captured bucket every rank replays this step (the same one: from the step's all-reduce)."""
-        if self.captured is None or not all_decode or overlap == "microbatch" or self.profiler is not None:
+        if self.captured is None or not all_decode or overlap == "microbatch" or self.profiler.enabled:
             return None
         return self.captured.graphs.bucket_for(global_max_tokens)
 
@@ -178,7 +167,8 @@ class ModelRunner:
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "bytes_per_token": kv_bytes_per_token(self.config.model, self.kv_dtype, self.num_cache_layers),
-            "kv_cache_dtype": "fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn else str(self.kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype": ("fp8_e4m3" if self.kv_dtype == torch.float8_e4m3fn
+                               else str(self.kv_dtype).removeprefix("torch.")),
         }
 
     def kv_layout(self) -> KVLayout:
@@ -205,8 +195,8 @@ class ModelRunner:
     def set_profiling(self, enabled: bool) -> None:
         """Time every op of every step from now on (a fresh record), or stop."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else None
-        self.profiler = OpProfiler(sync) if enabled else None
-        self.model.set_op_hook(self.profiler.timed if self.profiler is not None else None)
+        self.profiler = OpProfiler(sync) if enabled else UNTIMED
+        self.model.set_op_hook(self.profiler.timed if enabled else None)
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -221,8 +211,6 @@ class ModelRunner:
             return self.captured.forward(plan, bucket, overlap)  # type: ignore[union-attr,arg-type]
         self.dispatcher.begin_step(per_rank)
         batch = plan.to_batch(self.device, self.block_size)
-        if self.profiler is None:
-            return self._forward(batch, overlap)
         num_seqs = len(plan.seq_lens)
         self.profiler.begin_step(plan.num_tokens, num_seqs, plan.num_decode_seqs == num_seqs, overlap)
         return self.profiler.timed("forward", self._forward, batch, overlap)  # type: ignore[return-value]
@@ -235,162 +223,16 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, overlap: str) -> torch.Tensor:
         return self.model(batch, self.kv_caches, overlap)
 
-    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan) -> StepResult:
-        """Leader only: logits and sampling for the chunks that reach their last known token (the rows
-        ``plan.logits_indices`` of ``forward``'s hidden states, in chunk order); with speculative
-        decoding, the verification of their drafts."""
-        if self.profiler is None:
-            return self._sample(chunks, hidden, plan)
-        return self.profiler.timed("sample", self._sample, chunks, hidden, plan)  # type: ignore[return-value]
-
     def propose(self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, hidden: torch.Tensor,
-                global_max_tokens: int, all_decode: bool = False) -> dict[str, list[int]]:
-        """Every rank, after :meth:`sample` when speculative decoding is on: the MTP layer's passes
-        (``engine/proposer.py``; captured when the step is): the leader's drafts per request."""
+                global_max_tokens: int, all_decode: bool, sampling: SamplingPipeline) -> dict[str, list[int]]:
+        """Every rank, after the leader's sampling when speculative decoding is on: the MTP layer's passes
+        (``engine/proposer.py``; captured when the step is): the leader's drafts per request, drawn by
+        ``sampling``."""
         assert self.proposer is not None
         per_rank, overlap = self._step_shape(global_max_tokens)
         bucket = self._replay_bucket(global_max_tokens, all_decode, overlap)
-        args = (chunks, plan, result, hidden, per_rank, overlap, bucket)
-        if self.profiler is None:
-            return self.proposer.propose(*args)
+        args = (chunks, plan, result, hidden, per_rank, overlap, bucket, sampling)
         return self.profiler.timed("mtp_draft", self.proposer.propose, *args)  # type: ignore[return-value]
-
-    def speculative_stats(self) -> dict[str, object] | None:
-        return None if self.proposer is None else self.proposer.stats.as_dict()
-
-    @torch.inference_mode()
-    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan) -> StepResult:
-        prompt_logprobs = self._prompt_logprobs(chunks, hidden)
-        sampling: list[ScheduledChunk] = []
-        rows: list[int] = []  # of plan.logits_indices: a request with max_tokens 0 samples nothing
-        first = 0
-        for c in chunks:
-            if not c.needs_sample:
-                continue
-            n = c.num_tokens if c.drafts else 1
-            if c.request.sampling_params.max_tokens:
-                sampling.append(c)
-                rows.extend(plan.logits_indices[first : first + n])
-            first += n
-        if not sampling:
-            return StepResult({}, {}, prompt_logprobs)
-        raw = self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
-        if self.proposer is not None:
-            return self._verify(sampling, raw, prompt_logprobs)
-        requests = [c.request for c in sampling]
-        params = [r.sampling_params for r in requests]
-        # (the unprocessed logits are kept only for logprobs, which are the model's own)
-        in_place = all(p.logprobs is None for p in params)
-        logits = self.logits_processor.apply(raw, requests, in_place=in_place)
-        ids = [r.request_id for r in requests]
-        masks = self.grammar_masks
-        constrained = {rid for rid in ids if masks.constrains(rid)}
-        if constrained:
-            if logits is raw and not in_place:
-                logits = raw.clone()
-            masks.apply(logits, ids, min_tokens_rows(requests))
-        gens = [self._generator(r, p) for r, p in zip(requests, params)]
-        out = self.sampler.sample(logits, params, gens, raw)
-        for rid, token in zip(ids, out.token_ids):
-            if rid in constrained:
-                masks.accept(rid, [token])  # (a request whose row had no token left fails: take_failures)
-        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
-        return StepResult(dict(zip(ids, out.token_ids)), logprobs, prompt_logprobs)
-
-    def _verify(self, sampling: list[ScheduledChunk], raw: torch.Tensor,
-                prompt_logprobs: dict[str, tuple[TokenLogprobs, ...]]) -> StepResult:
-        assert self.proposer is not None
-        groups, requests, extras = [], [], []
-        for c in sampling:
-            rid, params = c.request.request_id, c.request.sampling_params
-            probs = self.proposer.draft_probs(rid, len(c.drafts)) if c.drafts and not params.is_greedy else None
-            groups.append(VerifyGroup(c.drafts, probs, params, c.start + c.num_known))
-            for j in range(len(c.drafts) + 1):  # row j follows the request's first j drafts
-                requests.append(c.request)
-                extras.append(c.drafts[:j])
-        in_place = all(g.params.logprobs is None for g in groups)
-        logits = self.logits_processor.apply(raw, requests, extras, in_place=in_place)
-        masks = self.grammar_masks
-        constrained = [c.request.request_id for c in sampling if masks.constrains(c.request.request_id)]
-        if constrained:  # each row masked by its grammar after the drafts before it
-            if logits is raw and not in_place:
-                logits = raw.clone()
-            first = list(itertools.accumulate((len(c.drafts) + 1 for c in sampling), initial=0))
-            masks.apply_groups(logits, [(c.request.request_id, f, c.drafts) for c, f in zip(sampling, first)],
-                               min_tokens_rows(requests, extras))
-        outcomes = verify(logits, groups, self.noise, raw)
-        sampled, logprobs = {}, {}
-        for c, out in zip(sampling, outcomes):
-            if constrained:
-                masks.accept(c.request.request_id, list(out.token_ids))
-            self.proposer.stats.record(len(c.drafts), out.num_accepted)
-            sampled[c.request.request_id] = out.token_ids
-            if out.logprobs is not None:
-                logprobs[c.request.request_id] = out.logprobs
-        return StepResult(sampled, logprobs, prompt_logprobs)  # type: ignore[arg-type]
-
-    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
-                         rows_per_pass: int = 128) -> dict[str, tuple[TokenLogprobs, ...]]:
-        """The logprobs of the prompt tokens the step's prefill chunks predict (position ``p``'s hidden
-        state predicts token ``p + 1``), for requests that asked and lack them: the model's own
-        (unprocessed) log-softmax, the prompt token's and the top ``k``; ``rows_per_pass`` rows of
-        logits at a time."""
-        rows: list[int] = []
-        targets: list[int] = []
-        wanted: list[tuple[Request, int, int]] = []  # request, its first row in rows, its row count
-        offset = 0  # the chunk's first row of ``hidden`` (the plan lays chunks out in order)
-        for c in chunks:
-            request = c.request
-            if request.wants_prompt_logprobs:
-                first = max(c.start, len(request.prompt_logprobs))
-                last = min(c.end, request.num_prompt_tokens - 1)
-                if first < last:
-                    wanted.append((request, len(rows), last - first))
-                    rows.extend(range(offset + first - c.start, offset + last - c.start))
-                    targets.extend(request.prompt_token_ids[first + 1 : last + 1])
-            offset += c.num_tokens
-        if not rows:
-            return {}
-        k = max(request.sampling_params.prompt_logprobs or 0 for request, _, _ in wanted)
-        device = hidden.device
-        parts = []
-        for start in range(0, len(rows), rows_per_pass):
-            index = torch.tensor(rows[start : start + rows_per_pass], dtype=torch.long, device=device)
-            target = torch.tensor(targets[start : start + rows_per_pass], dtype=torch.long, device=device)
-            logits = self.model.compute_logits(hidden[index]).float()
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # (no [rows, V] log-softmax made)
-            top = torch.topk(logits, k, dim=-1) if k else None
-            parts.append(torch.cat([(logits.gather(1, target[:, None]) - lse).double(),
-                                    *(((top.values - lse).double(), top.indices.double()) if top is not None else ())],
-                                   1))
-        table = torch.cat(parts).tolist()  # one transfer: [rows, 1 + 2k]
-        out: dict[str, tuple[TokenLogprobs, ...]] = {}
-        for request, first_row, count in wanted:
-            n = request.sampling_params.prompt_logprobs or 0
-            out[request.request_id] = tuple(
-                TokenLogprobs(targets[r], row[0], tuple((int(t), v) for v, t in zip(row[1 : 1 + n], row[1 + k : 1 + k + n])))
-                for r, row in enumerate(table[first_row : first_row + count], start=first_row)
-            )
-        return out
-
-    def _generator(self, request: Request, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None:
-            return None
-        gen = self._generators.get(request.request_id)
-        if gen is None:
-            # A sampled request's first token was drawn from this seed by its prefill instance.
-            drawn = int(request.kv_transfer == "receive" and not params.is_greedy)
-            gen = self._generators[request.request_id] = self.sampler.make_generator(
-                params.seed, self.config.model.vocab_size, drawn)
-        return gen
-
-    def release(self, request_id: str) -> None:
-        """Forget per-request state (its sampling generator, its token counts) once it finished."""
-        self._generators.pop(request_id, None)
-        self.logits_processor.release(request_id)
-        self.grammar_masks.release(request_id)
-        if self.proposer is not None:
-            self.proposer.release(request_id)
 
     def expert_load(self, since_rebalance: bool = False) -> tuple[tuple[int, ...], torch.Tensor]:
         """The MoE layers (the MTP layer's too) and the token copies this rank received per (layer,

@@ -155,19 +155,6 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def min_tokens_rows(requests: list, extras: list | None = None) -> set[int]:
-    """The rows whose stop tokens and EOS ``min_tokens`` masks (``LogitsProcessor``'s rule: row ``r``
-    follows ``requests[r]``'s outputs, then ``extras[r]``): there a grammar that can only end ends anyway
-    (``GrammarMasks``)."""
-    out = set()
-    for r, request in enumerate(requests):
-        params = request.sampling_params
-        if params.min_tokens and not params.ignore_eos:
-            if request.num_output_tokens + (len(extras[r]) if extras is not None else 0) < params.min_tokens:
-                out.add(r)
-    return out
-
-
 class GrammarMasks:
     """The leader's matchers, one per constrained request, and the per-step bitmask.
 
@@ -213,7 +200,7 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, request_ids: list[str], held: Collection[int] = ()) -> None:
         """Mask, in place, what each constrained row's grammar does not allow next (rows of other
         requests untouched): the bitmask is filled on the host, applied on the logits' device. ``held``:
-        the rows whose EOS ``min_tokens`` masked (``min_tokens_rows``)."""
+        the rows whose EOS ``min_tokens`` masked (``constraints.min_tokens_rows``)."""
         self.apply_groups(logits, [(rid, r, ()) for r, rid in enumerate(request_ids)], held)
 
     def apply_groups(self, logits: torch.Tensor, groups: list[tuple[str, int, tuple[int, ...]]],
@@ -278,7 +265,8 @@ class GrammarMasks:
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
         return self._bitmask[:num_rows]
 
-    def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], held: Collection[int]) -> torch.Tensor:
+    def _mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+              held: Collection[int]) -> torch.Tensor:
         """The filled ``rows`` of ``bitmask`` applied to the logits, on their device; in the ``held`` rows
         whose grammar allows only its end, EOS unmasked again (``min_tokens`` masked it). Returns, for each
         of ``rows``, whether it was left without any token ([len(rows)] bool, on the device; not read)."""

@@ -191,7 +191,7 @@ class EngineWorker:
 
     def speculative_stats(self) -> dict[str, object] | None:
         """Draft acceptance summed over the DP groups (a collective); None without speculative decoding."""
-        stats = self.engine.runner.speculative_stats() if self.ctx.is_leader else None
+        stats = self.engine.sampling.speculative_stats() if self.ctx.is_leader else None
         parts = [p for p in gather_objects(stats, self.ctx) if p is not None]
         return merge_stats(parts) if parts else None  # type: ignore[arg-type]
 
@@ -207,10 +207,8 @@ class EngineWorker:
 
     def profile(self) -> list[list[StepRecord]]:
         """Every rank's step records since profiling was enabled, in rank order."""
-        profiler = self.engine.runner.profiler
-        steps = [] if profiler is None else [
-            StepRecord(r.num_tokens, r.num_seqs, r.is_decode, r.overlap, dict(r.seconds)) for r in profiler.steps
-        ]
+        steps = [StepRecord(r.num_tokens, r.num_seqs, r.is_decode, r.overlap, dict(r.seconds))
+                 for r in self.engine.runner.profiler.steps]
         return gather_objects(steps, self.ctx)  # type: ignore[return-value]
 
     def close(self) -> None:

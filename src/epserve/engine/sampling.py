@@ -1,0 +1,184 @@
+"""The sampling pipeline: the only place a step's tokens are drawn, for plain and speculative decoding
+and for the MTP drafts alike. One path: the rows of the chunks that reach their last known token →
+``LogitsProcessor`` (penalties, ``logit_bias``, ``min_tokens``, bad words) → the grammar masks
+(``Constraints``) → the draw → the grammar takes the tokens kept.
+
+Plain decoding is verification with zero drafts: a chunk verifying ``d`` drafts has ``d + 1`` rows, row
+``j`` after its first ``j`` drafts, and gets the accepted drafts then one token drawn after them (with no
+drafts: one token from the target distribution). Where the draw's randomness comes from is the engine's
+one choice: without speculative decoding a seeded request draws each token in turn from its own
+generator (``Sampler``: a batch's unseeded rows in one draw from the engine's generator); with it, every
+draw is keyed by the position it decides (``spec_decode.Noise``), so how steps group a request's
+positions does not change its tokens. The proposer asks the same pipeline for its drafts
+(:meth:`SamplingPipeline.draft`): processed and masked as their verification rows will be, drawn from
+the filtered draft distribution, which the pipeline keeps for the verification.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from epserve.config import EngineConfig
+from epserve.engine.batch_plan import BatchPlan, StepResult
+from epserve.engine.constraints import Constraints
+from epserve.engine.logits_processor import LogitsProcessor
+from epserve.engine.prompt_logprobs import prompt_logprobs
+from epserve.engine.request import Request, ScheduledChunk
+from epserve.engine.sampler import Sampler
+from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, VerifyOutcome, draft_tokens, verify
+
+
+class SamplingPipeline:
+    """One engine's sampling (``compute_logits``: the model's head, final hidden states -> logits). Every
+    rank holds one; only leaders sample."""
+
+    def __init__(self, config: EngineConfig, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                 device: torch.device) -> None:
+        mc = config.model
+        self.vocab_size = mc.vocab_size
+        self.compute_logits = compute_logits
+        self.sampler = Sampler(device)
+        self.noise = Noise(self.sampler.default_generator)  # speculative decoding's draws
+        self.logits_processor = LogitsProcessor(mc.vocab_size, device)
+        self.constraints = Constraints(config.model_path, mc.vocab_size, mc.eos_token_ids)
+        self.stats = SpecStats(config.num_spec_tokens) if config.num_spec_tokens else None  # with drafts
+        self._generators: dict[str, torch.Generator] = {}  # seeded requests' (plain decoding)
+        self._draft_probs: dict[str, list[torch.Tensor | None]] = {}  # pending drafts' distributions
+
+    @property
+    def speculative(self) -> bool:
+        return self.stats is not None
+
+    def speculative_stats(self) -> dict[str, object] | None:
+        return None if self.stats is None else self.stats.as_dict()
+
+    # ---- a step's tokens ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan) -> StepResult:
+        """Leader only: the tokens of the chunks that reach their last known token (the rows
+        ``plan.logits_indices`` of the forward's ``hidden`` states, in chunk order), their drafts verified,
+        and the prompt logprobs the step computed."""
+        prompt = prompt_logprobs(self.compute_logits, chunks, hidden)
+        sampling: list[ScheduledChunk] = []
+        rows: list[int] = []  # of plan.logits_indices: a request with max_tokens 0 samples nothing
+        first = 0
+        for c in chunks:
+            if not c.needs_sample:
+                continue
+            n = c.num_tokens if c.drafts else 1
+            if c.request.sampling_params.max_tokens:
+                sampling.append(c)
+                rows.extend(plan.logits_indices[first : first + n])
+            first += n
+        if not sampling:
+            return StepResult({}, {}, prompt)
+        raw = self.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+        requests: list[Request] = []  # row r follows requests[r]'s outputs, then extras[r]
+        extras: list[tuple[int, ...]] = []
+        for c in sampling:
+            for j in range(len(c.drafts) + 1):  # row j follows the request's first j drafts
+                requests.append(c.request)
+                extras.append(c.drafts[:j])
+        # (the unprocessed logits are kept only for logprobs, which are the model's own)
+        in_place = all(c.request.sampling_params.logprobs is None for c in sampling)
+        logits = self.logits_processor.apply(raw, requests, extras, in_place=in_place)
+        constrained: list[str] = []
+        if self.constraints.num_matchers:  # each row masked by its grammar after the drafts before it
+            firsts = itertools.accumulate((len(c.drafts) + 1 for c in sampling), initial=0)
+            logits, constrained = self.constraints.mask_groups(
+                logits, raw, in_place, [(c.request.request_id, f, c.drafts) for c, f in zip(sampling, firsts)],
+                requests, extras)
+        outcomes = self._draw(logits, sampling, raw)
+        for rid in constrained:  # (a request whose row had no token left fails: take_failures)
+            self.constraints.accept(rid, list(outcomes[rid].token_ids))
+        return self._result(sampling, outcomes, prompt)
+
+    def _draw(self, logits: torch.Tensor, sampling: list[ScheduledChunk],
+              raw: torch.Tensor) -> dict[str, VerifyOutcome]:
+        """Each chunk's accepted drafts and the token after them (see the module docstring)."""
+        if self.stats is None:  # no drafts: one token a request, from its generator in turn
+            requests = [c.request for c in sampling]
+            params = [r.sampling_params for r in requests]
+            out = self.sampler.sample(logits, params, [self._generator(r) for r in requests], raw)
+            return {r.request_id: VerifyOutcome((token,), None if lp is None else (lp,), 0)
+                    for r, token, lp in zip(requests, out.token_ids, out.logprobs)}
+        groups = []
+        for c in sampling:
+            rid, params = c.request.request_id, c.request.sampling_params
+            probs = self._pending_probs(rid, len(c.drafts)) if c.drafts and not params.is_greedy else None
+            groups.append(VerifyGroup(c.drafts, probs, params, c.start + c.num_known))
+        return {c.request.request_id: out for c, out in zip(sampling, verify(logits, groups, self.noise, raw))}
+
+    def _result(self, sampling: list[ScheduledChunk], outcomes: dict[str, VerifyOutcome],
+                prompt: dict) -> StepResult:
+        """One token (and logprobs entry) a request without speculative decoding; with it the accepted
+        drafts then the token after them, and the acceptance counted."""
+        sampled: dict = {}
+        logprobs: dict = {}
+        for c in sampling:
+            rid = c.request.request_id
+            out = outcomes[rid]
+            if self.stats is None:
+                sampled[rid] = out.token_ids[0]
+                if out.logprobs is not None:
+                    logprobs[rid] = out.logprobs[0]
+                continue
+            self.stats.record(len(c.drafts), out.num_accepted)
+            sampled[rid] = out.token_ids
+            if out.logprobs is not None:
+                logprobs[rid] = out.logprobs
+        return StepResult(sampled, logprobs, prompt)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        params = request.sampling_params
+        if params.seed is None:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            # A sampled request's first token was drawn from this seed by its prefill instance.
+            drawn = int(request.kv_transfer == "receive" and not params.is_greedy)
+            gen = self._generators[request.request_id] = self.sampler.make_generator(
+                params.seed, self.vocab_size, drawn)
+        return gen
+
+    # ---- the drafts (the MTP proposer, leader only) -----------------------------------------------
+    @torch.inference_mode()
+    def draft(self, logits: torch.Tensor, requests: Sequence[Request], extras: Sequence[tuple[int, ...]],
+              before: Sequence[tuple[int, ...]], positions: Sequence[int],
+              ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """One draft per row of the draft model's ``logits`` [D, V], processed in place as its verification
+        row will be: row ``i`` follows ``requests[i]``'s outputs then ``extras[i]`` (this step's tokens, then
+        ``before[i]``, the drafts before it, which its grammar has not taken), and proposes the token at
+        ``positions[i]``. Returns the drafts and each row's filtered draft distribution (None for greedy
+        rows), for :meth:`keep_drafts`."""
+        logits = self.logits_processor.apply(logits, requests, extras, in_place=True)
+        if self.constraints.num_matchers:  # (the grammar has taken the step's tokens: the drafts before remain)
+            self.constraints.mask_drafts(logits, [(r.request_id, i, before[i]) for i, r in enumerate(requests)],
+                                         requests, extras)
+        ids, q = draft_tokens(logits, [r.sampling_params for r in requests], positions, self.noise)
+        return ids.tolist(), q
+
+    def keep_drafts(self, chunks: list[ScheduledChunk], probs: dict[str, list[torch.Tensor | None]]) -> None:
+        """After the step's draft passes: the distributions of each drafting request's drafts, which its next
+        verification reads; a request that stepped without drafting has none pending."""
+        for chunk in chunks:  # stepped without drafting (finishing, or at its limits): nothing pending
+            if chunk.needs_sample and chunk.request.request_id not in probs:
+                self._draft_probs.pop(chunk.request.request_id, None)
+        self._draft_probs.update(probs)  # (a request this step did not run keeps its pending drafts' distributions)
+
+    def _pending_probs(self, request_id: str, num_drafts: int) -> torch.Tensor | None:
+        """[num_drafts, V]: the distributions the request's pending drafts were drawn from (None if greedy)."""
+        probs = self._draft_probs.get(request_id)
+        if not probs or probs[0] is None:
+            return None
+        return torch.stack(probs[:num_drafts])  # type: ignore[arg-type]
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's state: its generator, token counts, matcher and pending drafts."""
+        self._generators.pop(request_id, None)
+        self.logits_processor.release(request_id)
+        self.constraints.release(request_id)
+        self._draft_probs.pop(request_id, None)
