@@ -25,7 +25,8 @@ def reference(logits: torch.Tensor, request: Request, extra: tuple[int, ...] = (
     out = logits.clone()
     outputs = [*request.output_token_ids, *extra]
     for word in p.bad_words:
-        if len(word) == 1 or (len(outputs) >= len(word) - 1 and tuple(outputs[len(outputs) - len(word) + 1:]) == word[:-1]):
+        ends_with_rest = len(outputs) >= len(word) - 1 and tuple(outputs[len(outputs) - len(word) + 1:]) == word[:-1]
+        if len(word) == 1 or ends_with_rest:
             out[word[-1]] = float("-inf")
     if len(outputs) < p.min_tokens:
         for t in (*p.stop_token_ids, *(() if p.ignore_eos else request.eos_token_ids)):
@@ -151,8 +152,8 @@ def test_tables_follow_tracked_requests_and_shrink_when_the_widest_is_released()
     before = proc.memory_bytes
     proc.release("wide"), live.pop("wide")
     assert proc.memory_bytes < before / 4
-    assert proc._entry_tokens.shape[1] < 100 and proc._page_tokens.shape[0] <= 4 * max(
-        sum(len(s.pages) for s in proc._states.values()), 4)
+    assert proc.tables.entry_tokens.shape[1] < 100 and proc.seen.page_tokens.shape[0] <= 4 * max(
+        sum(len(s.seen.pages) for s in proc._states.values()), 4)
     reqs = list(live.values())
     logits = torch.randn(len(reqs), vocab, generator=gen)
     out = proc.apply(logits, reqs, [(1, 1)] * len(reqs))
