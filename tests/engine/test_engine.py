@@ -42,7 +42,8 @@ def test_prefix_cache_hits_give_identical_outputs(ckpt, device, reference):
 
 
 def test_tiny_prefill_chunks_give_identical_outputs(ckpt, device, reference):
-    llm = LLM(ckpt, dtype="float32", device=device, num_blocks=512, max_num_batched_tokens=3, enable_prefix_caching=False)
+    llm = LLM(ckpt, dtype="float32", device=device, num_blocks=512, max_num_batched_tokens=3,
+              enable_prefix_caching=False)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 

@@ -139,7 +139,8 @@ def test_rebalance_in_one_process_keeps_tokens(skewed_ckpt, reference):
 
 def test_online_rebalancing_while_generating(skewed_ckpt, reference):
     """Every 2 steps over a 3-step window: placements change between steps of running requests."""
-    llm = LLM(skewed_ckpt, num_redundant_experts=4, enable_eplb=True, eplb_window_size=3, eplb_step_interval=2, **ENGINE)
+    llm = LLM(skewed_ckpt, num_redundant_experts=4, enable_eplb=True, eplb_window_size=3, eplb_step_interval=2,
+              **ENGINE)
     assert_same(outputs(llm), reference)
     balancer = llm.engine.runner.balancer
     assert balancer.num_rebalances >= 4

@@ -68,7 +68,8 @@ class ExpertBalancer:
         self._counts = torch.zeros(shape, dtype=torch.long, device=device)
         for row, moe in zip(self._counts, moes.values()):
             moe.expert_load = row
-        self.window = torch.zeros(config.window_size, *shape, dtype=torch.int32, device=device) if config.enabled else None
+        self.window = (torch.zeros(config.window_size, *shape, dtype=torch.int32, device=device) if config.enabled
+                       else None)
         self._last = torch.zeros(shape, dtype=torch.long, device=device)
         self._at_rebalance = torch.zeros(shape, dtype=torch.long, device=device)  # the counters then
 

@@ -280,7 +280,8 @@ class DecodeGraphs:
                      " (MTP)" if self.mtp else "", overlap, len(graph.calls), time.perf_counter() - start)
         return out
 
-    def _graph(self, inputs: DecodeInputs, overlap: OverlapMode) -> tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]:
+    def _graph(self, inputs: DecodeInputs,
+               overlap: OverlapMode) -> tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]:
         """The bucket's CUDA graph, captured on its first use (after one eager warm-up on a side stream)."""
         key = (inputs.bucket, overlap)
         if key not in self._graphs:

@@ -187,7 +187,8 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
         lp_rows = torch.cat([torch.arange(first, first + g.num_rows, device=device) for g, first in wanted])
         lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[lp_rows], dim=-1)
         top = torch.topk(lp, k, dim=-1)
-        packed = [lp.gather(1, nxt[lp_rows, None].clamp(min=0)).flatten(), lp.gather(1, candidate[lp_rows, None]).flatten(),
+        packed = [lp.gather(1, nxt[lp_rows, None].clamp(min=0)).flatten(),
+                  lp.gather(1, candidate[lp_rows, None]).flatten(),
                   top.values.flatten(), top.indices.double().flatten()]
     flat = torch.cat([candidate.double(), accept.double(), *(t.double() for t in packed)]).tolist()  # one transfer
     n = logits.shape[0]
