@@ -116,7 +116,8 @@ def test_json_has_the_figures(capsys: pytest.CaptureFixture[str]) -> None:
             "throughput_tokens_per_s_per_gpu"} <= set(out["decode"])
     assert {"bytes_per_request", "time_us", "bandwidth_bytes_per_s", "nic_share_prefill"} <= set(out["kv_transfer"])
     ratio = out["ratio"]
-    assert {"prefill_per_decode", "prefill_instances", "decode_instances", "gpus", "output_tokens_per_s_per_gpu"} <= set(ratio)
+    assert {"prefill_per_decode", "prefill_instances", "decode_instances", "gpus",
+            "output_tokens_per_s_per_gpu"} <= set(ratio)
     assert ratio["gpus"] == 8 * ratio["prefill_instances"] + 32 * ratio["decode_instances"]
     assert ratio["output_tokens_per_s_per_gpu"] == pytest.approx(
         ratio["decode_instances"] * out["decode"]["tokens_per_s_per_instance"] / ratio["gpus"])

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from epserve.planner.cost import Kernel, Work, all_to_all, kernel_time
-from epserve.planner.hardware import BUILTIN, load_hardware, save_hardware
+from epserve.planner.gpus import BUILTIN, load_hardware
+from epserve.planner.hardware import save_hardware
 from epserve.planner.kernel_fits import RIDGE, fit_gemm, gemm_class, intensity, remote_copy_bytes
 from epserve.planner.kernel_tables import COLLECTIVE_ROWS, DEEPGEMM_ROWS, GemmRow
 

@@ -38,7 +38,8 @@ def test_bandwidth_curve_interpolates_time_per_byte_linearly_in_rows() -> None:
 
 
 def test_bandwidth_curve_interpolates_in_log_matrix_size() -> None:
-    hw = replace(TOY, memory_by_rows={"gemm": ((1.0, 1e6, 0.5), (16.0, 1e6, 0.25), (1.0, 16e6, 0.8), (16.0, 16e6, 0.4))})
+    curve = ((1.0, 1e6, 0.5), (16.0, 1e6, 0.25), (1.0, 16e6, 0.8), (16.0, 16e6, 0.4))
+    hw = replace(TOY, memory_by_rows={"gemm": curve})
     assert hw.memory_fraction("gemm", 1, 1e6) == 0.5
     assert hw.memory_fraction("gemm", 1, 1e3) == 0.5  # smaller than measured: the smallest size
     assert hw.memory_fraction("gemm", 1, 1e9) == 0.8  # larger: the largest

@@ -12,7 +12,8 @@ from planner_toys import TOY, V3
 from epserve.parallel.stages import moe_layer_schedule
 from epserve.planner import Deployment
 from epserve.planner.calibrate_ranks import fit_loaded, measure_loaded_collectives
-from epserve.planner.hardware import BUILTIN, HardwareSpec, MeasuredPoint
+from epserve.planner.gpus import BUILTIN
+from epserve.planner.hardware import HardwareSpec, MeasuredPoint
 from epserve.planner.ops import BatchShape, price_ops
 from epserve.planner.step import estimate_step
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from epserve.planner.deployment import Deployment, check_deployment
 from epserve.planner.errors import PlanError
-from epserve.planner.hardware import BUILTIN, HardwareSpec, load_hardware, save_hardware
+from epserve.planner.gpus import BUILTIN, load_hardware
+from epserve.planner.hardware import HardwareSpec, save_hardware
 from epserve.planner.memory import MemoryEstimate, estimate_memory, planned_kv_bytes_per_token
 from epserve.planner.models import resolve_model
 from epserve.planner.prefill import PrefillPlan, plan_prefill

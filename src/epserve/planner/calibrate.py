@@ -43,7 +43,8 @@ from epserve.planner.calibrate_ranks import (
     run_ranks,
 )
 from epserve.planner.errors import PlanError
-from epserve.planner.hardware import BUILTIN, Efficiency, HardwareSpec, MeasuredPoint
+from epserve.planner.gpus import BUILTIN
+from epserve.planner.hardware import Efficiency, HardwareSpec, MeasuredPoint
 
 SIZES = {  # (quick, full)
     "rows": ((1, 4, 64, 256), (1, 2, 4, 8, 12, 24, 32, 64, 128, 256, 1024)),  # + the CPU kernel's tile edge
@@ -304,12 +305,13 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
             changes["nvlink_efficiency"] = round(min(1.0, link / base.nvlink_bandwidth), 4)
     if engine:
         q = 0 if quick else 1
-        points += measure_engine(device, SIZES["engine_layers"][q], SIZES["engine_batches"][q], SIZES["engine_steps"][q])
+        steps = SIZES["engine_steps"][q]
+        points += measure_engine(device, SIZES["engine_layers"][q], SIZES["engine_batches"][q], steps)
         op_us, token_us, step_us = fit_overhead(replace(base, **changes), points)
         changes.update(op_overhead_us=round(op_us, 2), op_overhead_per_token_us=round(token_us, 4),
                        step_overhead_us=round(step_us, 1))
         layers, experts = SIZES["stream_model"][q]
-        points += measure_engine(device, (layers,), SIZES["stream_batches"][q], SIZES["engine_steps"][q], experts=experts)
+        points += measure_engine(device, (layers,), SIZES["stream_batches"][q], steps, experts=experts)
         changes["stream_efficiency"] = round(fit_stream_efficiency(replace(base, **changes), points), 4)
     changes["points"] = tuple(points)
     stamp = time.strftime("%Y-%m-%d %H:%M")

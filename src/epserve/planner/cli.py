@@ -26,7 +26,8 @@ from epserve.planner.deployment import (
 )
 from epserve.planner.disagg import DEFAULT_OUTPUT_LEN, decode_kv_len, default_prefill_ep, plan_disaggregated
 from epserve.planner.errors import PlanError
-from epserve.planner.hardware import DEFAULT_LOCAL_FILE, GPU_CHOICES, load_hardware, save_hardware
+from epserve.planner.gpus import GPU_CHOICES, load_hardware
+from epserve.planner.hardware import DEFAULT_LOCAL_FILE, save_hardware
 from epserve.planner.models import resolve_model
 from epserve.planner.prefill import plan_prefill
 from epserve.planner.report import format_disaggregated, format_plan, format_sweep
@@ -79,9 +80,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--num-redundant-experts", type=int, default=0,
                    help="extra expert slots (EP divides the slots); with --expert-load, where EPLB puts replicas")
     p.add_argument("--expert-load", metavar="FILE",
-                   help="JSON of LLM.expert_load().summary() or the server's statistics ({\"per_expert\": [[tokens per expert] "
-                        "per MoE layer]}, or {\"instances\": [...]}): price routing with this skew instead of "
-                        "uniform; the output compares uniform routing, the engine's start-up placement and EPLB")
+                   help="JSON of LLM.expert_load().summary() or the server's statistics "
+                        "({\"per_expert\": [[tokens per expert] per MoE layer]}, or {\"instances\": [...]}): "
+                        "price routing with this skew instead of uniform; the output compares uniform routing, "
+                        "the engine's start-up placement and EPLB")
     p.add_argument("--eplb", action="store_true",
                    help="with --expert-load: price the plan with EPLB's placement (experts + "
                         "--num-redundant-experts slots) instead of the engine's start-up placement")
@@ -165,7 +167,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     print(f"wrote {path}: {spec.name}, {spec.flops_for('bf16') / 1e12:.3g} TFLOP/s, "
           f"{spec.memory_bandwidth / 1e9:.0f} GB/s; achievable compute/memory {fr}; "
           f"GB/s by rows: {bw}; kernel floor {spec.kernel_latency_us:.1f} us, op overhead "
-          f"{spec.op_overhead_us:.1f} us + {spec.op_overhead_per_token_us:.2f} us/token, step overhead {spec.step_overhead_us:.0f} us, "
+          f"{spec.op_overhead_us:.1f} us + {spec.op_overhead_per_token_us:.2f} us/token, "
+          f"step overhead {spec.step_overhead_us:.0f} us, "
           f"in-step streaming efficiency {spec.stream_efficiency:.2f}, all-to-all latency "
           f"{spec.nvlink_latency_us:.0f} us, count exchange {spec.dispatch_handshake_us:.0f} us, step all-reduce "
           f"{spec.step_sync_us:.0f} us; use it with --gpu {path}")
@@ -184,8 +187,9 @@ def _deployment(args: argparse.Namespace, model: Any, hw: Any) -> Deployment:
         raise PlanError("--eplb places experts by a measured load: give it with --expert-load FILE")
     kv_len = DEFAULT_KV_LEN if args.kv_len is None else args.kv_len
     base = Deployment(ep=1, kv_len=kv_len, mtp_draft=mtp, mtp_accept=accept, overlap=args.overlap,
-                      num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype, dispatch=args.dispatch,
-                      kv_dtype=args.kv_dtype, gpus_per_node=args.gpus_per_node or hw.gpus_per_node, eplb=args.eplb)
+                      num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype,
+                      dispatch=args.dispatch, kv_dtype=args.kv_dtype,
+                      gpus_per_node=args.gpus_per_node or hw.gpus_per_node, eplb=args.eplb)
     tp = 1 if args.tp is None else args.tp
     batch: float = 32 if args.batch is None else args.batch
     if args.requests is not None:

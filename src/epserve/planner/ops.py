@@ -137,7 +137,8 @@ def _q_b_proj(c: _Ctx) -> _Price:
 def _append_kv(c: _Ctx) -> _Price:  # kv_a_layernorm; rotary on q and k; write the latent cache
     m = c.model
     norm = c.elementwise(2 * c.t_attn * m.kv_cache_dim * 2)
-    rope = c.elementwise(c.t_attn * (2 * (c.heads + 1) * m.qk_rope_head_dim * 2 + m.kv_cache_dim * KV_BYTES[c.d.kv_dtype]))
+    rope_bytes = 2 * (c.heads + 1) * m.qk_rope_head_dim * 2 + m.kv_cache_dim * KV_BYTES[c.d.kv_dtype]
+    rope = c.elementwise(c.t_attn * rope_bytes)
     return _Price((norm, rope))
 
 

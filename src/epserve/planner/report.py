@@ -32,7 +32,8 @@ def _placement_lines(placements: dict[str, DecodePlan], plan: DecodePlan) -> lis
     report = plan.expert_load
     assert report is not None
     lines = [f"expert load {report.file} ({len(report.layer_imbalance)} MoE layers, "
-             f"{plan.deployment.num_redundant_experts} redundant experts): busiest EP rank / mean, mean (max) over layers"]
+             f"{plan.deployment.num_redundant_experts} redundant experts): "
+             "busiest EP rank / mean, mean (max) over layers"]
     names = {"uniform": "uniform routing", "without_eplb": "start-up placement", "with_eplb": "EPLB"}
     for key, p in placements.items():
         r = p.expert_load
@@ -134,7 +135,8 @@ def _prefill_lines(p: PrefillInstance) -> list[str]:
     d, m = p.deployment, p.memory
     mtp = f" + MTP layer {p.mtp_layer_time_us / 1e3:.1f} ms" if p.mtp_layer_time_us else ""
     lines = [f"prefill instance: {_instance(d.ep, d.tp, d.num_nodes)}, {p.plan.prompts_per_gpu} x "
-             f"{p.plan.prompt_len}-token prompts per GPU in {p.prompt_time_us / 1e3:.1f} ms ({p.plan.step.overlap}{mtp}): "
+             f"{p.plan.prompt_len}-token prompts per GPU in {p.prompt_time_us / 1e3:.1f} ms "
+             f"({p.plan.step.overlap}{mtp}): "
              f"{p.tokens_per_s_per_gpu:,.0f} tok/s per GPU, {p.tokens_per_s_per_instance:,.0f} tok/s per instance, "
              f"{p.requests_per_s_per_instance:.2f} prompts/s",
              f"  {_memory(m)}"]

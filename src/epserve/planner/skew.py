@@ -151,7 +151,8 @@ class ExpertLoadFile:
 
         slots = model.n_routed_experts + d.num_redundant_experts
         try:
-            phy2log, _, _ = rebalance_experts(torch.from_numpy(self.per_expert), slots, model.n_group, d.num_nodes, d.ep)
+            load = torch.from_numpy(self.per_expert)
+            phy2log, _, _ = rebalance_experts(load, slots, model.n_group, d.num_nodes, d.ep)
         except ValueError as e:
             raise PlanError(f"EPLB cannot place the load of {self.path} on EP {d.ep}: {e}") from None
         return phy2log.numpy()

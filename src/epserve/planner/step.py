@@ -1,7 +1,8 @@
 """A decode step: dense layers, MoE layers under their overlap schedule, the head and the MTP drafts.
 
 ``step = dense layers + MoE layers (schedule) + embed/norm/LM head/sample + drafts x (MTP layer
-+ head) + step overhead (+ the DP groups' metadata all-reduce)``; every op that runs adds the hardware's per-op host overhead. Output speed per request is the expected accepted tokens per step
++ head) + step overhead (+ the DP groups' metadata all-reduce)``; every op that runs adds the
+hardware's per-op host overhead. Output speed per request is the expected accepted tokens per step
 (``1 + a + a^2 + ... + a^drafts``) over the step time. With a measured expert load
 (``skew.ExpertLoadFile``) each MoE layer's load-dependent ops are priced with its own layer of the
 file; the MTP layer with a layer at their mean (its own load is not in the file).

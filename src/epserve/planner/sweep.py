@@ -40,17 +40,21 @@ def default_eps(model: ModelConfig, d: Deployment) -> tuple[int, ...]:
     return wide or tuple(e for e in (1, 2, 4, 8) if e <= slots and slots % e == 0)
 
 
+def pareto_front(points: Sequence[tuple[float, float] | None]) -> list[bool]:
+    """True for each point ``(speed, throughput)`` no other point beats on both; ``None`` (a plan that
+    does not fit) is never on the front."""
+    flags = [False] * len(points)
+    best = -1.0
+    for _, neg_throughput, i in sorted((-p[0], -p[1], i) for i, p in enumerate(points) if p is not None):
+        if -neg_throughput > best:
+            flags[i], best = True, -neg_throughput
+    return flags
+
+
 def pareto_flags(plans: Sequence[DecodePlan]) -> list[bool]:
     """True for each fitting plan no other plan beats on both speed per request and node throughput."""
-    flags = [False] * len(plans)
-    order = sorted((i for i, p in enumerate(plans) if p.fits),
-                   key=lambda i: (-plans[i].output_tokens_per_s_per_request, -plans[i].throughput_tokens_per_s_per_node))
-    best = -1.0
-    for i in order:
-        if plans[i].throughput_tokens_per_s_per_node > best:
-            flags[i] = True
-            best = plans[i].throughput_tokens_per_s_per_node
-    return flags
+    return pareto_front([(p.output_tokens_per_s_per_request, p.throughput_tokens_per_s_per_node) if p.fits else None
+                         for p in plans])
 
 
 def sweep(

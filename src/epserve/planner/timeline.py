@@ -69,7 +69,8 @@ def run_schedule(schedule: Schedule, costs: Sequence[LayerCosts], num_layers: in
     """Elapsed time of ``num_layers`` layers under ``schedule``; ``costs[i]`` prices micro-batch i,
     the same for every layer or, as a sequence, layer by layer (layer ``l`` priced by ``costs[i][l]``)."""
     if len(costs) != schedule.num_micro_batches:
-        raise ValueError(f"schedule {schedule.name!r} runs {schedule.num_micro_batches} micro-batches, got {len(costs)}")
+        raise ValueError(f"schedule {schedule.name!r} runs {schedule.num_micro_batches} micro-batches, "
+                         f"got {len(costs)}")
     per_layer = [[c] * num_layers if isinstance(c, dict) else list(c) for c in costs]
     if any(len(c) != num_layers for c in per_layer):
         raise ValueError(f"{num_layers} layers, but per-layer costs for {[len(c) for c in per_layer]}")

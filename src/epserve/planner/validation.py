@@ -1,10 +1,11 @@
 """The planner held against published figures: each figure, its source and setting, the planner's price
 of the same setting, the error, and the assumption the error points at.
 
-``validation_figures.FIGURES`` lists them (deployment throughputs, per-user speeds, ratios between two
-settings of one system, per-kernel times); ``evaluate()`` prices every one; ``markdown()`` writes the
-table of docs/planner.md ("Validation against public figures"). Figures a fit was computed from
-(``in_sample``) are shown apart and left out of the summary: they test the fit, not the model.
+``validation_figures.FIGURES`` lists them, each a ``Figure`` on its ``Setting`` (deployment throughputs,
+per-user speeds, ratios between two settings of one system, per-kernel times); ``evaluate()`` prices
+every one; ``markdown()`` writes the table of docs/planner.md ("Validation against public figures").
+Figures a fit was computed from (``in_sample``) are shown apart and left out of the summary: they
+test the fit, not the model.
 ``python -m epserve.planner.validation [--json]`` prints the table (or the results as JSON).
 """
 
@@ -14,45 +15,11 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Setting:
-    """What a figure was measured on, in the publisher's terms (as the table prints it)."""
-
-    hardware: str
-    layout: str
-    io_mix: str
-    precision: str
-    mtp: str
-    model: str = "DeepSeek-V3/R1"
-
-
-@dataclass(frozen=True)
-class Figure:
-    key: str
-    system: str  # who published it
-    metric: str  # what was measured, with its unit
-    published: float
-    source: str  # repository + path + commit, or URL
-    setting: Setting
-    price: Callable[[], float]  # the planner's figure for the same setting
-    band: float  # |predicted / published - 1| the test allows
-    points_at: str  # which assumption the error points at
-    in_sample: bool = False  # a fit was computed from this figure
-
-
-@dataclass(frozen=True)
-class NotPriced:
-    """A published figure left out of the table, and why."""
-
-    system: str
-    figure: str
-    source: str
-    reason: str
+from epserve.planner.validation_figures import FIGURES, NOT_PRICED, Figure, NotPriced
 
 
 @dataclass(frozen=True)
@@ -96,11 +63,7 @@ class Summary:
 
 
 def evaluate(figures: Sequence[Figure] | None = None) -> list[Comparison]:
-    if figures is None:
-        from epserve.planner.validation_figures import FIGURES
-
-        figures = FIGURES
-    return [Comparison(f, f.price()) for f in figures]
+    return [Comparison(f, f.price()) for f in (FIGURES if figures is None else figures)]
 
 
 def summarize(results: Sequence[Comparison]) -> Summary:
@@ -145,8 +108,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m epserve.planner.validation", description=__doc__)
     p.add_argument("--json", action="store_true", help="the results and the summary as JSON")
     args = p.parse_args(argv)
-    from epserve.planner.validation_figures import NOT_PRICED
-
     results = evaluate()
     if args.json:
         print(json.dumps({"summary": summarize(results).to_json(), "figures": [r.to_json() for r in results]},

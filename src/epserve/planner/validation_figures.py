@@ -1,4 +1,5 @@
-"""The published figures the planner is validated against (``validation``), and how each is priced.
+"""The published figures the planner is validated against (``validation`` compares them), what a figure
+is (:class:`Figure`, measured on a :class:`Setting`; :class:`NotPriced`: one left out), and how each is priced.
 
 Every figure is priced on the publisher's setting as far as the planner can express it; where it
 cannot (TensorRT-LLM's min-latency runs split the MoE as TP x EP, the planner only as EP), the
@@ -8,12 +9,13 @@ planner prices with its built-in hardware entries, the settings are the publishe
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import cache
 
 from epserve.planner.cost import Kernel, Work, all_to_all, kernel_time
 from epserve.planner.deployment import Deployment
-from epserve.planner.hardware import BUILTIN
+from epserve.planner.gpus import BUILTIN
 from epserve.planner.kernel_fits import fit_gemm, gemm_class
 from epserve.planner.kernel_tables import (
     COLLECTIVE_CITATIONS,
@@ -26,8 +28,44 @@ from epserve.planner.kernel_tables import (
 from epserve.planner.models import resolve_model
 from epserve.planner.prefill import plan_prefill
 from epserve.planner.step import DecodePlan, estimate_step, plan_decode
-from epserve.planner.validation import Figure, NotPriced, Setting
 from epserve.planner.workload import WorkloadPlan, plan_workload
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a figure was measured on, in the publisher's terms (as the table prints it)."""
+
+    hardware: str
+    layout: str
+    io_mix: str
+    precision: str
+    mtp: str
+    model: str = "DeepSeek-V3/R1"
+
+
+@dataclass(frozen=True)
+class Figure:
+    key: str
+    system: str  # who published it
+    metric: str  # what was measured, with its unit
+    published: float
+    source: str  # repository + path + commit, or URL
+    setting: Setting
+    price: Callable[[], float]  # the planner's figure for the same setting
+    band: float  # |predicted / published - 1| the test allows
+    points_at: str  # which assumption the error points at
+    in_sample: bool = False  # a fit was computed from this figure
+
+
+@dataclass(frozen=True)
+class NotPriced:
+    """A published figure left out of the table, and why."""
+
+    system: str
+    figure: str
+    source: str
+    reason: str
+
 
 NAME, V3 = resolve_model("deepseek-v3")
 DEEPSEEK = ("deepseek-ai/open-infra-index 202502OpenSourceWeek/day_6_one_more_thing_deepseekV3R1_inference_system_"

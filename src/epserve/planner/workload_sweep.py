@@ -11,7 +11,7 @@ from epserve.config import ModelConfig
 from epserve.planner.deployment import Deployment, batch_per_gpu, check_deployment
 from epserve.planner.errors import PlanError
 from epserve.planner.hardware import HardwareSpec
-from epserve.planner.sweep import SWEEP_BATCHES, SWEEP_TPS, default_eps
+from epserve.planner.sweep import SWEEP_BATCHES, SWEEP_TPS, default_eps, pareto_front
 from epserve.planner.workload import DEFAULT_MAX_NUM_TOKENS, ITL_PERCENTILES, WorkloadPlan, plan_workload
 
 WORKLOAD_BATCHES = (*SWEEP_BATCHES, 384, 512, 768, 1024)
@@ -28,15 +28,7 @@ class WorkloadRow:
 
 def workload_pareto(plans: Sequence[WorkloadPlan]) -> list[bool]:
     """True for each fitting plan no other beats on both interactivity and output per GPU."""
-    flags = [False] * len(plans)
-    order = sorted((i for i, p in enumerate(plans) if p.fits),
-                   key=lambda i: (-plans[i].interactivity, -plans[i].output_tokens_per_s_per_gpu))
-    best = -1.0
-    for i in order:
-        if plans[i].output_tokens_per_s_per_gpu > best:
-            flags[i] = True
-            best = plans[i].output_tokens_per_s_per_gpu
-    return flags
+    return pareto_front([(p.interactivity, p.output_tokens_per_s_per_gpu) if p.fits else None for p in plans])
 
 
 def sweep_workload(
@@ -93,14 +85,16 @@ def format_workload(p: WorkloadPlan) -> str:
     d = p.decode.deployment
     lines = [_title(p), f"layout EP{d.ep} = DP{d.dp} x TP{d.tp}, {d.batch:g} requests/GPU in flight, decode at KV "
              f"{d.kv_len} tokens" + ("" if p.fits else f"; DOES NOT FIT: {p.decode.fits_reason}"),
-             f"decode step {p.decode_step_us / 1e3:.2f} ms ({p.decode.step.overlap}); prefill chunk of {p.chunk_tokens} "
-             f"tokens per DP group adds {p.chunk_time_us / 1e3:.2f} ms ({p.chunk_overlap})",
-             f"a DP group prefills {p.prefill_tokens_per_step:.0f} tokens/step: chunks in {p.group_chunk_share:.1%} of its "
-             f"steps, {p.chunk_step_share:.1%} of the EP group's (DP{d.dp})"
+             f"decode step {p.decode_step_us / 1e3:.2f} ms ({p.decode.step.overlap}); "
+             f"prefill chunk of {p.chunk_tokens} tokens per DP group adds {p.chunk_time_us / 1e3:.2f} ms "
+             f"({p.chunk_overlap})",
+             f"a DP group prefills {p.prefill_tokens_per_step:.0f} tokens/step: "
+             f"chunks in {p.group_chunk_share:.1%} of its steps, {p.chunk_step_share:.1%} of the EP group's (DP{d.dp})"
              + ("; PREFILL-BOUND: the budget cannot keep the batch fed" if p.prefill_bound else ""),
-             f"prefill {p.prefill_time_share:.1%} of GPU time; output {p.output_tokens_per_s_per_gpu:,.0f} tok/s per GPU "
-             f"end to end ({p.decode.throughput_tokens_per_s_per_gpu:,.0f} decode only), {p.interactivity:.1f} tok/s "
-             f"per user (TPOT {p.tpot_us / 1e3:.1f} ms), {p.tokens_per_s_per_request_with_ttft:.1f} with TTFT",
+             f"prefill {p.prefill_time_share:.1%} of GPU time; "
+             f"output {p.output_tokens_per_s_per_gpu:,.0f} tok/s per GPU end to end "
+             f"({p.decode.throughput_tokens_per_s_per_gpu:,.0f} decode only), {p.interactivity:.1f} tok/s per user "
+             f"(TPOT {p.tpot_us / 1e3:.1f} ms), {p.tokens_per_s_per_request_with_ttft:.1f} with TTFT",
              "ITL " + ", ".join(f"p{q} {p.itl_percentile_us(q) / 1e3:.1f} ms" for q in ITL_PERCENTILES)
              + f"; TTFT {p.ttft_us / 1e3:.0f} ms (no queueing)"]
     return "\n".join(lines)
