@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from epserve import env
 from epserve.kernels import cpu, cpu_abi
 
 DTYPES = [
@@ -172,6 +174,20 @@ def test_each_signature_table_matches_its_libraries_c_definitions(kind):
     build = cpu._KINDS[kind]
     assert _mismatches(build.table, _source(build)) == []
     assert len(_definitions(_source(build))) == len(build.table) >= 3
+
+
+@pytest.mark.skipif(not env.cpu_kernels_enabled() or shutil.which("cc") is None, reason="no C compiler")
+@pytest.mark.parametrize("kind", list(cpu._KINDS), ids=str)
+def test_every_library_builds_with_its_twins_where_the_cpu_takes_it(kind):
+    """A library that fails to build or bind (a twin missing) would only make the kernels' tests skip."""
+    build = cpu._KINDS[kind]
+    if not cpu._cpu_has(*build.cpu_flags):
+        pytest.skip(f"the {build.name} kernels need {build.cpu_flags}")
+    lib = cpu._library(kind)
+    assert lib is not None
+    recorded = {s.name for s in build.table if s.recorded}
+    assert set(cpu._twins[kind]) == recorded and all(t.address for t in cpu._twins[kind].values())
+    assert all(getattr(lib, f"{s.name}").argtypes is not None for s in build.table)
 
 
 def test_the_signature_check_catches_a_c_signature_the_table_does_not_follow():

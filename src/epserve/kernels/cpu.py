@@ -8,10 +8,12 @@ tensors with few rows (decode), and fall back to torch otherwise, or when the CP
 instructions, no C compiler is found, or ``EPSERVE_CPU_KERNELS=0``. Results match torch's path up to
 summation order.
 
-``cpu_ops.c`` (AVX2 + FMA) holds the small ops of a decode step fused, each in place of a chain of
-eager torch ops that costs more in dispatch than in arithmetic; ``kernels.cpu_ops`` is their front end.
-Every kernel call goes through ``_lib``, so that while a decode step is recorded (``kernels/cpu_graph.py``)
-the calls are recorded as they run.
+``cpu_ops.c``, ``cpu_ops_mla.c`` and ``cpu_ops_moe.c`` (AVX2 + FMA, one library: ``OPS``) hold the small
+ops of a decode step fused, each in place of a chain of eager torch ops that costs more in dispatch than in
+arithmetic; ``kernels.cpu_ops`` is their front end. Each library's functions are declared to ctypes from
+its signature table (``kernels/cpu_abi.py``), which also generates their packed twins, built in with the
+sources. Every kernel call goes through ``_lib``, so that while a decode step is recorded
+(``kernels/cpu_graph.py``) the calls are recorded as they run.
 """
 
 from __future__ import annotations

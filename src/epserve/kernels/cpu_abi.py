@@ -104,9 +104,8 @@ class Twin:
         """A call's arguments as the twin takes them: pointers as addresses (None as 0), floats as their bits."""
         if len(values) != self.count:
             raise TypeError(f"{self.name} takes {self.count} arguments, given {len(values)}")
-        packed = [0 if v is None else int(v) for v in values] if not self.floats else [
-            struct.unpack("<I", struct.pack("<f", v))[0] if i in self.floats else 0 if v is None else int(v)
-            for i, v in enumerate(values)]
+        packed = [struct.unpack("<I", struct.pack("<f", v))[0] if i in self.floats else 0 if v is None else int(v)
+                  for i, v in enumerate(values)]
         return (ctypes.c_int64 * max(self.count, 1))(*packed)
 
 

@@ -1,10 +1,10 @@
-"""Front ends of ``cpu_ops.c``, the small fused ops of a CPU decode step (the library ``kernels.cpu`` builds
+"""Front ends of ``cpu_ops*.c``, the small fused ops of a CPU decode step (the library ``kernels.cpu`` builds
 and loads as ``OPS``): paged MLA decode, the grouped top-k gate, RMSNorm, rotary embedding, MLA's latent
 append and per-head projections, the dispatchers' grouping and weighted combine, and the rest of a step
 (the embedding and rotary rows, copies and casts, residual adds, SwiGLU's activation, the local dispatch,
 the load counters) so that a whole decode step can run as C kernel calls (``kernels/cpu_graph.py``), and
 the replay of such a recorded step. The row-wise ops also take a prefill's rows, on every OpenMP thread
-(``PARALLEL_MIN`` in ``cpu_ops.c``; the same bits as one thread). Each returns None (or False) where it does
+(``PARALLEL_MIN`` in ``cpu_ops.h``; the same bits as one thread). Each returns None (or False) where it does
 not apply, and its caller runs the torch reference; results equal the references up to the order of a sum
 unless said otherwise.
 """
