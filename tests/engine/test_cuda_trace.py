@@ -125,9 +125,9 @@ def _engine(ckpt: Path, dtype: str, **kw) -> LLM:
 
 CASES = {
     # (dtype, checkpoint, capability, dispatch): the CUDA kernels the forward must reach
-    "fp32-sm90": ("float32", "tiny", (9, 0), "local", {"epserve.grouped_swiglu_triton"}),
+    "fp32-sm90": ("float32", "tiny", (9, 0), "local", {"epserve.grouped_swiglu"}),
     "bf16-sm90": ("bfloat16", "tiny", (9, 0), "local", {"aten._grouped_mm"}),
-    "bf16-sm80": ("bfloat16", "tiny", (8, 0), "local", {"epserve.grouped_swiglu_triton"}),
+    "bf16-sm80": ("bfloat16", "tiny", (8, 0), "local", {"epserve.grouped_swiglu"}),
     "fp8-sm90": ("fp8", "tiny128", (9, 0), "local", {"epserve.fp8_block_gemm", "epserve.fp8_grouped_gemm"}),
     "bf16-padded": ("bfloat16", "tiny", (9, 0), "padded", {"aten._grouped_mm", "_c10d_functional.all_to_all_single"}),
     "fp8-padded-fp8-payload": ("fp8", "tiny128", (9, 0), "padded-fp8",

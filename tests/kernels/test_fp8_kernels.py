@@ -19,7 +19,7 @@ import triton_harness
 
 from epserve import env
 from epserve.checkpoint import fp8_block_dequantize, fp8_block_quantize
-from epserve.kernels import fp8
+from epserve.kernels import fp8, fp8_layers
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, MIN_AMAX, cdiv
 
 SHAPES_NK = [(128, 128), (160, 200), (256, 384), (160, 384)]
@@ -135,7 +135,7 @@ def test_fp8_linear_close_to_bf16_linear():
     x = make_act(33, 384)
     w, ws = make_weight(160, 384)
     w_bf16 = fp8_block_dequantize(w, ws).bfloat16()
-    out, ref = fp8.fp8_linear(x, w, ws), F.linear(x, w_bf16)
+    out, ref = fp8_layers.fp8_linear(x, w, ws), F.linear(x, w_bf16)
     assert out.dtype == torch.bfloat16 and out.shape == (33, 160)
     _, s = fp8.act_quant_ref(x)
     xa, wa = x.float().abs(), w_bf16.float().abs()
@@ -143,7 +143,7 @@ def test_fp8_linear_close_to_bf16_linear():
     err = (out.float() - ref.float()).abs()
     assert bool((err <= bound + 2**-8 * ref.float().abs() + 1e-6 * ref.float().abs().max()).all())
     assert (err.norm() / ref.float().norm()).item() < 0.05
-    assert fp8.fp8_linear(x.view(3, 11, 384), w, ws).shape == (3, 11, 160)  # leading dims kept
+    assert fp8_layers.fp8_linear(x.view(3, 11, 384), w, ws).shape == (3, 11, 160)  # leading dims kept
 
 
 def test_fp8_moe_swiglu_matches_dense():
@@ -152,7 +152,7 @@ def test_fp8_moe_swiglu_matches_dense():
     counts = [4, 0, 9, 3]
     x = make_act(16, 256)
     (w13, s13), (w2, s2) = make_weight(320, 256, experts=4, seed=2), make_weight(256, 160, experts=4, seed=3)
-    out = fp8.fp8_moe_swiglu(x, torch.tensor(counts), w13, s13, w2, s2)
+    out = fp8_layers.fp8_moe_swiglu(x, torch.tensor(counts), w13, s13, w2, s2)
     q, s = fp8.act_quant_ref(x)
     h = fp8.grouped_block_fp8_gemm_ref(q, s, w13, s13, counts, torch.bfloat16)
     want = fp8.grouped_block_fp8_gemm_ref(*fp8.silu_mul_quant_ref(h), w2, s2, counts, torch.bfloat16)
@@ -203,16 +203,16 @@ def test_shape_mismatch_errors():
     shape_errors(fp8)
     w, ws = make_weight(160, 200)
     with pytest.raises(ValueError, match=r"w_scale \(2, 1\)"):
-        fp8.fp8_linear(make_act(3, 200), w, ws[:, :1])
+        fp8_layers.fp8_linear(make_act(3, 200), w, ws[:, :1])
     with pytest.raises(ValueError, match=r"x \(3, 256\)"):
-        fp8.fp8_linear(make_act(3, 256), w, ws)
+        fp8_layers.fp8_linear(make_act(3, 256), w, ws)
     q, s = fp8.act_quant_ref(make_act(4, 200))
     with pytest.raises(ValueError, match="sum to at most the 4 rows"):
         fp8.grouped_block_fp8_gemm_ref(q, s, w[None], ws[None], [5], torch.float32)
     w13, s13 = make_weight(256, 200, experts=2)
     w2, s2 = make_weight(200, 100, experts=2)
     with pytest.raises(ValueError, match=r"w2 \(2, 200, 100\)"):
-        fp8.fp8_moe_swiglu(make_act(4, 200), [2, 2], w13, s13, w2, s2)
+        fp8_layers.fp8_moe_swiglu(make_act(4, 200), [2, 2], w13, s13, w2, s2)
 
 
 def test_backend_variable(monkeypatch):
@@ -274,11 +274,11 @@ def front_end_errors(on_cuda: bool) -> list[float]:
     re-quantizes a bf16 intermediate, whose rounding flips a few fp8 codes: a looser bound."""
     x, (w, ws), counts = make_act(50, 512), make_weight(384, 512), torch.tensor([20, 0, 25, 5])
     moe = (*make_weight(512, 512, experts=4, seed=2), *make_weight(512, 256, experts=4, seed=3))
-    refs = fp8.fp8_linear(x, w, ws), fp8.fp8_moe_swiglu(x, counts, *moe)
+    refs = fp8_layers.fp8_linear(x, w, ws), fp8_layers.fp8_moe_swiglu(x, counts, *moe)
     move = (lambda t: t.cuda()) if on_cuda else (lambda t: t)
     if not on_cuda:
         fp8._on_cuda = lambda t: True  # (in the interpreter subprocess only)
-    outs = fp8.fp8_linear(*map(move, (x, w, ws))), fp8.fp8_moe_swiglu(*map(move, (x, counts, *moe)))
+    outs = fp8_layers.fp8_linear(*map(move, (x, w, ws))), fp8_layers.fp8_moe_swiglu(*map(move, (x, counts, *moe)))
     return [((o.float().cpu() - r.float()).norm() / r.float().norm()).item() for o, r in zip(outs, refs)]
 
 
@@ -362,14 +362,14 @@ def test_cuda_graph_captures_the_moe_path():
     w13, s13 = (t.cuda() for t in make_weight(512, 512, experts=8, seed=2))
     w2, s2 = (t.cuda() for t in make_weight(512, 256, experts=8, seed=3))
     counts = torch.tensor([8] * 8, device="cuda")
-    fp8.fp8_moe_swiglu(x, counts, w13, s13, w2, s2)  # compile the kernels outside the capture
+    fp8_layers.fp8_moe_swiglu(x, counts, w13, s13, w2, s2)  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8.fp8_moe_swiglu(x, counts, w13, s13, w2, s2)
+        out = fp8_layers.fp8_moe_swiglu(x, counts, w13, s13, w2, s2)
     for new in ([64, 0, 0, 0, 0, 0, 0, 0], [0, 3, 0, 40, 1, 0, 0, 7], [1, 2, 3, 4, 5, 6, 7, 8]):
         counts.copy_(torch.tensor(new))
         graph.replay()
-        torch.testing.assert_close(out, fp8.fp8_moe_swiglu(x, counts, w13, s13, w2, s2), rtol=0, atol=0)
+        torch.testing.assert_close(out, fp8_layers.fp8_moe_swiglu(x, counts, w13, s13, w2, s2), rtol=0, atol=0)
 
 
 def _interpreter_main() -> None:

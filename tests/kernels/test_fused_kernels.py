@@ -199,7 +199,11 @@ def _case_bad_block_sizes(ft) -> None:
 
 
 def _case_custom_ops(ft) -> None:
-    """The custom ops' own implementations (what a compiled graph runs), eager: rope_heads out of place."""
+    """The custom ops' own implementations (what a compiled CUDA graph runs: the CUDA table, Triton here on CPU
+    tensors under the interpreter), eager: rope_heads out of place."""
+    for op in (fused.rms_norm, fused.rope_heads, fused.append_latent):
+        op.device_of = lambda *args, **kwargs: "cuda"
+    assert fused.rms_norm.chosen("cuda") == ["epserve.kernels.fused_triton:rms_norm_triton"]
     x, w = quarters(3, 576, seed=1, dtype=torch.bfloat16), rand(512, seed=2, dtype=torch.bfloat16)
     assert torch.equal(torch.ops.epserve.rms_norm(x[:, :512], w, EPS), fused.rms_norm_ref(x[:, :512], w, EPS))
     q, cos, sin = rand(3, 4, 192, seed=3, dtype=torch.bfloat16), x[:, :32], x[:, 32:64]
@@ -254,10 +258,13 @@ def test_fake_cuda_trace_goes_through_the_custom_ops(monkeypatch):
     """On fake "CUDA" tensors (meta, ``trace_as_cuda``) at DeepSeek-V3's shapes each front end is its
     custom op, with the reference's shape and dtype, without entering Triton or reading a value; what the
     kernels do not take (fp16, a rotation promoted past q's dtype, gradients) stays the reference."""
-    def no_triton():
+    def no_triton(*args, **kwargs):
         raise AssertionError("a trace entered Triton")
 
-    monkeypatch.setattr(fused, "_triton", no_triton)
+    for op in (fused.rms_norm, fused.rope_heads, fused.append_latent):  # no eager implementation chosen or run
+        monkeypatch.setattr(op, "_table", {})
+        monkeypatch.setattr(op, "fill", no_triton)
+    monkeypatch.setitem(sys.modules, "epserve.kernels.fused_triton", None)  # nor imported
     log = OpLog()
     with torch.inference_mode(), trace_as_cuda(), FakeTensorMode(), log:
         x = _meta(8, 7168)

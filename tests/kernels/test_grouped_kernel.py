@@ -1,5 +1,5 @@
 """Grouped SwiGLU experts (``kernels.grouped``, ``kernels.grouped_triton``) and the FP8 experts on a
-quantized payload (``kernels.fp8.fp8_moe_swiglu_quantized``, ``moe.experts.GroupedExperts``).
+quantized payload (``kernels.fp8_layers.fp8_moe_swiglu_quantized``, ``moe.experts.GroupedExperts``).
 
 The torch reference is checked against each row computed on its own; the Triton grouped GEMM against
 the reference under Triton's interpreter (in a subprocess with ``TRITON_INTERPRET=1``, so no other test
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton_harness
 
 from epserve.checkpoint import fp8_block_quantize
-from epserve.kernels import fp8, grouped
+from epserve.kernels import fp8, fp8_layers, grouped
 from epserve.moe.dispatch.base import ExpertInput
 from epserve.moe.experts import GroupedExperts
 
@@ -98,13 +98,13 @@ def test_fp8_on_a_quantized_payload_is_fp8_moe_swiglu(rows, counts):
     """act_quant(x), then the experts on (q, scales): the same bits as fp8_moe_swiglu(x), padding rows too."""
     w13, s13, w2, s2 = fp8_experts()
     x = make_rows(rows, 256, torch.bfloat16, counts)
-    want = fp8.fp8_moe_swiglu(x, torch.tensor(counts), w13, s13, w2, s2)
+    want = fp8_layers.fp8_moe_swiglu(x, torch.tensor(counts), w13, s13, w2, s2)
     q, s = fp8.act_quant(x)
-    got = fp8.fp8_moe_swiglu_quantized(q, s, torch.tensor(counts), w13, s13, w2, s2, torch.bfloat16)
+    got = fp8_layers.fp8_moe_swiglu_quantized(q, s, torch.tensor(counts), w13, s13, w2, s2, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert torch.equal(got[sum(counts):], torch.zeros(rows - sum(counts), 256, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="fp32 scales"):
-        fp8.fp8_moe_swiglu_quantized(q, s[:, :1], counts, w13, s13, w2, s2, torch.bfloat16)
+        fp8_layers.fp8_moe_swiglu_quantized(q, s[:, :1], counts, w13, s13, w2, s2, torch.bfloat16)
 
 
 def test_experts_take_an_fp8_payload():
@@ -166,10 +166,10 @@ def _case_fp8_front_end_on_a_payload(gt) -> None:
         w13, s13, w2, s2 = fp8_experts(e=3, h=128, i=128)
         counts = [4, 0, 7]
         x = make_rows(13, 128, torch.bfloat16, counts)
-        want = fp8.fp8_moe_swiglu(x, torch.tensor(counts), w13, s13, w2, s2)
+        want = fp8_layers.fp8_moe_swiglu(x, torch.tensor(counts), w13, s13, w2, s2)
         q, s = fp8.act_quant(x)
         assert s.stride() == (1, 13)  # the CUDA route's M-major scales
-        got = fp8.fp8_moe_swiglu_quantized(q, s, torch.tensor(counts), w13, s13, w2, s2, torch.bfloat16)
+        got = fp8_layers.fp8_moe_swiglu_quantized(q, s, torch.tensor(counts), w13, s13, w2, s2, torch.bfloat16)
         assert torch.equal(got, want) and torch.equal(got[11:], torch.zeros(2, 128, dtype=torch.bfloat16))
     finally:
         fp8._on_cuda = on_cuda

@@ -16,7 +16,8 @@ Each op module declares its op with :func:`register` when it is imported (``kern
 (``env.py``): a backend named there is used without a self-test, so its errors surface. Self-tests never
 run inside a CUDA graph capture: a call there gets the fallback without recording a decision.
 :func:`resolve` decides every op the engine will call (at start-up, before the KV pool is sized and
-before any capture) and returns the one-line summary the engine logs.
+before any capture), then has ``kernels.opdef`` fill each kernel op's table of implementations for the
+device (:func:`after_resolve`), and returns the one-line summary the engine logs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 SelfTest = Callable[[torch.device, torch.dtype], None]
 
 # The module that registers each op (imported on the op's first use).
-_DECLARED = {"mla_decode": "epserve.kernels.mla_flashinfer", "fp8_gemm": "epserve.kernels.fp8"}
+_DECLARED = {"mla_decode": "epserve.kernels.mla_flashinfer", "fp8_gemm": "epserve.kernels.fp8_scaled_mm"}
 
 
 class KernelMismatch(RuntimeError):
@@ -80,6 +81,12 @@ _chosen: dict[tuple[str, str, torch.dtype | None], str] = {}  # (op, device, dty
 _tested: dict[tuple[str, str, str, torch.dtype | None], str | None] = {}  # -> None (passed) or the error
 _forced_logged: set[tuple[tuple[str, str, torch.dtype | None], str]] = set()
 _lock = threading.RLock()  # one decision at a time (a self-test launches kernels)
+_after: list[Callable[[torch.device], None]] = []  # run by resolve once its decisions are made
+
+
+def after_resolve(hook: Callable[[torch.device], None]) -> None:
+    """Run ``hook(device)`` at the end of each :func:`resolve` (``kernels.opdef`` fills the ops' tables)."""
+    _after.append(hook)
 
 
 def register(op: KernelOp) -> KernelOp:
@@ -228,6 +235,10 @@ def resolve(device: torch.device | str, dtypes: Mapping[str, torch.dtype | None]
     Off CUDA every op runs its torch reference (or the CPU kernels) and nothing is tested."""
     device = torch.device(device)
     if device.type != "cuda":
-        return f"torch reference ({device.type})"
-    parts = [f"{op}={select(op, device, dtype)}" for op, dtype in dtypes.items() if dtype is not None]
-    return " ".join(parts) or "none"
+        summary = f"torch reference ({device.type})"
+    else:
+        parts = [f"{op}={select(op, device, dtype)}" for op, dtype in dtypes.items() if dtype is not None]
+        summary = " ".join(parts) or "none"
+    for hook in _after:
+        hook(device)
+    return summary

@@ -1,5 +1,5 @@
 """What a kernel asks about where it runs, asked in one place: whether the call is being traced, whether
-a tensor is a CUDA tensor, and the CUDA compute capability of a device.
+a tensor is a CUDA tensor (and may use a side stream), and the CUDA compute capability of a device.
 
 A trace of the CUDA branches on fake tensors (``FakeTensorMode``, no GPU needed) must not ask the CUDA
 driver anything: on a machine without one the question crashes, and on one with a GPU the answer would be
@@ -29,6 +29,12 @@ def tracing() -> bool:
     """Whether this call is being traced (``torch.compile``) or run on fake tensors: the kernels' front
     ends then call their custom op (``kernels/ops.py``), one opaque call with a fake implementation."""
     return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
+def side_stream_usable(x: torch.Tensor) -> bool:
+    """Whether work on ``x`` may run on a second CUDA stream: a real CUDA tensor, eagerly (a trace is of
+    one stream's work)."""
+    return x.is_cuda and torch.cuda.is_available() and not tracing()
 
 
 def is_cuda(t: torch.Tensor | torch.device | str) -> bool:

@@ -1,20 +1,19 @@
-"""Block-scaled FP8 (DeepSeek-V3's recipe): activation quantization and GEMMs, with a torch reference.
+"""Block-scaled FP8 (DeepSeek-V3's recipe): activation quantization and GEMMs as kernel ops, with a torch reference.
 
 Weights are float8_e4m3fn ``[N, K]`` with one fp32 ``scale_inv`` per 128x128 tile (multiplied in to
 dequantize). Activations are quantized at run time per token and 128-column group (1x128, scale =
 amax / 448, amax clamped to ``MIN_AMAX``). The GEMM accumulates in fp32 one 128-wide K block at a time:
 ``acc += (a_blk @ b_blk^T) * a_scale[m, kb] * b_scale[n // 128, kb]``.
 
-The front ends (``act_quant``, ``silu_mul_quant``, ``block_fp8_gemm``, ``grouped_block_fp8_gemm``,
-``fp8_linear``, ``fp8_moe_swiglu``) pick a backend per call from the tensors' device: the ``*_ref``
-torch reference off CUDA (correct, not fast: it dequantizes one K block at a time and loops over
-experts), Triton kernels on CUDA (``kernels.fp8_triton``, imported only then, so the CPU engine never
-loads triton) and, for ``block_fp8_gemm``, ``torch._scaled_mm`` with blockwise (1x128, 128x128)
-scales where its self-test passes for the device and output dtype (cuBLASLt >= 12.9 on SM90; the
-``fp8_gemm`` op of ``kernels.backends``).
-``EPSERVE_FP8_BACKEND`` (``env.fp8_backend``) forces a backend on CUDA. When traced (``torch.compile``,
-fake tensors) the kernel front ends call their custom op instead (``kernels/ops.py``): a trace never
-enters Triton, runs a self-test or reads the counts on the host.
+The ops (``act_quant``, ``silu_mul_quant``, ``block_fp8_gemm``, ``grouped_block_fp8_gemm``; declared once,
+``kernels.opdef``) run the ``*_ref`` torch reference off CUDA (correct, not fast: it dequantizes one K block
+at a time and loops over experts), Triton kernels on CUDA (``kernels.fp8_triton``, imported only then, so
+the CPU engine never loads triton) and, for ``block_fp8_gemm``, ``torch._scaled_mm`` with blockwise (1x128,
+128x128) scales where its self-test passes for the device and output dtype (cuBLASLt >= 12.9 on SM90; the
+``fp8_gemm`` op of ``kernels.backends``, in ``kernels.fp8_scaled_mm``). ``EPSERVE_FP8_BACKEND``
+(``env.fp8_backend``) forces a backend on CUDA (``torch``: the reference). When traced (``torch.compile``,
+fake tensors) each is its custom op ``epserve::fp8_*``: a trace never enters Triton, runs a self-test or
+reads the counts on the host. ``kernels.fp8_layers`` composes them into the FP8 linear and routed experts.
 
 On CUDA the quantizers return their scales M-major (``[M, nK]`` with strides ``(1, M)``), the
 layout ``_scaled_mm`` takes and the one the Triton GEMMs read coalesced; the reference returns them
@@ -25,18 +24,15 @@ be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from epserve import env
 from epserve.kernels import backends
-from epserve.kernels.device import is_cuda, tracing
-
-logger = logging.getLogger(__name__)
+from epserve.kernels.device import is_cuda
+from epserve.kernels.opdef import declare
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -48,7 +44,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# ---- shape checks (shared with the Triton wrappers) ---------------------------------------------
+# ---- shape checks (the Triton wrappers import them) ---------------------------------------------
 
 
 def fp8_scale_shape(*shape: int) -> tuple[int, ...]:
@@ -183,13 +179,7 @@ def grouped_block_fp8_gemm_ref(
     return out
 
 
-# ---- backend choice -----------------------------------------------------------------------------
-
-
-def _triton() -> ModuleType:
-    from epserve.kernels import fp8_triton  # lazy: importing triton costs the CPU engine for nothing
-
-    return fp8_triton
+# ---- the ops -----------------------------------------------------------------------------------
 
 
 def _on_cuda(t: torch.Tensor) -> bool:
@@ -197,64 +187,83 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return is_cuda(t) and env.fp8_backend() != "torch"
 
 
-def _scaled_mm_eligible(
-    a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
-) -> bool:
-    """Shapes for which the blockwise ``_scaled_mm`` layouts are unambiguous: K a multiple of 512 (so
-    the 128x128 scales' K/128 leading dimension needs no padding to 4), N a multiple of 16."""
-    k, n = a.shape[1], b.shape[0]
-    return (
-        k % (4 * BLOCK) == 0 and n % 16 == 0 and a.shape[0] > 0 and b.is_contiguous()
-        and b_scale.is_contiguous() and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
-    )
+def _where(t: torch.Tensor, *_: object, **__: object) -> str:
+    """The device type whose implementations run: ``cuda`` on the CUDA kernels' route, else the reference's."""
+    return "cuda" if _on_cuda(t) else "cpu"
 
 
-def _scaled_mm(
+def _fake_quant(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [M, k], fp32 scales [M, ceil(k/128)]): M-major on the CUDA kernels' route, as they return them."""
+    m, groups = x.shape[0], cdiv(k, BLOCK)
+    q = x.new_empty(m, k, dtype=FP8_DTYPE)
+    if _on_cuda(x):
+        return q, x.new_empty(groups, m, dtype=torch.float32).t()
+    return q, x.new_empty(m, groups, dtype=torch.float32)
+
+
+def _fake_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_act(x)
+    return _fake_quant(x, x.shape[1])
+
+
+def _fake_silu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_act(gate_up, "gate_up")
+    return _fake_quant(gate_up, gate_up.shape[1] // 2)
+
+
+def _fake_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    check_gemm(a, a_scale, b, b_scale)
+    return a.new_empty(a.shape[0], b.shape[0], dtype=out_dtype)
+
+
+def _fake_grouped(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                  counts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    check_grouped(a, a_scale, b, b_scale, counts)
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+_TRITON = "epserve.kernels.fp8_triton"  # imported on CUDA only: importing triton costs the CPU engine for nothing
+_OP = {"opaque": True, "device_of": _where}
+
+
+@declare("fp8_act_quant", fake=_fake_act, **_OP)
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], fp32 [M, ceil(K/128)])."""
+    return act_quant_ref(x)
+
+
+@declare("fp8_silu_mul_quant", fake=_fake_silu, **_OP)
+def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] -> quantized silu(gate) * up: (fp8 [M, I], fp32 [M, ceil(I/128)])."""
+    return silu_mul_quant_ref(gate_up)
+
+
+@declare("fp8_block_gemm", fake=_fake_gemm, **_OP)
+def block_fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """``torch._scaled_mm`` with (BlockWise1x128, BlockWise128x128) scales: mat2 = b^T column-major;
-    scale_a [M, nK] M-major (strides (1, M)); scale_b = b_scale^T, i.e. [nK, nN] over b_scale's
-    row-major [nN, nK] storage (ATen checks scale_b^T as [ceil(N/128), nK], strides (nK, 1))."""
-    m = a.shape[0]
-    a = a if a.stride(1) == 1 else a.contiguous()
-    if a_scale.stride(1) != m or (m > 1 and a_scale.stride(0) != 1):
-        a_scale = a_scale.t().contiguous().t()
-    scale_b = b_scale.float().t()
-    return torch._scaled_mm(a, b.t(), scale_a=a_scale.float(), scale_b=scale_b, out_dtype=out_dtype)
+    """a fp8 [M, K] x b fp8 [N, K]^T with block scales -> [M, N] out_dtype."""
+    return block_fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
 
 
-def _probe_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> None:
-    """The ``fp8_gemm`` op's self-test of ``scaled_mm``: blockwise ``_scaled_mm`` with ``out_dtype``
-    output (the dtype the runtime asks for: a rejection of bf16 would otherwise go unseen behind an fp32
-    probe) on a few small problems (odd M, a partial N tile, scales that differ across tiles so a wrong
-    layout shows) against the fp32 reference; raises when it cannot run or is off."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        raise RuntimeError(f"blockwise torch._scaled_mm needs a CUDA device and torch._scaled_mm ({device})")
-    if out_dtype not in _GEMM_OUT_DTYPES:
-        raise ValueError(f"block FP8 GEMM output must be one of {_GEMM_OUT_DTYPES}, got {out_dtype}")
-    tolerance = 1e-3 if out_dtype == torch.float32 else 1e-2  # bf16/fp16 outputs round to 2^-9 / 2^-12
-    g = torch.Generator().manual_seed(0)
-    for m, n, k in ((1, 256, 512), (5, 144, 1024), (96, 384, 1536)):
-        a, a_scale = act_quant_ref(torch.randn(m, k, generator=g).to(device))
-        b = (torch.randn(n, k, generator=g) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(device)
-        b_scale = torch.rand(cdiv(n, BLOCK), k // BLOCK, generator=g).add_(0.1).to(device)
-        want = _gemm_ref_fp32(a, a_scale, b, b_scale)
-        got = _scaled_mm(a, a_scale, b, b_scale, out_dtype)
-        err, bound = float((got.float() - want).abs().max()), tolerance * float(want.abs().max()) + 1e-6
-        if got.dtype != out_dtype or not err <= bound:
-            raise backends.KernelMismatch(f"{got.dtype} output off the reference by {err:.3g} (allowed {bound:.3g}) "
-                                          f"at M,N,K={m},{n},{k}")
+@declare("fp8_grouped_gemm", fake=_fake_grouped, **_OP)
+def grouped_block_fp8_gemm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows of a [R, K] grouped by expert (counts [E], or a list of ints in eager calls) times b [E, N, K] ->
+    [R, N] out_dtype."""
+    return grouped_block_fp8_gemm_ref(a, a_scale, b, b_scale, counts, out_dtype)
+
+
+act_quant.implement("cuda", f"{_TRITON}:act_quant_triton", traced="op")
+silu_mul_quant.implement("cuda", f"{_TRITON}:silu_mul_quant_triton", traced="op")
+block_fp8_gemm.implement("cuda", "epserve.kernels.fp8_scaled_mm:block_fp8_gemm_cuda", traced="op")
+grouped_block_fp8_gemm.implement("cuda", f"{_TRITON}:grouped_block_fp8_gemm_triton", traced="op")
 
 
 _GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Block FP8 GEMMs on CUDA: blockwise torch._scaled_mm where its self-test passes for the device and output
-# dtype, else Triton; EPSERVE_FP8_BACKEND forces one (``torch``: the reference, decided in ``_on_cuda``).
-FP8_GEMM = backends.register(backends.KernelOp(
-    "fp8_gemm",
-    (backends.KernelBackend("scaled_mm", _probe_scaled_mm), backends.KernelBackend("triton")),
-    forced=env.fp8_backend,
-    env_var=env.FP8_BACKEND,
-))
 
 
 def scaled_mm_supported(device: torch.device | str, out_dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -267,128 +276,3 @@ def scaled_mm_supported(device: torch.device | str, out_dtype: torch.dtype = tor
     return backends.passes("fp8_gemm", "scaled_mm", device, out_dtype)
 
 
-# ---- front ends ---------------------------------------------------------------------------------
-
-
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], fp32 [M, ceil(K/128)])."""
-    if tracing():
-        return torch.ops.epserve.fp8_act_quant(x)
-    if _on_cuda(x):
-        return _triton().act_quant_triton(x)
-    return act_quant_ref(x)
-
-
-def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2I] -> quantized silu(gate) * up: (fp8 [M, I], fp32 [M, ceil(I/128)])."""
-    if tracing():
-        return torch.ops.epserve.fp8_silu_mul_quant(gate_up)
-    if _on_cuda(gate_up):
-        return _triton().silu_mul_quant_triton(gate_up)
-    return silu_mul_quant_ref(gate_up)
-
-
-def block_fp8_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """a fp8 [M, K] x b fp8 [N, K]^T with block scales -> [M, N] out_dtype."""
-    if tracing():
-        return torch.ops.epserve.fp8_block_gemm(a, a_scale, b, b_scale, out_dtype)
-    if not _on_cuda(a):
-        return block_fp8_gemm_ref(a, a_scale, b, b_scale, out_dtype)
-    check_gemm(a, a_scale, b, b_scale)
-    backend = env.fp8_backend()
-    if backend == "scaled_mm" and _scaled_mm_eligible(a, b, b_scale, out_dtype):
-        return _scaled_mm(a, a_scale, b, b_scale, out_dtype)  # forced: errors surface
-    if backend == "auto" and _scaled_mm_eligible(a, b, b_scale, out_dtype) and (
-            backends.select("fp8_gemm", a.device, out_dtype) == "scaled_mm"):
-        try:
-            return _scaled_mm(a, a_scale, b, b_scale, out_dtype)
-        except (RuntimeError, ValueError) as e:  # a shape the self-test did not cover: Triton from now on
-            backends.fall_back("fp8_gemm", a.device, out_dtype, f"M,N,K={a.shape[0]},{b.shape[0]},{a.shape[1]}: "
-                               f"{str(e).splitlines()[0][:200]}")
-    return _triton().block_fp8_gemm_triton(a, a_scale, b, b_scale, out_dtype)
-
-
-def grouped_block_fp8_gemm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    counts: torch.Tensor | Sequence[int],
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """Rows of a [R, K] grouped by expert (counts [E]) times b [E, N, K] -> [R, N] out_dtype."""
-    if tracing():
-        return torch.ops.epserve.fp8_grouped_gemm(a, a_scale, b, b_scale, _as_counts(counts, a.device), out_dtype)
-    if _on_cuda(a):
-        return _triton().grouped_block_fp8_gemm_triton(a, a_scale, b, b_scale, counts, out_dtype)
-    return grouped_block_fp8_gemm_ref(a, a_scale, b, b_scale, counts, out_dtype)
-
-
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ w^T, w fp8 [N, K] with scales [ceil(N/128), ceil(K/128)] -> [..., N]
-    in x.dtype: x quantized per token and 128 columns, then the block GEMM."""
-    want = (cdiv(w.shape[0], BLOCK), cdiv(w.shape[-1], BLOCK)) if w.dim() == 2 else None
-    if w.dim() != 2 or x.dim() == 0 or x.shape[-1] != w.shape[1] or _shape(w_scale) != want:
-        raise ValueError(
-            f"fp8_linear shapes do not match: x {_shape(x)}, w {_shape(w)}, w_scale {_shape(w_scale)}; "
-            f"expected x [..., K], w [N, K], w_scale {want or '[ceil(N/128), ceil(K/128)]'}"
-        )
-    lead = x.shape[:-1]
-    q, s = act_quant(x.reshape(-1, x.shape[-1]))
-    return block_fp8_gemm(q, s, w, w_scale, x.dtype).view(*lead, w.shape[0])
-
-
-def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    """x [R, H], w13 [E, 2I, H], w2 [E, H, I]."""
-    check_act(x)
-    e, two_i, h = w13.shape if w13.dim() == 3 else (0, 1, 0)
-    if w2.dim() != 3 or two_i % 2 or _shape(w2) != (e, h, two_i // 2) or x.shape[1] != h:
-        raise ValueError(f"fp8_moe_swiglu shapes do not match: x {_shape(x)}, w13 {_shape(w13)}, w2 {_shape(w2)}; "
-                         "expected x [R, H], w13 [E, 2I, H], w2 [E, H, I]")
-
-
-def _real_rows(x: torch.Tensor, counts: torch.Tensor) -> int:
-    """The rows the experts read: every row on CUDA and in traces (the grouped kernels skip the padding on
-    the device); on the reference path, which reads the counts on the host anyway, up to sum(counts)."""
-    return x.shape[0] if _on_cuda(x) or tracing() else min(int(counts.sum()), x.shape[0])
-
-
-def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:  # zero rows up to ``rows``
-    return y if y.shape[0] == rows else F.pad(y, (0, 0, 0, rows - y.shape[0]))
-
-
-def fp8_moe_swiglu(
-    x: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor, w13_scale: torch.Tensor,
-    w2: torch.Tensor, w2_scale: torch.Tensor,
-) -> torch.Tensor:
-    """Routed experts on x [R, H] grouped by expert: ``w2[e] @ (silu(gate) * up)`` with
-    ``[gate; up] = w13[e] @ x`` (w13 fp8 [E, 2I, H], w2 fp8 [E, H, I], block scales) -> [R, H] in x.dtype,
-    rows past sum(counts) zero: x quantized once (``act_quant``), then :func:`fp8_moe_swiglu_quantized`."""
-    _check_moe(x, w13, w2)
-    counts = _as_counts(counts, x.device)
-    rows = _real_rows(x, counts)
-    q, s = act_quant(x[:rows])
-    return _pad_rows(fp8_moe_swiglu_quantized(q, s, counts, w13, w13_scale, w2, w2_scale, x.dtype), x.shape[0])
-
-
-def fp8_moe_swiglu_quantized(
-    q: torch.Tensor, s: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor,
-    w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """:func:`fp8_moe_swiglu` on rows already quantized (q fp8 [R, H], s fp32 [R, ceil(H/128)] in any
-    layout, as ``act_quant`` returns them: an FP8 dispatch payload) -> [R, H] out_dtype, rows past
-    sum(counts) zero. SiLU·mul is fused with the re-quantization between the two grouped GEMMs."""
-    _check_moe(q, w13, w2)
-    want = (q.shape[0], cdiv(q.shape[1], BLOCK))
-    if q.dtype != FP8_DTYPE or s.dtype != torch.float32 or _shape(s) != want:
-        raise ValueError(f"fp8_moe_swiglu_quantized needs q {FP8_DTYPE} [R, H] and fp32 scales {want}, got q "
-                         f"{q.dtype} {_shape(q)} and scales {s.dtype} {_shape(s)}")
-    counts = _as_counts(counts, q.device)
-    if _on_cuda(q):
-        counts = counts.to(q.device, non_blocking=True)  # once for both GEMMs; a no-op for device counts
-    rows = _real_rows(q, counts)
-    gate_up = grouped_block_fp8_gemm(q[:rows], s[:rows], w13, w13_scale, counts, out_dtype)
-    q, s = silu_mul_quant(gate_up)
-    return _pad_rows(grouped_block_fp8_gemm(q, s, w2, w2_scale, counts, out_dtype), want[0])

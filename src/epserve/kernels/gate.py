@@ -14,20 +14,19 @@
 
 On CUDA tensors the op is one fused Triton kernel (``kernels.gate_triton``, imported only then, so
 the CPU engine never loads triton; no host syncs, so it can be captured in a CUDA graph; when traced,
-the custom op ``epserve::grouped_topk`` of ``kernels/ops.py``); on the CPU in eager steps the same
-fusion in C (``kernels.cpu``); elsewhere it is ``grouped_topk_ref``, torch ops in ExpertGate's exact
-order. The order of the K ids within a row is unspecified (the kernel
-returns them best first); ties between equal scores may break differently in the two backends. Both return ids int64 [T, K] and weights fp32 [T, K].
+the custom op ``epserve::grouped_topk``); on the CPU in eager steps the same fusion in C
+(``kernels.cpu_ops``); elsewhere it is ``grouped_topk_ref``, torch ops in ExpertGate's exact order
+(the op is declared once, ``kernels.opdef``). The order of the K ids within a row is unspecified (the kernel
+returns them best first); ties between equal scores may break differently in the two backends. Both
+return ids int64 [T, K] and weights fp32 [T, K].
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from epserve.kernels import cpu, cpu_ops
-from epserve.kernels.device import is_cuda, tracing
+from epserve.kernels import cpu_ops
+from epserve.kernels.opdef import declare
 
 METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SCORINGS = ("sigmoid", "softmax")
@@ -86,9 +85,20 @@ def check_args(
             )
 
 
-def grouped_topk_ref(
+def _check(logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, method: str, scoring: str,
+           norm_topk_prob: bool, routed_scaling_factor: float, bias: torch.Tensor | None = None,
+           logical_to_physical: torch.Tensor | None = None) -> None:
+    check_args(logits, top_k, n_group, topk_group, method, scoring, bias, logical_to_physical)
+
+
+def _fake(logits: torch.Tensor, top_k: int, *_: object, **__: object) -> tuple[torch.Tensor, torch.Tensor]:
+    t = logits.shape[0]
+    return logits.new_empty(t, top_k, dtype=torch.int64), logits.new_empty(t, top_k, dtype=torch.float32)
+
+
+@declare("grouped_topk", fake=_fake, check=_check)
+def grouped_topk(
     logits: torch.Tensor,
-    *,
     top_k: int,
     n_group: int,
     topk_group: int,
@@ -99,7 +109,10 @@ def grouped_topk_ref(
     bias: torch.Tensor | None = None,
     logical_to_physical: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference: ExpertGate.forward's ops in its order -> (ids int64 [T, K], fp32 [T, K])."""
+    """Gate logits [T, E] -> (expert ids int64 [T, K], physical when a table is given; weights fp32 [T, K]):
+    the Triton kernel on CUDA (its custom op when traced), the C kernel on the CPU in eager steps, else the
+    torch reference, ExpertGate.forward's ops in its order. (Callers pass all but ``logits`` by keyword;
+    a custom op takes no keyword-only tensors.)"""
     check_args(logits, top_k, n_group, topk_group, method, scoring, bias, logical_to_physical)
     logits = logits.float()
     scores = logits.sigmoid() if scoring == "sigmoid" else logits.softmax(dim=-1)
@@ -124,39 +137,16 @@ def grouped_topk_ref(
     return ids, weights
 
 
-def _triton() -> ModuleType:
-    from epserve.kernels import gate_triton  # lazy: importing triton costs the CPU engine for nothing
-
-    return gate_triton
-
-
-def grouped_topk(
-    logits: torch.Tensor,
-    *,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    method: str,
-    scoring: str,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-    bias: torch.Tensor | None = None,
+def grouped_topk_c(
+    logits: torch.Tensor, top_k: int, n_group: int, topk_group: int, method: str, scoring: str,
+    norm_topk_prob: bool, routed_scaling_factor: float, bias: torch.Tensor | None = None,
     logical_to_physical: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate logits [T, E] -> (expert ids int64 [T, K], physical when a table is given; weights fp32
-    [T, K]): the Triton kernel on CUDA (its custom op when traced), the torch reference elsewhere."""
-    if is_cuda(logits) and tracing():
-        return torch.ops.epserve.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
-                                              routed_scaling_factor, bias, logical_to_physical)
-    if not is_cuda(logits) and cpu.available(cpu.OPS):  # the C kernel, eager on the CPU (None otherwise)
-        check_args(logits, top_k, n_group, topk_group, method, scoring, bias, logical_to_physical)
-        out = cpu_ops.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
-                               routed_scaling_factor, bias, logical_to_physical, is_grouped(method, n_group))
-        if out is not None:
-            return out
-    fn = _triton().grouped_topk_triton if is_cuda(logits) else grouped_topk_ref
-    return fn(
-        logits, top_k=top_k, n_group=n_group, topk_group=topk_group, method=method, scoring=scoring,
-        norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor, bias=bias,
-        logical_to_physical=logical_to_physical,
-    )
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The C kernel on checked arguments, or None where it does not apply."""
+    return cpu_ops.grouped_topk(logits, top_k, n_group, topk_group, method, scoring, norm_topk_prob,
+                                routed_scaling_factor, bias, logical_to_physical, is_grouped(method, n_group))
+
+
+grouped_topk.implement("cpu", f"{__name__}:grouped_topk_c")
+grouped_topk.implement("cuda", "epserve.kernels.gate_triton:grouped_topk_triton", traced="op")
+grouped_topk_ref = grouped_topk.reference

@@ -8,23 +8,26 @@ the host, so the call can be captured in a CUDA graph:
 - bf16 where ``torch._grouped_mm`` runs (Hopper-class GPUs, SM90+): two ``_grouped_mm`` calls on the
   device offsets, the padding rows masked to zero;
 - otherwise (fp32, fp16, bf16 below SM90): the Triton grouped GEMM (``kernels.grouped_triton``, imported
-  only then, so the CPU engine never loads triton); through the custom op ``epserve::grouped_swiglu_triton``
-  (``kernels/ops.py``) when traced.
+  only then, so the CPU engine never loads triton).
 
-Off CUDA it is ``grouped_swiglu_ref``, the per-expert loop, which reads the counts on the host (the CPU
-engine's fast paths are in ``moe/experts.py``). Compute capabilities come from ``kernels.device``.
+On the CPU the decode kernel of ``kernels.cpu`` reads the counts itself (``moe_swiglu_counts``); otherwise
+:func:`grouped_swiglu_host` reads them on the host: the decode kernel on the real rows, ``torch._grouped_mm``
+(bf16), else ``grouped_swiglu_ref``, the per-expert loop. The op is declared once (``kernels.opdef``); a trace
+sees the Triton kernel and the host read as the custom op ``epserve::grouped_swiglu``, and ``_grouped_mm`` as
+itself. Compute capabilities come from ``kernels.device``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from epserve.kernels.device import capability, is_cuda, tracing
+from epserve.kernels import cpu
+from epserve.kernels.device import capability, is_cuda
 from epserve.kernels.fused import silu_mul
+from epserve.kernels.opdef import declare
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -80,25 +83,65 @@ def grouped_mm_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, 
     return torch._grouped_mm(silu_mul(gate_up), w2.transpose(1, 2), offs=offs)
 
 
-def _triton() -> ModuleType:
-    from epserve.kernels import grouped_triton  # lazy: importing triton costs the CPU engine for nothing
+def grouped_swiglu_host(x: torch.Tensor, sizes: Sequence[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts on rows grouped by expert (``sizes[e]`` each, in order, known on the host; rows past their
+    sum come out zero): the CPU decode kernel where it applies, else ``torch._grouped_mm`` (bf16), else the
+    per-expert loop."""
+    sizes = [int(n) for n in sizes]
+    total = sum(sizes)
+    if total == 0:
+        return x.new_zeros(x.shape[0], w2.shape[1])
+    rows = x[:total]
+    y = cpu.moe_swiglu(rows, sizes, w13, w2)  # the CPU decode kernel, where it applies
+    if y is not None and total == x.shape[0]:  # no padding rows (the local dispatcher's input)
+        return y
+    out = x.new_zeros(x.shape[0], w2.shape[1])
+    if y is None and grouped_mm_ok(rows):
+        y = grouped_mm_swiglu(rows, torch.tensor(sizes), w13, w2)
+    if y is None:
+        return grouped_swiglu_ref(x, sizes, w13, w2)
+    out[:total] = y
+    return out
 
-    return grouped_triton
+
+def grouped_swiglu_c(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
+    """The CPU decode kernel reading the device counts itself (decode sizes), or None."""
+    return cpu.moe_swiglu_counts(x, counts, w13, w2) if isinstance(counts, torch.Tensor) else None
 
 
-def grouped_swiglu(
-    x: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor, w2: torch.Tensor
-) -> torch.Tensor:
-    """Experts on rows of x [R, H] grouped by expert (counts [E]) -> [R, H] in x's dtype, rows past
-    sum(counts) zero: ``_grouped_mm`` or Triton on CUDA (no host read), the reference elsewhere."""
-    if not is_cuda(x):
-        return grouped_swiglu_ref(x, counts, w13, w2)
+def grouped_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_swiglu_host` with the counts read on the host (the CPU op's fallback)."""
+    return grouped_swiglu_host(x, counts.tolist() if isinstance(counts, torch.Tensor) else counts, w13, w2)
+
+
+def _device_counts(x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
     if not isinstance(counts, torch.Tensor):
-        counts = torch.tensor(list(counts), dtype=torch.int64, device=x.device)
+        return torch.tensor(list(counts), dtype=torch.int64, device=x.device)
+    return counts
+
+
+def _grouped_mm_takes(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    return grouped_mm_ok(x)
+
+
+def grouped_mm_masked(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The CUDA experts by ``_grouped_mm`` on device offsets; the rows past the last offset are undefined
+    (maybe NaN): zeroed."""
+    counts = _device_counts(x, counts)
     check_grouped_swiglu(x, counts, w13, w2)
-    if grouped_mm_ok(x):  # device offsets; the rows past the last offset are undefined (maybe NaN): zeroed
-        valid = (torch.arange(x.shape[0], device=x.device) < counts.sum()).unsqueeze(1)
-        return torch.where(valid, grouped_mm_swiglu(x, counts, w13, w2), 0.0)
-    if tracing():
-        return torch.ops.epserve.grouped_swiglu_triton(x, counts, w13, w2)  # kernels/ops.py
-    return _triton().grouped_swiglu_triton(x, counts, w13, w2)
+    valid = (torch.arange(x.shape[0], device=x.device) < counts.sum()).unsqueeze(1)
+    return torch.where(valid, grouped_mm_swiglu(x, counts, w13, w2), 0.0)
+
+
+@declare("grouped_swiglu", fake=lambda x, counts, w13, w2: x.new_empty(x.shape[0], w2.shape[1]))
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Experts on rows of x [R, H] grouped by expert (counts [E]; a list of ints in eager calls) -> [R, H] in x's
+    dtype, rows past sum(counts) zero: ``_grouped_mm`` or Triton on CUDA (no host read), the C decode kernel or
+    a host read of the counts on the CPU; the reference (the per-expert loop) elsewhere."""
+    return grouped_swiglu_ref(x, counts, w13, w2)
+
+
+grouped_swiglu.implement("cpu", f"{__name__}:grouped_swiglu_c")
+grouped_swiglu.implement("cpu", f"{__name__}:grouped_swiglu_counts", takes=lambda *args: True, traced="op")
+grouped_swiglu.implement("cuda", f"{__name__}:grouped_mm_masked", takes=_grouped_mm_takes, traced="inline")
+grouped_swiglu.implement("cuda", "epserve.kernels.grouped_triton:grouped_swiglu_triton", traced="op")

@@ -8,10 +8,12 @@ scale; read = stored * scale). Sequence ``i`` holds its ``seq_lens[i]`` tokens i
 ``block_tables[i, :cdiv(seq_lens[i], block_size)]``, in order; later table entries are never read.
 Rows with ``seq_lens[i] == 0`` (padding of a padded batch) come out zero.
 
-``paged_mla_decode`` picks the backend from the tensors' device: the split-K Triton kernels on CUDA
-(``kernels.mla_decode_triton``, imported only then, so the CPU engine never loads triton), the C
-kernel of ``kernels.cpu`` on the CPU for a bf16 or fp32 cache (one pass per sequence and head, no
-gather), and the torch reference ``paged_mla_decode_ref`` otherwise. The reference walks the context a chunk of blocks
+``paged_mla_decode`` is the op (declared once, ``kernels.opdef``; traced, always the custom op
+``epserve::paged_mla_decode``): on CUDA FlashInfer where ``kernels.backends`` chose it
+(``kernels.mla_flashinfer``), else the split-K Triton kernels (``kernels.mla_decode_triton``; both imported
+only on CUDA, so the CPU engine never loads triton); on the CPU the C kernel of ``kernels.cpu_ops`` for a
+bf16 or fp32 cache (one pass per sequence and head, no gather); the torch reference ``paged_mla_decode_ref``
+otherwise. The reference walks the context a chunk of blocks
 at a time for all sequences still running, gathering those blocks through the block table
 (dequantizing FP8 as read) and merging chunks with an online softmax, so its memory stays bounded
 (about ``_CHUNK_ELEMS`` fp32 values) however long the contexts are. It reads ``seq_lens`` on the host;
@@ -21,13 +23,11 @@ context bound is ``block_tables.shape[1] * block_size``.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 
-from epserve.kernels import backends, cpu, cpu_ops
-from epserve.kernels.device import is_cuda
+from epserve.kernels import cpu_ops
 from epserve.kernels.fp8 import FP8_DTYPE, cdiv
+from epserve.kernels.opdef import declare
 
 CACHE_DTYPES = (torch.bfloat16, torch.float32, FP8_DTYPE)
 BLOCK_H = 16  # heads per Triton program (the MMA's M; fewer heads are masked)
@@ -164,15 +164,22 @@ def paged_mla_decode_ref(
     return torch.where(denom[..., None] > 0, acc / denom.clamp(min=1e-30)[..., None], 0.0)
 
 
-# ---- front end ----------------------------------------------------------------------------------
+# ---- the op ------------------------------------------------------------------------------------
 
 
-def _triton() -> ModuleType:
-    from epserve.kernels import mla_decode_triton  # lazy: importing triton costs the CPU engine for nothing
+def _check(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+           softmax_scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
+           num_splits: int | None = None) -> None:
+    check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, kv_scale)
 
-    return mla_decode_triton
+
+def _fake(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+          softmax_scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
+          num_splits: int | None = None) -> torch.Tensor:
+    return q_latent.new_empty(q_latent.shape[0], q_latent.shape[1], kv_lora_rank, dtype=torch.float32)
 
 
+@declare("paged_mla_decode", fake=_fake, check=_check, opaque=True)
 def paged_mla_decode(
     q_latent: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -188,23 +195,21 @@ def paged_mla_decode(
     (0-d fp32) dequantizes an FP8 cache; ``num_splits`` (CUDA only) overrides the KV split count.
     On CUDA: FlashInfer (``kernels.mla_flashinfer``) where the call fits it (eager, bf16/fp16 cache,
     DeepSeek's 512 + 64 columns, no ``num_splits``) and ``kernels.backends`` chose it for this device and
-    cache dtype (installed, self-test passed, or forced by ``EPSERVE_MLA_BACKEND``), else Triton."""
-    if is_cuda(q_latent):
-        from epserve.kernels import mla_flashinfer  # lazy: it imports this module (the reference)
+    cache dtype (installed, self-test passed, or forced by ``EPSERVE_MLA_BACKEND``), else Triton. The
+    reference ignores ``num_splits``."""
+    return paged_mla_decode_ref(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale)
 
-        if (num_splits is None and mla_flashinfer.eligible(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale)
-                and backends.select("mla_decode", q_latent.device, kv_cache.dtype) == "flashinfer"):
-            out = mla_flashinfer.try_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
-            if out is not None:  # None: FlashInfer failed on this case and gave way to Triton
-                return out
-        return _triton().paged_mla_decode_triton(
-            q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale, num_splits
-        )
-    if kv_scale is None and cpu.available(cpu.OPS):  # the C kernel (bf16 or fp32 cache; None otherwise)
-        check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, kv_scale)
-        out = cpu_ops.mla_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
-        if out is not None:
-            return out
-    return paged_mla_decode_ref(
-        q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale
-    )
+
+def paged_mla_decode_c(
+    q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    softmax_scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None = None, num_splits: int | None = None,
+) -> torch.Tensor | None:
+    """The C kernel (a bf16 or fp32 cache, no ``kv_scale``), or None where it does not apply."""
+    if kv_scale is not None:
+        return None
+    return cpu_ops.mla_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
+
+
+paged_mla_decode.implement("cpu", f"{__name__}:paged_mla_decode_c")
+paged_mla_decode.implement("cuda", "epserve.kernels.mla_flashinfer:paged_mla_decode_chosen")
+paged_mla_decode.implement("cuda", "epserve.kernels.mla_decode_triton:paged_mla_decode_triton", traced="op")

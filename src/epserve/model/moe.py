@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from epserve.config import ModelConfig
-from epserve.kernels import add, cpu_ops
+from epserve.kernels import add
+from epserve.kernels.ops import index_add_counts
 from epserve.model.layers import GatedMLP
 from epserve.model.streams import Forked, SideStream
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
@@ -126,6 +127,5 @@ class MoE(nn.Module):
     def _dispatch_recv(self, sent: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
         expert_input, route = self.dispatcher.dispatch_recv(sent)
         counts = expert_input.num_tokens_per_expert
-        if not cpu_ops.index_add_counts(self.expert_load, self.slot_experts, counts):  # one C call on the CPU
-            self.expert_load.index_add_(0, self.slot_experts, counts)  # on the device
+        index_add_counts(self.expert_load, self.slot_experts, counts)  # on the device (one C call on the CPU)
         return expert_input, route

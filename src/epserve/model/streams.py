@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels.ops import tracing
+from epserve.kernels.device import side_stream_usable
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class SideStream:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def usable(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and torch.cuda.is_available() and not tracing()
+        return side_stream_usable(x)
 
     def start(self, fn: Callable[[torch.Tensor], torch.Tensor | None], x: torch.Tensor) -> Forked:
         """``fn(x)`` on the side stream once the current stream's work so far is done (in place off CUDA)."""

@@ -2,9 +2,9 @@
 
 The per-expert row counts stay on the device. The CUDA paths take them as device offsets, for every
 dtype, so a decode step can be captured in a CUDA graph: FP8 grouped kernels, ``torch._grouped_mm`` for
-bf16 on Hopper, the Triton grouped GEMM otherwise (``kernels.grouped``). The CPU paths (the decode
-kernel, grouped GEMM, a loop) read them on the host inside the custom op ``epserve::grouped_swiglu``,
-which a trace treats as one call.
+bf16 on Hopper, the Triton grouped GEMM otherwise; the CPU's decode kernel reads them itself, its other paths
+(grouped GEMM, a loop) on the host: all one op, ``kernels.grouped.grouped_swiglu``, which a trace treats as
+one call where it cannot enter it.
 
 The dispatcher may hand over an FP8 payload (``ExpertInput.scales``): rows already quantized as
 ``kernels.fp8.act_quant`` quantizes them. FP8 experts run their GEMMs on it directly; experts in the
@@ -16,43 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epserve.kernels import cpu, moe_swiglu
-from epserve.kernels.device import is_cuda, tracing
-from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_moe_swiglu, fp8_moe_swiglu_quantized, fp8_weight_pair
-from epserve.kernels.grouped import grouped_mm_ok, grouped_mm_swiglu, grouped_swiglu, grouped_swiglu_ref
+from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_weight_pair
+from epserve.kernels.fp8_layers import fp8_moe_swiglu, fp8_moe_swiglu_quantized
+from epserve.kernels.ops import grouped_swiglu
 from epserve.moe.dispatch.base import ExpertInput
-
-
-def grouped_swiglu_host(x: torch.Tensor, sizes: tuple[int, ...], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """SwiGLU experts ``w2[e] @ (silu(gate) * up)``, ``[gate; up] = w13[e] @ x``, on rows grouped by expert
-    (``sizes[e]`` each, in order, known on the host; rows past their sum come out zero): the CPU decode
-    kernel where it applies, else ``torch._grouped_mm`` (bf16), else the per-expert loop."""
-    total = sum(sizes)
-    if total == 0:
-        return x.new_zeros(x.shape[0], w2.shape[1])
-    rows = x[:total]
-    y = moe_swiglu(rows, sizes, w13, w2)  # the CPU decode kernel, where it applies
-    if y is not None and total == x.shape[0]:  # no padding rows (the local dispatcher's input)
-        return y
-    out = x.new_zeros(x.shape[0], w2.shape[1])
-    if y is None and grouped_mm_ok(rows):
-        y = grouped_mm_swiglu(rows, torch.tensor(sizes), w13, w2)
-    if y is None:
-        return grouped_swiglu_ref(x, sizes, w13, w2)
-    out[:total] = y
-    return out
-
-
-@torch.library.custom_op("epserve::grouped_swiglu", mutates_args=())
-def grouped_swiglu_op(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """The same as a custom op taking the counts as a tensor, for traces (kernels/ops.py: eager calls skip
-    the op's first-call cost)."""
-    return grouped_swiglu_host(x, tuple(int(n) for n in counts.tolist()), w13, w2)
-
-
-@grouped_swiglu_op.register_fake
-def _(x, counts, w13, w2):  # noqa: ANN001
-    return x.new_empty(x.shape[0], w2.shape[1])
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -116,11 +83,6 @@ class GroupedExperts(nn.Module):
             return fp8_moe_swiglu(x, counts, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
         if scales is not None:
             x = dequantize_rows(x, scales, out_dtype)
-        if is_cuda(x):  # device counts: _grouped_mm (bf16, SM90+) or Triton; no host sync
-            return grouped_swiglu(x, counts, self.w13, self.w2)
-        if tracing():
-            return grouped_swiglu_op(x, counts, self.w13, self.w2)
-        y = cpu.moe_swiglu_counts(x, counts, self.w13, self.w2)  # decode sizes: the kernel reads the counts
-        if y is not None:
-            return y
-        return grouped_swiglu_host(x, expert_input.counts_list(), self.w13, self.w2)  # all_to_all's host counts
+        # CUDA: device counts (_grouped_mm on bf16 SM90+, or Triton), no host sync; CPU: the decode kernel reads
+        # the counts, larger inputs read them on the host
+        return grouped_swiglu(x, counts, self.w13, self.w2)

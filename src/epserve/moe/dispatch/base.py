@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels import cpu_ops
-from epserve.kernels.device import tracing
+from epserve.kernels.ops import weighted_combine
+
+__all__ = ["DispatchHandle", "Dispatcher", "ExpertInput", "weighted_combine"]  # weighted_combine: kernels.moe_ops
 
 
 @dataclass(frozen=True)
@@ -35,18 +36,6 @@ class ExpertInput:
     def counts_list(self) -> tuple[int, ...]:
         """Rows per local slot on the host (a device sync unless ``host_counts``)."""
         return self.host_counts if self.host_counts is not None else tuple(self.num_tokens_per_expert.tolist())
-
-
-def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The combine every backend ends with: expert-output rows ``y`` [N, H], each from token
-    ``token_idx`` [N] with routing weight ``weights`` [N] (fp32), summed per token -> [num_tokens, H]
-    (one C call on the CPU in eager steps, ``kernels.cpu``: the same order and roundings)."""
-    fused = None if tracing() else cpu_ops.weighted_combine(y, token_idx, weights, num_tokens)
-    if fused is not None:
-        return fused
-    out = y.new_zeros(num_tokens, y.shape[1])
-    out.index_add_(0, token_idx, y * weights[:, None].to(y.dtype))
-    return out
 
 
 class DispatchHandle:

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels import cpu_ops
-from epserve.kernels.device import tracing
+from epserve.kernels.moe_ops import count_per_expert, group_by_expert, local_dispatch
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 from epserve.moe.dispatch.payload import Payload
 
@@ -37,20 +36,7 @@ class LocalCombined(DispatchHandle):
     output: torch.Tensor  # [T, H]
 
 
-def count_per_expert(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Occurrences of each id in ``ids`` (any shape) -> [num_experts] int64: a fixed-shape ``bincount``."""
-    flat = ids.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-
-def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, K] -> (order [T*K]: flat (token, k) indices sorted by expert, counts [num_experts]):
-    one C call on the CPU in eager steps (``kernels.cpu``), a stable argsort otherwise."""
-    fused = None if tracing() else cpu_ops.group_by_expert(topk_ids, num_experts)
-    if fused is not None:
-        return fused
-    order = torch.argsort(topk_ids.reshape(-1), stable=True)
-    return order, count_per_expert(topk_ids, num_experts)
+__all__ = ["LocalDispatcher", "count_per_expert", "group_by_expert"]  # the last two: kernels.moe_ops
 
 
 class LocalDispatcher(Dispatcher):
@@ -62,10 +48,8 @@ class LocalDispatcher(Dispatcher):
         self.reset_stats()  # stays zero: nothing leaves this rank
 
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LocalInFlight:
-        fused = None if tracing() or self.payload.fp8 else cpu_ops.local_dispatch(x, topk_ids, topk_weights,
-                                                                               self.num_local_experts)
-        if fused is not None:  # one C call on the CPU: the grouping, the rows, their tokens and weights
-            rows, counts, token_idx, weights = fused
+        if not self.payload.fp8:  # one C call on the CPU: the grouping, the rows, their tokens and weights
+            rows, counts, token_idx, weights = local_dispatch(x, topk_ids, topk_weights, self.num_local_experts)
             return LocalInFlight(ExpertInput(rows, counts), LocalRoute(x.shape[0], token_idx, weights))
         order, counts = group_by_expert(topk_ids, self.num_local_experts)
         token_idx = order // topk_ids.shape[1]
