@@ -12,6 +12,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from epserve.messages.engine import GeneratedTokens
 from epserve.router.instances import Router
 from epserve.router.radix_tree import PrefixTree
 from epserve.router.server import RouterOptions, build_router
@@ -48,8 +49,7 @@ class ScriptedRouter(Router):
         self.params.append(params)
         n = len(self.tokens)
         for i, t in enumerate(self.tokens, start=1):
-            yield pb.GenerateResponse(token_ids=[t], num_prompt_tokens=len(token_ids), num_output_tokens=i,
-                                      finish_reason=self.finish_reason if i == n else "")
+            yield GeneratedTokens(request_id, (t,), (), len(token_ids), 0, i, self.finish_reason if i == n else None)
 
 
 def build_over(router_class: type[Router], options: RouterOptions, api_key: str | None = None):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epserve.messages.engine import ITERATION_TOKENS_BUCKETS
+from epserve.messages.engine import ITERATION_TOKENS_BUCKETS, GeneratedTokens, RequestTimes
 from epserve.messages.sampling import SamplingParams
 from epserve.router.choices import Choice
 from epserve.router.engine_client import EngineUnavailable
@@ -113,13 +113,12 @@ def _stream(tokens: int, times: tuple[float, float, float] | None, fail: bool = 
         for i in range(1, tokens + 1):
             if fail and i == 2:
                 raise EngineUnavailable("lost")
-            msg = pb.GenerateResponse(token_ids=[7], num_prompt_tokens=len(prompt), num_output_tokens=i)
-            if i == 1 and times:
-                msg.queued_seconds, msg.prefill_seconds = times[:2]
-            if i == tokens:
-                msg.finish_reason = "length"
-                msg.queued_seconds, msg.prefill_seconds, msg.decode_seconds = times or (0.0, 0.0, 0.0)
-            yield msg
+            last, sent = i == tokens, None
+            if times and last:
+                sent = RequestTimes(*times)
+            elif times and i == 1:
+                sent = RequestTimes(times[0], times[1], 0.0)
+            yield GeneratedTokens(rid, (7,), (), len(prompt), 0, i, "length" if last else None, times=sent)
             await asyncio.sleep(0)
 
     return generate

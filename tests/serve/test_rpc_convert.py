@@ -1,10 +1,11 @@
-"""Every sampling field and a request's prompt logprobs and times survive the engine's protobuf."""
+"""Every sampling field and a request's prompt logprobs and times survive the engine's protobuf, both
+ways (the router reads the engine's messages back as ``GeneratedTokens``)."""
 
 from __future__ import annotations
 
 from epserve.messages.engine import GeneratedTokens, RequestTimes
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
-from epserve.rpc.convert import generated_to_proto, sampling_from_proto, sampling_to_proto
+from epserve.rpc.convert import generated_from_proto, generated_to_proto, sampling_from_proto, sampling_to_proto
 
 
 def test_sampling_params_round_trip() -> None:
@@ -28,3 +29,18 @@ def test_generated_tokens_carry_prompt_logprobs_and_times() -> None:
     assert (msg.queued_seconds, msg.prefill_seconds, msg.decode_seconds) == (0.5, 0.25, 2.0)
     plain = generated_to_proto(GeneratedTokens("r", (1,), (), 3, 0, 1, None))
     assert not plain.prompt_logprobs and plain.decode_seconds == 0
+
+
+def test_generated_tokens_round_trip() -> None:
+    """What the router reads is what the engine sent: the token ids of the logprobs are the message's tokens
+    and the prompt's (from its second), which the protocol does not repeat; no times when none were sent."""
+    prompt = (9, 5, 6)
+    cases = [
+        GeneratedTokens("r", (7, 8), (TokenLogprobs(7, -0.5, ((7, -0.5), (3, -1.0))), TokenLogprobs(8, -2.0, ())),
+                        3, 1, 2, None, (TokenLogprobs(5, -1.5, ((5, -1.5),)), TokenLogprobs(6, -0.25, ())),
+                        RequestTimes(0.5, 0.25, 0.0)),
+        GeneratedTokens("r", (4,), (), 3, 0, 3, "stop", (), RequestTimes(0.5, 0.25, 2.0)),
+        GeneratedTokens("r", (), (), 3, 0, 3, "abort"),
+    ]
+    for out in cases:
+        assert generated_from_proto("r", prompt, generated_to_proto(out)) == out

@@ -58,7 +58,7 @@ from epserve.router.errors import (
     unavailable,
     validation_error,
 )
-from epserve.router.generation import Generation, GenerationContext, until_disconnect
+from epserve.router.generation import Generation, GenerationContext
 from epserve.router.generation_defaults import GenerationDefaults
 from epserve.router.http_limits import APIKeyMiddleware, HTTPLimits, RequestGate, RequestLimitsMiddleware
 from epserve.router.instances import Router
@@ -66,6 +66,7 @@ from epserve.router.json_body import load_json_body
 from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 from epserve.router.reasoning import starts_in_reasoning
+from epserve.router.streaming import until_disconnect
 from epserve.router.tokenize import (
     REQUEST_MODELS,
     DetokenizeRequest,

@@ -7,8 +7,9 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from epserve.messages.engine import GeneratedTokens
 from epserve.messages.sampling import SamplingParams
-from epserve.rpc.convert import SERVICE_NAME, generate_request_to_proto
+from epserve.rpc.convert import SERVICE_NAME, generate_request_to_proto, generated_from_proto
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 from epserve.rpc.security import engine_channel, handshake_refused
@@ -55,15 +56,16 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill_address: str = ""
-    ) -> AsyncIterator[pb.GenerateResponse]:
-        """The request's stream; closing the iterator early cancels the call (the engine aborts the
-        request and frees its blocks). Raises EngineUnavailable or EngineRequestError. ``prefill_address``:
-        a decode instance gets the prompt's KV from that prefill instance (PrefillUnavailable if it fails)."""
+    ) -> AsyncIterator[GeneratedTokens]:
+        """The request's stream, in the messages' vocabulary; closing the iterator early cancels the call
+        (the engine aborts the request and frees its blocks). Raises EngineUnavailable or EngineRequestError.
+        ``prefill_address``: a decode instance gets the prompt's KV from that prefill instance
+        (PrefillUnavailable if it fails)."""
         call = self.stub.Generate(generate_request_to_proto(request_id, prompt_token_ids, params, prefill_address),
                                   wait_for_ready=False)
         try:
             async for msg in call:
-                yield msg
+                yield generated_from_proto(request_id, prompt_token_ids, msg)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, self.address) from None
         finally:

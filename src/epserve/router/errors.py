@@ -34,7 +34,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __repr__(self) -> str:
-        return f"APIError({self.status}, {self.message!r}, type={self.type!r}, code={self.code!r}, param={self.param!r})"
+        return (f"APIError({self.status}, {self.message!r}, type={self.type!r}, code={self.code!r}, "
+                f"param={self.param!r})")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:

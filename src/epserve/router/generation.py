@@ -6,44 +6,42 @@ metrics, the model's name) comes in a :class:`GenerationContext`; this module kn
 HTTP app itself. Requests arrive here already validated.
 
 The client sees only OpenAI's finish reasons (``stop``, ``length``, ``tool_calls``): a request the
-engine aborted (it was draining or restarting) is a 503 error, or in a stream an error event, and an engine instance lost
-mid-request is told in general terms (its address and the details go to the log)."""
+engine aborted (it was draining or restarting) is a 503 error, or in a stream an error event, and an
+engine instance lost mid-request is told in general terms (its address and the details go to the log).
+An engine message's text goes through the choice's stages (``text_stages``)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from epserve.messages.sampling import SamplingParams
+from epserve.messages.engine import GeneratedTokens
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.router.checks import stop_strings
 from epserve.router.choices import Choice, ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, Delta
 from epserve.router.detokenize import OutputText
-from epserve.router.engine_client import EngineRequestError, EngineUnavailable
-from epserve.router.errors import ENGINE_ABORTED, ENGINE_LOST, APIError, unavailable
+from epserve.router.errors import ENGINE_ABORTED, unavailable
 from epserve.router.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
-from epserve.router.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
-from epserve.router.tool_calls import TOOL_CALL_PARSERS, openai_delta
+from epserve.router.streaming import gather_or_raise, sse, stream_error, until_disconnect
+from epserve.router.text_stages import ExtractToolCalls, TextPiece, TextStage, run_stages, text_stages
 
 if TYPE_CHECKING:
     from epserve.router.metrics import RouterMetrics
-    from epserve.rpc.proto import engine_pb2 as pb
     from epserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_DISCONNECT_POLL_S = 0.5
 ABORTED = "abort"  # the engine's finish reason for a request it stopped; never sent to the client
 
 
@@ -53,7 +51,7 @@ class GenerationContext:
 
     # Route and stream one engine request: (request id, prompt token ids, params) -> engine messages.
     # Closing the iterator cancels the request; raises EngineUnavailable or EngineRequestError.
-    generate: Callable[[str, list[int], SamplingParams], AsyncIterator[pb.GenerateResponse]]
+    generate: Callable[[str, list[int], SamplingParams], AsyncIterator[GeneratedTokens]]
     tokenizer: Tokenizer | None
     metrics: RouterMetrics
     model_name: str
@@ -84,23 +82,18 @@ class Generation:
     # ---- one choice ----------------------------------------------------------------------------
     async def deltas(self, choice: Choice) -> AsyncIterator[Delta]:
         ctx, req = self.ctx, self.req
-        tokenizer = ctx.tokenizer
-        stop_ids = (*choice.params.stop_token_ids, *((tokenizer.eos_token_id,) if tokenizer is not None else ()))
-        output = OutputText(tokenizer, req.skip_special_tokens, choice.prompt_ids, stop_strings(req),
-                            req.include_stop_str_in_output, stop_ids)
         metrics = ctx.metrics
         last = None
         rid = f"{self._engine_id}-{choice.index}"
         echo = self._echo if isinstance(req, CompletionRequest) and req.echo else None
-        reasoning = self._reasoning_parser()
-        tools = TOOL_CALL_PARSERS[self.tool_parser]() if self.tool_parser is not None else None
+        stages = self._stages(choice)
+        tools = next((s for s in stages if isinstance(s, ExtractToolCalls)), None)
         try:
             async with contextlib.aclosing(ctx.generate(rid, choice.prompt_ids, choice.params)) as stream:
                 async for msg in stream:
                     now = time.monotonic()
                     if msg.prompt_logprobs:
-                        choice.prompt_logprobs = [None, *((lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-                                                          for lp in msg.prompt_logprobs)]
+                        choice.prompt_logprobs = [None, *map(_logprob, msg.prompt_logprobs)]
                     if echo is not None:  # the prompt first: its text, and its logprobs when asked
                         yield echo(choice)
                         echo = None
@@ -108,37 +101,23 @@ class Generation:
                     if n:
                         if last is None:
                             metrics.ttft.observe(now - self.arrival)
-                            choice.engine_times = (msg.queued_seconds, msg.prefill_seconds) if msg.prefill_seconds else None
+                            times = msg.times if msg.times is not None and msg.times.prefill_s else None
+                            choice.engine_times = (times.queued_s, times.prefill_s) if times is not None else None
                         else:
                             for _ in range(n):
                                 metrics.itl.observe((now - last) / n)
                         last = now
                     choice.num_cached = msg.num_cached_tokens
-                    finish = msg.finish_reason or None
-                    # (a message may carry several tokens: accepted speculative drafts)
-                    emit, used, stopped = output.feed(msg.token_ids, finish)
+                    piece = run_stages(stages, TextPiece(msg.token_ids, msg.finish_reason))
+                    used, finish = len(piece.token_ids), piece.finish_reason
                     choice.num_output = msg.num_output_tokens - (n - used)
-                    if stopped:
-                        finish = "stop"
-                    lps = [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in msg.logprobs[:used]]
-                    thought = ""
-                    if reasoning is not None:  # the text split: reasoning, then the answer
-                        part = reasoning.feed(emit)
-                        if finish:
-                            rest = reasoning.flush()
-                            part = type(part)(part.reasoning + rest.reasoning, part.content + rest.content)
-                        thought, emit = part.reasoning if self.include_reasoning else "", part.content
-                        choice.reasoning.append(thought)
-                    calls: list[dict[str, Any]] = []
-                    if tools is not None:  # the answer split: text, and the calls it makes
-                        out = openai_delta([*tools.feed(emit), *(tools.flush() if finish else ())]) or {}
-                        emit, calls = out.get("content", ""), out.get("tool_calls", [])
-                        single = getattr(req, "parallel_tool_calls", None) is False  # (then the first call only)
-                        calls = [c for c in calls if c["index"] == 0] if single else calls
-                        if finish:
-                            choice.tool_calls = tools.streamed_calls[:1] if single else tools.streamed_calls
-                    delta = Delta(emit, list(msg.token_ids[:used]), lps, finish, thought, calls, choice.num_output)
-                    choice.text.append(emit)
+                    lps = [_logprob(lp) for lp in msg.logprobs[:used]]
+                    if finish and tools is not None:
+                        choice.tool_calls = tools.calls
+                    delta = Delta(piece.text, list(piece.token_ids), lps, finish, piece.reasoning,
+                                  list(piece.tool_calls), choice.num_output)
+                    choice.text.append(piece.text)
+                    choice.reasoning.append(piece.reasoning)
                     choice.token_ids.extend(delta.token_ids)
                     choice.logprobs.extend(lps)
                     if finish:
@@ -152,20 +131,26 @@ class Generation:
                 choice.finish_reason = ABORTED
                 self._finished(choice)
 
-    def _reasoning_parser(self) -> DeepSeekR1ReasoningParser | None:
-        """A chat choice's reasoning parser, starting inside the reasoning when the rendered prompt left a
-        ``<think>`` open (R1's template, V3.1's thinking mode: ``thinking``, told by the server)."""
-        name = self.ctx.reasoning_parser
-        if name is None or self.ctx.tokenizer is None or not isinstance(self.req, ChatCompletionRequest):
-            return None
-        return REASONING_PARSERS[name](self.thinking)
+    def _stages(self, choice: Choice) -> list[TextStage]:
+        """A choice's text stages. A chat choice's reasoning parser starts inside the reasoning when the
+        rendered prompt left a ``<think>`` open (R1's template, V3.1's thinking mode: ``thinking``, told by
+        the server); its tool-call parser reads the calls in that format (``router/tools``)."""
+        ctx, req, tokenizer = self.ctx, self.req, self.ctx.tokenizer
+        stop_ids = (*choice.params.stop_token_ids, *((tokenizer.eos_token_id,) if tokenizer is not None else ()))
+        output = OutputText(tokenizer, req.skip_special_tokens, choice.prompt_ids, stop_strings(req),
+                            req.include_stop_str_in_output, stop_ids)
+        chat = isinstance(req, ChatCompletionRequest)
+        reasoning = ctx.reasoning_parser if chat and tokenizer is not None else None
+        single = getattr(req, "parallel_tool_calls", None) is False  # (then the first call only)
+        return text_stages(output, reasoning, self.thinking, self.include_reasoning, self.tool_parser, single)
 
     def _echo(self, choice: Choice) -> Delta:
         """A completion's echoed prompt, as the choice's first delta (its logprobs when asked for)."""
         tokenizer = self.ctx.tokenizer
         text = choice.prompt_text
-        if text is None:
-            text = tokenizer.decode(choice.prompt_ids, skip_special_tokens=self.req.skip_special_tokens) if tokenizer else ""
+        if text is None and tokenizer is not None:
+            text = tokenizer.decode(choice.prompt_ids, skip_special_tokens=self.req.skip_special_tokens)
+        text = text or ""
         want = choice.params.logprobs is not None
         logprobs = list(choice.prompt_logprobs or [None] * len(choice.prompt_ids)) if want else []
         delta = Delta(text, list(choice.prompt_ids) if want else [], logprobs, None)  # type: ignore[arg-type]
@@ -174,7 +159,7 @@ class Generation:
         choice.logprobs.extend(logprobs)  # type: ignore[arg-type]
         return delta
 
-    def _finished(self, choice: Choice, msg: pb.GenerateResponse | None = None) -> None:
+    def _finished(self, choice: Choice, msg: GeneratedTokens | None = None) -> None:
         """Counts it; ``msg``: its last engine message (with the engine's times if the engine finished it)."""
         n = self.req.n  # a prompt's choices: n in a row
         group = self.choices[choice.index - choice.index % n:][:n]
@@ -188,7 +173,7 @@ class Generation:
             async for _ in self.deltas(choice):
                 pass
 
-        await _gather_or_raise([drain(c) for c in self.choices], self.id)
+        await gather_or_raise([drain(c) for c in self.choices], self.id)
         if any(c.finish_reason == ABORTED for c in self.choices):
             logger.warning("request %s: the engine aborted it", self.id)
             raise unavailable(ENGINE_ABORTED)
@@ -208,8 +193,9 @@ class Generation:
             text = self.echo + "".join(c.text)
             logprobs, as_ids = None, self.req.return_tokens_as_token_ids
             if c.params.logprobs is not None and tokenizer is not None:
+                skip = self.req.skip_special_tokens
                 logprobs = ({"content": chat_logprobs(tokenizer, c.token_ids, c.logprobs, as_ids)} if chat else
-                            completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0, self.req.skip_special_tokens, as_ids))
+                            completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0, skip, as_ids))
             if chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if self.ctx.reasoning_parser is not None:
@@ -258,7 +244,7 @@ class Generation:
 
         tasks = [asyncio.create_task(pump(c)) for c in self.choices]
         try:
-            await until_disconnect(raw, _gather_or_raise(first, self.id))
+            await until_disconnect(raw, gather_or_raise(first, self.id))
         except BaseException:
             for t in tasks:
                 t.cancel()
@@ -278,10 +264,10 @@ class Generation:
             if chat:  # (with continuous_usage_stats, vLLM's: the usage so far in every chunk)
                 usage = {"usage": self.usage(self._sent) if continuous else None} if include_usage else {}
                 for c in self.choices:
-                    yield _sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                                      "logprobs": None, "finish_reason": None}], **usage})
                     if self.echo:
-                        yield _sse({**head, "choices": [{"index": c.index, "delta": {"content": self.echo},
+                        yield sse({**head, "choices": [{"index": c.index, "delta": {"content": self.echo},
                                                          "logprobs": None, "finish_reason": None}], **usage})
             remaining = len(self.choices)
             while remaining:
@@ -290,7 +276,7 @@ class Generation:
                     remaining -= 1
                     continue
                 if isinstance(event, ChoiceFailed):
-                    yield _sse(_stream_error(event.error, self.id).body())
+                    yield sse(stream_error(event.error, self.id).body())
                     continue
                 choice, delta = event.choice, event.delta
                 if delta.finish_reason == ABORTED:
@@ -298,14 +284,14 @@ class Generation:
                     delta = dataclasses.replace(delta, finish_reason=None, tool_calls=[])
                     if delta.text or delta.reasoning or delta.logprobs:
                         yield self._chunk(head, choice, delta, offsets, include_usage, chat)
-                    yield _sse(unavailable(ENGINE_ABORTED).body())
+                    yield sse(unavailable(ENGINE_ABORTED).body())
                     continue
                 if not (delta.text or delta.reasoning or delta.tool_calls or delta.finish_reason or delta.logprobs
                         or delta.token_ids):  # new tokens whose text is held back still get a chunk (vLLM)
                     continue
                 yield self._chunk(head, choice, delta, offsets, include_usage, chat)
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": self.usage()})
+                yield sse({**head, "choices": [], "usage": self.usage()})
             yield "data: [DONE]\n\n"
         finally:  # also when the client went away: cancel the engine requests
             for t in tasks:
@@ -345,54 +331,14 @@ class Generation:
         if include_usage:  # with continuous_usage_stats (vLLM), the usage so far in every chunk
             options = self.req.stream_options
             usage["usage"] = self.usage(self._sent) if options is not None and options.continuous_usage_stats else None
-        return _sse({**head, "choices": [body], **usage})
+        return sse({**head, "choices": [body], **usage})
+
+
+def _logprob(lp: TokenLogprobs) -> tuple[float, list[tuple[int, float]]]:
+    """A token's logprob and its top ones, as a choice keeps them."""
+    return lp.logprob, list(lp.top)
 
 
 def _client_finish(reason: str | None, choice: Choice) -> str | None:
     """The finish reason the client sees: ``tool_calls`` for a choice that stopped after calling tools."""
     return "tool_calls" if reason == "stop" and choice.tool_calls else reason
-
-
-def _stream_error(err: Exception, request_id: str) -> APIError:
-    """The error event of a choice that failed mid-stream."""
-    if isinstance(err, EngineUnavailable):
-        logger.warning("request %s: %s", request_id, err)
-        return unavailable(ENGINE_LOST)
-    if isinstance(err, EngineRequestError):
-        return APIError(str(err))
-    logger.error("request %s failed mid-stream", request_id, exc_info=err)
-    return APIError("Internal server error (the server's log has the details)", 500, "internal_server_error",
-                    "internal_error")
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _gather_or_raise(aws: list[Awaitable[Any]], request_id: str) -> None:
-    """Await all; the first failure cancels the rest and is raised as an APIError."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.gather(*tasks)
-    except EngineUnavailable as e:
-        logger.warning("request %s: %s", request_id, e)
-        raise unavailable() from None
-    except EngineRequestError as e:
-        raise APIError(str(e)) from None
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def until_disconnect(raw: Request, aw: Awaitable[Any]) -> Any:
-    """Await ``aw``, cancelling it if the HTTP client disconnects first."""
-    task = asyncio.ensure_future(aw)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await raw.is_disconnected():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise APIError("client disconnected", 499, "invalid_request_error", "client_closed_request")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 from epserve.config import EngineRole
+from epserve.messages.engine import GeneratedTokens
 from epserve.messages.expert_load import ExpertLoad
 from epserve.messages.sampling import SamplingParams
 from epserve.router.engine_client import EngineClient, EngineUnavailable, PrefillUnavailable
@@ -159,7 +160,7 @@ class Router:
         self._closing.add(task)  # (held until done: the loop keeps only weak references to tasks)
         task.add_done_callback(self._closing.discard)
 
-    async def _stream(self, inst: Instance, *call: object) -> AsyncIterator[pb.GenerateResponse]:
+    async def _stream(self, inst: Instance, *call: object) -> AsyncIterator[GeneratedTokens]:
         """``inst.client.generate(*call)``'s messages. A call that a move of the instance cut short (the
         old address's channel was closed under it) raises EngineUnavailable, so it is retried."""
         client = inst.client
@@ -311,7 +312,7 @@ class Router:
 
     async def generate(
         self, request_id: str, token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncIterator[GeneratedTokens]:
         """Route and stream one request. Closing the iterator cancels it on the engine. Raises
         EngineUnavailable (no instance could take it, or the serving one died mid-stream) or
         EngineRequestError (the instance refused the request). Disaggregated: a prefill instance by the

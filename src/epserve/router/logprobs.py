@@ -122,6 +122,7 @@ def prompt_logprobs(tokenizer: _Tokenizer | None, prompt_ids: Sequence[int],
     return out
 
 
-def _logprob_object(tokenizer: _Tokenizer | None, token: int, logprob: float | None, rank: int | None) -> dict[str, Any]:
+def _logprob_object(tokenizer: _Tokenizer | None, token: int, logprob: float | None,
+                    rank: int | None) -> dict[str, Any]:
     decoded = tokenizer.decode([token], skip_special_tokens=False) if tokenizer is not None else None
     return {"logprob": _clamp(logprob), "rank": rank, "decoded_token": decoded}

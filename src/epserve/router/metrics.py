@@ -25,13 +25,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from epserve.messages.engine import ITERATION_TOKENS_BUCKETS
+from epserve.messages.engine import ITERATION_TOKENS_BUCKETS, GeneratedTokens, RequestTimes
 from epserve.router.instances import Router
 from epserve.rpc.convert import KV_TRANSFER_BUCKETS
 
 if TYPE_CHECKING:
     from epserve.router.choices import Choice
-    from epserve.rpc.proto import engine_pb2 as pb
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -261,7 +260,7 @@ class RouterMetrics:
             )}
         return self._by_length
 
-    def finished(self, choice: Choice, e2e_s: float, last: pb.GenerateResponse | None = None,
+    def finished(self, choice: Choice, e2e_s: float, last: GeneratedTokens | None = None,
                  prompt_choices: Sequence[Choice] | None = None) -> None:
         """``choice`` finished, for whatever reason, ``e2e_s`` after its request arrived. ``last``: the
         engine's message that finished it, with the engine's times (None when the router ended it: a
@@ -275,8 +274,9 @@ class RouterMetrics:
         self.generation_tokens.inc(num_output)
         self.e2e.observe(e2e_s)
         if last is not None:
-            prefill, decode = last.prefill_seconds, last.decode_seconds
-            self.queue_time.observe(last.queued_seconds)
+            times = last.times or RequestTimes(0.0, 0.0, 0.0)  # (an engine that sent none)
+            prefill, decode = times.prefill_s, times.decode_s
+            self.queue_time.observe(times.queued_s)
             self.prefill_time.observe(prefill)
             self.decode_time.observe(decode)
             self.inference_time.observe(prefill + decode)

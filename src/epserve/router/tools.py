@@ -1,9 +1,9 @@
 """A request's output constraint: its own structured output (``structured_output``: OpenAI's
 ``response_format``, vLLM's ``structured_outputs`` and ``guided_*``), or a forced tool call, resolved
-for chat in ``chat_constraint``; and tools in chat completions: ``tools`` and ``tool_choice`` checked, what the server does
-with them (``ToolMode``: the parser that reads calls out of the output, and for ``required`` or a named
-function the constraint that forces a well-formed call), as vLLM does with ``--tool-call-parser`` and
-``--enable-auto-tool-choice``.
+for chat in ``chat_constraint``; and tools in chat completions: ``tools`` and ``tool_choice`` checked,
+what the server does with them (``ToolMode``: the parser that reads calls out of the output, and for
+``required`` or a named function the constraint that forces a well-formed call), as vLLM does with
+``--tool-call-parser`` and ``--enable-auto-tool-choice``.
 
 ``auto`` lets the model choose; the output is parsed for calls in the checkpoint's format
 (``tool_calls``). ``required`` and a named function constrain the output to one call block, in that

@@ -5,8 +5,9 @@ framed into ``KVChunk`` bytes by ``engine_server/kv_transport.py``, the one side
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
-from epserve.messages.engine import EngineLoad, GeneratedTokens
+from epserve.messages.engine import EngineLoad, GeneratedTokens, RequestTimes
 from epserve.messages.expert_load import ExpertLoad
 from epserve.messages.kv import KVLayout, PrefillJob
 from epserve.messages.sampling import SamplingParams, StructuredOutput, TokenLogprobs
@@ -126,6 +127,19 @@ def generated_to_proto(out: GeneratedTokens) -> pb.GenerateResponse:
         msg.queued_seconds, msg.prefill_seconds, msg.decode_seconds = (
             out.times.queued_s, out.times.prefill_s, out.times.decode_s)
     return msg
+
+
+def generated_from_proto(request_id: str, prompt_token_ids: Sequence[int], msg: pb.GenerateResponse) -> GeneratedTokens:
+    """The router's side of ``generated_to_proto``. The protocol carries no token ids with the logprobs:
+    they are the message's tokens (and the prompt's, from its second, for ``prompt_logprobs``); and no
+    presence for the times: a message whose three times are zero has none."""
+    times = None
+    if msg.queued_seconds or msg.prefill_seconds or msg.decode_seconds:
+        times = RequestTimes(msg.queued_seconds, msg.prefill_seconds, msg.decode_seconds)
+    return GeneratedTokens(
+        request_id, tuple(msg.token_ids), tuple(map(logprob_from_proto, msg.token_ids, msg.logprobs)),
+        msg.num_prompt_tokens, msg.num_cached_tokens, msg.num_output_tokens, msg.finish_reason or None,
+        tuple(map(logprob_from_proto, prompt_token_ids[1:], msg.prompt_logprobs)), times)
 
 
 def load_to_proto(load: EngineLoad, **kv_transfer_fields: object) -> pb.GetLoadResponse:
