@@ -12,6 +12,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
+from epserve.router.tool_call_events import ContentDelta, ToolCallDelta, make_tool_call_id, openai_delta
 from epserve.router.tool_calls import (
     CALL_BEGIN,
     CALL_END,
@@ -19,12 +20,8 @@ from epserve.router.tool_calls import (
     CALLS_END,
     SEP,
     TOOL_CALL_PARSERS,
-    ContentDelta,
     DeepSeekV3ToolParser,
     DeepSeekV31ToolParser,
-    ToolCallDelta,
-    make_tool_call_id,
-    openai_delta,
 )
 
 EOS = "<｜end▁of▁sentence｜>"

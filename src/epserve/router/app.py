@@ -5,7 +5,7 @@ route every choice (``n`` per prompt) through :class:`~epserve.router.instances.
 instance, detokenize incrementally and cut at stop strings (``generation``), and answer as one JSON
 body or as Server-Sent Events ending with ``data: [DONE]``. A client that goes away cancels its engine requests
 (the engines abort them and free their KV blocks). Errors are OpenAI-style bodies: 400 for bad input,
-401 without the API key (told from the request head: served by uvicorn, ``http_limits.http_protocol``
+401 without the API key (told from the request head: served by uvicorn, ``http_connections.http_protocol``
 answers it before reading any of the body; in-process, the outermost middleware does), 404 for an
 unknown model, 408/413 for a body too slow or too large (``http_limits``), 503 when no engine instance
 can take the request (or past ``--max-connections``). vLLM's ``/tokenize`` and ``/detokenize``
@@ -107,7 +107,7 @@ class OpenAIServer:
         self.tool_calls = tool_calls  # --tool-call-parser, --enable-auto-tool-choice
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         self.metrics = RouterMetrics(router, model_name)
-        self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_limits.http_protocol
+        self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_connections.http_protocol
         self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name,
                                                     reasoning_parser)
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-parse")  # GIL-bound work

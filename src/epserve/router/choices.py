@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from epserve.messages.sampling import SamplingParams
-from epserve.router.tool_calls import ToolCall
+from epserve.router.tool_call_events import ToolCall
 
 
 @dataclass

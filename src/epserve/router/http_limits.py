@@ -1,21 +1,12 @@
-"""What one HTTP client may hold of the router: how many connections may be open, how big a request
-may be, how long its headers and its body may take, and how many generations one request may fan out to.
+"""What one HTTP client may hold of the router: how big a request may be, how long its body may take,
+how many generations one request may fan out to (:class:`HTTPLimits`), and what is refused from a
+request's head alone (:class:`RequestGate`). The connections' side (how many may be open, the request
+head's deadline, the gate asked before any body is read) is uvicorn's protocol in ``http_connections``.
 
-- Connections and request heads: :func:`http_protocol` is uvicorn's h11 protocol with
-  - a cap on open connections (``max_connections``): one past it is answered a 503
-    ``too_many_connections`` as it opens, without reading anything from it, and closed;
-  - the API key checked from each request head (:class:`RequestGate`) before any byte of its body is
-    read: a request without it gets the 401 at once and its body is never buffered (only requests with
-    the key have a body read, so no client without it makes the router hold more than a request head;
-    in process, without uvicorn, :class:`APIKeyMiddleware` asks the gate);
-  - a deadline for the request headers, counted from the connection (or, on a kept-alive connection,
-    from the next request's first byte): a connection still short of a complete request head then is
-    closed. uvicorn has none of its own, so without it a client that sends half a request line holds
-    its socket for ever.
-  A refused connection is closed after a short lingering close: what its client still sends is read
-  and dropped for at most ``_LINGER_S`` and ``_LINGER_BYTES`` (so that the client, having finished
-  sending, reads the error rather than a reset), then it is closed. Refusals are counted (the metrics'
-  ``request_errors_total``) and logged at most once a minute.
+- API key: a request without it gets the 401 from its head (:class:`RequestGate`) before any byte of
+  its body is read (only requests with the key have a body read, so no client without it makes the
+  router hold more than a request head); served by uvicorn, ``http_connections.http_protocol`` asks
+  the gate, in process :class:`APIKeyMiddleware` does.
 - Body: :class:`RequestLimitsMiddleware` reads the whole body before the app runs: 413 when
   ``Content-Length`` or the bytes received (chunked) pass ``max_request_bytes``, 408 when the body is
   not complete ``body_timeout_s`` after the headers; a client that hangs up first is counted (499)
@@ -24,20 +15,15 @@ may be, how long its headers and its body may take, and how many generations one
 
 Plain ASGI: Starlette's BaseHTTPMiddleware would relay every streamed chunk through a memory stream.
 """
-
 from __future__ import annotations
 
 import asyncio
 import hmac
-import http
-import json
 import logging
-import math
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 from starlette.responses import Response
 
@@ -46,7 +32,6 @@ from epserve.router.errors import (
     internal_error,
     request_timeout,
     request_too_large,
-    too_many_connections,
     unauthorized,
 )
 
@@ -166,7 +151,7 @@ class RequestGate:
     a request for ``/v1/*`` or another path of ``KEYED_PATHS`` without ``Authorization: Bearer KEY``,
     and any request without it that carries a body (no open route takes one): 401. Open without the
     key: ``/health``, ``/metrics``, ``/expert_load``, ``/openapi.json``, ``/docs``.
-    ``on_refused(status)`` counts each refusal made by :func:`http_protocol` (the ASGI middleware that
+    ``on_refused(status)`` counts each refusal made by ``http_connections.http_protocol`` (the ASGI middleware that
     also asks the gate counts its own)."""
 
     KEYED_PATHS = frozenset({"/tokenize", "/detokenize", "/version"})
@@ -209,174 +194,3 @@ class APIKeyMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-
-_LINGER_S = 2.0  # a refused connection is closed this long after its answer at the latest ...
-_LINGER_BYTES = 256 << 10  # ... or once its client has sent this much more (read and dropped)
-_REPORT_EVERY_S = 60.0
-
-
-def _raw_response(error: APIError, head_only: bool = False) -> bytes:
-    """``error`` as a whole HTTP/1.1 response that closes the connection (as Starlette's JSONResponse
-    would encode its body)."""
-    body = json.dumps(error.body(), ensure_ascii=False, separators=(",", ":")).encode()
-    head = (f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
-    return head if head_only else head + body
-
-
-class _Refusals:
-    """Connections refused for the cap: counted, and logged once, then at most once a minute."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.unreported = 0
-        self.last_report = -math.inf
-        self.timer: asyncio.TimerHandle | None = None
-
-    def add(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.unreported += 1
-        if loop.time() - self.last_report >= _REPORT_EVERY_S:
-            self.report(loop)
-        elif self.timer is None:
-            self.timer = loop.call_at(self.last_report + _REPORT_EVERY_S, self.report, loop)
-
-    def report(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.timer = None
-        if not self.unreported:
-            return
-        if self.last_report == -math.inf:
-            logger.warning("refusing connections: %d are open (--max-connections); refusals are counted as "
-                           "request_errors_total{status=\"503\"} and logged at most once a minute", self.limit)
-        else:
-            logger.warning("refused %d connection(s) over --max-connections %d in the last minute",
-                           self.unreported, self.limit)
-        self.unreported, self.last_report = 0, loop.time()
-
-
-def http_protocol(limits: HTTPLimits, gate: RequestGate | None = None) -> type:
-    """uvicorn's h11 protocol class (``uvicorn.Config(http=...)``) with the router's connection cap,
-    request-head check and header deadline (the module docstring)."""
-    import h11
-    from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    gate = gate or RequestGate(None)
-    header_timeout_s, max_connections = limits.header_timeout_s, limits.max_connections
-    over_cap = _raw_response(too_many_connections(max_connections))
-    refusals = _Refusals(max_connections)
-    lingering_over_cap = [0]  # connections refused for the cap, still lingering (they hold a socket each)
-
-    def check_head(event: h11.Request) -> tuple[APIError, bool] | None:
-        path = unquote(event.target.partition(b"?")[0].decode("ascii"))  # as uvicorn makes scope["path"]
-        error = gate.refusal(path, event.headers)  # (h11 gives lower-case names)
-        return None if error is None else (error, event.method == b"HEAD")
-
-    class CheckedConnection(h11.Connection):
-        """h11's server side, which holds back a request head the gate refuses: uvicorn sees no request
-        (and reads none of its body); the protocol answers it."""
-
-        refused: tuple[APIError, bool] | None = None
-
-        def next_event(self) -> Any:
-            if self.refused is not None:
-                return h11.NEED_DATA
-            event = super().next_event()
-            if isinstance(event, h11.Request) and (refused := check_head(event)) is not None:
-                self.refused = refused
-                return h11.NEED_DATA
-            return event
-
-    class RouterH11(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _linger_timer: asyncio.TimerHandle | None = None
-        _lingering = False  # refused and answered: what the client still sends is dropped
-        _linger_left = 0  # bytes more to drop before closing
-        _over_cap = False  # refused as it opened (uvicorn never knew of it)
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            size = self.config.h11_max_incomplete_event_size
-            self.conn = CheckedConnection(h11.SERVER, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size)
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            if len(self.connections) < max_connections:
-                super().connection_made(transport)
-                self._arm()
-                return
-            self.transport = transport
-            gate.on_refused(503)
-            refusals.add(self.loop)
-            transport.write(over_cap)
-            if lingering_over_cap[0] < max_connections:  # (each holds a socket meanwhile)
-                lingering_over_cap[0] += 1
-                self._over_cap = True
-                self._linger()
-            else:
-                transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            if self._lingering:
-                self._linger_left -= len(data)
-                if self._linger_left <= 0:
-                    self.transport.close()
-                return
-            super().data_received(data)  # -> handle_events
-            if self._lingering:
-                return
-            if self.conn.their_state is h11.IDLE:  # part of the next request head: its clock starts now
-                if self._header_timer is None:
-                    self._arm()
-            else:
-                self._cancel_header_timer()
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if not self._lingering and self.conn.refused is not None:
-                error, head_only = self.conn.refused
-                gate.on_refused(error.status)
-                self._unset_keepalive_if_required()
-                self._cancel_header_timer()
-                self.conn = CheckedConnection(h11.SERVER)  # drops what h11 had buffered of the body
-                self.cycle = None  # (a pipelined request's cycle before it: complete; it held the old h11)
-                self.transport.write(_raw_response(error, head_only))
-                self._linger()
-
-        def _linger(self) -> None:
-            self._lingering, self._linger_left = True, _LINGER_BYTES
-            self._linger_timer = self.loop.call_later(_LINGER_S, self.transport.close)
-            if self.transport.can_write_eof():
-                self.transport.write_eof()  # the answer, then EOF; a client that closes too ends it at once
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_header_timer()
-            if self._linger_timer is not None:
-                self._linger_timer.cancel()
-                self._linger_timer = None
-            if self._over_cap:
-                lingering_over_cap[0] -= 1
-            if self.flow is not None:  # (None: refused as it opened)
-                super().connection_lost(exc)
-
-        def shutdown(self) -> None:
-            if self._lingering:
-                self.transport.close()
-            else:
-                super().shutdown()
-
-        def _arm(self) -> None:
-            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
-
-        def _cancel_header_timer(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                logger.debug("closing a connection from %s: no request head within %g s", self.client,
-                             header_timeout_s)
-                self.transport.close()
-
-    return RouterH11

@@ -138,7 +138,7 @@ def run_router(options: RouterOptions, api_key: str | None = None, control: Conn
             f"prefill instances {', '.join(options.prefill)} and decode instances {', '.join(options.decode)}")
     logger.info("router on http://%s:%d/v1 (model %r, policy %s) over %s", options.host, options.port,
                 options.model_name, options.policy, over)
-    from epserve.router.http_limits import http_protocol
+    from epserve.router.http_connections import http_protocol
 
     limits = server.limits
     _raise_open_files_limit(2 * limits.max_connections + 256)  # open and refused connections, engines, files

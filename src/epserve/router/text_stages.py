@@ -18,7 +18,8 @@ from typing import Any, Protocol
 
 from epserve.router.detokenize import OutputText
 from epserve.router.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser
-from epserve.router.tool_calls import TOOL_CALL_PARSERS, DeepSeekToolParser, ToolCall, openai_delta
+from epserve.router.tool_call_events import ToolCall, openai_delta
+from epserve.router.tool_calls import TOOL_CALL_PARSERS, DeepSeekToolParser
 
 
 @dataclass(frozen=True)
