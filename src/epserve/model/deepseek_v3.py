@@ -167,7 +167,7 @@ def _run_segment(layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, ov
 
 class DeepseekV3ForCausalLM(nn.Module):
     """``fp8``: the linear layers and routed experts hold FP8 block-scaled weights (embedding, LM head,
-    norms and router stay in higher precision, as published). Only a DP group's leader computes
+    norms and the expert gate stay in higher precision, as published). Only a DP group's leader computes
     logits, so other ranks hold an empty ``lm_head``."""
 
     def __init__(
@@ -224,7 +224,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.norm(x)
 
     def forward_mtp(
-        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], hidden: torch.Tensor, overlap: OverlapMode = "dispatch"
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], hidden: torch.Tensor,
+        overlap: OverlapMode = "dispatch",
     ) -> torch.Tensor:
         """One pass of the MTP layer over the flat batch, writing its latent KV to ``kv_caches[L]``:
         ``batch.input_ids`` holds, at each position, the token after it; ``hidden`` [T, H] the previous

@@ -142,7 +142,8 @@ class MLAttention(nn.Module):
     def prepare(self) -> None:
         """After loading: split ``kv_b_proj`` per head into the absorbed decode weights
         W_UK [h, nope, r] and W_UV^T [h, r, v] (in the dtype the loader gave these buffers)."""
-        w = self.kv_b_proj.dequantized().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.dequantized().view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim,
+                                              self.kv_lora_rank)
         with torch.no_grad():
             self.w_uk.copy_(w[:, : self.qk_nope_head_dim])
             self.w_uv_t.copy_(w[:, self.qk_nope_head_dim :].transpose(1, 2))

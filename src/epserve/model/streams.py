@@ -4,7 +4,7 @@ beside the dispatch and the routed experts, as TensorRT-LLM runs it).
 :meth:`SideStream.start` forks: the side stream waits for an event recorded on the current stream, then
 runs the function there; :meth:`SideStream.join` makes the current stream wait for the side stream's event
 before the result is used. Inside ``torch.cuda.graph`` capture the two events become edges of the graph,
-so the captured decode keeps the two branches concurrent on replay. Off CUDA, under tracing, or while an
+so the captured decode keeps the two branches concurrent on replay. Off CUDA, in a trace, or while an
 op hook times each op (the profiler), the function simply runs in place.
 """
 

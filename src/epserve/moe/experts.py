@@ -70,7 +70,8 @@ class GroupedExperts(nn.Module):
         """Rows grouped by local expert [N, H] -> expert outputs [N, H] in the same order (in the model's
         activation dtype; rows past the counts' sum zero)."""
         x, counts, scales = expert_input.hidden_states, expert_input.num_tokens_per_expert, expert_input.scales
-        if scales is not None and (x.dtype != FP8_DTYPE or tuple(scales.shape) != (x.shape[0], -(-x.shape[1] // BLOCK))):
+        want_scales = (x.shape[0], -(-x.shape[1] // BLOCK))
+        if scales is not None and (x.dtype != FP8_DTYPE or tuple(scales.shape) != want_scales):
             raise ValueError(f"an FP8 payload is {FP8_DTYPE} rows [N, H] with fp32 scales [N, ceil(H/128)], got "
                              f"{x.dtype} {tuple(x.shape)} and scales {tuple(scales.shape)}")
         out_dtype = self._out_dtype(expert_input)

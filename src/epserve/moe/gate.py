@@ -12,7 +12,7 @@ from torch import nn
 
 from epserve.config import ModelConfig
 from epserve.kernels import cast, linear
-from epserve.kernels.gate import grouped_topk
+from epserve.kernels.ops import grouped_topk
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,10 @@ class ExpertGate(nn.Module):
         """x: [T, H] -> RoutingResult with [T, K] ids (physical slots through ``logical_to_physical`` if
         given) and weights. The selection runs as one fused kernel on CUDA (``kernels/gate.py``)."""
         ids, weights = grouped_topk(
-            linear(cast(x, torch.float32), self.weight), top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
-            method=self.topk_method, scoring=self.scoring_func, norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.routed_scaling_factor, bias=self.e_score_correction_bias,
+            linear(cast(x, torch.float32), self.weight), top_k=self.top_k, n_group=self.n_group,
+            topk_group=self.topk_group, method=self.topk_method, scoring=self.scoring_func,
+            norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.routed_scaling_factor,
+            bias=self.e_score_correction_bias,
             logical_to_physical=logical_to_physical,
         )
         return RoutingResult(topk_ids=ids, topk_weights=weights)

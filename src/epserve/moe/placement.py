@@ -1,6 +1,6 @@
 """Expert placement: logical experts -> physical slots (with redundant replicas) -> ranks.
 
-The router emits logical expert ids; the placement turns each into one physical slot. A logical
+The gate emits logical expert ids; the placement turns each into one physical slot. A logical
 expert with ``c`` replicas spreads its tokens over them (:func:`select_replicas`):
 
 - ``position``: a token at row ``t`` of rank ``r``'s MoE input goes to replica ``(t + r) mod c``

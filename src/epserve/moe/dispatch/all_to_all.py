@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
-from epserve.moe.dispatch.local import group_by_expert
-from epserve.moe.dispatch.payload import Payload
+from epserve.kernels.ops import group_by_expert, weighted_combine
+from epserve.moe.dispatch.base import DispatchHandle, ExpertInput, GroupDispatcher
 
 
 @dataclass(frozen=True)
@@ -62,16 +61,8 @@ class AllToAllCombineInFlight(DispatchHandle):
     sender: SenderRoute
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(GroupDispatcher):
     name = "all_to_all"
-
-    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False) -> None:
-        self.num_local_slots = num_local_slots
-        self.payload = Payload(fp8)
-        self.group = group
-        self.ep_size = dist.get_world_size(group)
-        self.ep_rank = dist.get_rank(group)
-        self.reset_stats()
 
     def dispatch_send(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor

@@ -13,10 +13,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from epserve.kernels.ops import weighted_combine
+from epserve.moe.dispatch.payload import Payload
 
-__all__ = ["DispatchHandle", "Dispatcher", "ExpertInput", "weighted_combine"]  # weighted_combine: kernels.moe_ops
+# weighted_combine: the kernel op of kernels.moe_ops, the combine every dispatcher ends with
+__all__ = ["DispatchHandle", "Dispatcher", "ExpertInput", "GroupDispatcher", "weighted_combine"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,16 @@ class Dispatcher(ABC):
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         return self.combine_recv(self.combine_send(y, handle))
+
+
+class GroupDispatcher(Dispatcher):
+    """A dispatcher over the ranks of an expert-parallel process group (``all_to_all``, ``padded``): this
+    rank's ``num_local_slots`` expert slots, its place in ``group``, and the row format it sends."""
+
+    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False) -> None:
+        self.num_local_slots = num_local_slots
+        self.payload = Payload(fp8)
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        self.reset_stats()

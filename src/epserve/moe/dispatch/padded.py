@@ -3,7 +3,7 @@
 Every (source, destination) pair gets ``capacity = max_tokens_per_rank * min(K, num_local_slots)`` rows,
 so no counts are exchanged: each rank sends a zero-padded ``[ep_size, capacity, H]`` buffer plus an
 int64 ``[ep_size, capacity]`` buffer holding each row's local slot at the destination (-1 = padding).
-Precondition: a token's top-k slots are distinct (the router guarantees it), so no token sends more than
+Precondition: a token's top-k slots are distinct (the gate guarantees it), so no token sends more than
 ``min(K, num_local_slots)`` rows to one rank. Combine sends the same fixed shape back; each sender picks
 its rows at the positions it used. ``comm_bytes`` counts every row of both buffers sent to other ranks,
 padding included. With ``fp8`` (``--dispatch-dtype fp8``) the real rows are quantized before they are
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
-from epserve.moe.dispatch.local import count_per_expert, group_by_expert
-from epserve.moe.dispatch.payload import Payload
+from epserve.kernels.moe_ops import count_per_expert
+from epserve.kernels.ops import group_by_expert, weighted_combine
+from epserve.moe.dispatch.base import DispatchHandle, ExpertInput, GroupDispatcher
 
 
 @dataclass(frozen=True)
@@ -55,17 +55,12 @@ class PaddedCombineInFlight(DispatchHandle):
     sender: PaddedSenderRoute
 
 
-class PaddedDispatcher(Dispatcher):
+class PaddedDispatcher(GroupDispatcher):
     name = "padded"
 
     def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False) -> None:
-        self.num_local_slots = num_local_slots
-        self.payload = Payload(fp8)
-        self.group = group
-        self.ep_size = dist.get_world_size(group)
-        self.ep_rank = dist.get_rank(group)
+        super().__init__(num_local_slots, group, fp8)
         self.max_tokens_per_rank: int | None = None
-        self.reset_stats()
 
     def begin_step(self, max_tokens_per_rank: int) -> None:
         self.max_tokens_per_rank = max_tokens_per_rank

@@ -36,8 +36,8 @@ import torch.distributed as dist
 
 from epserve.config import ConfigError
 from epserve.config.engine import SYMM_MEM_MAX_LOCAL_SLOTS, SYMM_MEM_MAX_RANKS
-from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
-from epserve.moe.dispatch.local import group_by_expert
+from epserve.kernels.ops import group_by_expert, weighted_combine
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.dispatch.payload import Payload
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ def check_symm_mem(device: torch.device, num_local_slots: int, ep_size: int) -> 
     """ConfigError naming the option when ``--dispatch symm_mem`` cannot run here."""
     problem = symm_mem_problem(device)
     if problem is None and num_local_slots > SYMM_MEM_MAX_LOCAL_SLOTS:
-        problem = f"torch's all_to_all_vdev_2d takes at most {SYMM_MEM_MAX_LOCAL_SLOTS} experts per rank, not {num_local_slots}"
+        problem = (f"torch's all_to_all_vdev_2d takes at most {SYMM_MEM_MAX_LOCAL_SLOTS} experts per rank, "
+                   f"not {num_local_slots}")
     if problem is None and ep_size > SYMM_MEM_MAX_RANKS:
         problem = f"torch's all_to_all_vdev_2d_offset takes at most {SYMM_MEM_MAX_RANKS} ranks, not {ep_size}"
     if problem is not None:
