@@ -121,7 +121,8 @@ def test_cli_defaults_and_validation() -> None:
                          (["--max-concurrency", "0"], "--max-concurrency"),
                          (["--num-prompts", "-1"], "--num-prompts"),
                          (["--base-url", "localhost:8000"], "--base-url"),
-                         (["--vocab-size", "0"], "--vocab-size"), (["--temperature", "-1"], "--temperature"), (["--seed", "-1"], "--seed"),
+                         (["--vocab-size", "0"], "--vocab-size"), (["--temperature", "-1"], "--temperature"),
+                         (["--seed", "-1"], "--seed"),
                          (["--random-input-len", "0"], "--random-input-len"),
                          (["--dataset", "shared-prefix", "--question-len", "-1"], "--question-len"),
                          (["--json", "/nonexistent/dir/out.json"], "--json")):

@@ -2,8 +2,8 @@
 records the prompt each request would send and answers one token): ``chat_template_kwargs``,
 ``add_generation_prompt``, ``continue_final_message`` (and vLLM's chat ``echo``), the ``developer`` role,
 ``tools`` and ``documents`` as template variables, a template that raises, ``--chat-template``; vLLM's
-``truncate_prompt_tokens``, ``add_special_tokens`` and ``request_id``; ``/tokenize`` (with tools), ``/detokenize``, ``/v1/models/{id}``, ``/version`` and the API key on
-them; the OpenAPI document."""
+``truncate_prompt_tokens``, ``add_special_tokens`` and ``request_id``; ``/tokenize`` (with tools),
+``/detokenize``, ``/v1/models/{id}``, ``/version`` and the API key on them; the OpenAPI document."""
 
 from __future__ import annotations
 

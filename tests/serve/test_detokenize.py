@@ -261,7 +261,8 @@ def test_matcher_agrees_with_whole_text_reference() -> None:
         )
 
 
-def feeds_reference(stops: Sequence[str], include: bool, chunks: Sequence[str]) -> tuple[list[tuple[str, bool]], str, str | None]:
+def feeds_reference(stops: Sequence[str], include: bool,
+                    chunks: Sequence[str]) -> tuple[list[tuple[str, bool]], str, str | None]:
     """Brute force over the whole text after each feed: what each feed returns, what ``flush`` returns and
     the stop matched. A feed returns the text up to the earliest index from which the rest could still
     begin a stop (the held tail: a proper prefix of one), unless a complete stop starts at or before it:

@@ -56,7 +56,8 @@ def test_stop_strings_cut_accepted_drafts_exactly(server, plain):
                     if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2] and full.index(full[i:i + 2]) == i)
         # plain decoding stops at the first token whose text completes the stop string
         needed = next(m for m in range(1, len(ids) + 1) if stop in tok.decode(ids[:m]))
-        kw = dict(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
+                  extra_body={"ignore_eos": True})
         out = client.completions.create(**kw)
         assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
         assert out.usage.completion_tokens == needed

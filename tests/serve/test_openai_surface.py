@@ -331,7 +331,8 @@ def test_a_forced_call_in_the_deepseek_v31_format(v31, offline):
     jsonschema = pytest.importorskip("jsonschema")
     named = {"type": "function", "function": {"name": "get_time"}}
     kw = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice=named, max_tokens=300, temperature=1.0, seed=1)
-    choice = v31.chat.completions.create(**kw, logprobs=True, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    out = v31.chat.completions.create(**kw, logprobs=True, extra_body={"return_tokens_as_token_ids": True})
+    choice = out.choices[0]
     [call] = choice.message.tool_calls
     assert choice.finish_reason == "tool_calls" and call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
@@ -370,7 +371,8 @@ def test_guided_json_regex_and_grammar(server):
 
     cases = [({"guided_json": schema}, valid), ({"guided_json": json.dumps(schema)}, valid),
              ({"guided_regex": "[a-c]{2,4}-[0-9]{2}"}, lambda text: re.fullmatch("[a-c]{2,4}-[0-9]{2}", text)),
-             ({"guided_grammar": 'root ::= ("yes" | "no") " " [0-9]'}, lambda text: re.fullmatch("(yes|no) [0-9]", text))]
+             ({"guided_grammar": 'root ::= ("yes" | "no") " " [0-9]'},
+              lambda text: re.fullmatch("(yes|no) [0-9]", text))]
     for i, (field, check) in enumerate(cases):
         chat = i % 2 == 1
         body = {"model": MODEL, "max_tokens": 60, "temperature": 1.0, "seed": i, **field,

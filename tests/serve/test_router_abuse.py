@@ -93,7 +93,8 @@ def test_the_gate_reads_the_key_and_the_body_from_the_head():
     assert gate.refusal("/health", []) is None and gate.refusal("/health", [(b"content-length", b"0")]) is None
     for path, headers in [("/v1/models", []), ("/v1/completions", [(b"authorization", b"Bearer wrong")]),
                           ("/v1/completions", [(b"authorization", f"bearer {API_KEY}".encode())]),
-                          ("/health", [(b"content-length", b"10")]), ("/metrics", [(b"transfer-encoding", b"chunked")])]:
+                          ("/health", [(b"content-length", b"10")]),
+                          ("/metrics", [(b"transfer-encoding", b"chunked")])]:
         error = gate.refusal(path, headers)
         assert error is not None and (error.status, error.code) == (401, "invalid_api_key"), (path, headers)
     assert RequestGate(None).refusal("/v1/completions", [(b"content-length", b"9")]) is None

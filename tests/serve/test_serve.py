@@ -143,7 +143,8 @@ def test_n_seed_logprobs_and_batched_prompts(server):
 def test_stop_string_cuts_the_text(server):
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
     full = server.client.completions.create(**kw).choices[0].text
-    stop = next(full[i:i + 2] for i in range(4, len(full) - 2) if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2])
+    stop = next(full[i:i + 2] for i in range(4, len(full) - 2)
+                if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2])
     cut = full[: full.index(stop)]
     for stream in (False, True):
         if stream:

@@ -241,8 +241,9 @@ def test_stalled_transfer_times_out_and_killed_prefill_is_retried(deployment, of
 
 def test_serve_disaggregate_on_one_host_and_a_dead_decode_rank(ckpt, offline, tmp_path):
     """`epserve serve --disaggregate`: a prefill world and a decode world of TP 2 (the arrived KV written
-    on both of its ranks) behind the router on one host; the same text as one engine. The decode rank killed mid-stream: the stream ends with an error event,
-    its world is restarted, and the next request is served; SIGTERM then stops everything (exit 0)."""
+    on both of its ranks) behind the router on one host; the same text as one engine. The decode rank killed
+    mid-stream: the stream ends with an error event, its world is restarted, and the next request is served;
+    SIGTERM then stops everything (exit 0)."""
     http = free_port()
     server = Proc(["serve", str(ckpt), *ENGINE_ARGS[:-2], "--disaggregate", "--prefill-dp", "1", "--decode-tp", "2",
                    "--port", str(http), "--step-timeout", "3"], tmp_path / "serve.log")

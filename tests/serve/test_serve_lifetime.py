@@ -116,7 +116,8 @@ def listening_ports(pids: list[int]) -> set[int]:
     ports = set()
     for pid in pids:
         try:
-            ports |= {c.laddr.port for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+            ports |= {c.laddr.port for c in psutil.Process(pid).net_connections("inet")
+                      if c.status == psutil.CONN_LISTEN}
         except psutil.NoSuchProcess:
             continue
     return ports

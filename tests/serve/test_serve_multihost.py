@@ -315,8 +315,9 @@ def test_the_world_under_torchrun_serves_the_offline_text(hosts, ckpt, offline, 
             host = hosts[i // 2]
             wait_output(nodes[i // 2], f"engine instance {i} serving gRPC on {host.address}:{TORCHRUN_PORT + i}")
         procs.append(ns_proc(a, ["router", str(ckpt), "--port", str(TORCHRUN_ROUTER), "--policy", "round_robin",
-                                 "--engine-token", TOKEN, *[x for i in range(4) for x in
-                                                            ["--engine", f"{hosts[i // 2].address}:{TORCHRUN_PORT + i}"]]],
+                                 "--engine-token", TOKEN,
+                                 *[x for i in range(4)
+                                   for x in ["--engine", f"{hosts[i // 2].address}:{TORCHRUN_PORT + i}"]]],
                              tmp_path / "router.log"))
         url = f"http://127.0.0.1:{TORCHRUN_ROUTER}"
         wait_healthy(a, url, 4, procs[2])
