@@ -1,4 +1,4 @@
-"""The rest of a CPU decode step as C kernels (``kernels/cpu_ops.c`` through ``kernels.cpu_ops``, and the
+"""The rest of a CPU decode step as C kernels (``kernels/cpu_ops*.c`` through ``kernels.cpu_ops``, and the
 experts from device counts in ``kernels.cpu``): what lets a whole step record as kernel calls
 (``kernels/cpu_graph.py``), each against the torch ops it replaces."""
 

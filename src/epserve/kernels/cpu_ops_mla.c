@@ -167,6 +167,8 @@ int epserve_mla_decode(const float *q, int64_t B, int64_t H, int64_t D, const vo
   return 0;
 }
 
+/* ---- the absorbed per-head projections, rotary embedding and the latent append (plain C) ---- */
+
 /* Per-head projection (MLA's absorbed W_UK and W_UV): out[b, h, :] = x[b, h, :] @ w[h] for x [B, H, K]
  * bf16 (is_bf16) or fp32 with strides (ldb, ldh, 1), w fp32 [H, K, N], out [B, H, N] with strides
  * (ldo_b, ldo_h, 1), fp32 or rounded to bf16 (out_bf16). Each output
@@ -263,7 +265,7 @@ int epserve_append_latent(const void *latent, int64_t T, int64_t ld, int64_t R, 
   for (int64_t t = 0; t < T; t++) {
     float v[512], out[512];
     const int64_t row = t * ld, dst = slots[t] * D;
-    float ss = 0.0f; /* summed as epserve_rms_norm sums */
+    float ss = 0.0f; /* summed as epserve_rms_norm (cpu_ops.c) sums */
     #pragma omp simd reduction(+ : ss)
     for (int64_t j = 0; j < R; j++) {
       const float x = load(latent, row + j, is_bf16);
