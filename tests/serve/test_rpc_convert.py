@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from epserve.messages.engine import GeneratedTokens, RequestTimes
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
-from epserve.rpc.convert import generated_from_proto, generated_to_proto, sampling_from_proto, sampling_to_proto
+from epserve.rpc import convert
 
 
 def test_sampling_params_round_trip() -> None:
@@ -18,16 +18,17 @@ def test_sampling_params_round_trip() -> None:
                        bad_words=[(4,), (5, 6, 7)]),
     ]
     for params in cases:
-        assert sampling_from_proto(sampling_to_proto(params)) == params
+        assert convert.sampling_from_proto(convert.sampling_to_proto(params)) == params
 
 
 def test_generated_tokens_carry_prompt_logprobs_and_times() -> None:
     lps = (TokenLogprobs(5, -1.5, ((5, -1.5), (2, -2.0))), TokenLogprobs(6, -0.25, ()))
-    msg = generated_to_proto(GeneratedTokens("r", (1,), (), 3, 0, 1, "length", lps, RequestTimes(0.5, 0.25, 2.0)))
+    out = GeneratedTokens("r", (1,), (), 3, 0, 1, "length", lps, RequestTimes(0.5, 0.25, 2.0))
+    msg = convert.generated_to_proto(out)
     assert [(p.logprob, [(t.token_id, t.logprob) for t in p.top]) for p in msg.prompt_logprobs] == [
         (-1.5, [(5, -1.5), (2, -2.0)]), (-0.25, [])]
     assert (msg.queued_seconds, msg.prefill_seconds, msg.decode_seconds) == (0.5, 0.25, 2.0)
-    plain = generated_to_proto(GeneratedTokens("r", (1,), (), 3, 0, 1, None))
+    plain = convert.generated_to_proto(GeneratedTokens("r", (1,), (), 3, 0, 1, None))
     assert not plain.prompt_logprobs and plain.decode_seconds == 0
 
 
@@ -43,4 +44,4 @@ def test_generated_tokens_round_trip() -> None:
         GeneratedTokens("r", (), (), 3, 0, 3, "abort"),
     ]
     for out in cases:
-        assert generated_from_proto("r", prompt, generated_to_proto(out)) == out
+        assert convert.generated_from_proto("r", prompt, convert.generated_to_proto(out)) == out

@@ -12,7 +12,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
-from epserve.router.tool_call_events import ContentDelta, ToolCallDelta, make_tool_call_id, openai_delta
+from epserve.router.tool_call_events import ContentDelta, ToolCallDelta, openai_delta
 from epserve.router.tool_calls import (
     CALL_BEGIN,
     CALL_END,
@@ -22,6 +22,7 @@ from epserve.router.tool_calls import (
     TOOL_CALL_PARSERS,
     DeepSeekV3ToolParser,
     DeepSeekV31ToolParser,
+    make_tool_call_id,
 )
 
 EOS = "<｜end▁of▁sentence｜>"

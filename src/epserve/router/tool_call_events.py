@@ -4,15 +4,9 @@ stream's events (:class:`ContentDelta`, :class:`ToolCallDelta`) and their OpenAI
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-
-
-def make_tool_call_id() -> str:
-    """A fresh call id, as vLLM makes them."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)

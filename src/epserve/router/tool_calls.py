@@ -51,10 +51,11 @@ writes a whole block that way. Generation with tools free to choose triggers on 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterable, Sequence
 
 from epserve.router.reasoning import partial_suffix_len
-from epserve.router.tool_call_events import ContentDelta, ToolCall, ToolCallDelta, ToolCallEvent, make_tool_call_id
+from epserve.router.tool_call_events import ContentDelta, ToolCall, ToolCallDelta, ToolCallEvent
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -69,6 +70,11 @@ _MAX_MARKER = max(len(m) for m in MARKERS)
 # arguments; after the block (dropped); after a broken block (passed on as content).
 _TEXT, _BETWEEN, _HEADER, _NAME, _ARGS = "text", "between", "header", "name", "args"
 _DONE, _RAW = "done", "raw"
+
+
+def make_tool_call_id() -> str:
+    """A fresh call id, as vLLM makes them."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def _first(text: str, patterns: Iterable[str], start: int = 0) -> tuple[int, str]:
