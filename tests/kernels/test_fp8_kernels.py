@@ -225,7 +225,8 @@ def test_backend_variable(monkeypatch):
 
 def test_importing_fp8_does_not_import_triton():
     code = "import sys, epserve.kernels.fp8; assert 'triton' not in sys.modules, 'triton imported'"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=triton_harness.subprocess_env())
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=triton_harness.subprocess_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -38,7 +38,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 def make_experts(e: int, h: int, i: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype), (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    return w13, (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
 
 
 def make_rows(r: int, h: int, dtype: torch.dtype, counts: list[int], seed: int = 1) -> torch.Tensor:
@@ -206,8 +207,8 @@ def test_triton_grouped_kernel_compiles_for_the_gpu(dtype, arch):
     sig = {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "tile_expert_ptr": "*i32",
            "tile_row_ptr": "*i32", "tile_end_ptr": "*i32", **dict.fromkeys(ints, "i32"),
            **dict.fromkeys(["SWIGLU", "PRECISION", "EMULATE", "BM", "BN", "BK"], "constexpr")}
-    consts = {"SWIGLU": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "EMULATE": False, "BM": 16, "BN": gt.BN,
-              "BK": 32 if dtype == "fp32" else 64}
+    consts = {"SWIGLU": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "EMULATE": False, "BM": 16,
+              "BN": gt.BN, "BK": 32 if dtype == "fp32" else 64}
     kernel = compile(ASTSource(gt._grouped_gemm_kernel, sig, consts), target=GPUTarget("cuda", arch, 32),
                      options=gt._OPTS)
     assert ".entry" in kernel.asm["ptx"]

@@ -290,7 +290,8 @@ def _interpreter_main() -> None:
     early = "triton" in sys.modules
     from epserve.kernels import mla_decode_triton
 
-    triton_harness.report_cases(INTERP_CASES, mla_decode_triton, {"lazy_import": "kernels.mla_decode imported triton" if early else None})
+    triton_harness.report_cases(INTERP_CASES, mla_decode_triton,
+                                {"lazy_import": "kernels.mla_decode imported triton" if early else None})
 
 
 if __name__ == "__main__":

@@ -144,13 +144,17 @@ def test_tensor_parallel_ranks_read_their_heads(make_ckpt):
                            reader.get_raw(p + "kv_b_proj.weight_scale_inv")[rank * 2 : rank * 2 + 2])
         cols = reader.get_raw(p + "o_proj.weight")[:, rank * 128 : (rank + 1) * 128]
         assert torch.equal(attn.o_proj.weight.view(torch.uint8), cols.contiguous().view(torch.uint8))
-        assert torch.equal(attn.o_proj.weight_scale_inv, reader.get_raw(p + "o_proj.weight_scale_inv")[:, rank : rank + 1])
+        o_scale = reader.get_raw(p + "o_proj.weight_scale_inv")[:, rank : rank + 1]
+        assert torch.equal(attn.o_proj.weight_scale_inv, o_scale)
         assert model.lm_head.shape[0] == (mc.vocab_size if rank == 0 else 0)
         assert model_bytes(model) == plan_weight_bytes(mc, ctx, fp8=True)
         # Dequantized at load: tile rows straight into the parameter, column slices through a temporary.
-        deq = load_model(mc, str(path), torch.bfloat16, ctx.device, LocalDispatcher(8), placement, ctx).layers[2].self_attn
-        assert torch.equal(deq.q_b_proj.weight, reader.get(p + "q_b_proj.weight")[rank * 256 : (rank + 1) * 256].bfloat16())
-        assert torch.equal(deq.o_proj.weight, reader.get(p + "o_proj.weight")[:, rank * 128 : (rank + 1) * 128].bfloat16())
+        deq = load_model(mc, str(path), torch.bfloat16, ctx.device, LocalDispatcher(8), placement, ctx)
+        deq = deq.layers[2].self_attn
+        q_rows = reader.get(p + "q_b_proj.weight")[rank * 256 : (rank + 1) * 256]
+        assert torch.equal(deq.q_b_proj.weight, q_rows.bfloat16())
+        o_cols = reader.get(p + "o_proj.weight")[:, rank * 128 : (rank + 1) * 128]
+        assert torch.equal(deq.o_proj.weight, o_cols.bfloat16())
 
 
 def test_unsupported_fp8_layouts_are_named(tiny_fp8_ckpt, make_ckpt, tmp_path):

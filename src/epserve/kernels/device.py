@@ -26,8 +26,8 @@ _meta_is_cuda: list[bool] = []  # trace_as_cuda's stack: non-empty, meta tensors
 
 
 def tracing() -> bool:
-    """Whether this call is being traced (``torch.compile``) or run on fake tensors: the kernels' front
-    ends then call their custom op (``kernels/ops.py``), one opaque call with a fake implementation."""
+    """Whether this call is being traced (``torch.compile``) or run on fake tensors: the kernel
+    ops then call their custom op (``kernels/opdef.py``), one opaque call with a fake implementation."""
     return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
@@ -42,6 +42,16 @@ def is_cuda(t: torch.Tensor | torch.device | str) -> bool:
     :func:`trace_as_cuda` meta tensors count as CUDA tensors."""
     device = t.device if isinstance(t, torch.Tensor) else torch.device(t)
     return device.type == "cuda" or (device.type == "meta" and bool(_meta_is_cuda))
+
+
+def device_type(t: torch.Tensor) -> str:
+    """The type of ``t``'s device, ``cuda`` for the meta tensors that stand for CUDA ones (:func:`is_cuda`):
+    which device's kernels a kernel op runs (asked on every call, so kept cheap)."""
+    if t.is_cpu:  # (the properties are cheaper than ``t.device``)
+        return "cpu"
+    if t.is_cuda or (t.is_meta and _meta_is_cuda):
+        return "cuda"
+    return t.device.type
 
 
 def capability(device: torch.device | str) -> tuple[int, int]:

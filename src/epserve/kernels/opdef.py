@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 
 from epserve.kernels import backends
-from epserve.kernels.device import is_cuda, tracing
+from epserve.kernels.device import device_type, tracing
 
 Traced = Literal["op", "inline", "skip"]
 # (takes or None, module, function name, may decline): the eager table's row; the function is looked up on the
@@ -57,11 +57,6 @@ class OpImpl:
     def function(self) -> Callable[..., Any]:
         module, _, name = self.target.partition(":")
         return getattr(importlib.import_module(module), name)
-
-
-def device_type(t: torch.Tensor) -> str:
-    """``cuda`` for CUDA tensors (and meta tensors standing for them in a trace), else the device's type."""
-    return "cuda" if is_cuda(t) else t.device.type
 
 
 def _first_tensor(*args: Any, **kwargs: Any) -> str:
@@ -103,7 +98,19 @@ class OpDef:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if tracing():
             return self.traced(*args, **kwargs)
-        return self.eager(*args, **kwargs)
+        if self.check is not None:
+            self.check(*args, **kwargs)
+        rows = self._table.get(self.device_of(*args, **kwargs))
+        if rows is None:
+            rows = self.fill(self.device_of(*args, **kwargs))
+        for takes, module, fn, may_decline in rows:  # (the eager call, inlined: it runs on every op call)
+            if takes is not None and not takes(*args, **kwargs):
+                continue
+            out = getattr(module, fn)(*args, **kwargs)
+            if may_decline and (out is None or out is False):
+                continue
+            return None if self.returns_none else out
+        return self.reference(*args, **kwargs)
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The call run eagerly: the device's first implementation that takes it, else the reference."""

@@ -1,0 +1,171 @@
+"""Kernel ops declared once (``kernels/opdef.py``): how a call chooses (traced -> the custom op or torch code,
+eager -> the device's implementations in order, a declining one -> the next, then the reference), that the
+table is filled once, that every declared op and implementation exists, and that no module of ``kernels/``
+imports one that imports it back."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import inspect
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from epserve.kernels import backends, ops
+from epserve.kernels.device import trace_as_cuda
+from epserve.kernels.opdef import OpDef
+
+KERNELS = Path(__file__).resolve().parents[2] / "src" / "epserve" / "kernels"
+
+CALLS: list[str] = []
+toy = types.ModuleType("opdef_toy_impls")  # implementations named "module:function", as the kernels' are
+sys.modules[toy.__name__] = toy
+
+
+def _impl(tag: str, result: object = "tensor"):  # noqa: ANN202
+    def run(x: torch.Tensor, k: int) -> object:
+        CALLS.append(tag)
+        return x * k if result == "tensor" else result
+
+    return run
+
+
+toy.declines = _impl("declines", None)
+toy.refuses = _impl("refuses", False)
+toy.kernel = _impl("kernel")
+toy.inline = _impl("inline")
+
+
+def _toy(name: str, **options: object) -> OpDef:
+    def reference(x: torch.Tensor, k: int) -> torch.Tensor:
+        CALLS.append("reference")
+        return x * k
+
+    return OpDef(reference, name=f"test_opdef_{name}", fake=lambda x, k: torch.empty_like(x), **options)
+
+
+@pytest.fixture(autouse=True)
+def _calls():
+    CALLS.clear()
+    yield
+
+
+def test_eager_runs_the_first_implementation_that_takes_the_call_else_the_reference():
+    op = _toy("eager")
+    op.implement("cpu", "opdef_toy_impls:declines")
+    op.implement("cpu", "opdef_toy_impls:refuses")
+    op.implement("cpu", "opdef_toy_impls:kernel", takes=lambda x, k: k > 0)
+    x = torch.ones(3)
+    assert torch.equal(op(x, 2), x * 2) and CALLS == ["declines", "refuses", "kernel"]
+    CALLS.clear()
+    assert torch.equal(op(x, -1), -x) and CALLS == ["declines", "refuses", "reference"]  # the kernel does not take it
+    CALLS.clear()
+    out = op(torch.ones(2, device="meta"), 3)
+    assert out.device.type == "meta" and CALLS == ["reference"]  # no meta implementations: the reference
+
+
+def test_the_table_is_filled_once_per_device_and_sees_a_replaced_function():
+    op = _toy("table")
+    op.implement("cpu", "opdef_toy_impls:kernel")
+    fills = []
+    fill = op.fill
+    op.fill = lambda where: fills.append(where) or fill(where)
+    x = torch.ones(2)
+    for _ in range(3):
+        op(x, 1)
+    assert fills == ["cpu"] and op.chosen("cpu") == ["opdef_toy_impls:kernel"]
+    original, toy.kernel = toy.kernel, _impl("replaced", None)  # as a test that patches a C front end does
+    try:
+        CALLS.clear()
+        op(x, 1)
+        assert CALLS == ["replaced", "reference"]
+    finally:
+        toy.kernel = original
+
+
+def test_a_trace_sees_the_custom_op_torch_code_or_the_reference():
+    hidden = _toy("hidden")  # a C kernel only: passed over, the reference is traced
+    hidden.implement("cpu", "opdef_toy_impls:kernel")
+    launched = _toy("launched")  # Triton-like on CUDA: the custom op where it takes the call
+    launched.implement("cuda", "opdef_toy_impls:inline", takes=lambda x, k: k > 1, traced="inline")
+    launched.implement("cuda", "opdef_toy_impls:kernel", traced="op")
+    opaque = _toy("opaque", opaque=True)
+    with FakeTensorMode():
+        x = torch.empty(4)
+        assert hidden(x, 2).shape == (4,) and CALLS == ["reference"]
+        CALLS.clear()
+        assert opaque(x, 2).shape == (4,) and CALLS == []  # the fake ran, nothing else
+    with trace_as_cuda(), FakeTensorMode():
+        x = torch.empty(4, device="meta")
+        assert launched(x, 1).shape == (4,) and CALLS == []  # the custom op's fake
+        assert launched(x, 2).shape == (4,) and CALLS == ["inline"]  # torch code, traced into
+
+
+def test_the_custom_op_runs_the_eager_choice():
+    op = _toy("custom")
+    op.implement("cpu", "opdef_toy_impls:declines")
+    op.implement("cpu", "opdef_toy_impls:kernel")
+    assert str(op.custom) == "<CustomOpDef(epserve::test_opdef_custom)>"
+    x = torch.ones(2)
+    assert torch.equal(torch.ops.epserve.test_opdef_custom(x, 3), x * 3) and CALLS == ["declines", "kernel"]
+
+
+def test_resolve_fills_every_declared_op_for_the_device():
+    assert backends.resolve("cpu", {"mla_decode": torch.bfloat16}) == "torch reference (cpu)"
+    assert all("cpu" in op._table for op in ops.defined().values())
+    assert "epserve.kernels.cpu_ops:rms_norm" in ops.rms_norm.chosen("cpu")
+
+
+def _top_level_functions(module: str) -> set[str]:
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin, module
+    tree = ast.parse(Path(spec.origin).read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("name", sorted(ops.defined()))
+def test_every_op_is_declared_with_a_schema_and_existing_implementations(name):
+    """Each op's reference has the op's full signature (annotated: the custom op's schema comes from it) and
+    every implementation names a function that exists (read from the source: Triton modules not imported)."""
+    op = ops.defined()[name]
+    signature = inspect.signature(op.reference)
+    assert all(p.annotation is not inspect.Parameter.empty for p in signature.parameters.values()), name
+    assert op.custom is None or str(op.custom) == f"<CustomOpDef(epserve::{name})>"
+    for impls in op.impls.values():
+        for impl in impls:
+            module, _, fn = impl.target.partition(":")
+            assert fn in _top_level_functions(module), impl.target
+
+
+def test_the_model_calls_each_op_by_one_name():
+    assert ops.mla_decode is ops.paged_mla_decode and ops.rms_norm.name == "rms_norm"
+    assert {op.name for op in (ops.act_quant, ops.block_fp8_gemm)} == {"fp8_act_quant", "fp8_block_gemm"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ``epserve.kernels`` module ``path`` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "epserve.kernels":
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("epserve.kernels."):
+            found.add(node.module.split(".")[2])
+    return found
+
+
+def test_no_module_of_kernels_imports_one_that_imports_it_back():
+    graph = {p.stem: _imports(p) & {q.stem for q in KERNELS.glob("*.py")} - {p.stem} for p in KERNELS.glob("*.py")}
+    graph.pop("__init__")
+    for g in graph.values():
+        g.discard("__init__")
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph.get(start, ()))
+
+    circles = sorted(m for m in graph if reaches(m, m, set()))
+    assert not circles, circles
