@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, optional logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, optional logprobs; the
+sampling pipeline's draw (``engine/sampling.py``) when speculative decoding is off.
 
 The whole batch is sampled on the logits' device: the filters run on ``[S, V]`` with one value per row,
 the draw is an exponential race (``argmax(p / Exp(1))`` samples from ``p``) whose noise comes from each

@@ -3,9 +3,9 @@ recompute when KV blocks run out. Speculative decoding's drafts are ``SpecManage
 chunk needs, which drafts a decode verifies, the rollback after it); the requests whose KV crosses
 instances (prefill/decode disaggregation) are ``KVHandoff``'s until they run or once they finished.
 
-One engine step is ``output = scheduler.schedule()``, the runner's forward over ``output.chunks``
-(sampling one token for each chunk with ``needs_sample``), then exactly one
-``scheduler.update(output, sampled)``.
+One engine step is ``output = scheduler.schedule()``, the runner's forward over ``output.chunks`` and
+the sampling pipeline's tokens (one for each chunk with ``needs_sample``, or its accepted drafts and
+the token after them), then exactly one ``scheduler.update(output, sampled)``.
 """
 
 from __future__ import annotations
