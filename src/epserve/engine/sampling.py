@@ -29,6 +29,7 @@ from epserve.engine.prompt_logprobs import prompt_logprobs
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.sampler import Sampler
 from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, VerifyOutcome, draft_tokens, verify
+from epserve.messages.sampling import TokenLogprobs
 
 
 class SamplingPipeline:
@@ -113,11 +114,11 @@ class SamplingPipeline:
         return {c.request.request_id: out for c, out in zip(sampling, verify(logits, groups, self.noise, raw))}
 
     def _result(self, sampling: list[ScheduledChunk], outcomes: dict[str, VerifyOutcome],
-                prompt: dict) -> StepResult:
+                prompt: dict[str, tuple[TokenLogprobs, ...]]) -> StepResult:
         """One token (and logprobs entry) a request without speculative decoding; with it the accepted
         drafts then the token after them, and the acceptance counted."""
-        sampled: dict = {}
-        logprobs: dict = {}
+        sampled: dict[str, int | tuple[int, ...]] = {}
+        logprobs: dict[str, TokenLogprobs | tuple[TokenLogprobs, ...]] = {}
         for c in sampling:
             rid = c.request.request_id
             out = outcomes[rid]
