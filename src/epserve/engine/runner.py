@@ -111,7 +111,8 @@ class ModelRunner:
         max_batch = config.cuda_graph_max_bs or min(config.scheduler.max_num_seqs * (1 + self.num_spec), 256)
         self.capture_shape = CaptureShape(
             max_batch, self.block_size, self.max_blocks_per_seq, mc.hidden_size, self.dtype, self.device,
-            lambda tokens: self._step_shape(tokens)[1], lambda b: self.dispatcher.begin_step(-(-b // ctx.tp)))  # type: ignore[arg-type,return-value]
+            lambda tokens: self._step_shape(tokens)[1],  # type: ignore[arg-type,return-value]
+            lambda b: self.dispatcher.begin_step(-(-b // ctx.tp)))
         graph_bytes = 0
         if mode == "cuda_graph":
             graph_bytes = probe_graph_memory(self.model, self._kv_pool, self.capture_shape, self.num_spec > 0)
