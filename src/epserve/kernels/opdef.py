@@ -98,19 +98,7 @@ class OpDef:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if tracing():
             return self.traced(*args, **kwargs)
-        if self.check is not None:
-            self.check(*args, **kwargs)
-        rows = self._table.get(self.device_of(*args, **kwargs))
-        if rows is None:
-            rows = self.fill(self.device_of(*args, **kwargs))
-        for takes, module, fn, may_decline in rows:  # (the eager call, inlined: it runs on every op call)
-            if takes is not None and not takes(*args, **kwargs):
-                continue
-            out = getattr(module, fn)(*args, **kwargs)
-            if may_decline and (out is None or out is False):
-                continue
-            return None if self.returns_none else out
-        return self.reference(*args, **kwargs)
+        return self.eager(*args, **kwargs)
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The call run eagerly: the device's first implementation that takes it, else the reference."""
