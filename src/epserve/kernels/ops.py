@@ -19,7 +19,16 @@ ask whether they are traced nor test for a kernel's absence.
 from __future__ import annotations
 
 from epserve.kernels.fp8 import act_quant, block_fp8_gemm, grouped_block_fp8_gemm, silu_mul_quant
-from epserve.kernels.fused import add, append_latent, copy_, gather_rows, head_matmul, rms_norm, rope_heads, silu_mul
+from epserve.kernels.fused import (
+    add,
+    append_latent,
+    copy_,
+    gather_rows,
+    head_matmul,
+    rms_norm,
+    rope_heads,
+    silu_mul,
+)
 from epserve.kernels.gate import grouped_topk
 from epserve.kernels.grouped import grouped_swiglu
 from epserve.kernels.mla_decode import paged_mla_decode
