@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels.moe_ops import count_per_expert, group_by_expert, local_dispatch
+from epserve.kernels.moe_ops import count_per_expert
+from epserve.kernels.ops import group_by_expert, local_dispatch
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
 from epserve.moe.dispatch.payload import Payload
 
