@@ -28,7 +28,7 @@ from epserve.messages.kv import KVWanted, PrefilledKV
 from epserve.messages.sampling import SamplingParams
 from epserve.parallel.comm import all_reduce_max, broadcast_from_leader, gather_objects
 from epserve.parallel.context import ParallelContext
-from epserve.parallel.launch import CommandRefused
+from epserve.parallel.spawned import CommandRefused
 
 logger = logging.getLogger(__name__)
 

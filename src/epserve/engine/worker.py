@@ -56,15 +56,9 @@ from epserve.parallel.context import (
     shutdown_parallel,
     wait_for_ranks,
 )
-from epserve.parallel.launch import (
-    RankHandler,
-    RankInfo,
-    RankProcesses,
-    free_port,
-    pin_to_cores,
-    threads_per_rank,
-)
+from epserve.parallel.launch import RankProcesses, free_port, pin_to_cores, threads_per_rank
 from epserve.parallel.process import die_with_parent
+from epserve.parallel.spawned import RankHandler, RankInfo
 
 logger = logging.getLogger(__name__)
 

@@ -33,8 +33,9 @@ from epserve.engine_server.service import EngineService
 from epserve.engine_server.signals import SignalWatcher
 from epserve.parallel.context import set_collective_timeout
 from epserve.parallel.doorbell import Doorbell
-from epserve.parallel.launch import RankInfo, notify_parent, wait_port_free
+from epserve.parallel.launch import wait_port_free
 from epserve.parallel.process import name_process
+from epserve.parallel.spawned import RankInfo, notify_parent
 from epserve.rpc.convert import GRPC_OPTIONS
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 from epserve.rpc.security import listen

@@ -35,21 +35,10 @@ import torch.multiprocessing as mp
 
 from epserve import env
 from epserve.parallel.process import RankFailure, failure_message, last_line, process_state, signal_name
-from epserve.parallel.spawned import (
-    CommandRefused,
-    Failed,
-    Notice,
-    RankHandler,
-    RankInfo,
-    Refused,
-    Shutdown,
-    notify_parent,
-    rank_main,
-)
+from epserve.parallel.spawned import Failed, Notice, RankHandler, RankInfo, Refused, Shutdown, rank_main
 
-# Callers import the rank's side from here too, with the parent's (parallel/spawned.py is where it lives).
-__all__ = ["CommandRefused", "RankFailure", "RankHandler", "RankInfo", "RankProcesses", "free_port", "notify_parent",
-           "pin_to_cores", "threads_per_rank", "torchrun_rank", "wait_port_free"]
+__all__ = ["RankFailure", "RankProcesses", "free_port", "pin_to_cores", "threads_per_rank", "torchrun_rank",
+           "wait_port_free"]
 
 logger = logging.getLogger(__name__)
 
