@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("epserve")  # pyproject's, the one place it is written (the router reads it the same way)
+except PackageNotFoundError:  # a source tree on sys.path without the package installed
+    __version__ = "0+unknown"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
