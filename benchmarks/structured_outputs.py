@@ -44,11 +44,11 @@ def decode_ms(llm: LLM, batch: int, constrained: bool, steps: int, seed: int) ->
     num_constrained = (batch // 2 or 1) if constrained else 0  # (batch 1: its one request)
     if constrained:  # queued first (compiled in the loop offline: here, by hand), prefilled with the rest
         structured = StructuredOutput("json_schema", json.dumps(LONG))
-        grammar = engine.runner.grammars.compile(structured)
+        grammar = engine.constraints.compile(structured)
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=steps + 2, structured=structured)
         for i in range(num_constrained):
             rid = f"c{seed}-{i}"
-            engine.runner.grammar_masks.add(rid, grammar)
+            engine.constraints.add(rid, grammar)
             engine.add_request(rid, list(range(10, 26)), params)
     start_decode_batch(engine, batch - num_constrained, 16, steps, seed, f"f{seed}", free)
     return median_step_ms(engine, steps)

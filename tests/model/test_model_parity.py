@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from epserve import LLM, SamplingParams
-from epserve.engine.request import Request
+from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.runner import BatchPlan
-from epserve.engine.scheduler import ScheduledChunk
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,9 +13,8 @@ import torch
 from safetensors import safe_open
 
 from epserve import LLM, SamplingParams
-from epserve.engine.request import Request
+from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.runner import BatchPlan
-from epserve.engine.scheduler import ScheduledChunk
 from epserve.training import TRAIN_PRESETS, train_checkpoint
 from epserve.training.corpus import clean_topic, load_corpus
 from epserve.training.train import build_model, corpus_tokens, model_config, train_model, write_trained
