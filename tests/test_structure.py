@@ -27,7 +27,6 @@ RANKS = {
     "engine_server": 5, "router": 5, "planner": 5, "bench": 5, "training": 5,
     "launcher": 6,
     "cli": 7, "__init__": 8,
-    "__version__": 0,  # `from epserve import __version__`: a constant (epserve/__init__ imports nothing eagerly)
 }
 TOP_LEVEL_NAMES = {"LLM": "engine", "SamplingParams": "engine"}  # what `from epserve import X` reaches
 
@@ -74,10 +73,98 @@ def test_class_names_are_unique():
     assert {name: where for name, where in seen.items() if len(where) > 1} == {}
 
 
+CAP = 400  # lines of any file; a source file under src/ (Python or C) stays 20 lines clear of it
+SOURCE_MARGIN = 20
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
 def test_no_file_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in _sources(PACKAGE, ROOT / "tests", ROOT / "benchmarks")
-            if (n := len(p.read_text().splitlines())) > 400}
+            if (n := _lines(p)) > CAP}
     assert long == {}
+
+
+def test_no_source_file_pressed_against_the_cap():
+    """A source file near the cap is asking for a seam, not for squeezing: every Python and C source under
+    src/ stays 20 lines clear of it."""
+    sources = [*_sources(PACKAGE), *sorted(PACKAGE.rglob("*.c")), *sorted(PACKAGE.rglob("*.h"))]
+    near = {str(p.relative_to(ROOT)): n for p in sources if (n := _lines(p)) > CAP - SOURCE_MARGIN}
+    assert near == {}
+
+
+def test_the_runner_keeps_forward_kv_and_capture_only():
+    """Sampling lives in its own pipeline; the runner (sequences into tensors, the forward, KV, capture)
+    stays small."""
+    assert _lines(PACKAGE / "engine" / "runner.py") <= 300
+
+
+def test_lint_is_clean_line_length_included():
+    """ruff, with pyproject's rules (line length among them), finds nothing in the code, tests or tools."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests", "benchmarks",
+                          "scripts"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module's imports of other epserve modules, lazy ones (inside functions) included; a module's
+    import of its own package (``epserve.kernels`` from ``epserve.kernels.fp8``) is not an edge."""
+    modules = {_module_name(p): p for p in _sources(PACKAGE)}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("epserve"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    deps.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("epserve")}
+        graph[name] = {d for d in deps if d in modules and d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a longer loop (lazy imports count): the
+    module graph is acyclic, so every module has a place in the layering."""
+    graph = _import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                circles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert circles == []
+
+
+@pytest.mark.parametrize("unit", ["model", "moe"])
+def test_model_and_moe_never_ask_whether_they_are_traced(unit: str):
+    """Whether a call is traced is decided inside the kernel ops (kernels/), never in the network's code:
+    model/ and moe/ call an op and take its tensor."""
+    askers = sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE / unit)
+                    for node in ast.walk(ast.parse(p.read_text()))
+                    if isinstance(node, (ast.Name, ast.Attribute, ast.alias))
+                    and (getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None))
+                    in ("tracing", "is_compiling"))
+    assert askers == []
 
 
 def test_environment_variables_are_read_in_one_module():
@@ -101,12 +188,11 @@ def _imported_modules(tree: ast.AST) -> set[str]:
 
 
 # The router process (HTTP, tokenizer, routing) reaches the engines through gRPC only: of the code below
-# it, it may import the message vocabulary, the gRPC conversions, the tokenizer and its chat templates, env and config, the
-# torch-free process helpers, (lazily, when it runs alone on the built-in model) the preset writer, and
-# the package's version (``epserve/__init__`` imports nothing eagerly).
+# it, it may import the message vocabulary, the gRPC conversions, the tokenizer and its chat templates,
+# env and config, the torch-free process helpers and (lazily, when it runs alone on the built-in model)
+# the preset writer; never the package root (whose names reach the engine).
 ROUTER_MAY_IMPORT = ("epserve.router", "epserve.messages", "epserve.rpc", "epserve.tokenizer", "epserve.env",
-                     "epserve.config", "epserve.parallel.process", "epserve.presets", "epserve.__version__",
-                     "epserve.chat_template")
+                     "epserve.config", "epserve.parallel.process", "epserve.presets", "epserve.chat_template")
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "router").glob("*.py")), ids=lambda p: p.name)
@@ -170,3 +256,69 @@ def test_a_running_router_has_no_torch_loaded(tiny_ckpt):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_c_kernels_are_declared_once():
+    """Every C kernel's signature is written in the C source and in its library's table
+    (``kernels/cpu_abi.py``) only: no hand-typed ctypes signature elsewhere in the kernels, no hand-written
+    packed twin in the C sources (they are generated from the table)."""
+    typed = sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE / "kernels")
+                   if p.name != "cpu_abi.py" and re.search(r"\.(argtypes|restype)\s*=", p.read_text()))
+    twins = sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "kernels").glob("*.c")
+                   if re.search(r"\bepserve_\w+_packed\s*\(", p.read_text()))
+    assert (typed, twins) == ([], [])
+
+
+def test_engine_options_are_declared_once():
+    """An engine option is one field of ``EngineOptions``: ``build_engine_config`` (defined in
+    engine/options.py only) takes exactly those fields, and no module of the engine's commands (the engine,
+    its server, the launcher) spells one of their flags by hand."""
+    import dataclasses
+    import inspect
+
+    from epserve.engine.options import EngineOptions, build_engine_config
+
+    defined = sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE) for node in ast.walk(ast.parse(
+        p.read_text())) if isinstance(node, ast.FunctionDef) and node.name == "build_engine_config")
+    assert defined == ["engine/options.py"]
+    fields = dataclasses.fields(EngineOptions)
+    assert list(inspect.signature(build_engine_config).parameters) == ["model", *(f.name for f in fields)]
+    flags = {name for f in fields for flag in f.metadata.get("flags", ()) for name in flag.names}
+    assert flags
+    commands = _sources(PACKAGE / "engine", PACKAGE / "engine_server", PACKAGE / "launcher")
+    by_hand = sorted((str(p.relative_to(PACKAGE)), node.args[0].value) for p in commands
+                     for node in ast.walk(ast.parse(p.read_text()))
+                     if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+                     and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in flags)
+    assert by_hand == []
+
+
+def _importers(name: str) -> list[str]:
+    """The modules under src/ that import module ``name`` (or a name from it)."""
+    return sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE)
+                  if name in _imported_modules(ast.parse(p.read_text())))
+
+
+def test_one_sampling_pipeline():
+    """Tokens are drawn in one place: only the sampling pipeline (engine/sampling.py) reaches the draw and
+    the verification; structured outputs have one seam (engine/constraints.py); the runner keeps forward,
+    KV and capture, and asks nothing of sampling or grammars."""
+    assert _importers("epserve.engine.sampler") == ["engine/sampling.py", "engine/spec_decode.py"]  # its filter
+    assert set(_importers("epserve.engine.spec_decode")) <= {"engine/sampling.py", "engine/worker.py"}
+    assert _importers("epserve.engine.structured") == ["engine/constraints.py"]
+    runner = _imported_modules(ast.parse((PACKAGE / "engine" / "runner.py").read_text()))
+    sampling_side = {f"epserve.engine.{m}" for m in ("sampler", "spec_decode", "logits_processor", "logits_tables",
+                                                     "seen_tokens", "structured", "constraints", "prompt_logprobs")}
+    assert runner & sampling_side == set()
+    engine_code = {str(p.relative_to(PACKAGE)): p.read_text() for p in _sources(PACKAGE / "engine")}
+    assert sorted(f for f, text in engine_code.items() if "runner.grammar" in text) == []
+    assert sorted(f for f, text in engine_code.items() if re.search(r"profiler is (not )?None", text)) == []
+
+
+def test_protobuf_stays_at_the_routers_edge():
+    """The router's text and response code sees the message dataclasses only: protobuf is read where the
+    engines are called and converted by ``rpc/convert`` (generation, text stages, metrics never see it)."""
+    edge = {"engine_client.py", "instances.py", "app.py", "server.py"}
+    readers = {p.name for p in (PACKAGE / "router").glob("*.py")
+               if any(m.startswith("epserve.rpc.proto") for m in _imported_modules(ast.parse(p.read_text())))}
+    assert readers <= edge, sorted(readers - edge)
