@@ -7,7 +7,7 @@ decode step beside a competing process, and the gaps between streamed chunks whe
 
 ``steps``: one engine, steady decode batches of ``--batches`` sequences; each round times ``--steps``
 steps three ways, alternating, so all see the same machine: replayed as the bucket's recorded C kernel
-calls (``cpu_graph``, the default), eagerly with the fused ops of ``kernels/cpu_ops.c``, and eagerly with
+calls (``cpu_graph``, the default), eagerly with the fused ops of ``kernels/cpu_ops*.c``, and eagerly with
 them reported missing (every op then runs its torch reference); medians of the rounds' medians, with the
 weight-streaming floor of the step (the bytes it reads at the measured read bandwidth).
 ``contention``: the same step alone and beside one process spinning on the cores (a Python loop, or a

@@ -1,6 +1,6 @@
 """Memory model: weights per GPU, KV bytes per token, and the batch the rest of HBM holds.
 
-Weights follow the engine's own layout tensor for tensor (``model/loader.py``, ``build_on_meta``) on
+Weights follow the engine's own layout tensor for tensor (``model/load_plan.py``, ``build_on_meta``) on
 the GPU that holds the most, a DP group's leader: the attention of its DP group (the head-sharded
 ``q_b``/``q_proj``, ``kv_b`` and ``o_proj`` split by TP, the fused latent ``q_a`` + ``kv_a``
 replicated) with MLA's absorbed decode weights, the dense MLPs and the shared expert whole,
