@@ -322,3 +322,12 @@ def test_protobuf_stays_at_the_routers_edge():
     readers = {p.name for p in (PACKAGE / "router").glob("*.py")
                if any(m.startswith("epserve.rpc.proto") for m in _imported_modules(ast.parse(p.read_text())))}
     assert readers <= edge, sorted(readers - edge)
+
+
+def test_the_structure_page_has_one_short_line_per_package():
+    """docs/structure.md names every package and top-level module under src/epserve/ once, in a short line."""
+    lines = [line for line in (ROOT / "docs" / "structure.md").read_text().splitlines() if line.startswith("- `")]
+    named = [line[3:].split("`")[0].rstrip("/").removesuffix(".py") for line in lines]
+    units = {_unit(p) for p in _sources(PACKAGE)} - {"__init__"}
+    assert sorted(named) == sorted(units)
+    assert [line for line in lines if len(line) > 140] == []
