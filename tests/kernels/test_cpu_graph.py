@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from epserve.kernels import add, cast, cpu, gather_rows, rms_norm, silu_mul
+from epserve.kernels import add, cast, cpu, gather_rows, linear, rms_norm, silu_mul
 from epserve.kernels.cpu_graph import CaptureError, record
 
 pytestmark = pytest.mark.skipif(not (cpu.available(cpu.OPS) and cpu.available(torch.bfloat16)),
@@ -20,7 +20,7 @@ def _step(table, ids, norm_w, w13, w2):
     """A miniature decode step: embedding, norm, a residual add, a SwiGLU MLP (linear, activation, linear)."""
     x = gather_rows(table, ids)
     h = rms_norm(x, norm_w, 1e-6)
-    y = cpu.linear(silu_mul(cpu.linear(h, w13)), w2)
+    y = linear(silu_mul(linear(h, w13)), w2)
     return add(x, y)
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from epserve import env
 from epserve.kernels import cpu, cpu_abi
+from epserve.kernels.ops import linear
 
 DTYPES = [
     pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not cpu.available(torch.bfloat16),
@@ -30,7 +31,8 @@ def test_linear_matches_torch(m, dtype):
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 256, generator=g).to(dtype)
     w = (torch.randn(98, 256, generator=g) * 0.05).to(dtype)  # not a multiple of the kernel's 4-row groups
-    ours = cpu.linear(x, w)
+    assert cpu.linear_takes(x, w)  # the op runs the C kernel
+    ours = linear(x, w)
     ref = x.double() @ w.double().T
     assert ours.dtype == dtype and ours.shape == (m, 98)
     assert torch.allclose(ours.double(), ref, rtol=TOL[dtype], atol=TOL[dtype])
@@ -45,7 +47,7 @@ def test_bf16_linear_takes_any_inner_dimension(m, k):
     g = torch.Generator().manual_seed(k)
     x = torch.randn(m, k, generator=g).to(torch.bfloat16)
     w = (torch.randn(9, k, generator=g) * 0.1).to(torch.bfloat16)
-    ours = cpu._linear_kernel(x, w)
+    ours = cpu.linear(x, w)  # the kernel itself
     ref = x.double() @ w.double().T
     assert torch.allclose(ours.double(), ref, rtol=1e-2, atol=1e-2)
 
@@ -54,12 +56,12 @@ def test_bf16_linear_takes_any_inner_dimension(m, k):
 def test_linear_falls_back_outside_its_domain(dtype):
     x = torch.randn(17, 64).to(dtype)  # too many rows for one weight pass
     w = torch.randn(8, 64).to(dtype)
-    assert torch.equal(cpu.linear(x, w), F.linear(x, w))
+    assert torch.equal(linear(x, w), F.linear(x, w))
     if dtype == torch.float32:
         x, w = torch.randn(2, 36), torch.randn(8, 36)  # K not a multiple of the fp32 kernel's 8
-        assert torch.equal(cpu.linear(x, w), F.linear(x, w))
+        assert torch.equal(linear(x, w), F.linear(x, w))
     x16, w16 = x.half(), w.half()  # no kernel for fp16
-    assert torch.equal(cpu.linear(x16, w16), F.linear(x16, w16))
+    assert torch.equal(linear(x16, w16), F.linear(x16, w16))
 
 
 def per_expert_torch(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -102,10 +104,10 @@ def test_a_few_rows_cost_about_one_row(dtype):
 
     def seconds(m: int) -> float:
         x = torch.randn(m, 1024, dtype=dtype)
-        cpu.linear(x, w)
+        linear(x, w)
         start = time.perf_counter()
         for _ in range(20):
-            cpu.linear(x, w)
+            linear(x, w)
         return time.perf_counter() - start
 
     one, four = min(seconds(1) for _ in range(3)), min(seconds(4) for _ in range(3))
@@ -126,7 +128,8 @@ def test_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch, dtype):
     try:
         assert not cpu.available(dtype)
         x, w = torch.randn(2, 64).to(dtype), torch.randn(8, 64).to(dtype)
-        assert torch.equal(cpu.linear(x, w), F.linear(x, w))
+        assert not cpu.linear_takes(x, w)
+        assert torch.equal(linear(x, w), F.linear(x, w))
     finally:
         cpu._library.cache_clear()
 

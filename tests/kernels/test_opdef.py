@@ -20,6 +20,7 @@ from epserve.kernels import backends, ops
 from epserve.kernels.device import trace_as_cuda
 from epserve.kernels.opdef import OpDef
 
+CPU = torch.device("cpu")
 KERNELS = Path(__file__).resolve().parents[2] / "src" / "epserve" / "kernels"
 
 CALLS: list[str] = []
@@ -69,16 +70,18 @@ def test_eager_runs_the_first_implementation_that_takes_the_call_else_the_refere
     assert out.device.type == "meta" and CALLS == ["reference"]  # no meta implementations: the reference
 
 
-def test_the_table_is_filled_once_per_device_and_sees_a_replaced_function():
+def test_the_table_is_filled_once_per_device_and_dtype_and_sees_a_replaced_function():
     op = _toy("table")
     op.implement("cpu", "opdef_toy_impls:kernel")
     fills = []
     fill = op.fill
-    op.fill = lambda where: fills.append(where) or fill(where)
+    op.fill = lambda where, dtype: fills.append((where, dtype)) or fill(where, dtype)
     x = torch.ones(2)
     for _ in range(3):
         op(x, 1)
-    assert fills == ["cpu"] and op.chosen("cpu") == ["opdef_toy_impls:kernel"]
+        op(x.double(), 1)
+    assert fills == [("cpu", torch.float32), ("cpu", torch.float64)]
+    assert op.chosen("cpu", torch.float32) == ["opdef_toy_impls:kernel"]
     original, toy.kernel = toy.kernel, _impl("replaced", None)  # as a test that patches a C front end does
     try:
         CALLS.clear()
@@ -117,8 +120,81 @@ def test_the_custom_op_runs_the_eager_choice():
 
 def test_resolve_fills_every_declared_op_for_the_device():
     assert backends.resolve("cpu", {"mla_decode": torch.bfloat16}) == "torch reference (cpu)"
-    assert all("cpu" in op._table for op in ops.defined().values())
-    assert "epserve.kernels.cpu_ops:rms_norm" in ops.rms_norm.chosen("cpu")
+    assert all(("cpu", torch.bfloat16) in op._table for op in ops.defined().values())
+    assert "epserve.kernels.cpu_ops:rms_norm" in ops.rms_norm.chosen("cpu", torch.bfloat16)
+
+
+SELF_TESTS: list[torch.dtype] = []
+FORCED = ["auto"]
+
+
+def _fast_self_test(device: torch.device, dtype: torch.dtype) -> None:
+    SELF_TESTS.append(dtype)
+    if dtype != torch.float32:
+        raise backends.KernelMismatch(f"off the reference for {dtype}")
+
+
+@pytest.fixture
+def gated():  # noqa: ANN201
+    """A toy op with two CPU implementations: ``fast``, the ``test_gate`` backend of that name (its self-test
+    passes for fp32 only), then ``kernel``, the backend's fallback."""
+    SELF_TESTS.clear()
+    FORCED[0] = "auto"
+    backends.register(backends.KernelOp("test_gate", (backends.KernelBackend("fast", _fast_self_test),
+                                                      backends.KernelBackend("kernel")), forced=lambda: FORCED[0]))
+    op = _toy("gated")
+    op.implement("cpu", "opdef_toy_impls:fast", backend=("test_gate", "fast"))
+    op.implement("cpu", "opdef_toy_impls:kernel")
+    yield op
+    backends.unregister("test_gate")
+
+
+toy.fast = _impl("fast")
+
+
+def test_a_backends_implementation_is_listed_for_the_dtypes_it_was_chosen_for(gated):
+    x32, x64 = torch.ones(3), torch.ones(3, dtype=torch.float64)
+    assert torch.equal(gated(x32, 2), x32 * 2) and torch.equal(gated(x64, 2), x64 * 2)
+    assert CALLS == ["fast", "kernel"] and SELF_TESTS == [torch.float32, torch.float64]
+    assert gated.chosen("cpu", torch.float32) == ["opdef_toy_impls:fast", "opdef_toy_impls:kernel"]
+    assert gated.chosen("cpu", torch.float64) == ["opdef_toy_impls:kernel"]
+    assert backends.decisions()["test_gate[cpu, float32]"] == "fast"
+    CALLS.clear()
+    gated(x32, 1), gated(x64, 1)
+    assert CALLS == ["fast", "kernel"] and len(SELF_TESTS) == 2  # decided once per dtype
+    # a failure the self-test did not cover hands the dtype to the fallback: the op's table follows
+    backends.fall_back("test_gate", CPU, torch.float32, "M=7: illegal memory access")
+    CALLS.clear()
+    gated(x32, 1)
+    assert CALLS == ["kernel"] and gated.chosen("cpu", torch.float32) == ["opdef_toy_impls:kernel"]
+
+
+def test_a_forced_backend_is_listed_without_its_self_test(gated):
+    FORCED[0] = "fast"
+    gated(torch.ones(2, dtype=torch.float64), 1)
+    assert CALLS == ["fast"] and SELF_TESTS == []
+    FORCED[0] = "kernel"  # read when a key is filled: forgetting the decisions refills
+    backends.forget("test_gate")
+    CALLS.clear()
+    gated(torch.ones(2), 1)
+    assert CALLS == ["kernel"] and SELF_TESTS == []
+
+
+def test_a_call_inside_a_capture_gets_the_fallback_and_decides_nothing(gated, monkeypatch):
+    monkeypatch.setattr(backends, "_capturing", lambda device: True)
+    x = torch.ones(2)
+    gated(x, 1)
+    assert CALLS == ["kernel"] and SELF_TESTS == [] and ("cpu", torch.float32) not in gated._table
+    assert "test_gate[cpu, float32]" not in backends.decisions()
+    monkeypatch.setattr(backends, "_capturing", lambda device: False)
+    CALLS.clear()
+    gated(x, 1)  # the next eager call decides
+    assert CALLS == ["fast"] and SELF_TESTS == [torch.float32] and ("cpu", torch.float32) in gated._table
+
+
+def test_resolve_fills_a_gated_op_for_its_backends_dtype_only(gated):
+    backends.resolve("cpu", {"test_gate": torch.float64, "mla_decode": torch.bfloat16})
+    assert [key for key in gated._table] == [("cpu", torch.float64)] and SELF_TESTS == [torch.float64]
 
 
 def _top_level_functions(module: str) -> set[str]:

@@ -17,7 +17,9 @@ Each op module declares its op with :func:`register` when it is imported (``kern
 run inside a CUDA graph capture: a call there gets the fallback without recording a decision.
 :func:`resolve` decides every op the engine will call (at start-up, before the KV pool is sized and
 before any capture), then has ``kernels.opdef`` fill each kernel op's table of implementations for the
-device (:func:`after_resolve`), and returns the one-line summary the engine logs.
+device and dtypes (:func:`after_resolve`), and returns the one-line summary the engine logs. The tables list a
+backend's implementation only where it was chosen (:func:`decide`); a changed decision (:func:`fall_back`,
+:func:`forget`, :func:`register`) is told to them (:func:`on_change`).
 """
 
 from __future__ import annotations
@@ -81,12 +83,24 @@ _chosen: dict[tuple[str, str, torch.dtype | None], str] = {}  # (op, device, dty
 _tested: dict[tuple[str, str, str, torch.dtype | None], str | None] = {}  # -> None (passed) or the error
 _forced_logged: set[tuple[tuple[str, str, torch.dtype | None], str]] = set()
 _lock = threading.RLock()  # one decision at a time (a self-test launches kernels)
-_after: list[Callable[[torch.device], None]] = []  # run by resolve once its decisions are made
+_after: list[Callable[[torch.device, dict[str, torch.dtype | None]], None]] = []  # run by resolve at its end
+_changed: list[Callable[[str | None], None]] = []  # told when an op's decisions change (None: every op's)
 
 
-def after_resolve(hook: Callable[[torch.device], None]) -> None:
-    """Run ``hook(device)`` at the end of each :func:`resolve` (``kernels.opdef`` fills the ops' tables)."""
+def after_resolve(hook: Callable[[torch.device, dict[str, torch.dtype | None]], None]) -> None:
+    """Run ``hook(device, dtypes)`` at the end of each :func:`resolve` (``kernels.opdef`` fills the ops'
+    tables)."""
     _after.append(hook)
+
+
+def on_change(hook: Callable[[str | None], None]) -> None:
+    """Run ``hook(op)`` whenever decisions of ``op`` (None: of every op) are dropped or changed."""
+    _changed.append(hook)
+
+
+def _tell(op: str | None) -> None:
+    for hook in _changed:
+        hook(op)
 
 
 def register(op: KernelOp) -> KernelOp:
@@ -104,6 +118,7 @@ def forget(op: str | None = None) -> None:
             for key in [k for k in table if op is None or k[0] == op]:
                 del table[key]
         _forced_logged.difference_update({k for k in _forced_logged if op is None or k[0][0] == op})
+    _tell(op)
 
 
 def unregister(name: str) -> None:
@@ -176,7 +191,13 @@ def passes(op_name: str, backend_name: str, device: torch.device | str, dtype: t
 def select(op_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
     """The backend ``op_name`` uses on ``device`` for ``dtype``: the one its environment variable forces
     (read on every call), else the first whose self-test passes (decided on the first call, logged in
-    one line)."""
+    one line); the fallback inside a CUDA graph capture before that decision."""
+    return decide(op_name, device, dtype) or get_op(op_name).fallback
+
+
+def decide(op_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
+    """:func:`select`, but None inside a CUDA graph capture before the decision was made (nothing is
+    self-tested there, and nothing recorded: the next eager call decides)."""
     op = get_op(op_name)
     forced = op.forced()
     device = torch.device(device)
@@ -190,7 +211,7 @@ def select(op_name: str, device: torch.device | str, dtype: torch.dtype | None =
     if chosen is not None:
         return chosen
     if _capturing(device):
-        return op.fallback  # never test inside a capture; the next eager call decides
+        return None  # never test inside a capture; the next eager call decides
     with _lock:
         if key in _chosen:
             return _chosen[key]
@@ -217,6 +238,7 @@ def fall_back(op_name: str, device: torch.device | str, dtype: torch.dtype | Non
     with _lock:
         previous = _chosen.get(key)
         _chosen[key] = op.fallback
+    _tell(op.name)
     if previous != op.fallback:
         logger.warning("%s: %s failed on %s (%s); using %s from now on", op.name, previous, _where(key), reason,
                        op.fallback)
@@ -240,5 +262,5 @@ def resolve(device: torch.device | str, dtypes: Mapping[str, torch.dtype | None]
         parts = [f"{op}={select(op, device, dtype)}" for op, dtype in dtypes.items() if dtype is not None]
         summary = " ".join(parts) or "none"
     for hook in _after:
-        hook(device)
+        hook(device, dict(dtypes))
     return summary

@@ -3,10 +3,12 @@ AVX512-BF16) and fp32 (``cpu_f32.c``, AVX2 + FMA). Both stream each weight once 
 token rows, so a decode step with a few rows per request (speculative verification) costs about what
 one row does; BLAS's small-M GEMM does not stream (two fp32 rows cost about twice one on AVX2).
 
-``linear(x, w)`` and ``moe_swiglu(x, counts, w13, w2)`` take the kernel path only for bf16 or fp32 CPU
-tensors with few rows (decode), and fall back to torch otherwise, or when the CPU lacks the
-instructions, no C compiler is found, or ``EPSERVE_CPU_KERNELS=0``. Results match torch's path up to
-summation order.
+``linear(x, w)`` (for the calls ``linear_takes`` accepts) is the CPU implementation of the ``linear`` op
+(``kernels.dense``); ``moe_swiglu_counts`` (device counts) and ``moe_swiglu`` (host counts, inside
+``grouped_swiglu_host``) those of ``grouped_swiglu`` (``kernels.grouped``). They take bf16 or fp32 CPU tensors
+with few rows (decode); the experts return None for anything else, as where the CPU lacks the instructions,
+no C compiler is found, or ``EPSERVE_CPU_KERNELS=0``, and the op runs the next implementation or its torch
+reference. Results match torch's path up to summation order.
 
 ``cpu_ops.c``, ``cpu_ops_mla.c`` and ``cpu_ops_moe.c`` (AVX2 + FMA, one library: ``OPS``) hold the small
 ops of a decode step fused, each in place of a chain of eager torch ops that costs more in dispatch than in
@@ -36,7 +38,6 @@ import torch.nn.functional as F
 
 from epserve import env
 from epserve.kernels import cpu_abi
-from epserve.kernels.device import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ _available: dict[torch.dtype | str, bool] = {}  # available()'s answers, once as
 
 def available(dtype: torch.dtype | str = torch.bfloat16) -> bool:
     """Whether the ``dtype`` kernels load here (built on first ask). Ask once before compiling a forward
-    that may call them (``engine/graphs.py`` does), so torch.compile reads a constant instead of tracing
+    that may call them (``engine/graphs.py`` does), so torch.compile reads a constant instead of following
     the build."""
     if dtype not in _available:
         _available[dtype] = dtype in _KINDS and _library(dtype) is not None
@@ -160,32 +161,23 @@ def _k_ok(dtype: torch.dtype, k: int) -> bool:
     return k > 0 and (dtype == torch.bfloat16 or k % 8 == 0)
 
 
+def linear_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes x [M, K] @ w[N, K]^T: bf16 or fp32 CPU tensors, contiguous, of one dtype,
+    M <= TILE_M rows (decode), an inner dimension its kernel takes, the library loaded, and no gradients
+    (the training model shares the layers). Shapes and dtypes only: it answers in a trace too."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= TILE_M and _eligible(x, w) and _k_ok(x.dtype, x.shape[1])
+            and available(x.dtype) and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T; the kernel streams ``w`` once when M <= TILE_M."""
-    if (x.dim() == 2 and 0 < x.shape[0] <= TILE_M and _eligible(x, w) and _k_ok(x.dtype, x.shape[1])
-            and available(x.dtype)):
-        return linear_kernel(x, w) if tracing() else _linear_kernel(x, w)
-    return F.linear(x, w)
-
-
-def _linear_kernel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The decode GEMM of ``x``'s dtype, bf16 or fp32 (as a custom op below: one opaque call to
-    ``torch.compile``)."""
+    """x [M, K] @ w[N, K]^T by the decode GEMM of ``x``'s dtype, bf16 or fp32, which streams ``w`` once: the
+    ``kernels.dense.linear`` op's CPU implementation, for the calls :func:`linear_takes` accepts."""
     lib = _lib(x.dtype)
     assert lib is not None, f"the CPU {x.dtype} kernels are not available (kernels.cpu.available)"
-    x = x.contiguous()
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     kernel = lib.epserve_linear_f32 if x.dtype == torch.float32 else lib.epserve_linear_bf16
     kernel(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
-
-
-linear_kernel = torch.library.custom_op("epserve::cpu_linear", _linear_kernel, mutates_args=())
-
-
-@linear_kernel.register_fake
-def _(x, w):  # noqa: ANN001
-    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
@@ -219,16 +211,16 @@ _COUNTS_MAX_ROWS = 8 * TILE_M  # decode-sized expert inputs: the device counts p
 
 def moe_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
                       w2: torch.Tensor) -> torch.Tensor | None:
-    """Experts on rows grouped by expert, the row counts [E] read by the kernel (never on the host); rows of
-    ``x`` [N, H] past the counts' sum come out zero. For decode-sized inputs (N at most ``_COUNTS_MAX_ROWS``),
-    else None."""
+    """Experts on rows grouped by expert, the row counts [E] (an int64 tensor) read by the kernel (never on
+    the host); rows of ``x`` [N, H] past the counts' sum come out zero: the ``grouped_swiglu`` op's first CPU
+    implementation. For decode-sized inputs (N at most ``_COUNTS_MAX_ROWS``), else None."""
     hidden, inter = w2.shape[1], w2.shape[2]
-    if (not 0 < x.shape[0] <= _COUNTS_MAX_ROWS or not _eligible(x, w13, w2)
+    if (not isinstance(counts, torch.Tensor) or not 0 < x.shape[0] <= _COUNTS_MAX_ROWS or not _eligible(x, w13, w2)
             or not (_k_ok(x.dtype, hidden) and _k_ok(x.dtype, inter))
             or counts.dtype != torch.int64 or counts.shape != (w13.shape[0],) or not counts.is_contiguous()):
         return None
     lib = _lib(x.dtype)
-    if lib is None or tracing():
+    if lib is None:
         return None
     out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
     kernel = lib.epserve_moe_swiglu_counts_f32 if x.dtype == torch.float32 else lib.epserve_moe_swiglu_counts_bf16

@@ -4,9 +4,10 @@ append and per-head projections, the dispatchers' grouping and weighted combine,
 (the embedding and rotary rows, copies and casts, residual adds, SwiGLU's activation, the local dispatch,
 the load counters) so that a whole decode step can run as C kernel calls (``kernels/cpu_graph.py``), and
 the replay of such a recorded step. The row-wise ops also take a prefill's rows, on every OpenMP thread
-(``PARALLEL_MIN`` in ``cpu_ops.h``; the same bits as one thread). Each returns None (or False) where it does
-not apply, and its caller runs the torch reference; results equal the references up to the order of a sum
-unless said otherwise.
+(``PARALLEL_MIN`` in ``cpu_ops.h``; the same bits as one thread). Each is a plain implementation of a kernel
+op (``kernels.opdef``, which never calls one in a trace): it returns None (or False) where it does not apply,
+and the op runs its torch reference; results equal the references up to the order of a sum unless said
+otherwise.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import ctypes
 import torch
 
 from epserve.kernels.cpu import OPS, TILE_M, _lib, _library, available
-from epserve.kernels.device import tracing
 
 _METHODS = {"noaux_tc": 0, "group_limited_greedy": 1}  # greedy: never grouped
 
 
 def _ops(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, unless tracing or ``tensors`` need gradients (the training model shares RMSNorm)."""
-    if tracing() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    """The library, unless ``tensors`` need gradients (the training model shares RMSNorm: then the op's
+    reference runs)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
     return _lib(OPS) if available(OPS) else None
 
@@ -31,7 +32,7 @@ def _ops(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 def mla_decode(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                softmax_scale: float, kv_lora_rank: int) -> torch.Tensor | None:
     """Paged MLA decode for fp32 queries over a bf16 or fp32 cache -> o_latent [B, h, r] fp32; None where it
-    does not apply (an FP8 cache, CUDA, a trace). The kernel reads ``seq_lens`` itself (never the host):
+    does not apply (an FP8 cache, CUDA). The kernel reads ``seq_lens`` itself (never the host):
     a length past its block table raises ValueError, a block outside the cache IndexError."""
     if (q_latent.device.type != "cpu" or kv_cache.dtype not in (torch.bfloat16, torch.float32)
             or q_latent.shape[-1] % 8 or kv_lora_rank % 8):  # the kernel takes eight columns at a time

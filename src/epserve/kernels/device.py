@@ -31,6 +31,12 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
+def values_readable() -> bool:
+    """Whether a kernel may read tensor values on the host now (a shortcut that skips padding rows): not while
+    traced, where tensors have shapes but no values."""
+    return not tracing()
+
+
 def side_stream_usable(x: torch.Tensor) -> bool:
     """Whether work on ``x`` may run on a second CUDA stream: a real CUDA tensor, eagerly (a trace is of
     one stream's work)."""

@@ -239,7 +239,7 @@ def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return silu_mul_quant_ref(gate_up)
 
 
-@declare("fp8_block_gemm", fake=_fake_gemm, **_OP)
+@declare("fp8_block_gemm", fake=_fake_gemm, dtype_of="out_dtype", **_OP)
 def block_fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -259,7 +259,9 @@ def grouped_block_fp8_gemm(
 
 act_quant.implement("cuda", f"{_TRITON}:act_quant_triton", traced="op")
 silu_mul_quant.implement("cuda", f"{_TRITON}:silu_mul_quant_triton", traced="op")
-block_fp8_gemm.implement("cuda", "epserve.kernels.fp8_scaled_mm:block_fp8_gemm_cuda", traced="op")
+block_fp8_gemm.implement("cuda", "epserve.kernels.fp8_scaled_mm:block_fp8_gemm_scaled_mm", traced="op",
+                         backend=("fp8_gemm", "scaled_mm"))
+block_fp8_gemm.implement("cuda", f"{_TRITON}:block_fp8_gemm_triton", traced="op")
 grouped_block_fp8_gemm.implement("cuda", f"{_TRITON}:grouped_block_fp8_gemm_triton", traced="op")
 
 

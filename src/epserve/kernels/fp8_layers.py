@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from epserve.kernels import fp8
-from epserve.kernels.device import tracing
+from epserve.kernels.device import values_readable
 from epserve.kernels.fp8 import (
     BLOCK,
     FP8_DTYPE,
@@ -52,7 +52,7 @@ def _check_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
 def _real_rows(x: torch.Tensor, counts: torch.Tensor) -> int:
     """The rows the experts read: every row on CUDA and in traces (the grouped kernels skip the padding on
     the device); on the reference path, which reads the counts on the host anyway, up to sum(counts)."""
-    return x.shape[0] if fp8._on_cuda(x) or tracing() else min(int(counts.sum()), x.shape[0])
+    return x.shape[0] if fp8._on_cuda(x) or not values_readable() else min(int(counts.sum()), x.shape[0])
 
 
 def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:  # zero rows up to ``rows``

@@ -1,7 +1,7 @@
 """Block FP8 GEMMs on CUDA by blockwise ``torch._scaled_mm`` (1x128 activation, 128x128 weight scales), with
 its self-test: the ``fp8_gemm`` op of ``kernels.backends`` (``scaled_mm`` where the self-test passes for the
 device and output dtype, else ``triton``; ``EPSERVE_FP8_BACKEND`` forces one), and the implementation of
-``kernels.fp8.block_fp8_gemm`` on CUDA that follows that choice.
+``kernels.fp8.block_fp8_gemm`` on CUDA that its table lists where that choice is ``scaled_mm``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _probe_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> None:
 
 
 # Block FP8 GEMMs on CUDA: blockwise torch._scaled_mm where its self-test passes for the device and output
-# dtype, else Triton; EPSERVE_FP8_BACKEND forces one (``torch``: the reference, decided in ``_on_cuda``).
+# dtype, else Triton; EPSERVE_FP8_BACKEND forces one (``torch``: the reference, decided in ``fp8._on_cuda``).
 FP8_GEMM = backends.register(backends.KernelOp(
     "fp8_gemm",
     (backends.KernelBackend("scaled_mm", _probe_scaled_mm), backends.KernelBackend("triton")),
@@ -81,24 +81,21 @@ FP8_GEMM = backends.register(backends.KernelOp(
 ))
 
 
-
-
-def block_fp8_gemm_cuda(
+def block_fp8_gemm_scaled_mm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """``block_fp8_gemm`` on CUDA: blockwise ``_scaled_mm`` where forced or chosen (a shape its self-test did
-    not cover and it rejects hands the op to Triton from then on), else the Triton kernel."""
-    from epserve.kernels import fp8_triton  # (it imports triton)
-
+) -> torch.Tensor | None:
+    """``block_fp8_gemm`` by blockwise ``_scaled_mm`` (listed where ``kernels.backends`` chose ``scaled_mm`` for
+    the device and output dtype); None (the op runs Triton) for shapes whose layouts it does not take, and for
+    a shape its self-test did not cover and it rejects, which hands the op to Triton from then on (unless
+    ``EPSERVE_FP8_BACKEND`` forces it: then errors surface)."""
     check_gemm(a, a_scale, b, b_scale)
-    backend = env.fp8_backend()
-    if backend == "scaled_mm" and _scaled_mm_eligible(a, b, b_scale, out_dtype):
-        return _scaled_mm(a, a_scale, b, b_scale, out_dtype)  # forced: errors surface
-    if backend == "auto" and _scaled_mm_eligible(a, b, b_scale, out_dtype) and (
-            backends.select("fp8_gemm", a.device, out_dtype) == "scaled_mm"):
-        try:
-            return _scaled_mm(a, a_scale, b, b_scale, out_dtype)
-        except (RuntimeError, ValueError) as e:  # a shape the self-test did not cover: Triton from now on
-            backends.fall_back("fp8_gemm", a.device, out_dtype, f"M,N,K={a.shape[0]},{b.shape[0]},{a.shape[1]}: "
-                               f"{str(e).splitlines()[0][:200]}")
-    return fp8_triton.block_fp8_gemm_triton(a, a_scale, b, b_scale, out_dtype)
+    if not _scaled_mm_eligible(a, b, b_scale, out_dtype):
+        return None
+    try:
+        return _scaled_mm(a, a_scale, b, b_scale, out_dtype)
+    except (RuntimeError, ValueError) as e:
+        if env.fp8_backend() == "scaled_mm":
+            raise
+        backends.fall_back("fp8_gemm", a.device, out_dtype, f"M,N,K={a.shape[0]},{b.shape[0]},{a.shape[1]}: "
+                           f"{str(e).splitlines()[0][:200]}")
+        return None

@@ -104,11 +104,6 @@ def grouped_swiglu_host(x: torch.Tensor, sizes: Sequence[int], w13: torch.Tensor
     return out
 
 
-def grouped_swiglu_c(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor | None:
-    """The CPU decode kernel reading the device counts itself (decode sizes), or None."""
-    return cpu.moe_swiglu_counts(x, counts, w13, w2) if isinstance(counts, torch.Tensor) else None
-
-
 def grouped_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """:func:`grouped_swiglu_host` with the counts read on the host (the CPU op's fallback)."""
     return grouped_swiglu_host(x, counts.tolist() if isinstance(counts, torch.Tensor) else counts, w13, w2)
@@ -141,7 +136,7 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2:
     return grouped_swiglu_ref(x, counts, w13, w2)
 
 
-grouped_swiglu.implement("cpu", f"{__name__}:grouped_swiglu_c")
+grouped_swiglu.implement("cpu", "epserve.kernels.cpu:moe_swiglu_counts")
 grouped_swiglu.implement("cpu", f"{__name__}:grouped_swiglu_counts", takes=lambda *args: True, traced="op")
 grouped_swiglu.implement("cuda", f"{__name__}:grouped_mm_masked", takes=_grouped_mm_takes, traced="inline")
 grouped_swiglu.implement("cuda", "epserve.kernels.grouped_triton:grouped_swiglu_triton", traced="op")

@@ -9,12 +9,12 @@ scale; read = stored * scale). Sequence ``i`` holds its ``seq_lens[i]`` tokens i
 Rows with ``seq_lens[i] == 0`` (padding of a padded batch) come out zero.
 
 ``paged_mla_decode`` is the op (declared once, ``kernels.opdef``; traced, always the custom op
-``epserve::paged_mla_decode``): on CUDA FlashInfer where ``kernels.backends`` chose it
-(``kernels.mla_flashinfer``), else the split-K Triton kernels (``kernels.mla_decode_triton``; both imported
-only on CUDA, so the CPU engine never loads triton); on the CPU the C kernel of ``kernels.cpu_ops`` for a
-bf16 or fp32 cache (one pass per sequence and head, no gather); the torch reference ``paged_mla_decode_ref``
-otherwise. The reference walks the context a chunk of blocks
-at a time for all sequences still running, gathering those blocks through the block table
+``epserve::paged_mla_decode``; its table keyed by the cache dtype): on CUDA FlashInfer where
+``kernels.backends`` chose it for the cache dtype (``kernels.mla_flashinfer``), else the split-K Triton
+kernels (``kernels.mla_decode_triton``; both imported only on CUDA, so the CPU engine never loads triton);
+on the CPU the C kernel of ``kernels.cpu_ops`` for a bf16 or fp32 cache (one pass per sequence and head, no
+gather); the torch reference ``paged_mla_decode_ref`` otherwise. The reference walks the context a chunk
+of blocks at a time for all sequences still running, gathering those blocks through the block table
 (dequantizing FP8 as read) and merging chunks with an online softmax, so its memory stays bounded
 (about ``_CHUNK_ELEMS`` fp32 values) however long the contexts are. It reads ``seq_lens`` on the host;
 the CUDA path never does (no host sync, CUDA-graph safe): its grid comes from shapes only, and its
@@ -179,7 +179,7 @@ def _fake(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     return q_latent.new_empty(q_latent.shape[0], q_latent.shape[1], kv_lora_rank, dtype=torch.float32)
 
 
-@declare("paged_mla_decode", fake=_fake, check=_check, opaque=True)
+@declare("paged_mla_decode", fake=_fake, check=_check, opaque=True, dtype_of="kv_cache")
 def paged_mla_decode(
     q_latent: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -211,5 +211,6 @@ def paged_mla_decode_c(
 
 
 paged_mla_decode.implement("cpu", f"{__name__}:paged_mla_decode_c")
-paged_mla_decode.implement("cuda", "epserve.kernels.mla_flashinfer:paged_mla_decode_chosen")
+paged_mla_decode.implement("cuda", "epserve.kernels.mla_flashinfer:paged_mla_decode_fi",
+                           backend=("mla_decode", "flashinfer"))
 paged_mla_decode.implement("cuda", "epserve.kernels.mla_decode_triton:paged_mla_decode_triton", traced="op")

@@ -218,15 +218,14 @@ def try_decode(
         return None
 
 
-def paged_mla_decode_chosen(
+def paged_mla_decode_fi(
     q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     softmax_scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None = None, num_splits: int | None = None,
 ) -> torch.Tensor | None:
-    """The ``paged_mla_decode`` op's FlashInfer implementation: :func:`try_decode` where the call is
-    :func:`eligible` (no ``num_splits``) and ``kernels.backends`` chose FlashInfer for this device and cache
-    dtype; None (the op runs Triton) otherwise."""
-    if (num_splits is not None or not eligible(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale)
-            or backends.select("mla_decode", q_latent.device, kv_cache.dtype) != "flashinfer"):
+    """The ``paged_mla_decode`` op's FlashInfer implementation (listed where ``kernels.backends`` chose
+    FlashInfer for the device and cache dtype): :func:`try_decode` where the call is :func:`eligible` (no
+    ``num_splits``); None (the op runs Triton) otherwise."""
+    if num_splits is not None or not eligible(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale):
         return None
     return try_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
 

@@ -12,12 +12,13 @@ ask whether they are traced nor test for a kernel's absence.
   ``copy_``, ``add``, ``silu_mul``;
 - ``kernels.gate``: ``grouped_topk``; ``kernels.mla_decode``: ``mla_decode`` (``paged_mla_decode``);
 - ``kernels.fp8``: ``act_quant``, ``silu_mul_quant``, ``block_fp8_gemm``, ``grouped_block_fp8_gemm``;
-- ``kernels.grouped``: ``grouped_swiglu``;
+- ``kernels.grouped``: ``grouped_swiglu``; ``kernels.dense``: ``linear``;
 - ``kernels.moe_ops``: ``group_by_expert``, ``local_dispatch``, ``weighted_combine``, ``index_add_counts``.
 """
 
 from __future__ import annotations
 
+from epserve.kernels.dense import linear
 from epserve.kernels.fp8 import act_quant, block_fp8_gemm, grouped_block_fp8_gemm, silu_mul_quant
 from epserve.kernels.fused import (
     add,
@@ -39,5 +40,5 @@ mla_decode = paged_mla_decode
 
 __all__ = ["OpDef", "act_quant", "add", "append_latent", "block_fp8_gemm", "copy_", "defined", "gather_rows",
            "group_by_expert", "grouped_block_fp8_gemm", "grouped_swiglu", "grouped_topk", "head_matmul",
-           "index_add_counts", "local_dispatch", "mla_decode", "paged_mla_decode", "rms_norm", "rope_heads",
+           "index_add_counts", "linear", "local_dispatch", "mla_decode", "paged_mla_decode", "rms_norm", "rope_heads",
            "silu_mul", "silu_mul_quant", "weighted_combine"]

@@ -13,6 +13,7 @@ from epserve.checkpoint import fp8_block_dequantize
 from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
 from epserve.kernels import gather_rows, linear, rms_norm, rope_ref, silu_mul
 from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul_quant
+from epserve.kernels.fp8_layers import fp8_linear
 
 
 class Linear(nn.Module):
@@ -31,7 +32,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""
-        return linear(x, self.weight, self.weight_scale_inv)
+        if self.weight_scale_inv is None:
+            return linear(x, self.weight)
+        return fp8_linear(x, self.weight, self.weight_scale_inv)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 ``[out, in]`` (after loading; for derived weights such as MLA's absorbed ones)."""
