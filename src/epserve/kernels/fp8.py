@@ -10,7 +10,8 @@ The ops (``act_quant``, ``silu_mul_quant``, ``block_fp8_gemm``, ``grouped_block_
 at a time and loops over experts), Triton kernels on CUDA (``kernels.fp8_triton``, imported only then, so
 the CPU engine never loads triton) and, for ``block_fp8_gemm``, ``torch._scaled_mm`` with blockwise (1x128,
 128x128) scales where its self-test passes for the device and output dtype (cuBLASLt >= 12.9 on SM90; the
-``fp8_gemm`` op of ``kernels.backends``, in ``kernels.fp8_scaled_mm``). ``EPSERVE_FP8_BACKEND``
+``fp8_gemm`` op of ``kernels.backends``, in ``kernels.fp8_scaled_mm``; the op's table is keyed by the output
+dtype and lists ``_scaled_mm`` ahead of Triton only where it was chosen). ``EPSERVE_FP8_BACKEND``
 (``env.fp8_backend``) forces a backend on CUDA (``torch``: the reference). When traced (``torch.compile``,
 fake tensors) each is its custom op ``epserve::fp8_*``: a trace never enters Triton, runs a self-test or
 reads the counts on the host. ``kernels.fp8_layers`` composes them into the FP8 linear and routed experts.

@@ -75,6 +75,10 @@ def _first_tensor(*args: Any, **kwargs: Any) -> str:
     return device_type(args[0])
 
 
+def _first_tensor_key(*args: Any, **kwargs: Any) -> Key:
+    return device_type(args[0]), args[0].dtype
+
+
 class OpDef:
     """A kernel op: call it as the function it declares (see the module docstring for how a call is run)."""
 
@@ -91,6 +95,8 @@ class OpDef:
         params = list(signature.parameters)
         self.dtype_of = dtype_of or params[0]
         self._dtype_at = params.index(self.dtype_of)  # where a positional call has it
+        if self._dtype_at == 0 and device_of is _first_tensor:
+            self.key = _first_tensor_key  # the common case, kept cheap: asked on every call
         self.returns_none = signature.return_annotation in (None, "None")
         self.__doc__ = reference.__doc__
         self.__name__ = self.__qualname__ = reference.__name__
