@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from epserve.kernels import backends, ops
+from epserve.kernels import backends, opdef, ops
 from epserve.kernels.device import trace_as_cuda
 from epserve.kernels.opdef import OpDef
 
@@ -147,6 +147,7 @@ def gated():  # noqa: ANN201
     op.implement("cpu", "opdef_toy_impls:kernel")
     yield op
     backends.unregister("test_gate")
+    opdef._DEFS.pop(op.name)  # declared for the test only
 
 
 toy.fast = _impl("fast")
@@ -216,6 +217,18 @@ def test_every_op_is_declared_with_a_schema_and_existing_implementations(name):
         for impl in impls:
             module, _, fn = impl.target.partition(":")
             assert fn in _top_level_functions(module), impl.target
+
+
+def test_each_backends_implementation_names_a_tested_backend_followed_by_its_fallback():
+    """An implementation gated by ``kernels.backends`` names a backend with a self-test, and an ungated
+    implementation follows it on its device (what runs where the backend was not chosen)."""
+    gated = [(op, impls, i) for op in ops.defined().values() for impls in op.impls.values()
+             for i, impl in enumerate(impls) if impl.backend is not None]
+    assert {impls[i].backend for _, impls, i in gated} >= {("mla_decode", "flashinfer"), ("fp8_gemm", "scaled_mm")}
+    for op, impls, i in gated:
+        kernel_op, name = impls[i].backend
+        assert backends.get_op(kernel_op).backend(name).self_test is not None, op.name
+        assert any(impl.backend is None for impl in impls[i + 1 :]), op.name
 
 
 def test_the_model_calls_each_op_by_one_name():
