@@ -150,7 +150,7 @@ def test_stream_matches_offline_engine(engine, ckpt):
     # (engine_server/streams.py), so each message's tokens are the steps since the one before
     counts = [m.num_output_tokens for m in msgs]
     assert counts[-1] == 10 and all(len(m.token_ids) == c - p for m, c, p in zip(msgs, counts, [0, *counts]))
-    assert [m.finish_reason for m in msgs] == [""] * (len(msgs) - 1) + ["length"]
+    assert [m.finish_reason for m in msgs] == [None] * (len(msgs) - 1) + ["length"]
     assert all(m.num_prompt_tokens == 5 for m in msgs)
     assert all(len(m.logprobs) == len(m.token_ids) and len(m.logprobs[0].top) == 2 for m in msgs)
 
@@ -274,12 +274,13 @@ def test_load_counts_tokens_per_step_and_info_has_the_cache_config(engine):
     before, msgs, after, info = run(go())
     assert msgs[-1].num_cached_tokens == 0  # (a prompt no other test sends: all 40 tokens computed)
     # the router's per-request histograms: the engine's times, on the last message only
-    assert msgs[-1].prefill_seconds > 0 and msgs[-1].decode_seconds > 0 and msgs[-1].queued_seconds >= 0
+    last = msgs[-1].times
+    assert last.prefill_s > 0 and last.decode_s > 0 and last.queued_s >= 0
     # the first message with a token has the queue and prefill times, no decode time yet; the ones between none
     first = next(m for m in msgs if m.token_ids)
-    assert first is not msgs[-1] and first.prefill_seconds == msgs[-1].prefill_seconds and not first.decode_seconds
-    assert first.queued_seconds == msgs[-1].queued_seconds
-    assert not any(m.prefill_seconds or m.decode_seconds for m in msgs[1:-1] if m is not first)
+    assert first is not msgs[-1] and first.times.prefill_s == last.prefill_s and not first.times.decode_s
+    assert first.times.queued_s == last.queued_s
+    assert not any(m.times for m in msgs[1:-1] if m is not first)
     grew = dict(zip(ITERATION_TOKENS_BUCKETS, (b - a for a, b in zip(before.iteration_tokens_buckets,
                                                                       after.iteration_tokens_buckets))))
     assert (grew[1], grew[8], grew[32], grew[64], grew[16384]) == (9, 9, 9, 10, 10)
