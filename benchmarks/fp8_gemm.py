@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from epserve.kernels import fp8
+from epserve.kernels import fp8, fp8_scaled_mm
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, cdiv
 
 HIDDEN, MOE_INTER, Q_LORA = 7168, 2048, 1536  # DeepSeek-V3
@@ -84,8 +84,8 @@ def bench_gemm(repeats: int, flush: torch.Tensor, scaled_mm_ok: bool) -> list[di
                 "bf16 F.linear": partial(F.linear, x, w_bf16),
                 "act_quant (triton)": partial(fp8_triton.act_quant_triton, x),
             }
-            if scaled_mm_ok and fp8._scaled_mm_eligible(q, w, ws, torch.bfloat16):
-                paths["_scaled_mm"] = partial(fp8._scaled_mm, q, s, w, ws, torch.bfloat16)
+            if scaled_mm_ok and fp8_scaled_mm._scaled_mm_eligible(q, w, ws, torch.bfloat16):
+                paths["_scaled_mm"] = partial(fp8_scaled_mm._scaled_mm, q, s, w, ws, torch.bfloat16)
             bf16_out = F.linear(x, w_bf16)
             for path, fn in paths.items():
                 t = timed(fn, repeats, flush)

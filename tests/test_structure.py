@@ -331,3 +331,20 @@ def test_the_structure_page_has_one_short_line_per_package():
     units = {_unit(p) for p in _sources(PACKAGE)} - {"__init__"}
     assert sorted(named) == sorted(units)
     assert [line for line in lines if len(line) > 140] == []
+
+
+def test_kernel_ops_decide_in_one_place():
+    """Only the op's call (kernels/opdef.py) asks whether it is traced, registers a custom op or picks a
+    self-tested backend; the kernels themselves (C front ends, Triton, FlashInfer, ``_scaled_mm``) just run."""
+    def uses(names: set[str], path: Path) -> bool:
+        return any((isinstance(node, ast.Name) and node.id in names)
+                   or (isinstance(node, ast.Attribute) and node.attr in names)
+                   or (isinstance(node, ast.alias) and node.name in names)
+                   for node in ast.walk(ast.parse(path.read_text())))
+
+    kernels = _sources(PACKAGE / "kernels")
+    assert sorted(p.name for p in kernels if uses({"tracing", "is_compiling"}, p)) == ["device.py", "opdef.py"]
+    assert sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE) if uses({"custom_op"}, p)) == [
+        "kernels/opdef.py"]
+    assert sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE) if uses({"select", "decide"}, p)
+                  and "backends" in p.read_text() and p.name != "backends.py") == ["kernels/opdef.py"]
