@@ -165,6 +165,10 @@ def test_model_and_moe_never_ask_whether_they_are_traced(unit: str):
                     and (getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None))
                     in ("tracing", "is_compiling"))
     assert askers == []
+    c_front_ends = re.compile(r"epserve\.kernels(\.| import )cpu(_ops)?\b")
+    c_callers = sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE / unit)
+                       if c_front_ends.search(p.read_text()))
+    assert c_callers == []  # a C kernel is an op's implementation, never chosen at a call site
 
 
 def test_environment_variables_are_read_in_one_module():
