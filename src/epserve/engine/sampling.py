@@ -28,7 +28,7 @@ from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.prompt_logprobs import prompt_logprobs
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.sampler import Sampler
-from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, VerifyOutcome, draft_tokens, verify
+from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, draft_tokens, verify
 from epserve.messages.sampling import TokenLogprobs
 
 
@@ -92,46 +92,44 @@ class SamplingPipeline:
             logits, constrained = self.constraints.mask_groups(
                 logits, raw, in_place, [(c.request.request_id, f, c.drafts) for c, f in zip(sampling, firsts)],
                 requests, extras)
-        outcomes = self._draw(logits, sampling, raw)
-        for rid in constrained:  # (a request whose row had no token left fails: take_failures)
-            self.constraints.accept(rid, list(outcomes[rid].token_ids))
-        return self._result(sampling, outcomes, prompt)
+        if self.stats is None:
+            sampled, logprobs = self._draw(logits, sampling, raw)
+            for rid in constrained:  # (a request whose row had no token left fails: take_failures)
+                self.constraints.accept(rid, [sampled[rid]])
+        else:
+            sampled, logprobs = self._verify(logits, sampling, raw)
+            for rid in constrained:
+                self.constraints.accept(rid, list(sampled[rid]))
+        return StepResult(sampled, logprobs, prompt)
 
     def _draw(self, logits: torch.Tensor, sampling: list[ScheduledChunk],
-              raw: torch.Tensor) -> dict[str, VerifyOutcome]:
-        """Each chunk's accepted drafts and the token after them (see the module docstring)."""
-        if self.stats is None:  # no drafts: one token a request, from its generator in turn
-            requests = [c.request for c in sampling]
-            params = [r.sampling_params for r in requests]
-            out = self.sampler.sample(logits, params, [self._generator(r) for r in requests], raw)
-            return {r.request_id: VerifyOutcome((token,), None if lp is None else (lp,), 0)
-                    for r, token, lp in zip(requests, out.token_ids, out.logprobs)}
+              raw: torch.Tensor) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """No drafts: one token a request, each seeded request from its own generator in turn."""
+        requests = [c.request for c in sampling]
+        out = self.sampler.sample(logits, [r.sampling_params for r in requests],
+                                  [self._generator(r) for r in requests], raw)
+        ids = [r.request_id for r in requests]
+        return (dict(zip(ids, out.token_ids)),
+                {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None})
+
+    def _verify(self, logits: torch.Tensor, sampling: list[ScheduledChunk], raw: torch.Tensor,
+                ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[TokenLogprobs, ...]]]:
+        """Each chunk's accepted drafts then the token after them (draws keyed by position), the acceptance
+        counted."""
+        assert self.stats is not None
         groups = []
         for c in sampling:
             rid, params = c.request.request_id, c.request.sampling_params
             probs = self._pending_probs(rid, len(c.drafts)) if c.drafts and not params.is_greedy else None
             groups.append(VerifyGroup(c.drafts, probs, params, c.start + c.num_known))
-        return {c.request.request_id: out for c, out in zip(sampling, verify(logits, groups, self.noise, raw))}
-
-    def _result(self, sampling: list[ScheduledChunk], outcomes: dict[str, VerifyOutcome],
-                prompt: dict[str, tuple[TokenLogprobs, ...]]) -> StepResult:
-        """One token (and logprobs entry) a request without speculative decoding; with it the accepted
-        drafts then the token after them, and the acceptance counted."""
-        sampled: dict[str, int | tuple[int, ...]] = {}
-        logprobs: dict[str, TokenLogprobs | tuple[TokenLogprobs, ...]] = {}
-        for c in sampling:
-            rid = c.request.request_id
-            out = outcomes[rid]
-            if self.stats is None:
-                sampled[rid] = out.token_ids[0]
-                if out.logprobs is not None:
-                    logprobs[rid] = out.logprobs[0]
-                continue
+        sampled: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[TokenLogprobs, ...]] = {}
+        for c, out in zip(sampling, verify(logits, groups, self.noise, raw)):
             self.stats.record(len(c.drafts), out.num_accepted)
-            sampled[rid] = out.token_ids
+            sampled[c.request.request_id] = out.token_ids
             if out.logprobs is not None:
-                logprobs[rid] = out.logprobs
-        return StepResult(sampled, logprobs, prompt)
+                logprobs[c.request.request_id] = out.logprobs
+        return sampled, logprobs
 
     def _generator(self, request: Request) -> torch.Generator | None:
         params = request.sampling_params
