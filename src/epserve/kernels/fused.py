@@ -3,7 +3,7 @@ rotary embedding of each head's last columns, MLA's latent KV append (norm, rota
 per-head projections; and the step's remaining small ops (row gathers, copies and casts, residual adds,
 SwiGLU's activation), so that a CPU step is C kernel calls only and can be recorded (``kernels/cpu_graph.py``).
 
-On the CPU in eager steps each is one C call (``kernels.cpu_ops``, ``cpu_ops.c``) in place of a chain of
+On the CPU in eager steps each is one C call (``kernels.cpu_ops``, ``cpu_ops*.c``) in place of a chain of
 small torch ops; in a CPU trace (``torch.compile`` fuses the references itself), for dtypes or shapes the
 kernels do not take, with gradients, or without the library, the torch reference runs. On CUDA the norm,
 the rotary embedding and the latent append are the same fusions in Triton (``kernels.fused_triton``,

@@ -1,4 +1,4 @@
-"""The small fused ops of a decode step as Triton kernels: the CUDA twins of ``cpu_ops.c``'s (semantics and
+"""The small fused ops of a decode step as Triton kernels: the CUDA twins of ``cpu_ops*.c``'s (semantics and
 torch references: ``kernels.fused``).
 
 - ``_rms_norm_kernel``, grid ``(cdiv(T, BT),)``: ``BT`` rows of x [T, D] per program (one on the GPU), each
