@@ -22,8 +22,7 @@ from epserve.kernels import (
 from epserve.kernels.fp8 import FP8_DTYPE
 from epserve.kernels.gate import grouped_topk, grouped_topk_ref
 from epserve.kernels.mla_decode import paged_mla_decode, paged_mla_decode_ref
-from epserve.moe.dispatch.base import weighted_combine
-from epserve.moe.dispatch.local import group_by_expert
+from epserve.kernels.ops import group_by_expert, weighted_combine
 
 pytestmark = pytest.mark.skipif(not cpu.available(cpu.OPS), reason="the fused CPU ops need AVX2, FMA and a C compiler")
 

@@ -15,11 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epserve.kernels.ops import weighted_combine
 from epserve.moe.dispatch.payload import Payload
-
-# weighted_combine: the kernel op of kernels.moe_ops, the combine every dispatcher ends with
-__all__ = ["DispatchHandle", "Dispatcher", "ExpertInput", "GroupDispatcher", "weighted_combine"]
 
 
 @dataclass(frozen=True)

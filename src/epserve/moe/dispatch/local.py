@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.kernels.moe_ops import count_per_expert
-from epserve.kernels.ops import group_by_expert, local_dispatch
-from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput, weighted_combine
+from epserve.kernels.ops import group_by_expert, local_dispatch, weighted_combine
+from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.dispatch.payload import Payload
 
 
@@ -35,9 +34,6 @@ class LocalInFlight(DispatchHandle):
 @dataclass(frozen=True)
 class LocalCombined(DispatchHandle):
     output: torch.Tensor  # [T, H]
-
-
-__all__ = ["LocalDispatcher", "count_per_expert", "group_by_expert"]  # the last two: kernels.moe_ops
 
 
 class LocalDispatcher(Dispatcher):
