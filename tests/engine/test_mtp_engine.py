@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from epserve import LLM, SamplingParams
 from epserve.checkpoint import CheckpointError
 from epserve.config import ConfigError
-from epserve.model.loader import model_bytes
+from epserve.model.load_plan import model_bytes
 
 PROMPTS = ["The object", "In the following example, the", "A class definition", "If the", "Names",
            "The value of the expression is"]

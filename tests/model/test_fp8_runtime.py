@@ -15,7 +15,8 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.checkpoint import SCALE_SUFFIX, CheckpointReader, fp8_block_quantize
 from epserve.config import ConfigError, ModelConfig
-from epserve.model.loader import load_model, model_bytes, plan_weight_bytes
+from epserve.model.load_plan import model_bytes, plan_weight_bytes
+from epserve.model.loader import load_model
 from epserve.model.quantization import fp8_runtime_problems
 from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.moe.placement import ExpertPlacement

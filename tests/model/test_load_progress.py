@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from epserve.config import ModelConfig
-from epserve.model.loader import load_model, model_bytes
+from epserve.model.load_plan import model_bytes
+from epserve.model.loader import load_model
 from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.context import ParallelContext

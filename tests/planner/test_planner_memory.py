@@ -10,7 +10,7 @@ import torch
 
 from epserve import LLM
 from epserve.config import ModelConfig
-from epserve.model.loader import model_bytes, plan_weight_bytes
+from epserve.model.load_plan import model_bytes, plan_weight_bytes
 from epserve.parallel.context import ParallelContext
 from epserve.planner import Deployment, estimate_memory, load_hardware
 from epserve.planner.memory import expert_counts, weight_counts

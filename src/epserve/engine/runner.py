@@ -25,7 +25,8 @@ from epserve.kernels import backends as kernel_backends
 from epserve.kernels import cpu as cpu_kernels
 from epserve.messages.kv import KVLayout
 from epserve.model.batch import ForwardBatch
-from epserve.model.loader import load_model, model_bytes
+from epserve.model.load_plan import model_bytes
+from epserve.model.loader import load_model
 from epserve.model.quantization import resolve_fp8_weights
 from epserve.moe.dispatch.all_to_all import AllToAllDispatcher
 from epserve.moe.dispatch.base import Dispatcher

@@ -45,7 +45,6 @@ from epserve.model.load_plan import (
     empty_like,
     model_bytes,
     named_tensors,
-    plan_weight_bytes,
     set_tensor,
     tensor_pieces,
 )
@@ -53,8 +52,6 @@ from epserve.model.mla import MLAttention
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.context import ParallelContext
-
-__all__ = ["build_on_meta", "load_model", "model_bytes", "plan_weight_bytes"]  # the plan's: model/load_plan.py
 
 logger = logging.getLogger(__name__)
 
