@@ -52,6 +52,11 @@ class Dispatcher(ABC):
         """Zero ``comm_bytes`` (``dispatch``, ``combine``); backends call it from ``__init__``."""
         self.comm_bytes = {"dispatch": 0, "combine": 0}
 
+    def workspace_bytes(self) -> int:
+        """Device memory this dispatcher holds beside the weights and the KV cache (symmetric buffers
+        allocated at start-up), for the memory plan; 0 for backends that allocate per step."""
+        return 0
+
     def begin_step(self, max_tokens_per_rank: int) -> None:  # noqa: B027 - an optional hook
         """Called by the runner once per step, before the forward, with the global maximum number of
         tokens any rank feeds into one MoE layer this step, from the step's all-reduce. Backends with

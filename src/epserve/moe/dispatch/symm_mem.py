@@ -203,6 +203,10 @@ class SymmMemDispatcher(Dispatcher):
         logger.info("symm_mem dispatcher: %d buffer sets for %d tokens per rank, %.1f MiB of symmetric memory",
                     NUM_BUFFER_SETS, max_tokens_per_rank, NUM_BUFFER_SETS * self.shape.bytes() / 2**20)
 
+    def workspace_bytes(self) -> int:
+        """The symmetric buffers of every buffer set, allocated once at start-up."""
+        return NUM_BUFFER_SETS * self.shape.bytes()
+
     # ---- statistics: accumulated on the device, read (a sync) only when asked ---------------------------------
     def reset_stats(self) -> None:
         self._sent.zero_()
