@@ -1,28 +1,38 @@
-"""The kernel figures of one CUDA GPU against its ceilings, in one JSON.
+"""The kernel figures of one CUDA GPU at DeepSeek-V3's real shapes, against its measured ceilings, in one JSON
+rewritten after every measurement.
 
     python3 benchmarks/gpu_micro.py [--json micro.json] [--repeats 10] [--parts copy gemm grouped mla]
+                                    [--mla-heads 128 16] [--flashinfer]
 
 - copy: device-to-device copy bandwidth (``dst.copy_(src)`` of 2 GiB, bytes read plus written, as the
-  4.3 TB/s seen on the H200 counts them) and a bf16 8192^3 ``torch.matmul`` (the dense TFLOP/s ceiling).
-- gemm: the block-scaled FP8 GEMM on DeepSeek-V3 shapes at M = 1, 16, 128, 4096: our Triton kernel,
-  blockwise ``torch._scaled_mm`` (where the probe accepts it) and bf16 ``F.linear`` on the dequantized
-  weight (``fp8_gemm.bench_gemm``: TFLOP/s, weight GB/s, error against the fp32 reference).
-- grouped: the grouped FP8 GEMM over one EP8 shard's 32 experts (``fp8_gemm.bench_grouped``).
-- mla: paged MLA decode (DeepSeek's 512 + 64 latent, 16 heads: one TP-8 shard of 128) at batch 1, 16 and
-  64 with 4096-token contexts, 16-token blocks in shuffled order: our Triton kernel (bf16 and FP8
-  caches) and FlashInfer's (bf16; where it imports and its self-test passes; its plan, one per step, timed
-  apart), in GB/s of cache read, each checked against the torch reference.
+  3.0 TB/s seen on the H100 and 4.3 TB/s on the H200 count them: the floor for everything after it) and a bf16
+  8192^3 ``torch.matmul`` (the dense TFLOP/s ceiling).
+- gemm: the block-scaled FP8 GEMM at V3's decode shapes (``gpu_figures.gemm_shapes``: qkv_a, q_b, ``o_proj``
+  7168x16384, the dense MLP's gate_up 36864x7168 and down 7168x18432, an expert's) at M = 1, 16, 64, 128, 4096:
+  our Triton kernel, blockwise ``torch._scaled_mm`` (where the probe accepts it) and cuBLAS bf16 on the
+  dequantized weight (``fp8_gemm.bench_gemm``): TFLOP/s, % of ``_scaled_mm``, weight GB/s as % of the copy.
+- grouped: the grouped FP8 GEMM over one EP8 shard's 32 experts at decode sizes (1..16 real rows an expert,
+  with and without padding rows) and two prefill sizes, against the weight-streaming floor and per-expert
+  cuBLAS / ``_scaled_mm`` loops (``fp8_gemm.bench_grouped``).
+- mla: paged MLA decode (DeepSeek's 512 + 64 latent) at 128 heads (DP attention: every head on a rank) and 16
+  (one TP-8 shard), batch 1, 16 and 64, 4096-token contexts, 16-token blocks in shuffled order, bf16 and FP8
+  caches: every Triton implementation the ``mla_decode`` op lists for CUDA (the many-head kernel where it
+  exists, the split-K one; ``mla_decode_triton`` by name if the op's list cannot be read), each checked against
+  the torch reference: GB/s of cache read and % of the copy bandwidth. ``--flashinfer`` adds FlashInfer's
+  (bf16; where it imports and its self-test passes; its plan, one per step, timed apart): off by default, so
+  no FlashInfer JIT build happens unless asked for (the GPU check asks in its last stage).
 
-Each timing is the median over ``--repeats`` runs by CUDA events after warm-ups, the L2 cache flushed
-before each run (``fp8_gemm.timed``). Needs CUDA: without it, says so and exits with status 2 (after
-writing ``{"status": "skipped"}`` to ``--json``). About a minute on an H200, the first Triton and
-FlashInfer builds included when their caches are warm.
+``key_figures`` carries the ceilings, the best MLA and GEMM ratios, and the issue's goals (``gpu_figures.GOALS``,
+each with its value, goal and whether it is met). Each timing is the median over ``--repeats`` runs by CUDA
+events after warm-ups, the L2 cache flushed before each run (``fp8_gemm.timed``). The JSON is rewritten
+(atomically) after every measurement with ``"complete": false`` until the end, so a run cut off by a timeout
+leaves every figure measured so far. Needs CUDA: without it, says so and exits with status 2 (after writing
+``{"status": "skipped"}`` to ``--json``). About two minutes on an H100, the first Triton builds included.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -33,11 +43,12 @@ from typing import Any
 
 import torch
 from fp8_gemm import bench_gemm, bench_grouped, rel_err, timed
+from gpu_figures import GOALS, MLA, JsonProgress, goal, mla_cache_bytes, pct, write_skipped
 
 PARTS = ("copy", "gemm", "grouped", "mla")
 COPY_BYTES = 2 << 30
 MATMUL = 8192
-MLA = {"batches": (1, 16, 64), "context": 4096, "heads": 16, "block_size": 16, "kv_lora_rank": 512, "rope": 64}
+Save = Callable[[], None]
 
 
 def bench_copy(repeats: int, flush: torch.Tensor) -> dict[str, Any]:
@@ -56,12 +67,35 @@ def bench_copy(repeats: int, flush: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def _mla_case(batch: int, cache_dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def mla_kernels() -> tuple[list[tuple[str, Callable[..., torch.Tensor], Callable[..., bool] | None]], str | None]:
+    """The Triton implementations the ``mla_decode`` op lists for CUDA, in the op's order, as (name, function,
+    takes): FlashInfer (a ``kernels.backends`` backend) is left to its own path. Where the op's list cannot be
+    read, the split-K kernel by name; the second item says why."""
+    try:
+        from epserve.kernels import ops
+
+        found = []
+        for impl in ops.mla_decode.impls.get("cuda", []):
+            if impl.backend is not None:
+                continue
+            module, _, fn = impl.target.partition(":")
+            found.append((f"{module.rsplit('.', 1)[-1]}:{fn}", impl.function(), impl.takes))
+        if found:
+            return found, None
+        why = "the mla_decode op lists no Triton implementation for cuda"
+    except (ImportError, AttributeError) as e:
+        why = f"the mla_decode op's implementations unreadable ({type(e).__name__}: {e})"
+    from epserve.kernels import mla_decode_triton as mt
+
+    return [("mla_decode_triton:paged_mla_decode_triton", mt.paged_mla_decode_triton, None)], why
+
+
+def _mla_case(batch: int, heads: int, cache_dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     ctx, bs, d = MLA["context"], MLA["block_size"], MLA["kv_lora_rank"] + MLA["rope"]
     blocks = batch * ctx // bs
     tables = torch.randperm(blocks, generator=gen).view(batch, ctx // bs).to("cuda", torch.int32)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, MLA["heads"], d, generator=gen).cuda()
+    q = torch.randn(batch, heads, d, generator=gen).cuda()
     latent = torch.randn(blocks, bs, d, device="cuda")
     if cache_dtype == torch.bfloat16:
         return q, latent.to(cache_dtype), tables, lens, None
@@ -69,111 +103,164 @@ def _mla_case(batch: int, cache_dtype: torch.dtype, gen: torch.Generator) -> tup
     return q, (latent / kv_scale).clamp(-448, 448).to(cache_dtype), tables, lens, kv_scale
 
 
-def bench_mla(repeats: int, flush: torch.Tensor, use_flashinfer: bool) -> dict[str, Any]:
+def _flashinfer_choice() -> dict[str, Any]:
+    """Whether FlashInfer's MLA decode imports and passes the registry's self-test here (its JIT build the
+    first time), with the registry's log lines."""
     from epserve.kernels import backends
-    from epserve.kernels import mla_decode_triton as mt
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger(backends.__name__).addHandler(handler)
+    try:
+        from epserve.kernels import mla_flashinfer as mf
+
+        mf.import_flashinfer()
+        start = time.perf_counter()
+        chosen = backends.select("mla_decode", torch.device("cuda"), torch.bfloat16)  # its self-test
+        out = {"used": chosen == "flashinfer", "selected": chosen, "decided_s": time.perf_counter() - start,
+               "log": lines}
+        if chosen != "flashinfer":
+            out["why"] = "; ".join(lines) or f"the registry chose {chosen}"
+        return out
+    except ImportError as e:
+        return {"used": False, "why": f"{type(e).__name__}: {e}"}
+    finally:
+        logging.getLogger(backends.__name__).removeHandler(handler)
+
+
+def bench_mla(repeats: int, flush: torch.Tensor, use_flashinfer: bool, heads_list: list[int], out: dict[str, Any],
+              save: Save, copy_TBps: float | None) -> dict[str, Any]:
+    """MLA decode rows into ``out["rows"]`` (``save()`` after each)."""
     from epserve.kernels.fp8 import FP8_DTYPE
     from epserve.kernels.mla_decode import paged_mla_decode_ref
 
     r = MLA["kv_lora_rank"]
     scale = (MLA["rope"] + 128) ** -0.5
-    flashinfer: dict[str, Any] = {"used": False}
-    if use_flashinfer:
-        lines: list[str] = []
-        handler = logging.Handler(logging.INFO)
-        handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-        logging.getLogger(backends.__name__).addHandler(handler)
-        try:
-            from epserve.kernels import mla_flashinfer as mf
+    kernels, why = mla_kernels()
+    out |= {"shape": {**MLA, "heads": heads_list}, "kernels": [k[0] for k in kernels], "rows": []}
+    if why:
+        out["kernels_note"] = why
+    out["flashinfer"] = _flashinfer_choice() if use_flashinfer else {"used": False, "why": "not asked (--flashinfer)"}
+    save()
+    fi = out["flashinfer"]
+    print(f"  Triton MLA kernels: {out['kernels']}{f' ({why})' if why else ''}; FlashInfer: "
+          f"{'used' if fi['used'] else 'not used: ' + fi['why']}", flush=True)
+    gen, rows = torch.Generator().manual_seed(0), out["rows"]
+    for heads in heads_list:
+        for cache_dtype, dtype_name in ((torch.bfloat16, "bf16"), (FP8_DTYPE, "fp8")):
+            for batch in MLA["batches"]:
+                q, cache, tables, lens, kv_scale = _mla_case(batch, heads, cache_dtype, gen)
+                ref = paged_mla_decode_ref(q, cache, tables, lens, scale, r, kv_scale)
+                args = (q, cache, tables, lens, scale, r, kv_scale)
+                paths: dict[str, tuple[Callable[[], torch.Tensor], bool | None]] = {}
+                chosen = False
+                for name, fn, takes in kernels:
+                    took = None if takes is None else bool(takes(*args))
+                    picked = not chosen and took is not False
+                    chosen = chosen or picked
+                    paths[name] = (partial(fn, *args), picked)
+                plan_us = None
+                if fi["used"] and kv_scale is None:
+                    from epserve.kernels import mla_flashinfer as mf
 
-            mf.import_flashinfer()
-            start = time.perf_counter()
-            chosen = backends.select("mla_decode", torch.device("cuda"), torch.bfloat16)  # its self-test
-            flashinfer = {"used": chosen == "flashinfer", "selected": chosen, "decided_s": time.perf_counter() - start,
-                          "log": lines}
-            if chosen != "flashinfer":
-                flashinfer["why"] = "; ".join(lines) or f"the registry chose {chosen}"
-        except ImportError as e:
-            flashinfer = {"used": False, "why": f"{type(e).__name__}: {e}"}
-        finally:
-            logging.getLogger(backends.__name__).removeHandler(handler)
-    else:
-        flashinfer["why"] = "--no-flashinfer"
-    print(f"  FlashInfer MLA: {'used' if flashinfer['used'] else 'not used: ' + flashinfer['why']}", flush=True)
-    gen, rows = torch.Generator().manual_seed(0), []
-    for cache_dtype, dtype_name in ((torch.bfloat16, "bf16"), (FP8_DTYPE, "fp8")):
-        for batch in MLA["batches"]:
-            q, cache, tables, lens, kv_scale = _mla_case(batch, cache_dtype, gen)
-            ref = paged_mla_decode_ref(q, cache, tables, lens, scale, r, kv_scale)
-            paths: dict[str, Callable[[], torch.Tensor]] = {
-                "triton": partial(mt.paged_mla_decode_triton, q, cache, tables, lens, scale, r, kv_scale)}
-            plan_us = None
-            if flashinfer["used"] and kv_scale is None:
-                planner = mf._planner(q.device)
-                planner.plans.clear()
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                mf.paged_mla_decode_flashinfer(q, cache, tables, lens, scale, r)  # plans (a host sync), runs
-                torch.cuda.synchronize()
-                plan_us = (time.perf_counter() - start) * 1e6
-                paths["flashinfer"] = partial(mf.paged_mla_decode_flashinfer, q, cache, tables, lens, scale, r)
-            cache_bytes = batch * MLA["context"] * cache.shape[-1] * cache.element_size()
-            for path, fn in paths.items():
-                try:
-                    t = timed(fn, repeats, flush)
-                    err = rel_err(fn(), ref)
-                except RuntimeError as e:
-                    print(f"  mla {dtype_name} B={batch} {path}: failed ({str(e).splitlines()[0][:120]})", flush=True)
-                    rows.append({"cache": dtype_name, "batch": batch, "path": path, "error": str(e)[:300]})
-                    continue
-                row = {"cache": dtype_name, "batch": batch, "context": MLA["context"], "heads": MLA["heads"],
-                       "block_size": MLA["block_size"], "path": path, "us": t * 1e6,
-                       "cache_GBps": cache_bytes / t / 1e9, "rel_err_vs_ref": err}
-                if path == "flashinfer":
-                    row["first_call_with_plan_us"] = plan_us
-                rows.append(row)
-                print(f"  mla {dtype_name:4s} B={batch:3d} ctx={MLA['context']} h={MLA['heads']} {path:10s} "
-                      f"{t * 1e6:8.1f} us {cache_bytes / t / 1e9:7.0f} GB/s  rel_err {err:.1e}", flush=True)
-            del q, cache, tables, lens, ref
-    return {"shape": dict(MLA), "flashinfer": flashinfer, "rows": rows}
+                    mf._planner(q.device).plans.clear()
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    mf.paged_mla_decode_flashinfer(q, cache, tables, lens, scale, r)  # plans (a host sync), runs
+                    torch.cuda.synchronize()
+                    plan_us = (time.perf_counter() - start) * 1e6
+                    paths["flashinfer"] = (partial(mf.paged_mla_decode_flashinfer, q, cache, tables, lens, scale, r),
+                                           None)
+                cache_bytes = mla_cache_bytes(batch, MLA["context"], cache.element_size())
+                for path, (fn, picked) in paths.items():
+                    row: dict[str, Any] = {"cache": dtype_name, "batch": batch, "context": MLA["context"],
+                                           "heads": heads, "block_size": MLA["block_size"], "path": path,
+                                           "chosen_by_op": picked}
+                    try:
+                        t = timed(fn, repeats, flush)
+                        err = rel_err(fn(), ref)
+                    except (RuntimeError, ValueError) as e:
+                        print(f"  mla {dtype_name} h={heads} B={batch} {path}: failed "
+                              f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", flush=True)
+                        rows.append(row | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
+                        save()
+                        continue
+                    gbps = cache_bytes / t / 1e9
+                    row |= {"us": t * 1e6, "cache_bytes": cache_bytes, "cache_GBps": gbps, "rel_err_vs_ref": err}
+                    if copy_TBps:
+                        row["pct_of_copy"] = pct(gbps, copy_TBps * 1e3)
+                    if path == "flashinfer":
+                        row["first_call_with_plan_us"] = plan_us
+                    rows.append(row)
+                    save()
+                    of_copy = f" {row['pct_of_copy']:4.0f}% of copy" if "pct_of_copy" in row else ""
+                    print(f"  mla {dtype_name:4s} h={heads:3d} B={batch:3d} ctx={MLA['context']} {path:44s} "
+                          f"{t * 1e6:8.1f} us {gbps:7.0f} GB/s{of_copy}  rel_err {err:.1e}", flush=True)
+                del q, cache, tables, lens, ref, paths
+    return out
 
 
 def key_figures(result: dict[str, Any]) -> dict[str, Any]:
-    """What a summary shows: the copy and matmul ceilings, the best FP8 GEMM TFLOP/s per path at M = 4096
-    and weight GB/s at M = 1, and the MLA decode GB/s per cache, path and batch."""
+    """What a summary shows: the copy and matmul ceilings; per FP8 GEMM shape at M = 4096 Triton's % of
+    ``_scaled_mm`` and at M = 1 its weight GB/s as % of the copy; the grouped GEMM's % of its floor at decode
+    sizes; per MLA (cache, heads, batch) the best kernel's GB/s and % of the copy; and ``goals``."""
     f: dict[str, Any] = {}
-    if "copy" in result:
-        f["copy_TBps"] = round(result["copy"]["copy_TBps"], 3)
-        f["bf16_matmul_tflops"] = round(result["copy"]["bf16_matmul_tflops"], 1)
+    copy = result.get("copy", {})
+    if copy:
+        f["copy_TBps"] = round(copy["copy_TBps"], 3)
+        f["bf16_matmul_tflops"] = round(copy["bf16_matmul_tflops"], 1)
+    goals: dict[str, Any] = {}
+    gemm_pcts: dict[str, float] = {}
     for row in result.get("gemm", []):
-        if "tflops" not in row:
+        if row.get("path") != "triton" or "tflops" not in row:
             continue
-        if row["M"] == 4096:
-            key = f"gemm M=4096 {row['path']} max TFLOP/s"
-            f[key] = round(max(f.get(key, 0.0), row["tflops"]), 1)
-        if row["M"] == 1:
-            key = f"gemm M=1 {row['path']} max weight GB/s"
-            f[key] = round(max(f.get(key, 0.0), row["weight_GBps"]), 0)
+        if row["M"] == 4096 and "pct_of_scaled_mm" in row:
+            gemm_pcts[row["shape"]] = row["pct_of_scaled_mm"]
+            f[f"gemm {row['shape']} M=4096 triton % of _scaled_mm"] = round(row["pct_of_scaled_mm"], 1)
+        if row["M"] == 1 and "weight_pct_of_copy" in row:
+            f[f"gemm {row['shape']} M=1 triton weight % of copy"] = round(row["weight_pct_of_copy"], 1)
+    if gemm_pcts:
+        worst = min(gemm_pcts, key=gemm_pcts.__getitem__)
+        goals["fp8_gemm_pct_of_scaled_mm"] = goal("fp8_gemm_pct_of_scaled_mm", gemm_pcts[worst], shape=worst)
     for row in result.get("grouped", []):
-        f[f"grouped {row['shape'].split()[0]} rows={row['M']} {row['path']} TFLOP/s"] = round(row["tflops"], 1)
+        if row.get("path") == "triton grouped" and "pct_of_floor" in row and "/expert" in row["case"]:
+            f[f"grouped {row['shape'].split()[0]} {row['case']} triton % of floor"] = round(row["pct_of_floor"], 1)
+    best: dict[tuple[str, int, int], dict[str, Any]] = {}
     for row in result.get("mla", {}).get("rows", []):
-        if "cache_GBps" in row:
-            f[f"mla {row['cache']} B={row['batch']} {row['path']} GB/s"] = round(row["cache_GBps"], 0)
+        key = (row["cache"], row["heads"], row["batch"])
+        if "cache_GBps" in row and row["cache_GBps"] > best.get(key, {}).get("cache_GBps", 0.0):
+            best[key] = row
+    for (cache, heads, batch), row in sorted(best.items()):
+        f[f"mla {cache} h={heads} B={batch} best GB/s"] = round(row["cache_GBps"])
+        if "pct_of_copy" in row:
+            f[f"mla {cache} h={heads} B={batch} best % of copy"] = round(row["pct_of_copy"], 1)
+    top = max((k for k in best if k[0] == "bf16" and k[1] == 128), key=lambda k: k[2], default=None)
+    if top is not None and "pct_of_copy" in best[top]:
+        goals["mla_128h_4k_pct_of_copy"] = goal("mla_128h_4k_pct_of_copy", best[top]["pct_of_copy"],
+                                                batch=top[2], kernel=best[top]["path"])
+    for name in GOALS:
+        if name != "v3_layer_vs_floor" and name not in goals:
+            goals[name] = goal(name, None, note="not measured in this run")
+    f["goals"] = goals
     return f
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here (rewritten as they come)")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    ap.add_argument("--no-flashinfer", action="store_true", help="time the Triton MLA decode only")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                    help="what to time (copy runs first whatever is asked: the others are read against it)")
+    ap.add_argument("--mla-heads", type=int, nargs="+", default=list(MLA["heads"]),
+                    help="MLA decode heads to time (default 128 16: DP attention, then a TP-8 shard)")
+    ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's MLA decode (its JIT build)")
+    ap.add_argument("--no-flashinfer", action="store_false", dest="flashinfer",
+                    help="time the Triton MLA decode only (the default)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         reason = "gpu_micro.py needs a CUDA GPU (torch.cuda.is_available() is False): nothing to measure"
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"status": "skipped", "reason": reason}))
+        write_skipped(args.json, reason)
         print(reason, file=sys.stderr)
         sys.exit(2)
     import triton
@@ -186,36 +273,51 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # > L2 (50-60 MB on H100/H200)
     result: dict[str, Any] = {"device": props.name, "sm": f"{props.major}{props.minor}", "torch": torch.__version__,
-                              "triton": triton.__version__, "cuda": torch.version.cuda, "repeats": args.repeats}
+                              "triton": triton.__version__, "cuda": torch.version.cuda, "repeats": args.repeats,
+                              "status": "running"}
+    out = JsonProgress(args.json, result)
+
+    def save() -> None:
+        result["key_figures"] = key_figures(result)
+        out.save()
+
+    save()
     print(f"{props.name} (sm_{props.major}{props.minor}), torch {torch.__version__}, triton {triton.__version__}, "
           f"CUDA {torch.version.cuda}", flush=True)
     failures = []
-    for part in args.parts:
+    parts = ["copy", *[p for p in PARTS if p in args.parts and p != "copy"]]  # the ceilings first, always
+    for part in parts:
         start = time.perf_counter()
         print(f"{part}:", flush=True)
+        copy_TBps = result.get("copy", {}).get("copy_TBps")
         try:
             if part == "copy":
                 result["copy"] = bench_copy(args.repeats, flush)
             elif part == "gemm":
                 result["scaled_mm_supported"] = ok = fp8.scaled_mm_supported("cuda")
                 print(f"  blockwise torch._scaled_mm (1x128, 128x128): {'supported' if ok else 'NOT supported'}")
-                result["gemm"] = bench_gemm(args.repeats, flush, ok)
+                bench_gemm(args.repeats, flush, ok, result.setdefault("gemm", []), save, copy_TBps)
             elif part == "grouped":
-                result["grouped"] = bench_grouped(args.repeats, flush)
+                ok = result.get("scaled_mm_supported")
+                ok = fp8.scaled_mm_supported("cuda") if ok is None else ok
+                bench_grouped(args.repeats, flush, result.setdefault("grouped", []), save, copy_TBps, ok)
             else:
-                result["mla"] = bench_mla(args.repeats, flush, not args.no_flashinfer)
+                bench_mla(args.repeats, flush, args.flashinfer, args.mla_heads, result.setdefault("mla", {}), save,
+                          copy_TBps)
         except Exception as e:  # noqa: BLE001 - one part failing leaves the others' figures
             failures.append(part)
             result[f"{part}_error"] = f"{type(e).__name__}: {str(e)[:500]}"
             print(f"  {part} FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
         result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 2)
+        save()
         torch.cuda.empty_cache()
-    result["key_figures"] = key_figures(result)
     result["status"] = "failed: " + ", ".join(failures) if failures else "ok"
+    result["key_figures"] = key_figures(result)
+    out.finish()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
+    for name, g in result["key_figures"]["goals"].items():
+        print(f"goal {name}: {g['value']} (goal {g['goal']}, met: {g['met']})")
     sys.exit(1 if failures else 0)
 
 
