@@ -181,16 +181,28 @@ def test_a_forced_backend_is_listed_without_its_self_test(gated):
     assert CALLS == ["kernel"] and SELF_TESTS == []
 
 
-def test_a_call_inside_a_capture_gets_the_fallback_and_decides_nothing(gated, monkeypatch):
+def test_a_call_inside_a_capture_reaches_what_an_eager_call_reaches(gated, monkeypatch):
+    """Capture changes no choice: an op undecided inside a capture raises (nothing is self-tested, nothing
+    decided there) instead of running the fallback; once decided, a table filled inside a capture lists what an
+    eager call's lists."""
     monkeypatch.setattr(backends, "_capturing", lambda device: True)
     x = torch.ones(2)
-    gated(x, 1)
-    assert CALLS == ["kernel"] and SELF_TESTS == [] and ("cpu", torch.float32) not in gated._table
+    with pytest.raises(backends.KernelUndecided, match=r"test_gate on cpu, float32 was first reached inside a CUDA "
+                                                        r"graph capture"):
+        gated(x, 1)
+    assert CALLS == [] and SELF_TESTS == [] and ("cpu", torch.float32) not in gated._table
     assert "test_gate[cpu, float32]" not in backends.decisions()
+    with pytest.raises(backends.KernelUndecided, match="fast's self-test on cpu, float32 was asked inside a CUDA"):
+        backends.passes("test_gate", "fast", CPU, torch.float32)
     monkeypatch.setattr(backends, "_capturing", lambda device: False)
-    CALLS.clear()
-    gated(x, 1)  # the next eager call decides
+    gated(x, 1)  # an eager call decides
     assert CALLS == ["fast"] and SELF_TESTS == [torch.float32] and ("cpu", torch.float32) in gated._table
+    monkeypatch.setattr(backends, "_capturing", lambda device: True)
+    gated.forget()  # the table filled again inside a capture
+    CALLS.clear()
+    gated(x, 1)
+    assert CALLS == ["fast"] and SELF_TESTS == [torch.float32]
+    assert backends.passes("test_gate", "fast", CPU, torch.float32)
 
 
 def test_resolve_fills_a_gated_op_for_its_backends_dtype_only(gated):

@@ -10,15 +10,27 @@ backend used instead (``mla_decode: flashinfer unavailable (ImportError: ...); u
 decision stands for the life of the process. ``dtype`` is what the backend's support depends on: the
 cache dtype of ``mla_decode``, the output dtype of ``fp8_gemm``.
 
+On speed as well. On a CUDA device every backend's self-test runs, and where more than one passed and each
+has a ``benchmark`` (a run at DeepSeek-V3-like shapes for the op), a short timed self-test picks the fastest
+(CUDA events, ``TIMING_REPEATS`` runs after a warm-up run, a few milliseconds per backend), logged in one
+line with the times (``mla_decode on cuda:0, bfloat16: flashinfer 41 us, triton 63 us -> flashinfer``); a
+backend whose timing raises is not chosen. Elsewhere (the CPU, whose C kernels are no backends' here) the
+first backend that passes is used, untimed.
+
 Each op module declares its op with :func:`register` when it is imported (``kernels.fp8``:
 ``fp8_gemm``; ``kernels.mla_flashinfer``: ``mla_decode``); ``_DECLARED`` names that module, so
 :func:`select` works whichever was imported first. An op's ``forced`` reads its environment variable
-(``env.py``): a backend named there is used without a self-test, so its errors surface. Self-tests never
-run inside a CUDA graph capture: a call there gets the fallback without recording a decision.
-:func:`resolve` decides every op the engine will call (at start-up, before the KV pool is sized and
-before any capture), then has ``kernels.opdef`` fill each kernel op's table of implementations for the
-device and dtypes (:func:`after_resolve`), and returns the one-line summary the engine logs. The tables list a
-backend's implementation only where it was chosen (:func:`decide`); a changed decision (:func:`fall_back`,
+(``env.py``): a backend named there is used without a self-test or timing, so its errors surface.
+
+Capture does not change a choice. Self-tests (and timings) never run inside a CUDA graph capture, and a call
+there gets exactly what an eager call gets: the decision made before it. An op still undecided inside a
+capture is an error (:class:`KernelUndecided`), never a silent other backend: the capture would then run other
+kernels than the warm-up that compiled and loaded them.
+
+:func:`resolve` decides every op the engine will call (at start-up, before the KV pool is sized and before
+any capture), then has ``kernels.opdef`` fill each kernel op's table of implementations for the device and
+dtypes (:func:`after_resolve`), and returns the one-line summary the engine logs. The tables list a backend's
+implementation only where it was chosen (:func:`decide`); a changed decision (:func:`fall_back`,
 :func:`forget`, :func:`register`) is told to them (:func:`on_change`).
 """
 
@@ -35,6 +47,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SelfTest = Callable[[torch.device, torch.dtype], None]
+# (device, dtype) -> one run of the backend at the op's DeepSeek-V3-like shapes, inputs made once beforehand
+Benchmark = Callable[[torch.device, torch.dtype], Callable[[], object]]
+
+TIMED_DEVICES = ("cuda",)  # device types whose choice between passing backends is timed
+TIMING_REPEATS = 5  # timed runs per backend (the median is compared), after one untimed warm-up run
 
 # The module that registers each op (imported on the op's first use).
 _DECLARED = {"mla_decode": "epserve.kernels.mla_flashinfer", "fp8_gemm": "epserve.kernels.fp8_scaled_mm"}
@@ -44,13 +61,19 @@ class KernelMismatch(RuntimeError):
     """A backend's self-test answer is off the torch reference."""
 
 
+class KernelUndecided(RuntimeError):
+    """An op reached inside a CUDA graph capture before its backend was decided (see the module docstring)."""
+
+
 @dataclass(frozen=True)
 class KernelBackend:
     """One implementation of an op. ``self_test(device, dtype)`` raises unless the implementation runs and
-    matches the torch reference there; None marks the trusted fallback (never tested)."""
+    matches the torch reference there; None marks the trusted fallback (never tested). ``benchmark(device,
+    dtype)`` returns one run at the op's DeepSeek-V3-like shapes, timed where several backends pass."""
 
     name: str
     self_test: SelfTest | None = None
+    benchmark: Benchmark | None = None
 
 
 @dataclass(frozen=True)
@@ -178,26 +201,29 @@ def _run_self_test(op: KernelOp, backend: KernelBackend, device: torch.device, d
 
 def passes(op_name: str, backend_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> bool:
     """Whether ``backend_name`` of ``op_name`` passes its self-test on ``device`` for ``dtype`` (run once;
-    whatever the environment forces). False inside a CUDA graph capture, where nothing is tested."""
+    whatever the environment forces). Inside a CUDA graph capture only a result already known is answered
+    (:class:`KernelUndecided` otherwise: nothing is tested there)."""
     device = torch.device(device)
     op = get_op(op_name)
     backend = op.backend(backend_name)
     with _lock:
-        if _capturing(device) and (op.name, backend.name, device_key(device), dtype) not in _tested:
-            return False
+        key = (op.name, backend.name, device_key(device), dtype)
+        if key not in _tested and _capturing(device):
+            raise KernelUndecided(f"{op.name}: {backend.name}'s self-test on {_where((op.name, key[2], dtype))} "
+                                  "was asked inside a CUDA graph capture before it ran")
         return _run_self_test(op, backend, device, dtype) is None
 
 
 def select(op_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
     """The backend ``op_name`` uses on ``device`` for ``dtype``: the one its environment variable forces
-    (read on every call), else the first whose self-test passes (decided on the first call, logged in
-    one line); the fallback inside a CUDA graph capture before that decision."""
-    return decide(op_name, device, dtype) or get_op(op_name).fallback
+    (read on every call), else the one decided on the first call (the first whose self-test passes; on CUDA
+    the fastest of those that pass), logged in one line."""
+    return decide(op_name, device, dtype)
 
 
-def decide(op_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
-    """:func:`select`, but None inside a CUDA graph capture before the decision was made (nothing is
-    self-tested there, and nothing recorded: the next eager call decides)."""
+def decide(op_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """:func:`select` (the name ``kernels.opdef`` asks by). The same answer inside a CUDA graph capture as
+    outside it; an op not decided before a capture raises :class:`KernelUndecided` there."""
     op = get_op(op_name)
     forced = op.forced()
     device = torch.device(device)
@@ -211,23 +237,69 @@ def decide(op_name: str, device: torch.device | str, dtype: torch.dtype | None =
     if chosen is not None:
         return chosen
     if _capturing(device):
-        return None  # never test inside a capture; the next eager call decides
+        raise KernelUndecided(f"{op.name} on {_where(key)} was first reached inside a CUDA graph capture: decide it "
+                              "before (kernels.backends.resolve at start-up, or an eager call)")
     with _lock:
         if key in _chosen:
             return _chosen[key]
+        timed = device.type in TIMED_DEVICES
+        passed: list[str] = []
         failures: list[tuple[str, str]] = []
         for backend in op.backends:
             error = _run_self_test(op, backend, device, dtype)
             if error is None:
-                _chosen[key] = backend.name
-                break
-            failures.append((backend.name, error))
-        chosen = _chosen[key]
+                passed.append(backend.name)
+                if not timed:
+                    break
+            else:
+                failures.append((backend.name, error))
+        chosen = _fastest(op, key, passed, device, dtype) if len(passed) > 1 else passed[0]
+        _chosen[key] = chosen
         for name, error in failures:
             logger.info("%s: %s unavailable on %s (%s); using %s", op.name, name, _where(key), error, chosen)
-        if not failures and chosen != op.fallback:
+        if not failures and len(passed) == 1 and chosen != op.fallback:
             logger.info("%s on %s: %s (self-test passed)", op.name, _where(key), chosen)
         return chosen
+
+
+def _fastest(op: KernelOp, key: tuple[str, str, torch.dtype | None], passed: list[str], device: torch.device,
+             dtype: torch.dtype | None) -> str:
+    """The fastest of the backends that passed (timed once each; logged in one line), or the first of them
+    when one has no benchmark. A backend whose timing raised is not chosen (the fallback when none could be
+    timed)."""
+    if any(op.backend(name).benchmark is None for name in passed):
+        return passed[0]
+    times: dict[str, float] = {}
+    errors: dict[str, str] = {}
+    for name in passed:
+        try:
+            times[name] = _measure(op.backend(name), device, dtype)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot be timed is not chosen
+            errors[name] = _describe(e)
+    chosen = min(times, key=lambda name: (times[name], passed.index(name))) if times else op.fallback
+    report = [f"{name} {times[name] * 1e6:.0f} us" if name in times else f"{name} failed ({errors[name]})"
+              for name in passed]
+    logger.info("%s on %s: %s -> %s", op.name, _where(key), ", ".join(report), chosen)
+    return chosen
+
+
+def _measure(backend: KernelBackend, device: torch.device, dtype: torch.dtype | None) -> float:
+    """Seconds per run of ``backend``'s benchmark on CUDA ``device``: the median of ``TIMING_REPEATS`` runs
+    timed with CUDA events, after one untimed run (compiles, plans, first-touch)."""
+    assert backend.benchmark is not None
+    with torch.cuda.device(device):
+        run = backend.benchmark(device, dtype)  # type: ignore[arg-type]
+        run()
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(TIMING_REPEATS)]
+        for start, end in events:
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize()
+    elapsed = sorted(start.elapsed_time(end) for start, end in events)  # milliseconds
+    return elapsed[len(elapsed) // 2] / 1e3
 
 
 def fall_back(op_name: str, device: torch.device | str, dtype: torch.dtype | None, reason: str) -> str:

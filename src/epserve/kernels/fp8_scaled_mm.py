@@ -1,10 +1,14 @@
 """Block FP8 GEMMs on CUDA by blockwise ``torch._scaled_mm`` (1x128 activation, 128x128 weight scales), with
 its self-test: the ``fp8_gemm`` op of ``kernels.backends`` (``scaled_mm`` where the self-test passes for the
 device and output dtype, else ``triton``; ``EPSERVE_FP8_BACKEND`` forces one), and the implementation of
-``kernels.fp8.block_fp8_gemm`` on CUDA that its table lists where that choice is ``scaled_mm``.
+``kernels.fp8.block_fp8_gemm`` on CUDA that its table lists where that choice is ``scaled_mm``. Where both pass
+on a GPU, ``kernels.backends`` times each on DeepSeek-V3's decode GEMMs (:data:`BENCH_SHAPES`) and keeps the
+faster.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -17,9 +21,14 @@ from epserve.kernels.fp8 import (
     FP8_MAX,
     _gemm_ref_fp32,
     act_quant_ref,
+    block_fp8_gemm,
     cdiv,
     check_gemm,
 )
+
+# the timed self-test's GEMMs (M, N, K): a decode step of 64 rows through DeepSeek-V3's o_proj (7168 x 16384)
+# and q_b_proj (24576 x 1536)
+BENCH_SHAPES = ((64, 7168, 16384), (64, 24576, 1536))
 
 
 def _scaled_mm_eligible(
@@ -71,11 +80,34 @@ def _probe_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> None:
                                           f"at M,N,K={m},{n},{k}")
 
 
+def _bench_cases(device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """(a, a_scale, b, b_scale) of each of ``BENCH_SHAPES`` on ``device`` (random FP8 values)."""
+    cases = []
+    for m, n, k in BENCH_SHAPES:
+        a = torch.randn(m, k, device=device).to(FP8_DTYPE)
+        a_scale = torch.rand(k // BLOCK, m, device=device).add_(0.5).t()  # M-major, as act_quant returns it
+        b = torch.randn(n, k, device=device).to(FP8_DTYPE)
+        cases.append((a, a_scale, b, torch.rand(cdiv(n, BLOCK), k // BLOCK, device=device).add_(0.5)))
+    return cases
+
+
+def _benchmark_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> Callable[[], object]:
+    cases = _bench_cases(device)
+    return lambda: [_scaled_mm(*case, out_dtype) for case in cases]
+
+
+def _benchmark_triton(device: torch.device, out_dtype: torch.dtype) -> Callable[[], object]:
+    cases = _bench_cases(device)
+    return lambda: [block_fp8_gemm.without_backends(*case, out_dtype) for case in cases]
+
+
 # Block FP8 GEMMs on CUDA: blockwise torch._scaled_mm where its self-test passes for the device and output
-# dtype, else Triton; EPSERVE_FP8_BACKEND forces one (``torch``: the reference, decided in ``fp8._on_cuda``).
+# dtype, else Triton (the faster where both pass); EPSERVE_FP8_BACKEND forces one (``torch``: the reference,
+# decided in ``fp8._on_cuda``).
 FP8_GEMM = backends.register(backends.KernelOp(
     "fp8_gemm",
-    (backends.KernelBackend("scaled_mm", _probe_scaled_mm), backends.KernelBackend("triton")),
+    (backends.KernelBackend("scaled_mm", _probe_scaled_mm, _benchmark_scaled_mm),
+     backends.KernelBackend("triton", benchmark=_benchmark_triton)),
     forced=env.fp8_backend,
     env_var=env.FP8_BACKEND,
 ))

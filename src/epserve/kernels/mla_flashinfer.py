@@ -13,8 +13,8 @@ cache (no copy). The query is cast from fp32 to the cache dtype: scores then car
 (the query dtype) comes back as fp32. FP8 caches stay on Triton: FlashInfer's FP8 MLA paths take their
 scales as host floats (a device-to-host read of ``kv_scale`` per layer) and differ between its versions.
 
-Planning. ``plan()`` reads the lengths on the host and builds the work schedule; ``run()`` launches. Each
-call reads ``seq_lens`` once (a host sync) and plans, and the plan is kept for the calls that follow with
+Planning. ``plan()`` reads the lengths on the host and builds the work schedule; ``run()`` launches. An
+eager call reads ``seq_lens`` once (a host sync) and plans, and the plan is kept for the calls that follow with
 the same ``block_tables`` and ``seq_lens`` tensors (every layer of a step: one plan per step, one per
 micro-batch with two). The key is the tensors' addresses and shapes, and the cache holds a reference to
 both, so their memory cannot be handed to another step's tensors while the plan lives: the contract is
@@ -22,14 +22,17 @@ that a call's tables and lengths are not rewritten in place afterwards (the engi
 every step).
 
 CUDA graphs. Planning inside a capture is impossible (it reads the lengths on the host, and a replay would
-reuse the captured lengths). FlashInfer's ``use_cuda_graph=True`` mode keeps fixed index buffers so that
-vLLM and SGLang call ``plan()`` before each replay, outside the graph; our captured decode
-(``engine/graphs.py``) replays with no per-step hook for that. So FlashInfer runs eager decode only (mixed
-prefill-and-decode steps, batches above the largest bucket, profiled steps) and captured decode keeps
-the Triton kernels, which read the lengths on the device: :func:`eligible` is False during a capture.
+reuse the captured lengths). A call whose tables and lengths are a captured bucket's static tensors, planned
+through ``kernels.decode_plan`` before the bucket's warm-up, capture and every replay, runs the bucket's
+CUDA-graph-mode wrapper instead (``kernels.mla_flashinfer_graph``); the warm-up run and the capture so reach
+the same FlashInfer kernel, and whether the stream is capturing changes no choice (:func:`eligible` reads
+shapes only). Any other call inside a capture raises (``NotPlanned``) rather than plan there.
 Rows of length 0 (padding) read one token of their first block and come out zero, as the contract says.
-A FlashInfer error on a case the self-test did not cover (:func:`try_decode`) hands the op to Triton for
-the rest of the process, with one warning.
+A FlashInfer error on a case the self-test did not cover (:func:`try_decode`; outside a capture) hands the
+op to Triton for the rest of the process, with one warning.
+
+Speed. Where both pass their self-tests on a GPU, ``kernels.backends`` times one decode of each at
+DeepSeek-V3's shapes (:func:`benchmark_case`: 128 heads, 4k tokens of context, 32 rows) and keeps the faster.
 """
 
 from __future__ import annotations
@@ -37,35 +40,32 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 from epserve import env
 from epserve.kernels import backends
+from epserve.kernels.device import is_cuda
 from epserve.kernels.fp8 import cdiv
-from epserve.kernels.mla_decode import check_decode, paged_mla_decode_ref
+from epserve.kernels.mla_decode import check_decode, paged_mla_decode, paged_mla_decode_ref
+from epserve.kernels.mla_flashinfer_graph import (
+    KV_LORA_RANK,
+    ROPE_DIM,
+    NotPlanned,
+    SeqLensError,
+    backend_for,
+    captured_decode,
+    import_flashinfer,
+    workspace,
+)
 
-KV_LORA_RANK, ROPE_DIM = 512, 64  # the shapes FlashInfer's MLA kernels are built for (DeepSeek-V2/V3)
 CACHE_DTYPES = (torch.bfloat16, torch.float16)
-WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial outputs), per device
 MAX_PLANS = 4  # plans kept per device: the step's, and one per micro-batch
 SELF_TEST_HEADS = (16, 128)  # DeepSeek-V3's 128 heads at TP 8 and at TP 1
 SELF_TEST_TOLERANCE = 1e-2  # of max |v|: bf16 output and P rounding err by ~2^-9 of it
-
-
-class SeqLensError(ValueError):
-    """``seq_lens`` outside what the block tables hold (bad input, never a reason to change backends)."""
-
+BENCH_ROWS, BENCH_HEADS, BENCH_TOKENS, BENCH_BLOCK = 32, 128, 4096, 16  # the timed self-test's decode
 
 MLAImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
-
-
-def import_flashinfer() -> ModuleType:
-    """``flashinfer.mla`` (ImportError when the optional package or its CUDA dependencies are missing)."""
-    import flashinfer.mla
-
-    return flashinfer.mla
 
 
 def fits(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lora_rank: int,
@@ -82,10 +82,9 @@ def fits(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Ten
 
 def eligible(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, kv_lora_rank: int,
              kv_scale: torch.Tensor | None) -> bool:
-    """Whether this call may run FlashInfer: CUDA tensors that :func:`fits`, outside a graph capture
-    (nothing is read from the device)."""
-    return (q_latent.is_cuda and fits(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale)
-            and not torch.cuda.is_current_stream_capturing())
+    """Whether this call may run FlashInfer: CUDA tensors that :func:`fits` (shapes only, the same answer
+    inside a graph capture as outside it; nothing is read from the device)."""
+    return is_cuda(q_latent) and fits(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale)
 
 
 @dataclass
@@ -103,16 +102,14 @@ class _Planner:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = workspace(device)
         self.plans: OrderedDict[tuple, _Plan] = OrderedDict()
 
     def _wrapper(self) -> object:
         """A wrapper for a new plan: the least recently used one's when the cache is full."""
         if len(self.plans) >= MAX_PLANS:
             return self.plans.popitem(last=False)[1].wrapper
-        major, _ = torch.cuda.get_device_capability(self.device)
-        # pinned, not "auto": the self-tested kernel is the one every call runs (auto may choose per request)
-        return import_flashinfer().BatchMLAPagedAttentionWrapper(self.workspace, backend="fa3" if major == 9 else "fa2")
+        return import_flashinfer().BatchMLAPagedAttentionWrapper(self.workspace, backend=backend_for(self.device))
 
     def plan(self, q_dtype: torch.dtype, kv_cache: torch.Tensor, block_tables: torch.Tensor,
              seq_lens: torch.Tensor, num_heads: int, softmax_scale: float) -> _Plan:
@@ -212,9 +209,7 @@ def try_decode(
     except (RuntimeError, ValueError) as e:
         if env.mla_backend() == "flashinfer":
             raise
-        backends.fall_back("mla_decode", q_latent.device, kv_cache.dtype,
-                           f"{tuple(q_latent.shape[:2])} rows x heads, block size {kv_cache.shape[1]}: "
-                           f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
+        _fall_back(q_latent, kv_cache, e)
         return None
 
 
@@ -223,11 +218,34 @@ def paged_mla_decode_fi(
     softmax_scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None = None, num_splits: int | None = None,
 ) -> torch.Tensor | None:
     """The ``paged_mla_decode`` op's FlashInfer implementation (listed where ``kernels.backends`` chose
-    FlashInfer for the device and cache dtype): :func:`try_decode` where the call is :func:`eligible` (no
-    ``num_splits``); None (the op runs Triton) otherwise."""
+    FlashInfer for the device and cache dtype), for a call that is :func:`eligible` (no ``num_splits``; None,
+    the op runs Triton, otherwise): the captured bucket's graph-mode wrapper for its static tables (warm-up
+    and capture alike), else :func:`try_decode`'s plan per call, which a capture cannot run (``NotPlanned``)."""
     if num_splits is not None or not eligible(q_latent, kv_cache, block_tables, kv_lora_rank, kv_scale):
         return None
+    check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, None)
+    capturing = torch.cuda.is_current_stream_capturing()
+    try:
+        out = captured_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale)
+    except (NotPlanned, SeqLensError):
+        raise
+    except (RuntimeError, ValueError) as e:
+        if capturing or env.mla_backend() == "flashinfer":
+            raise
+        _fall_back(q_latent, kv_cache, e)
+        return None
+    if out is not None:
+        return out
+    if capturing:
+        raise NotPlanned(f"FlashInfer MLA decode inside a CUDA graph capture reads tables {tuple(block_tables.shape)} "
+                         "that kernels.decode_plan.plan_replay was not given before the bucket's warm-up run")
     return try_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
+
+
+def _fall_back(q_latent: torch.Tensor, kv_cache: torch.Tensor, e: BaseException) -> None:
+    backends.fall_back("mla_decode", q_latent.device, kv_cache.dtype,
+                       f"{tuple(q_latent.shape[:2])} rows x heads, block size {kv_cache.shape[1]}: "
+                       f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
 
 
 # ---- the self-test ------------------------------------------------------------------------------
@@ -290,9 +308,33 @@ def self_test(device: torch.device, cache_dtype: torch.dtype) -> None:
     check_against_reference(paged_mla_decode_flashinfer, device, cache_dtype, q_dtype=cache_dtype)
 
 
+def benchmark_case(device: torch.device, cache_dtype: torch.dtype) -> tuple:
+    """The timed self-test's decode at DeepSeek-V3's shapes: ``BENCH_ROWS`` rows of ``BENCH_HEADS`` heads over
+    ``BENCH_TOKENS`` tokens each (a ``cache_dtype`` cache, blocks shuffled): ``paged_mla_decode``'s arguments."""
+    g = torch.Generator().manual_seed(0)
+    per_row = BENCH_TOKENS // BENCH_BLOCK
+    blocks = BENCH_ROWS * per_row
+    cache = torch.randn(blocks, BENCH_BLOCK, KV_LORA_RANK + ROPE_DIM, device=device).to(cache_dtype)
+    tables = torch.randperm(blocks, generator=g).view(BENCH_ROWS, per_row).to(device)
+    q = torch.randn(BENCH_ROWS, BENCH_HEADS, KV_LORA_RANK + ROPE_DIM, device=device)
+    lens = torch.full((BENCH_ROWS,), BENCH_TOKENS, device=device)
+    return q, cache, tables, lens, (128 + ROPE_DIM) ** -0.5, KV_LORA_RANK
+
+
+def _benchmark_flashinfer(device: torch.device, cache_dtype: torch.dtype) -> Callable[[], object]:
+    case = benchmark_case(device, cache_dtype)
+    return lambda: paged_mla_decode_flashinfer(*case)  # planned on the first run, as a step's layers share a plan
+
+
+def _benchmark_triton(device: torch.device, cache_dtype: torch.dtype) -> Callable[[], object]:
+    case = benchmark_case(device, cache_dtype)
+    return lambda: paged_mla_decode.without_backends(*case)  # the op's CUDA kernels without FlashInfer
+
+
 OP = backends.register(backends.KernelOp(
     "mla_decode",
-    (backends.KernelBackend("flashinfer", self_test), backends.KernelBackend("triton")),
+    (backends.KernelBackend("flashinfer", self_test, _benchmark_flashinfer),
+     backends.KernelBackend("triton", benchmark=_benchmark_triton)),
     forced=env.mla_backend,
     env_var=env.MLA_BACKEND,
 ))

@@ -22,9 +22,14 @@ dtypes, after ``kernels.backends`` ran its self-tests (:func:`prepare`, run by `
 the key's first call. An implementation that is a ``kernels.backends`` backend (``backend=("mla_decode",
 "flashinfer")``) is listed only where ``backends`` chose it for that device and dtype (its self-test passed,
 or its ``EPSERVE_*`` variable forces it, read when the key is filled); the backend's fallback is the next
-implementation listed. A key filled inside a CUDA graph capture, before the decision was made, lists the
-fallback without being kept (nothing is self-tested in a capture; the next eager call decides). A decision
-that changes (``backends.fall_back``, ``forget``) drops the tables of the ops it gates.
+implementation listed. A decision that changes (``backends.fall_back``, ``forget``) drops the tables of the ops
+it gates.
+
+Capture changes nothing: a call inside a CUDA graph capture reaches the implementation an eager call with the
+same tensors reaches (a key first filled there asks ``backends``, which raises for an op it has not decided
+rather than answer otherwise), so the warm-up run before a capture compiles and loads exactly the kernels the
+capture records. :func:`record_calls` lists which implementation each call ran (``tests/kernels/
+test_capture_path.py`` compares a warm-up with a capture).
 
 An implementation's ``takes`` reads shapes and dtypes only (never a value), so it answers in a trace as well.
 """
@@ -33,7 +38,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Literal
@@ -50,6 +56,8 @@ _Row = tuple[Callable[..., bool] | None, ModuleType, str, bool]
 Key = tuple[str, torch.dtype | None]  # (device type, dtype)
 
 _DEFS: dict[str, OpDef] = {}
+_records: list[list[tuple[str, str]]] = []  # record_calls' lists, innermost last (empty: nothing recorded)
+REFERENCE = "reference"  # what record_calls names a call the reference ran
 
 
 @dataclass(frozen=True)
@@ -141,6 +149,23 @@ class OpDef:
             out = getattr(module, fn)(*args, **kwargs)
             if may_decline and (out is None or out is False):
                 continue
+            if _records:
+                _records[-1].append((self.name, f"{module.__name__}:{fn}"))
+            return None if self.returns_none else out
+        if _records:
+            _records[-1].append((self.name, REFERENCE))
+        return self.reference(*args, **kwargs)
+
+    def without_backends(self, *args: Any, **kwargs: Any) -> Any:
+        """The call run eagerly by the implementations no ``kernels.backends`` choice gates (what runs where no
+        gated backend was chosen: the fallback a backend's timed self-test is compared with), else the
+        reference. Not a hot path: looked up on every call."""
+        for impl in self.impls.get(self.device_of(*args, **kwargs), ()):
+            if impl.backend is not None or (impl.takes is not None and not impl.takes(*args, **kwargs)):
+                continue
+            out = impl.function()(*args, **kwargs)
+            if impl.takes is None and (out is None or out is False):
+                continue
             return None if self.returns_none else out
         return self.reference(*args, **kwargs)
 
@@ -157,20 +182,14 @@ class OpDef:
         return self.reference(*args, **kwargs)
 
     def fill(self, where: str, dtype: torch.dtype | None = None) -> tuple[_Row, ...]:
-        """Decide (once) the implementations that run on device type ``where`` for ``dtype``, in order; kept
-        unless a backend's choice could not be made yet (inside a CUDA graph capture)."""
-        rows, final = [], True
+        """Decide (once) the implementations that run on device type ``where`` for ``dtype``, in order."""
+        rows = []
         for impl in self.impls.get(where, ()):
-            if impl.backend is not None:
-                chosen = _chosen_backend(impl.backend[0], where, dtype)
-                final = final and chosen is not None
-                if chosen != impl.backend[1]:
-                    continue
+            if impl.backend is not None and _chosen_backend(impl.backend[0], where, dtype) != impl.backend[1]:
+                continue
             module, _, fn = impl.target.partition(":")
             rows.append((impl.takes, importlib.import_module(module), fn, impl.takes is None))
-        table = tuple(rows)
-        if final:
-            self._table[(where, dtype)] = table
+        table = self._table[(where, dtype)] = tuple(rows)
         return table
 
     def chosen(self, where: str, dtype: torch.dtype | None = None) -> list[str]:
@@ -190,9 +209,9 @@ class OpDef:
         self._table = {}
 
 
-def _chosen_backend(op: str, where: str, dtype: torch.dtype | None) -> str | None:
-    """The backend ``backends`` chose for ``op`` on device type ``where`` and ``dtype``; None inside a CUDA graph
-    capture before it was decided; the fallback for CUDA on a machine without it (a trace's stand-in)."""
+def _chosen_backend(op: str, where: str, dtype: torch.dtype | None) -> str:
+    """The backend ``backends`` chose for ``op`` on device type ``where`` and ``dtype`` (it raises inside a CUDA
+    graph capture before deciding); the fallback for CUDA on a machine without it (a trace's stand-in)."""
     if where == "cuda" and not torch.cuda.is_available():
         return backends.get_op(op).fallback
     return backends.decide(op, torch.device(where), dtype)
@@ -201,6 +220,19 @@ def _chosen_backend(op: str, where: str, dtype: torch.dtype | None) -> str | Non
 def declare(name: str, **options: Any) -> Callable[[Callable[..., Any]], OpDef]:
     """``@declare("rms_norm", fake=...)`` over the op's reference: the op (see :class:`OpDef`)."""
     return lambda reference: OpDef(reference, name=name, **options)
+
+
+@contextmanager
+def record_calls() -> Iterator[list[tuple[str, str]]]:
+    """A list of ``(op name, implementation)`` for every eager op call made inside the block, in the order the
+    calls returned (an op an implementation calls comes before it): the implementation ``"module:function"``
+    that ran it, or ``"reference"``. The calls a warm-up reaches can so be compared with a capture's."""
+    calls: list[tuple[str, str]] = []
+    _records.append(calls)
+    try:
+        yield calls
+    finally:
+        _records.pop()  # the blocks nest: this one's list is the innermost
 
 
 def defined() -> dict[str, OpDef]:
