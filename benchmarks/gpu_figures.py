@@ -102,36 +102,41 @@ def expected_active_experts(tokens: int, top_k: int = V3["top_k"], experts: int 
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
-def expert_bytes() -> int:
-    """One routed (or the shared) expert: gate_up [2I, H] and down [H, I] in FP8."""
+def linear_bytes(n: int, k: int, fp8: bool = True, bytes_per_elem: int = 2) -> int:
+    """A linear layer's weight [N, K]: FP8 with its block scales, or ``bytes_per_elem`` a value."""
+    return fp8_weight_bytes(n, k) if fp8 else n * k * bytes_per_elem
+
+
+def expert_bytes(fp8: bool = True) -> int:
+    """One routed (or the shared) expert: gate_up [2I, H] and down [H, I]."""
     h, i = V3["hidden"], V3["moe_intermediate"]
-    return fp8_weight_bytes(2 * i, h) + fp8_weight_bytes(h, i)
+    return linear_bytes(2 * i, h, fp8) + linear_bytes(h, i, fp8)
 
 
 def layer_stream_bytes(batch: int, context: int, kv_bytes_per_elem: int = 2, moe: bool = True,
                        experts: int = LOCAL_EXPERTS, top_k: int = V3["top_k"], heads: int = V3["heads"],
-                       weight_bytes_per_elem: int = 2) -> dict[str, int]:
+                       fp8: bool = True, bytes_per_elem: int = 2) -> dict[str, int]:
     """Bytes each op of one decode step of one layer must stream, by op name (``parallel/stages.py``'s):
-    FP8 projections with their scales, the absorbed W_UK / W_UV^T (``weight_bytes_per_elem``, the model
-    dtype), the latent cache of ``batch`` sequences of ``context`` tokens, the router (bf16), the experts
-    that ``batch`` tokens reach under uniform routing over ``experts`` (top ``top_k``) and the shared expert,
-    or the dense MLP."""
+    the projections (FP8 with their scales, or ``bytes_per_elem`` a value when not ``fp8``), the absorbed
+    W_UK / W_UV^T and the router (``bytes_per_elem``, the model dtype), the latent cache of ``batch``
+    sequences of ``context`` tokens, the experts that ``batch`` tokens reach under uniform routing over
+    ``experts`` (top ``top_k``) and the shared expert, or the dense MLP."""
     h, r, v, nope = V3["hidden"], V3["kv_lora_rank"], V3["v_head"], V3["nope"]
     out = {
-        "qkv_a_proj": fp8_weight_bytes(V3["q_lora_rank"] + LATENT, h),
-        "q_b_proj": fp8_weight_bytes(heads * (nope + V3["rope"]), V3["q_lora_rank"]),
-        "q_absorb": heads * nope * r * weight_bytes_per_elem,
+        "qkv_a_proj": linear_bytes(V3["q_lora_rank"] + LATENT, h, fp8),
+        "q_b_proj": linear_bytes(heads * (nope + V3["rope"]), V3["q_lora_rank"], fp8),
+        "q_absorb": heads * nope * r * bytes_per_elem,
         "attention_core": mla_cache_bytes(batch, context, kv_bytes_per_elem),
-        "v_absorb": heads * r * v * weight_bytes_per_elem,
-        "o_proj": fp8_weight_bytes(h, heads * v),
+        "v_absorb": heads * r * v * bytes_per_elem,
+        "o_proj": linear_bytes(h, heads * v, fp8),
     }
     if moe:
-        out["gate"] = experts * h * weight_bytes_per_elem
-        out["experts"] = round(expected_active_experts(batch, top_k, experts) * expert_bytes())
-        out["shared_expert"] = V3["shared_experts"] * expert_bytes()
+        out["gate"] = experts * h * bytes_per_elem
+        out["experts"] = round(expected_active_experts(batch, top_k, experts) * expert_bytes(fp8))
+        out["shared_expert"] = V3["shared_experts"] * expert_bytes(fp8)
     else:
         i = V3["intermediate"]
-        out["mlp"] = fp8_weight_bytes(2 * i, h) + fp8_weight_bytes(h, i)
+        out["mlp"] = linear_bytes(2 * i, h, fp8) + linear_bytes(h, i, fp8)
     return out
 
 

@@ -16,15 +16,34 @@ The checkpoint is written by epserve's own writer (``presets.make_checkpoint``: 
 into ``--checkpoint`` and loaded by ``LLM``. For each variant (``fp8``: FP8 weights, bf16 KV cache;
 ``bf16``: the weights dequantized at load; ``fp8-kv``: FP8 weights and an FP8 cache) two engines run:
 eager, and captured (CUDA graphs on a GPU, captured at start-up; ``torch.compile`` on the CPU). Both
-decode the same prompts greedily (the tokens must be equal), then a steady decode batch of B sequences
-of ``--prompt-len`` tokens is timed at each ``--batches`` size, alternating the engines: ``step_ms``
-(``engine.step()``: forward, sampling, scheduler, what a request waits for) and ``forward_ms`` (the
-forward alone, CUDA events around it). The eager engine then runs one more round with CUDA events at
-each layer's start, its FFN's start and its end: the dense and the MoE layer's attention and FFN time.
-Graph memory and capture time come from the engine's start-up log, KV bytes from ``llm.cache_info()``.
+decode the same prompts greedily (the tokens must be equal). Then, at each ``--batches`` size, both engines
+prefill B sequences of ``--prompt-len`` tokens (4096 at ``--size v3``: the 4k context of the issue's goal)
+ONCE and decode on from there, alternating the engines round by round so drift hits both alike:
+``step_ms`` (``engine.step()``: forward, sampling, scheduler, what a request waits for) and ``forward_ms``
+(the forward alone, CUDA events around it: the graph replay with its input copies, on the captured engine).
+The eager engine then decodes a few more steps with CUDA events at each layer's start, its FFN's start and
+its end (the dense and the MoE layer's attention and FFN time), then a few with each op timed alone
+(``step_timers.OpTimer``: CUDA events around every op of the layers' op hooks in an eager pass, a sleep
+kernel queued before each so that the op's kernels run back to back: their time, not the host's launches):
+attention projections, MLA decode, ``o_proj``, gate, dispatch (local at one rank), grouped experts, shared
+expert, combine (``step_timers.OP_GROUPS``).
 
-    python3 benchmarks/v3_layer.py --device cuda --json v3_layer.json        # ~2.2 GB of FP8 weights
-    .venv/bin/python benchmarks/v3_layer.py --size tiny --batches 1 2        # the same, tiny, on the CPU
+On a GPU at ``--size v3``, each row also has the weight-and-KV streaming floor (``gpu_figures.
+layer_stream_bytes``: every weight the step reads, the experts B tokens reach, the latent cache of B
+sequences at their context, once, at the copy bandwidth measured here first) of the forward (both layers)
+and of each op, and the captured forward over it (``key_figures["goals"]["v3_layer_vs_floor"]``: goal
+<= 1.5x, at the largest batch of the first FP8-weight variant). Sized to fit an H100 80 GB as well as an
+H200: two engines of ~2.3 GB of FP8 weights and a KV pool of B x (context + steps) tokens each (0.6 GB at
+B = 64, 4k), the checkpoint ~2.3 GB on disk. Graph memory and capture time come from the engine's
+start-up log, KV bytes from ``llm.cache_info()``.
+
+The JSON (``--json``) is rewritten, atomically, after every measurement with ``"complete": false`` until
+the end: a run cut off by a timeout leaves every figure measured so far. ``--device cuda`` without a CUDA
+device (the default where there is none at ``--size v3``) writes ``{"status": "skipped"}`` and exits with
+status 2; ``--build-only`` builds the checkpoint on the CPU and needs no GPU.
+
+    python3 benchmarks/v3_layer.py --device cuda --batches 64 --json v3_layer.json  # ~2.3 GB of FP8 weights
+    .venv/bin/python benchmarks/v3_layer.py --size tiny --batches 1 2                 # the same, tiny, on the CPU
 
 Exit status 1 when a variant's captured tokens differ from its eager tokens (the JSON is written first).
 """
@@ -44,12 +63,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import start_decode_batch
-from step_timers import Clock, ForwardTimer, LayerTimer, LogLines, median_ms
+from gpu_figures import JsonProgress, goal, layer_stream_bytes, write_skipped
+from step_timers import Clock, ForwardTimer, LayerTimer, LogLines, OpTimer, group_ops, median_ms
 
 from epserve import LLM, SamplingParams
 from epserve.env import cache_dir
@@ -111,16 +133,18 @@ def build_checkpoint(path: Path, size: str) -> tuple[Path, float]:
     return path, time.perf_counter() - start
 
 
-def timed_steps(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int, fwd: ForwardTimer,
-                clock: Clock, layers: LayerTimer | None = None) -> tuple[list[float], list[float]]:
-    """``steps`` pure decode steps of ``batch`` sequences: each step's wall time and its forward's time
-    (``layers``: stamped at the layers' ops during those steps only)."""
+WARM_STEPS = 2  # decode steps of each batch before the timed rounds (a bucket's first use; compiles on the CPU)
+
+
+def run_steps(llm: LLM, steps: int, fwd: ForwardTimer, clock: Clock,
+              timer: LayerTimer | OpTimer | None = None) -> tuple[list[float], list[float]]:
+    """``steps`` decode steps of the engine's running batch: each step's wall time and its forward's time
+    (``timer``: its op hooks on during those steps only)."""
     engine = llm.engine
-    start_decode_batch(engine, batch, prompt_len, steps, seed, tag=f"b{batch}s{seed}")
     fwd.take()
     walls = []
-    if layers is not None:
-        layers.enable(True)
+    if timer is not None:
+        timer.enable(True)
     try:
         for _ in range(steps):
             start = time.perf_counter()
@@ -129,13 +153,46 @@ def timed_steps(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int, fw
                 torch.cuda.synchronize()
             walls.append(time.perf_counter() - start)
     finally:
-        if layers is not None:
-            layers.enable(False)
-    forwards = fwd.take()
-    while engine.has_unfinished_requests():
-        engine.step()
+        if timer is not None:
+            timer.enable(False)
+    return walls, fwd.take()
+
+
+def drain(llm: LLM, fwd: ForwardTimer) -> None:
+    """Run the engine's requests to their end (their ``max_tokens`` is set to last the timed steps)."""
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
     fwd.take()
-    return walls, forwards
+
+
+def measure_copy_TBps(repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth (1 GiB, bytes read plus written; ``gpu_micro.py``'s copy part, smaller):
+    the ceiling the streaming floor is read against."""
+    from fp8_gemm import timed
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    t = timed(partial(dst.copy_, src), repeats, flush)
+    del src, dst, flush
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / t / 1e12
+
+
+def streaming_floor(args: argparse.Namespace, variant: str, batch: int, copy_TBps: float) -> dict[str, Any]:
+    """The forward's weight-and-KV streaming floor at ``copy_TBps`` for ``batch`` sequences at the timed
+    context: bytes per op of the dense and the MoE layer (``gpu_figures.layer_stream_bytes``)."""
+    options = VARIANTS[variant]
+    fp8 = options.get("quantization") == "fp8"
+    kv = 1 if options.get("kv_cache_dtype") == "fp8" else 2
+    context = args.prompt_len + WARM_STEPS + args.rounds * args.steps // 2  # the middle of the timed rounds
+    layers = {kind: layer_stream_bytes(batch, context, kv, moe=kind == "moe", experts=SHARD["n_routed_experts"],
+                                       top_k=SHARD["num_experts_per_tok"], fp8=fp8)
+              for kind in ("dense", "moe")}
+    total = sum(sum(b.values()) for b in layers.values())
+    return {"copy_TBps": copy_TBps, "context": context, "bytes": layers, "forward_bytes": total,
+            "forward_floor_ms": total / (copy_TBps * 1e12) * 1e3,
+            "layer_floor_ms": {k: sum(b.values()) / (copy_TBps * 1e12) * 1e3 for k, b in layers.items()}}
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> dict[str, int] | None:
@@ -148,14 +205,23 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> dict[str, int] |
     return None
 
 
+def decode_steps(args: argparse.Namespace, mode: str) -> int:
+    """Decode steps a timed batch runs on the engine of ``mode``: warm-up, the rounds, and on the eager
+    engine a layer-timed and an op-timed pass."""
+    return WARM_STEPS + args.rounds * args.steps + (2 * args.steps if mode == "eager" else 0)
+
+
 def engine_options(args: argparse.Namespace, variant: str, mode: str, max_batch: int) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
-    max_len = max(args.prompt_len, max(TOKEN_PROMPT_LENS)) + max(args.steps, args.tokens) + 16
+    generated = max(decode_steps(args, "eager") + 2, args.tokens)
+    max_len = max(args.prompt_len, max(TOKEN_PROMPT_LENS)) + generated + 16
     per_seq = -(-max_len // args.block_size)
     options: dict[str, Any] = dict(
         dtype="bfloat16", device=args.device, block_size=args.block_size, enable_prefix_caching=False,
         num_blocks=max(max_batch, len(TOKEN_PROMPT_LENS)) * per_seq + 8, max_num_seqs=max_batch,
         max_model_len=max_len, **VARIANTS[variant])
+    if args.prompt_len > 2048:  # long prompts: prefill in fewer, larger chunks (the prefill is not what is timed)
+        options["max_num_batched_tokens"] = 8192
     if mode == "captured":
         options |= {"cuda_graph": True, "cuda_graph_max_bs": max_batch} if cuda else {"compile": True,
                                                                                        "cuda_graph_max_bs": max_batch}
@@ -164,11 +230,10 @@ def engine_options(args: argparse.Namespace, variant: str, mode: str, max_batch:
     return options
 
 
-def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLines) -> dict[str, Any]:
+def start_engines(args: argparse.Namespace, path: Path, variant: str, log: LogLines, out: dict[str, Any],
+                  clock: Clock) -> tuple[dict[str, LLM], dict[str, ForwardTimer]]:
     cuda = args.device.startswith("cuda")
-    clock = Clock(cuda)
     max_batch = max(args.batches)
-    out: dict[str, Any] = {"variant": variant, "options": {k: v for k, v in VARIANTS[variant].items()}, "modes": {}}
     engines: dict[str, LLM] = {}
     timers: dict[str, ForwardTimer] = {}
     for mode in args.modes:
@@ -195,6 +260,73 @@ def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLine
         engines[mode], timers[mode] = llm, ForwardTimer(llm.engine.runner, clock)
         out["modes"][mode] = info
         print(f"[{variant}] {mode}: started in {info['start_s']:.1f} s; {info['log']}", flush=True)
+    return engines, timers
+
+
+def time_batch(args: argparse.Namespace, batch: int, engines: dict[str, LLM], timers: dict[str, ForwardTimer],
+               clock: Clock, row: dict[str, Any], save: Callable[[], None]) -> None:
+    """One batch size: each engine prefills its B sequences once, then rounds of timed decode steps alternate
+    between the engines; the eager engine then times its layers and its ops. Fills ``row``."""
+    start = time.perf_counter()
+    for mode, llm in engines.items():
+        start_decode_batch(llm.engine, batch, args.prompt_len, decode_steps(args, mode), seed=batch, tag=f"b{batch}")
+        row[mode] = {"step_ms_rounds": [], "forward_ms_rounds": []}
+    row["prefill_s"] = time.perf_counter() - start
+    for mode, llm in engines.items():  # warm-up (a bucket's first use; compiles on the CPU)
+        run_steps(llm, WARM_STEPS, timers[mode], clock)
+    for _ in range(args.rounds):  # alternating, so drift hits both alike
+        for mode, llm in engines.items():
+            walls, forwards = run_steps(llm, args.steps, timers[mode], clock)
+            row[mode]["step_ms_rounds"].append(median_ms(walls))
+            row[mode]["forward_ms_rounds"].append(median_ms(forwards))
+    for mode in engines:
+        rec = row[mode]
+        rec["step_ms"] = statistics.median(rec["step_ms_rounds"])
+        rec["forward_ms"] = statistics.median(rec["forward_ms_rounds"])
+        rec["forward_ms_per_layer"] = rec["forward_ms"] / SHARD["num_hidden_layers"]
+    if "captured" in row and "eager" in row and row["captured"]["forward_ms"]:
+        row["captured"]["speedup_vs_eager"] = row["eager"]["step_ms"] / row["captured"]["step_ms"]
+    save()
+    if "eager" in engines:
+        model = engines["eager"].engine.runner.model
+        kind = {layer.layer_idx: "moe" if layer.is_moe else "dense" for layer in model.layers}
+        layers = LayerTimer(model, clock)
+        run_steps(engines["eager"], args.steps, timers["eager"], clock, layers)
+        row["eager"]["layers"] = {kind[i]: {k: median_ms(v) for k, v in rec.items()}
+                                  for i, rec in sorted(layers.take().items())}
+        save()
+        ops = OpTimer(model, clock)
+        run_steps(engines["eager"], args.steps, timers["eager"], clock, ops)
+        per_op = {kind[i]: {op: median_ms(v) for op, v in rec.items()} for i, rec in sorted(ops.take().items())}
+        row["eager"]["ops"] = per_op
+        row["eager"]["op_groups"] = {k: group_ops(v) for k, v in per_op.items()}
+        row["eager"]["ops_method"] = ("eager pass, CUDA events around each op of the layers' op hooks, a sleep kernel "
+                                      "queued before each (the op's kernels back to back, not its launches)"
+                                      if clock.cuda else "eager pass, perf_counter around each op")
+    for llm, timer in zip(engines.values(), timers.values()):
+        drain(llm, timer)
+
+
+def add_floor(row: dict[str, Any], floor: dict[str, Any]) -> None:
+    """The streaming floor into ``row``, with the captured forward (and each eager op) over it."""
+    row["floor"] = floor
+    if "captured" in row and row["captured"].get("forward_ms"):
+        row["captured"]["forward_vs_floor"] = row["captured"]["forward_ms"] / floor["forward_floor_ms"]
+    ops = row.get("eager", {}).get("ops", {})
+    per_ms = 1e3 / (floor["copy_TBps"] * 1e12)
+    row["floor"]["ops_vs_floor"] = {
+        kind: {op: ms / (floor["bytes"][kind][op] * per_ms) for op, ms in rec.items()
+               if ms and floor["bytes"].get(kind, {}).get(op)}
+        for kind, rec in ops.items()}
+
+
+def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLines, out: dict[str, Any],
+                save: Callable[[], None], copy_TBps: float | None) -> dict[str, Any]:
+    """One variant's engines, tokens check and timed batches, filled into ``out`` (``save()`` after each part)."""
+    clock = Clock(args.device.startswith("cuda"))
+    out |= {"variant": variant, "options": dict(VARIANTS[variant]), "modes": {}}
+    engines, timers = start_engines(args, path, variant, log, out, clock)
+    save()
     # greedy tokens, eager against captured
     g = torch.Generator().manual_seed(1)
     vocab = engines[args.modes[0]].config.model.vocab_size
@@ -206,70 +338,78 @@ def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLine
         out["tokens_equal"], out["first_difference"] = diff is None, diff
         print(f"[{variant}] greedy tokens, {len(prompts)} prompts x {args.tokens}: captured "
               f"{'= eager' if diff is None else f'DIFFER from eager at {diff}'}", flush=True)
+    save()
     if args.no_timing:
         return out
-    rows = []
+    out["rows"] = []
     for batch in args.batches:
-        row: dict[str, Any] = {"batch": batch}
-        for mode, llm in engines.items():  # warm-up (a bucket's first use; compiles on the CPU)
-            timed_steps(llm, batch, args.prompt_len, 2, 7, timers[mode], clock)
-            row[mode] = {"step_ms_rounds": [], "forward_ms_rounds": []}
-        for r in range(args.rounds):  # alternating, so drift hits both alike
-            for mode, llm in engines.items():
-                walls, forwards = timed_steps(llm, batch, args.prompt_len, args.steps, 100 * r + batch, timers[mode],
-                                              clock)
-                row[mode]["step_ms_rounds"].append(median_ms(walls))
-                row[mode]["forward_ms_rounds"].append(median_ms(forwards))
-        for mode in engines:
-            rec = row[mode]
-            rec["step_ms"] = statistics.median(rec["step_ms_rounds"])
-            rec["forward_ms"] = statistics.median(rec["forward_ms_rounds"])
-            rec["forward_ms_per_layer"] = rec["forward_ms"] / SHARD["num_hidden_layers"]
-        if "eager" in engines:
-            model = engines["eager"].engine.runner.model
-            layers = LayerTimer(model, clock)
-            timed_steps(engines["eager"], batch, args.prompt_len, args.steps, 999, timers["eager"], clock, layers)
-            spans = layers.take()
-            row["eager"]["layers"] = {
-                ("moe" if model.layers[i].is_moe else "dense"): {k: median_ms(v) for k, v in rec.items()}
-                for i, rec in sorted(spans.items())}
-        if "captured" in row and "eager" in row and row["captured"]["forward_ms"]:
-            row["captured"]["speedup_vs_eager"] = row["eager"]["step_ms"] / row["captured"]["step_ms"]
-        rows.append(row)
-        print(f"[{variant}] batch {batch}: " + "; ".join(
+        row: dict[str, Any] = {"batch": batch, "context": args.prompt_len}
+        out["rows"].append(row)
+        time_batch(args, batch, engines, timers, clock, row, save)
+        if copy_TBps and args.size == "v3":
+            add_floor(row, streaming_floor(args, variant, batch, copy_TBps))
+        save()
+        floor = row.get("floor")
+        print(f"[{variant}] batch {batch}, context {args.prompt_len}: " + "; ".join(
             f"{mode} step {row[mode]['step_ms']:.2f} ms, forward {row[mode]['forward_ms']:.2f} ms"
-            for mode in engines) + (f"; eager layers {row['eager'].get('layers')}" if "eager" in row else ""),
-            flush=True)
-    out["rows"] = rows
+            for mode in engines)
+            + (f"; floor {floor['forward_floor_ms']:.3f} ms" if floor else "")
+            + (f" (captured {row['captured']['forward_vs_floor']:.2f}x)" if "forward_vs_floor" in row.get(
+                "captured", {}) else "")
+            + (f"; eager layers {row['eager'].get('layers')}; ops {row['eager'].get('op_groups')}"
+               if "eager" in row else ""), flush=True)
     return out
 
 
 def key_figures(result: dict[str, Any]) -> dict[str, Any]:
     """The figures a summary shows: per variant, tokens equal, graph memory, KV bytes per token, and per
-    batch the step and per-layer forward times; and an estimate of DeepSeek-V3's whole decode forward
-    (3 dense + 58 MoE layers, the embedding and head left out): the captured two-layer forward scaled by
-    the dense and MoE layers' shares of the eager forward."""
+    batch the step and per-layer forward times, the eager ops' grouped times, the streaming floor and the
+    captured forward over it; an estimate of DeepSeek-V3's whole decode forward (3 dense + 58 MoE layers, the
+    embedding and head left out): the captured two-layer forward scaled by the dense and MoE layers' shares of
+    the eager forward; and ``goals``: the captured forward over its floor at the largest batch of the first
+    FP8-weight variant (goal <= 1.5x)."""
     figures: dict[str, Any] = {}
+    goal_row: tuple[str, dict[str, Any]] | None = None
     for v in result["variants"]:
         f: dict[str, Any] = {"tokens_equal": v.get("tokens_equal")}
-        cap = v["modes"].get("captured", {})
+        cap = v.get("modes", {}).get("captured", {})
         f |= {k: cap[k] for k in ("graphs", "capture_s", "graph_memory_MiB") if k in cap}
-        first = next(iter(v["modes"].values()))
+        first = next(iter(v.get("modes", {}).values()), {})
         f |= {"kv_bytes_per_token": first.get("bytes_per_token"), "kv_bytes": first.get("kv_bytes"),
               "weight_bytes": first.get("weight_bytes")}
         for row in v.get("rows", []):
+            b = f"b{row['batch']}"
             for mode in ("eager", "captured"):
-                if mode in row:
-                    f[f"b{row['batch']} {mode} step_ms"] = round(row[mode]["step_ms"], 3)
-                    f[f"b{row['batch']} {mode} forward_ms_per_layer"] = round(row[mode]["forward_ms_per_layer"], 3)
+                if "step_ms" in row.get(mode, {}):
+                    f[f"{b} {mode} step_ms"] = round(row[mode]["step_ms"], 3)
+                    f[f"{b} {mode} forward_ms_per_layer"] = round(row[mode]["forward_ms_per_layer"], 3)
             layers = row.get("eager", {}).get("layers", {})
             for kind, rec in layers.items():
-                f[f"b{row['batch']} eager {kind} layer_ms"] = rec["layer"] and round(rec["layer"], 3)
-            if "captured" in row and layers.get("dense", {}).get("layer") and layers.get("moe", {}).get("layer"):
+                f[f"{b} eager {kind} layer_ms"] = rec["layer"] and round(rec["layer"], 3)
+            for kind, groups in row.get("eager", {}).get("op_groups", {}).items():
+                f[f"{b} eager {kind} ops_ms"] = {k: round(ms, 3) for k, ms in groups.items()}
+            if "step_ms" in row.get("captured", {}) and layers.get("dense", {}).get("layer") and layers.get(
+                    "moe", {}).get("layer"):
                 dense, moe = layers["dense"]["layer"], layers["moe"]["layer"]
-                f[f"b{row['batch']} captured 61-layer forward estimate_ms"] = round(
+                f[f"{b} captured 61-layer forward estimate_ms"] = round(
                     row["captured"]["forward_ms"] * (3 * dense + 58 * moe) / (dense + moe), 2)
+            floor = row.get("floor")
+            if floor:
+                f[f"{b} forward floor_ms"] = round(floor["forward_floor_ms"], 3)
+                if "forward_vs_floor" in row.get("captured", {}):
+                    f[f"{b} captured forward / floor"] = round(row["captured"]["forward_vs_floor"], 3)
+                    if v["options"].get("quantization") == "fp8" and (goal_row is None or (
+                            goal_row[0] == v["variant"] and row["batch"] > goal_row[1]["batch"])):
+                        goal_row = (v["variant"], row)
         figures[v["variant"]] = f
+    if goal_row is None:
+        figures["goals"] = {"v3_layer_vs_floor": goal("v3_layer_vs_floor", None, note="not measured in this run")}
+    else:
+        variant, row = goal_row
+        figures["goals"] = {"v3_layer_vs_floor": goal(
+            "v3_layer_vs_floor", row["captured"]["forward_vs_floor"], variant=variant, batch=row["batch"],
+            context=row["floor"]["context"], forward_ms=round(row["captured"]["forward_ms"], 3),
+            floor_ms=round(row["floor"]["forward_floor_ms"], 3), copy_TBps=round(row["floor"]["copy_TBps"], 3))}
     return figures
 
 
@@ -278,11 +418,13 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="v3",
                     help="v3: DeepSeek-V3's widths; tiny: seconds on a CPU")
     ap.add_argument("--tiny", action="store_const", const="tiny", dest="size", help="the same as --size tiny")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None,
+                    help="default: cuda where there is one, else cpu at --size tiny (cuda, skipped, at --size v3)")
     ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["fp8"])
     ap.add_argument("--modes", nargs="+", choices=["eager", "captured"], default=["eager", "captured"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--prompt-len", type=int, default=None, help="context of the timed batch (default 1024; tiny 32)")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help="context of the timed batch (default 4096, DeepSeek-V3's 4k goal; tiny 32)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per round (default 12; tiny 3)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=12, help="greedy tokens per prompt in the eager = captured check")
@@ -291,20 +433,25 @@ def main() -> None:
     ap.add_argument("--build-only", action="store_true", help="build the checkpoint (or keep it) and exit")
     ap.add_argument("--checkpoint", type=Path, default=None,
                     help="where the checkpoint is built once (default $EPSERVE_CACHE_DIR/v3-layer-<size>)")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the results here (rewritten as they come)")
     args = ap.parse_args()
     tiny = args.size == "tiny"
-    args.prompt_len = args.prompt_len or (32 if tiny else 1024)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() or not tiny else "cpu")
+    args.prompt_len = args.prompt_len or (32 if tiny else 4096)
     args.steps = args.steps or (3 if tiny else 12)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        sys.exit("v3_layer.py --device cuda: no CUDA device here (torch.cuda.is_available() is False); "
-                 "use --device cpu --size tiny")
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available() and not args.build_only:
+        reason = (f"v3_layer.py --device {args.device}: no CUDA device here (torch.cuda.is_available() is False): "
+                  "nothing to measure; use --device cpu --size tiny")
+        write_skipped(args.json, reason)
+        print(reason, file=sys.stderr)
+        sys.exit(2)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     log = LogLines()
     epserve_log = logging.getLogger("epserve")
     epserve_log.setLevel(logging.INFO)
     epserve_log.addHandler(log)
-    if not args.device.startswith("cuda"):
+    if not cuda:
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     path = args.checkpoint or cache_dir() / f"v3-layer-{args.size}"
     path, build_s = build_checkpoint(path, args.size)
@@ -312,24 +459,38 @@ def main() -> None:
     if args.build_only:
         print(f"checkpoint {path} ({built})")
         return
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else (
-        platform.processor() or platform.machine())
+    device_name = torch.cuda.get_device_name() if cuda else (platform.processor() or platform.machine())
     result: dict[str, Any] = {
         "machine": f"{device_name}, torch {torch.__version__}, device {args.device}",
         "size": args.size, "config": overrides(args.size), "checkpoint": str(path), "checkpoint_build_s": build_s,
         "batches": args.batches, "prompt_len": args.prompt_len, "steps": args.steps, "rounds": args.rounds,
-        "variants": []}
-    print(f"checkpoint {path} ({built}); {result['machine']}", flush=True)
+        "status": "running", "variants": []}
+    out = JsonProgress(args.json, result)
+
+    def save() -> None:
+        result["key_figures"] = key_figures(result)
+        out.save()
+
+    copy_TBps = None
+    if cuda and not args.no_timing and args.size == "v3":
+        result["copy_TBps"] = copy_TBps = measure_copy_TBps()
+    save()
+    print(f"checkpoint {path} ({built}); {result['machine']}"
+          + (f"; copy {copy_TBps:.2f} TB/s (read + written)" if copy_TBps else ""), flush=True)
     for variant in args.variants:
-        result["variants"].append(run_variant(args, path, variant, log))
+        variant_out: dict[str, Any] = {"variant": variant}
+        result["variants"].append(variant_out)
+        run_variant(args, path, variant, log, variant_out, save, copy_TBps)
         gc.collect()
-        if args.device.startswith("cuda"):
+        if cuda:
             torch.cuda.empty_cache()
+    result["status"] = "ok"
     result["key_figures"] = key_figures(result)
+    out.finish()
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, default=str))
         print(f"wrote {args.json}")
+    g = result["key_figures"]["goals"]["v3_layer_vs_floor"]
+    print(f"goal v3_layer_vs_floor: {g['value']} (goal {g['goal']}, met: {g['met']})")
     if any(v.get("tokens_equal") is False for v in result["variants"]):
         sys.exit(1)
 
