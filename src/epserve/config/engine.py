@@ -52,10 +52,9 @@ OVERLAP_CHOICES: tuple[str, ...] = get_args(OverlapSetting)
 DISPATCH_BACKENDS: tuple[str, ...] = get_args(DispatchBackend)
 DISPATCH_DTYPES: tuple[str, ...] = get_args(DispatchDtype)
 FIXED_SHAPE_DISPATCH: tuple[str, ...] = ("padded", "symm_mem")  # never sync with the host: decode can be captured
-# torch's NVSHMEM all_to_all_vdev_2d / _offset (one warp-wide scan per rank, one tile per expert) take at most
-# 16 experts per rank and 16 ranks.
-SYMM_MEM_MAX_LOCAL_SLOTS = 16
-SYMM_MEM_MAX_RANKS = 16
+# symm_mem exchanges by rank with torch's NVSHMEM all_to_all_vdev, whose one 512-thread block scans the splits of
+# every rank: any number of experts per rank, at most 512 ranks.
+SYMM_MEM_MAX_RANKS = 512
 MULTI_RANK_DISPATCH: tuple[str, ...] = ("all_to_all", "padded")  # the backends that exchange tokens between ranks
 Quantization = Literal["auto", "fp8", None]  # weights: fp8 kept, None dequantized at load, auto: fp8 on CUDA
 QUANTIZATIONS: tuple[str | None, ...] = get_args(Quantization)
@@ -146,8 +145,8 @@ class ParallelConfig:
         if self.dispatch_dtype not in DISPATCH_DTYPES:
             raise ConfigError(f"unknown dispatch_dtype {self.dispatch_dtype!r}; choose from {DISPATCH_DTYPES}")
         if self.dispatch == "symm_mem" and self.world_size > SYMM_MEM_MAX_RANKS:
-            raise ConfigError(f"dispatch 'symm_mem' takes at most {SYMM_MEM_MAX_RANKS} EP ranks "
-                              f"(torch's all_to_all_vdev_2d); dp*tp = {self.world_size}")
+            raise ConfigError(f"dispatch 'symm_mem' (--dispatch symm_mem) takes at most {SYMM_MEM_MAX_RANKS} EP ranks "
+                              f"(torch's all_to_all_vdev); dp*tp = {self.world_size}: use --dispatch padded")
         if self.dispatch == "local" and self.world_size > 1:
             raise ConfigError(f"dispatch 'local' needs EP = 1; dp*tp = {self.world_size}")
         if self.overlap not in OVERLAP_CHOICES:
@@ -195,10 +194,6 @@ class ParallelConfig:
                 f"EP = dp*tp = {self.ep} does not divide the {experts} routed experts "
                 f"({model.n_routed_experts} + {self.num_redundant_experts} redundant)"
             )
-        if self.dispatch == "symm_mem" and self.ep > 1 and experts // self.ep > SYMM_MEM_MAX_LOCAL_SLOTS:
-            raise ConfigError(f"dispatch 'symm_mem' takes at most {SYMM_MEM_MAX_LOCAL_SLOTS} expert slots per rank "
-                              f"(torch's all_to_all_vdev_2d); {experts} over EP {self.ep} are {experts // self.ep}: "
-                              "use more ranks or --dispatch padded")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The dispatchers' kernel ops, each declared once (``kernels.opdef``) with its torch reference: grouping token
 copies by expert, the local dispatcher's whole permutation, the weighted combine every dispatcher ends with,
-and the experts' load counters. On the CPU in eager steps each is one C call (``kernels.cpu_ops``: the same
+the experts' load counters, and the masked row gather of the ``symm_mem`` dispatcher (Triton on CUDA:
+``kernels.moe_triton``). On the CPU in eager steps each is one C call (``kernels.cpu_ops``: the same
 order and roundings as the reference), so a recorded decode step (``kernels/cpu_graph.py``) holds them; traced
 and elsewhere the reference runs.
 """
@@ -47,6 +48,17 @@ def weighted_combine(y: torch.Tensor, token_idx: torch.Tensor, weights: torch.Te
     return out
 
 
+@declare("gather_real_rows", fake=lambda out, src, index, total, col0: None, mutates_args=("out",))
+def gather_real_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor, total: torch.Tensor,
+                     col0: int) -> None:
+    """The masked gather of a fixed-shape dispatcher: ``out[j] = src[index[j], col0 : col0 + C]`` for the
+    ``j < total`` real rows (``out`` [N, C], ``index`` [N], ``total`` a one-element int64 tensor on the
+    device); rows past ``total`` are neither read nor written. On CUDA a Triton kernel reads ``total`` on the
+    device (capturable); the reference reads it on the host."""
+    n = int(total.reshape(-1)[0])
+    out[:n] = src[:, col0 : col0 + out.shape[1]].index_select(0, index[:n])
+
+
 @declare("index_add_counts")
 def index_add_counts(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.index_add_(0, index, src)``: the experts' load counters, counted on the device."""
@@ -55,3 +67,4 @@ def index_add_counts(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) 
 
 for _op in (group_by_expert, local_dispatch, weighted_combine, index_add_counts):
     _op.implement("cpu", f"{_C}:{_op.name}")
+gather_real_rows.implement("cuda", "epserve.kernels.moe_triton:gather_real_rows_triton", traced="op")

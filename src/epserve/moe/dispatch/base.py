@@ -21,9 +21,12 @@ from epserve.moe.dispatch.payload import Payload
 @dataclass(frozen=True)
 class ExpertInput:
     """Tokens for this rank's experts, grouped by local expert slot. ``hidden_states`` may end with
-    padding rows past ``sum(num_tokens_per_expert)`` (a fixed-shape backend's); expert outputs for them
-    are zero. The counts stay on the device: reading them on the host (``counts_list``) is a sync that
-    only a backend that already made one (``host_counts``) gets for free."""
+    padding rows past ``sum(num_tokens_per_expert)`` (a fixed-shape backend's): zero rows whose expert
+    outputs are zero, or, ``masked``, rows never written whose expert outputs are never written either
+    (the GEMMs skip them; the backend's combine never reads them). The counts stay on the device: reading
+    them on the host (``counts_list``) is a sync that only a backend that already made one
+    (``host_counts``) gets for free. ``rows_per_expert``: the real rows a slot is expected to get this step
+    (host arithmetic from the step's token count, no sync), from which the GEMMs pick their row tile."""
 
     hidden_states: torch.Tensor  # [N, H], rows of local slot 0 first, then slot 1, …, then padding
     num_tokens_per_expert: torch.Tensor  # [num_local_slots] int64, on the device of hidden_states
@@ -31,6 +34,8 @@ class ExpertInput:
     # With an FP8 payload (``--dispatch-dtype fp8``): ``hidden_states`` is float8 e4m3 and ``scales`` its
     # fp32 scale per row and 128 columns [N, H/128], the activation quantization of the FP8 expert GEMM.
     scales: torch.Tensor | None = None
+    masked: bool = False
+    rows_per_expert: float | None = None
 
     def counts_list(self) -> tuple[int, ...]:
         """Rows per local slot on the host (a device sync unless ``host_counts``)."""

@@ -18,6 +18,7 @@ import torch
 from epserve.config import ConfigError
 from epserve.kernels.device import is_cuda
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, act_quant, cdiv
+from epserve.kernels.moe_ops import gather_real_rows
 
 SCALE_BYTES = 4  # one fp32 scale per row and 128 columns
 
@@ -82,6 +83,21 @@ class Payload:
     def dtype(self, activation: torch.dtype) -> torch.dtype:
         """Element type of the sent rows."""
         return torch.uint8 if self.fp8 else activation
+
+    def gather_expert_rows(self, received: torch.Tensor, index: torch.Tensor, total: torch.Tensor, hidden: int
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The masked form of ``expert_rows(received[index])`` (``received``'s rows may be wider than the
+        payload's, the payload first): only the ``total`` real rows (a count on the device) are gathered; the
+        rows past them are left unwritten (an FP8 payload's scales excepted, which are put in the GEMM's
+        layout as a whole)."""
+        rows = received.new_empty(index.shape[0], hidden)
+        gather_real_rows(rows, received, index, total, 0)
+        if not self.fp8:
+            return rows, None
+        scale_bytes = received.new_empty(index.shape[0], packed_width(hidden) - hidden)
+        gather_real_rows(scale_bytes, received, index, total, hidden)
+        scales = scale_bytes.view(torch.float32)
+        return rows.view(FP8_DTYPE), scales.t().contiguous().t() if is_cuda(received) else scales
 
     def expert_rows(self, received: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Received rows -> (hidden_states, scales) for the ExpertInput."""
