@@ -11,7 +11,7 @@ from test_fp8_kernels import assert_gemm_close, assert_quant_close, front_end_er
 from epserve import env
 from epserve.kernels import backends, fp8, fp8_layers
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.cuda  # needs a CUDA device: skipped without one (tests/conftest.py), run by gpu_check.sh
 
 
 # ---- CUDA: the front ends on the GPU against the reference on the CPU ----------------------------

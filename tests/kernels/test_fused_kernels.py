@@ -25,7 +25,7 @@ from epserve.kernels import fused
 
 _TRITON_BEFORE_MAIN = "triton" in sys.modules  # after importing the front ends (the script's check)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.cuda  # needs a CUDA device: skipped without one (tests/conftest.py), run by gpu_check.sh
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 EPS = 1e-6
 NORM_DIMS = (7168, 1536, 512, 64, 48, 1024, 384, 128, 32)  # V3's hidden, q_lora, kv_lora; tiny's; small's

@@ -27,7 +27,7 @@ from epserve.presets import build_config
 
 _TRITON_BEFORE_MAIN = "triton" in sys.modules  # after importing kernels.gate (the script's check)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.cuda  # needs a CUDA device: skipped without one (tests/conftest.py), run by gpu_check.sh
 
 # ExpertGate configs on the tiny preset (E=16, n_group=4, topk_group=2, top_k=4, V3 gate)
 ROUTER_OVERRIDES: dict[str, dict[str, Any]] = {
