@@ -22,7 +22,7 @@ from epserve.kernels import backends, fp8
 from epserve.kernels import mla_flashinfer as mf
 from epserve.kernels.mla_decode import paged_mla_decode, paged_mla_decode_ref
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py); the GPU check selects them
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 CPU = torch.device("cpu")
 BF16 = torch.bfloat16
@@ -72,7 +72,7 @@ def registry_lines(caplog):  # noqa: ANN001, ANN201
     """The registry's log lines, and the test ops registered, removed afterwards."""
     caplog.set_level(logging.INFO, logger=backends.__name__)
     yield lambda: [r.getMessage() for r in caplog.records if r.name == backends.__name__]
-    for name in ("test_mla",):
+    for name in ("test_mla", "test_speed"):
         backends.unregister(name)
     backends.forget()
 
@@ -149,6 +149,79 @@ def test_fp8_gemm_is_decided_per_output_dtype(monkeypatch, registry_lines):  # n
     assert not fp8.scaled_mm_supported("cpu")  # what the self-test says, whatever is forced
 
 
+# ---- chosen on speed where several pass (timings injected: nothing is timed off CUDA) ------------------
+
+TIMES = {"fails": 1e-6, "slow": 63e-6, "triton": 41e-6}
+
+
+def _speed_op(monkeypatch, times, fast_fails=True) -> list[str]:  # noqa: ANN001
+    """``test_speed``: ``fails`` (fastest, its self-test fails when ``fast_fails``), ``slow`` (passes), then the
+    fallback ``triton``; each benchmark's time from ``times`` (an exception: the timing raises). The CPU is
+    timed as CUDA is, with the injected times; returns the backends timed."""
+    timed: list[str] = []
+
+    def measure(backend, device, dtype):  # noqa: ANN001, ANN202
+        timed.append(backend.name)
+        if isinstance(times[backend.name], Exception):
+            raise times[backend.name]
+        return times[backend.name]
+
+    def fails(device, dtype):  # noqa: ANN001, ANN202
+        if fast_fails:
+            raise backends.KernelMismatch("off the torch reference by 3.2")
+
+    bench = lambda device, dtype: lambda: None  # noqa: E731 - the injected measure never runs it
+    monkeypatch.setattr(backends, "TIMED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(backends, "_measure", measure)
+    backends.register(backends.KernelOp("test_speed", (
+        backends.KernelBackend("fails", fails, bench), backends.KernelBackend("slow", lambda d, t: None, bench),
+        backends.KernelBackend("triton", benchmark=bench))))
+    return timed
+
+
+def test_the_faster_of_the_backends_that_pass_is_chosen_and_logged(monkeypatch, registry_lines):  # noqa: ANN001
+    timed = _speed_op(monkeypatch, TIMES)
+    assert backends.select("test_speed", CPU, BF16) == "triton"  # slow passes but is slower: not chosen
+    assert timed == ["slow", "triton"]  # the faster one that failed its self-test is never timed nor chosen
+    assert registry_lines() == [
+        "test_speed on cpu, bfloat16: slow 63 us, triton 41 us -> triton",
+        "test_speed: fails unavailable on cpu, bfloat16 (KernelMismatch: off the torch reference by 3.2); using triton",
+    ]
+    assert backends.select("test_speed", CPU, BF16) == "triton" and timed == ["slow", "triton"]  # decided once
+    backends.forget("test_speed")
+    timed = _speed_op(monkeypatch, {**TIMES, "slow": 20e-6})
+    assert backends.select("test_speed", CPU, BF16) == "slow"
+    assert registry_lines()[-2] == "test_speed on cpu, bfloat16: slow 20 us, triton 41 us -> slow"
+
+
+def test_a_faster_backend_that_fails_its_self_test_is_never_chosen(monkeypatch, registry_lines):  # noqa: ANN001
+    timed = _speed_op(monkeypatch, {"fails": 1e-9, "slow": 9e-6, "triton": 8e-6}, fast_fails=False)
+    assert backends.select("test_speed", CPU, BF16) == "fails" and timed == ["fails", "slow", "triton"]
+    backends.forget("test_speed")
+    timed = _speed_op(monkeypatch, {"fails": 1e-9, "slow": 9e-6, "triton": 8e-6})
+    assert backends.select("test_speed", CPU, torch.float32) == "triton" and "fails" not in timed
+
+
+def test_a_backend_whose_timing_raises_is_not_chosen(monkeypatch, registry_lines):  # noqa: ANN001
+    _speed_op(monkeypatch, {**TIMES, "slow": 1e-6, "triton": RuntimeError("no kernel image\nmore")}, fast_fails=True)
+    assert backends.select("test_speed", CPU, BF16) == "slow"
+    assert registry_lines()[0] == ("test_speed on cpu, bfloat16: slow 1 us, triton failed (RuntimeError: no kernel "
+                                   "image) -> slow")
+    backends.forget("test_speed")
+    _speed_op(monkeypatch, {**TIMES, "slow": RuntimeError("x"), "triton": RuntimeError("y")})
+    assert backends.select("test_speed", CPU, BF16) == "triton"  # none could be timed: the fallback
+
+
+def test_nothing_is_timed_on_the_cpu_nor_where_a_backend_is_forced(monkeypatch, registry_lines):  # noqa: ANN001
+    timed = _speed_op(monkeypatch, TIMES, fast_fails=False)
+    monkeypatch.setattr(backends, "TIMED_DEVICES", ("cuda",))
+    assert backends.select("test_speed", CPU, BF16) == "fails" and timed == []  # the first that passes
+    assert registry_lines() == ["test_speed on cpu, bfloat16: fails (self-test passed)"]
+    monkeypatch.setattr(backends, "TIMED_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setenv(env.MLA_BACKEND, "triton")
+    assert backends.select("mla_decode", CPU, BF16) == "triton" and timed == []
+
+
 def test_registry_refuses_bad_declarations():
     with pytest.raises(ValueError, match="the last backend must be the fallback"):
         backends.KernelOp("x", (backends.KernelBackend("triton", lambda d, t: None),))
@@ -212,7 +285,7 @@ def test_flashinfer_mla_decode_matches_the_reference(dtype):
 
 
 @cuda
-def test_mla_front_end_on_cuda_matches_the_reference_whichever_backend(monkeypatch):
+def test_mla_front_end_on_cuda_matches_the_reference_with_flashinfer_or_triton(monkeypatch):
     """``paged_mla_decode`` on CUDA with the registry's choice (FlashInfer where it passed, else Triton)."""
     monkeypatch.delenv(env.MLA_BACKEND, raising=False)
     device = torch.device("cuda")
@@ -224,6 +297,40 @@ def test_mla_front_end_on_cuda_matches_the_reference_whichever_backend(monkeypat
     want = paged_mla_decode_ref(q.to(BF16).float(), cache, tables, lens, 0.07, 512)
     assert (got - want).abs().max() <= 1e-2 * cache.float().abs().max()
     assert backends.resolve(device, {"mla_decode": BF16}) in ("mla_decode=flashinfer", "mla_decode=triton")
+
+
+@cuda
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer-python")
+def test_flashinfer_or_triton_mla_decode_is_chosen_on_time(monkeypatch, caplog):  # noqa: ANN001
+    """Both MLA decodes pass on this GPU: each is timed at DeepSeek-V3's shapes, the faster chosen, one line."""
+    monkeypatch.delenv(env.MLA_BACKEND, raising=False)
+    caplog.set_level(logging.INFO, logger=backends.__name__)
+    backends.forget("mla_decode")
+    chosen = backends.select("mla_decode", torch.device("cuda"), BF16)
+    lines = [r.getMessage() for r in caplog.records if r.name == backends.__name__]
+    assert len(lines) == 1 and re.fullmatch(r"mla_decode on cuda:\d+, bfloat16: flashinfer \d+ us, triton \d+ us "
+                                            r"-> (flashinfer|triton)", lines[0]), lines
+    assert lines[0].endswith(f"-> {chosen}")
+
+
+@cuda
+def test_the_timed_self_test_on_cuda_logs_each_backends_time(monkeypatch, caplog):  # noqa: ANN001
+    """On a GPU both FP8 GEMM backends run DeepSeek-V3's decode GEMMs under CUDA events where ``scaled_mm``
+    passes (the choice and the times in one line), within a second."""
+    import time
+
+    monkeypatch.delenv(env.FP8_BACKEND, raising=False)
+    caplog.set_level(logging.INFO, logger=backends.__name__)
+    backends.forget("fp8_gemm")
+    start = time.perf_counter()
+    chosen = backends.select("fp8_gemm", torch.device("cuda"), BF16)
+    lines = [r.getMessage() for r in caplog.records if r.name == backends.__name__]
+    if fp8.scaled_mm_supported("cuda", BF16):
+        assert len(lines) == 1 and re.fullmatch(r"fp8_gemm on cuda:\d+, bfloat16: scaled_mm \d+ us, triton \d+ us -> "
+                                                r"(scaled_mm|triton)", lines[0]), lines
+        assert lines[0].endswith(f"-> {chosen}") and time.perf_counter() - start < 30  # incl. Triton's compile
+    else:
+        assert chosen == "triton"
 
 
 @cuda

@@ -81,15 +81,12 @@ def backend_for(device: torch.device) -> str:
 @dataclass(frozen=True)
 class PageLayout:
     """One plan's inputs: ``read`` tokens per row (host int32; an empty row reads 1), ``kv_indptr`` [rows + 1]
-    (host int32), ``empty`` [rows] (host bool: rows of length 0)."""
+    (host int32), ``empty`` [rows] (host bool: rows of length 0), ``pages`` in all."""
 
     read: torch.Tensor
     kv_indptr: torch.Tensor
     empty: torch.Tensor
-
-    @property
-    def pages(self) -> int:
-        return int(self.kv_indptr[-1])
+    pages: int
 
 
 def page_layout(host_lens: tuple[int, ...], block_size: int, width: int) -> PageLayout:
@@ -102,15 +99,15 @@ def page_layout(host_lens: tuple[int, ...], block_size: int, width: int) -> Page
     for n in read:
         indptr.append(indptr[-1] + -(-n // block_size))
     return PageLayout(torch.tensor(read, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32),
-                      torch.tensor([n == 0 for n in host_lens], dtype=torch.bool))
+                      torch.tensor([n == 0 for n in host_lens], dtype=torch.bool), indptr[-1])
 
 
-def graph_pages(block_tables: torch.Tensor, kv_indptr: torch.Tensor) -> torch.Tensor:
+def graph_pages(block_tables: torch.Tensor, kv_indptr: torch.Tensor, pages: int) -> torch.Tensor:
     """FlashInfer's ``kv_indices`` on ``block_tables``' device, without a host sync: row i's first
-    ``kv_indptr[i + 1] - kv_indptr[i]`` table entries, rows one after another (int32). ``kv_indptr`` is the
-    host's; its total sizes the result, each page's row is found on the device."""
+    ``kv_indptr[i + 1] - kv_indptr[i]`` table entries, rows one after another (int32, ``pages`` of them).
+    ``kv_indptr`` is the host's; each page's row is found by a search of its copy on the device."""
     device = block_tables.device
-    total = int(kv_indptr[-1])  # a host tensor: no device read
+    total = pages
     bounds = kv_indptr.to(device, torch.int64, non_blocking=True)
     page = torch.arange(total, device=device)
     row = torch.searchsorted(bounds[1:], page, right=True)
@@ -157,8 +154,8 @@ class GraphWrapper:
         layout = page_layout(host_lens[s.first : s.first + s.rows], block_size, tables.shape[1])
         self.wrapper.plan(  # type: ignore[attr-defined]
             qo_indptr=torch.arange(s.rows + 1, dtype=torch.int32), kv_indptr=layout.kv_indptr,
-            kv_indices=graph_pages(tables, layout.kv_indptr), kv_len_arr=layout.read, num_heads=s.num_heads,
-            head_dim_ckv=KV_LORA_RANK, head_dim_kpe=ROPE_DIM, page_size=block_size, causal=False,
+            kv_indices=graph_pages(tables, layout.kv_indptr, layout.pages), kv_len_arr=layout.read,
+            num_heads=s.num_heads, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=ROPE_DIM, page_size=block_size, causal=False,
             sm_scale=s.softmax_scale, q_data_type=s.q_dtype, kv_data_type=s.kv_dtype,
         )
         self.empty.copy_(layout.empty.view(-1, 1, 1), non_blocking=True)
@@ -196,10 +193,17 @@ def _storage_key(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[in
 
 
 def plan_captured(replay: DecodeReplay) -> None:
-    """``kernels.decode_plan``'s planner: remember the bucket (CUDA tables only) and replan its wrappers for
-    this step's host lengths (nothing read from the device)."""
+    """``kernels.decode_plan``'s planner: remember the bucket (CUDA tables only: a CPU graph has nothing to
+    plan) and replan its wrappers for this step's host lengths (nothing read from the device)."""
     if not is_cuda(replay.block_tables):
         return
+    bucket = remember(replay)
+    for wrapper in bucket.wrappers.values():
+        wrapper.plan(replay.block_tables, bucket.host_lens, bucket.block_size)
+
+
+def remember(replay: DecodeReplay) -> CapturedBucket:
+    """The bucket of ``replay``'s static tensors (new, or the one remembered for them) holding its host lengths."""
     key = _storage_key(replay.block_tables, replay.seq_lens)
     bucket = _buckets.get(key)
     if bucket is None or not bucket.alive() or bucket.tables().shape != replay.block_tables.shape:  # type: ignore
@@ -208,8 +212,7 @@ def plan_captured(replay: DecodeReplay) -> None:
         bucket = _buckets[key] = CapturedBucket(weakref.ref(replay.block_tables), weakref.ref(replay.seq_lens),
                                                 replay.host_seq_lens, replay.block_size)
     bucket.host_lens, bucket.block_size = tuple(replay.host_seq_lens), replay.block_size
-    for wrapper in bucket.wrappers.values():
-        wrapper.plan(replay.block_tables, bucket.host_lens, bucket.block_size)
+    return bucket
 
 
 def planned_rows(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[CapturedBucket, int] | None:
