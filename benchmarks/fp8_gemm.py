@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -57,8 +58,11 @@ ROWS = GEMM_ROWS
 HIDDEN, MOE_INTER = V3["hidden"], V3["moe_intermediate"]
 # the grouped GEMM over one EP8 shard: decode sizes (real rows per expert, without and with padding rows after
 # them, as a padded layout hands them over) and two skewed prefill-sized batches
-GROUPED = {"local experts": LOCAL_EXPERTS, "rows per expert": GROUPED_ROWS_PER_EXPERT, "capacity": GROUPED_CAPACITY,
-           "rows": (256, 4096)}
+GROUPED: dict[str, Any] = {
+    "local experts": LOCAL_EXPERTS, "rows per expert": GROUPED_ROWS_PER_EXPERT, "capacity": GROUPED_CAPACITY,
+    "rows": (256, 4096), "shapes": {f"w13 ({2 * MOE_INTER}x{HIDDEN})": (2 * MOE_INTER, HIDDEN),
+                                    f"w2 ({HIDDEN}x{MOE_INTER})": (HIDDEN, MOE_INTER)}}
+DEVICE = "cuda"  # gpu_micro.py --smoke: "cpu", the Triton kernels under their interpreter, tiny shapes
 Save = Callable[[], None]
 
 
@@ -67,10 +71,17 @@ def _no_save() -> None:
 
 
 def timed(fn: Callable[[], object], repeats: int, flush: torch.Tensor) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after 3 warm-up runs, L2 flushed before each."""
+    """Median seconds of ``fn`` over ``repeats`` runs after 3 warm-up runs, L2 flushed before each (CUDA events;
+    off CUDA, a smoke run's host clock)."""
     for _ in range(3):
         fn()
     times = []
+    if DEVICE != "cuda":
+        for _ in range(repeats):
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+        return statistics.median(times)
     for _ in range(repeats):
         flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -88,9 +99,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def random_fp8_weight(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 weight [..., N, K] with 128x128 scales, values spread like a trained layer's (~N(0, 0.02))."""
-    w = (torch.randn(*shape, device="cuda") * 64).clamp(-448, 448).to(FP8_DTYPE)
+    w = (torch.randn(*shape, device=DEVICE) * 64).clamp(-448, 448).to(FP8_DTYPE)
     tiles = (*shape[:-2], cdiv(shape[-2], BLOCK), cdiv(shape[-1], BLOCK))
-    return w, torch.rand(*tiles, device="cuda") * 6e-4 + 2e-4
+    return w, torch.rand(*tiles, device=DEVICE) * 6e-4 + 2e-4
 
 
 def dequant(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -122,7 +133,7 @@ def bench_gemm(repeats: int, flush: torch.Tensor, scaled_mm_ok: bool, rows: list
         w, ws = random_fp8_weight(n, k)
         w_bf16 = dequant(w, ws)
         for m in ROWS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
             q, s = fp8_triton.act_quant_triton(x)
             ref = fp8.block_fp8_gemm_ref(q, s, w, ws, torch.float32)
             paths: dict[str, Callable[[], object]] = {
@@ -138,8 +149,8 @@ def bench_gemm(repeats: int, flush: torch.Tensor, scaled_mm_ok: bool, rows: list
                 row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k, "path": path}
                 try:
                     t = timed(fn, repeats, flush)
-                except RuntimeError as e:
-                    row["error"] = str(e)[:300]
+                except Exception as e:  # noqa: BLE001 - one path failing (a Triton compile error too) leaves the rest
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     rows.append(row)
                     print(f"  {name:34s} M={m:5d} {path:22s} failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
@@ -202,14 +213,13 @@ def bench_grouped(repeats: int, flush: torch.Tensor, rows_out: list[dict] | None
 
     e, gen = GROUPED["local experts"], torch.Generator().manual_seed(0)
     rows_out = [] if rows_out is None else rows_out
-    for name, (n, k) in {f"w13 ({2 * MOE_INTER}x{HIDDEN})": (2 * MOE_INTER, HIDDEN),
-                         f"w2 ({HIDDEN}x{MOE_INTER})": (HIDDEN, MOE_INTER)}.items():
+    for name, (n, k) in GROUPED["shapes"].items():
         w, ws = random_fp8_weight(e, n, k)
         w_bf16 = dequant(w, ws)
         for case, counts_cpu, r in grouped_cases(e, gen):
-            counts = counts_cpu.cuda()
+            counts = counts_cpu.to(DEVICE)
             real = int(counts_cpu.sum())
-            x = torch.randn(r, k, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(r, k, device=DEVICE, dtype=torch.bfloat16)
             q, s = fp8_triton.act_quant_triton(x)
             ref = fp8.grouped_block_fp8_gemm_ref(q, s, w, ws, counts, torch.float32)[:real]
             ends = counts_cpu.cumsum(0).tolist()
@@ -218,7 +228,7 @@ def bench_grouped(repeats: int, flush: torch.Tensor, rows_out: list[dict] | None
             paths: dict[str, Callable[[], Any]] = {
                 "triton grouped": partial(fp8_triton.grouped_block_fp8_gemm_triton, q, s, w, ws, counts,
                                           torch.bfloat16)}
-            out_loop = torch.empty(real, n, device="cuda", dtype=torch.bfloat16)
+            out_loop = torch.empty(real, n, device=DEVICE, dtype=torch.bfloat16)
             paths["cuBLAS bf16 per-expert loop"] = partial(_bf16_loop, parts, x, w_bf16, out_loop)
             if scaled_mm_ok and fp8_scaled_mm._scaled_mm_eligible(q, w[0], ws[0], torch.bfloat16):
                 scales = [s[lo:hi].t().contiguous().t() for _, lo, hi in parts]  # M-major, as _scaled_mm takes
@@ -233,8 +243,8 @@ def bench_grouped(repeats: int, flush: torch.Tensor, rows_out: list[dict] | None
                 try:
                     t = timed(fn, repeats, flush)
                     result = fn()
-                except RuntimeError as err:  # e.g. _grouped_mm unsupported here
-                    row["error"] = str(err)[:300]
+                except Exception as err:  # noqa: BLE001 - e.g. _grouped_mm unsupported here
+                    row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
                     rows_out.append(row)
                     print(f"  {name} {case} {path}: unavailable ({str(err).splitlines()[0][:100]})", flush=True)
                     continue

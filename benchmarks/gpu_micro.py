@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import fp8_gemm
 import torch
 from fp8_gemm import bench_gemm, bench_grouped, rel_err, timed
 from gpu_figures import GOALS, MLA, JsonProgress, goal, mla_cache_bytes, pct, write_skipped
@@ -49,15 +51,40 @@ PARTS = ("copy", "gemm", "grouped", "mla")
 COPY_BYTES = 2 << 30
 MATMUL = 8192
 Save = Callable[[], None]
+# --smoke: every part end to end at tiny shapes, in seconds (on the CPU the Triton kernels under their
+# interpreter): the script's own code checked before a lease is spent on it
+SMOKE: dict[str, Any] = {
+    "copy_bytes": 1 << 20, "matmul": 128, "gemm_shapes": {"smoke (256x512)": (256, 512)}, "gemm_rows": (1, 16),
+    "grouped": {"local experts": 4, "rows per expert": (1, 2), "capacity": 4, "rows": (16,),
+                "shapes": {"smoke w13 (256x256)": (256, 256)}},
+    "mla": {"heads": (64, 4), "batches": (1, 2), "context": 64, "block_size": 16, "kv_lora_rank": 64, "rope": 32},
+}
+
+
+def smoke(device: str) -> None:
+    """Shrink every part to ``SMOKE``'s shapes, on ``device`` (the CPU: Triton under its interpreter)."""
+    global COPY_BYTES, MATMUL, DEVICE
+    if device != "cuda":
+        os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is imported
+    COPY_BYTES, MATMUL, DEVICE = SMOKE["copy_bytes"], SMOKE["matmul"], device
+    fp8_gemm.DEVICE = device
+    fp8_gemm.SHAPES.clear()
+    fp8_gemm.SHAPES.update(SMOKE["gemm_shapes"])
+    fp8_gemm.ROWS = SMOKE["gemm_rows"]
+    fp8_gemm.GROUPED.update(SMOKE["grouped"])
+    MLA.update(SMOKE["mla"])
+
+
+DEVICE = "cuda"
 
 
 def bench_copy(repeats: int, flush: torch.Tensor) -> dict[str, Any]:
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda").random_(0, 255)
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=DEVICE).random_(0, 255)
     dst = torch.empty_like(src)
     t = timed(partial(dst.copy_, src), repeats, flush)
     assert torch.equal(dst[:4096], src[:4096])
     del src, dst
-    a, b = (torch.randn(MATMUL, MATMUL, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a, b = (torch.randn(MATMUL, MATMUL, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     tm = timed(partial(torch.matmul, a, b), repeats, flush)
     out = {"copy_bytes": COPY_BYTES, "copy_us": t * 1e6, "copy_TBps": 2 * COPY_BYTES / t / 1e12,
            "bf16_matmul_shape": [MATMUL] * 3, "bf16_matmul_us": tm * 1e6,
@@ -67,45 +94,51 @@ def bench_copy(repeats: int, flush: torch.Tensor) -> dict[str, Any]:
     return out
 
 
-def mla_kernels() -> tuple[list[tuple[str, Callable[..., torch.Tensor], Callable[..., bool] | None]], str | None]:
+def mla_kernels() -> tuple[list[tuple[str, Callable[..., torch.Tensor], Callable[..., bool] | None]], list[str]]:
     """The Triton implementations the ``mla_decode`` op lists for CUDA, in the op's order, as (name, function,
-    takes): FlashInfer (a ``kernels.backends`` backend) is left to its own path. Where the op's list cannot be
-    read, the split-K kernel by name; the second item says why."""
+    takes): FlashInfer (a ``kernels.backends`` backend) is left to its own path. One that does not import is
+    left out; where none is left, the split-K kernel by name. The second item says what was left out and why."""
+    notes: list[str] = []
+    found = []
     try:
         from epserve.kernels import ops
 
-        found = []
-        for impl in ops.mla_decode.impls.get("cuda", []):
-            if impl.backend is not None:
-                continue
-            module, _, fn = impl.target.partition(":")
-            found.append((f"{module.rsplit('.', 1)[-1]}:{fn}", impl.function(), impl.takes))
-        if found:
-            return found, None
-        why = "the mla_decode op lists no Triton implementation for cuda"
+        impls = ops.mla_decode.impls.get("cuda", [])
     except (ImportError, AttributeError) as e:
-        why = f"the mla_decode op's implementations unreadable ({type(e).__name__}: {e})"
-    from epserve.kernels import mla_decode_triton as mt
+        impls = []
+        notes.append(f"the mla_decode op's implementations unreadable ({type(e).__name__}: {e})")
+    for impl in impls:
+        if impl.backend is not None:
+            continue
+        module, _, fn = impl.target.partition(":")
+        try:
+            found.append((f"{module.rsplit('.', 1)[-1]}:{fn}", impl.function(), impl.takes))
+        except (ImportError, AttributeError) as e:
+            notes.append(f"{impl.target} does not import ({type(e).__name__}: {e})")
+    if not found:
+        from epserve.kernels import mla_decode_triton as mt
 
-    return [("mla_decode_triton:paged_mla_decode_triton", mt.paged_mla_decode_triton, None)], why
+        notes.append("the op lists no Triton implementation for cuda that imports: the split-K kernel by name")
+        found.append(("mla_decode_triton:paged_mla_decode_triton", mt.paged_mla_decode_triton, None))
+    return found, notes
 
 
 def _mla_case(batch: int, heads: int, cache_dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     ctx, bs, d = MLA["context"], MLA["block_size"], MLA["kv_lora_rank"] + MLA["rope"]
     blocks = batch * ctx // bs
-    tables = torch.randperm(blocks, generator=gen).view(batch, ctx // bs).to("cuda", torch.int32)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, heads, d, generator=gen).cuda()
-    latent = torch.randn(blocks, bs, d, device="cuda")
+    tables = torch.randperm(blocks, generator=gen).view(batch, ctx // bs).to(DEVICE, torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, heads, d, generator=gen).to(DEVICE)
+    latent = torch.randn(blocks, bs, d, device=DEVICE)
     if cache_dtype == torch.bfloat16:
         return q, latent.to(cache_dtype), tables, lens, None
-    kv_scale = torch.tensor(0.02, device="cuda")  # latent / 0.02 in e4m3, as the engine's FP8 cache holds it
+    kv_scale = torch.tensor(0.02, device=DEVICE)  # latent / 0.02 in e4m3, as the engine's FP8 cache holds it
     return q, (latent / kv_scale).clamp(-448, 448).to(cache_dtype), tables, lens, kv_scale
 
 
 def _flashinfer_choice() -> dict[str, Any]:
     """Whether FlashInfer's MLA decode imports and passes the registry's self-test here (its JIT build the
-    first time), with the registry's log lines."""
+    first time: then it is timed), which backend the registry chooses, and its log lines."""
     from epserve.kernels import backends
 
     lines: list[str] = []
@@ -117,14 +150,15 @@ def _flashinfer_choice() -> dict[str, Any]:
 
         mf.import_flashinfer()
         start = time.perf_counter()
-        chosen = backends.select("mla_decode", torch.device("cuda"), torch.bfloat16)  # its self-test
-        out = {"used": chosen == "flashinfer", "selected": chosen, "decided_s": time.perf_counter() - start,
-               "log": lines}
-        if chosen != "flashinfer":
-            out["why"] = "; ".join(lines) or f"the registry chose {chosen}"
+        passed = backends.passes("mla_decode", "flashinfer", torch.device("cuda"), torch.bfloat16)  # its self-test
+        out: dict[str, Any] = {"used": passed, "self_test_passed": passed, "decided_s": time.perf_counter() - start}
+        out["selected"] = backends.select("mla_decode", torch.device("cuda"), torch.bfloat16)
+        out["log"] = lines
+        if not passed:
+            out["why"] = "; ".join(lines) or "its self-test did not pass"
         return out
-    except ImportError as e:
-        return {"used": False, "why": f"{type(e).__name__}: {e}"}
+    except Exception as e:  # noqa: BLE001 - not importable, or its build or self-test broke: not timed
+        return {"used": False, "why": f"{type(e).__name__}: {str(e)[:300]}", "log": lines}
     finally:
         logging.getLogger(backends.__name__).removeHandler(handler)
 
@@ -137,14 +171,14 @@ def bench_mla(repeats: int, flush: torch.Tensor, use_flashinfer: bool, heads_lis
 
     r = MLA["kv_lora_rank"]
     scale = (MLA["rope"] + 128) ** -0.5
-    kernels, why = mla_kernels()
+    kernels, notes = mla_kernels()
     out |= {"shape": {**MLA, "heads": heads_list}, "kernels": [k[0] for k in kernels], "rows": []}
-    if why:
-        out["kernels_note"] = why
+    if notes:
+        out["kernels_notes"] = notes
     out["flashinfer"] = _flashinfer_choice() if use_flashinfer else {"used": False, "why": "not asked (--flashinfer)"}
     save()
     fi = out["flashinfer"]
-    print(f"  Triton MLA kernels: {out['kernels']}{f' ({why})' if why else ''}; FlashInfer: "
+    print(f"  Triton MLA kernels: {out['kernels']}{f' ({notes})' if notes else ''}; FlashInfer: "
           f"{'used' if fi['used'] else 'not used: ' + fi['why']}", flush=True)
     gen, rows = torch.Generator().manual_seed(0), out["rows"]
     for heads in heads_list:
@@ -164,12 +198,17 @@ def bench_mla(repeats: int, flush: torch.Tensor, use_flashinfer: bool, heads_lis
                 if fi["used"] and kv_scale is None:
                     from epserve.kernels import mla_flashinfer as mf
 
-                    mf._planner(q.device).plans.clear()
+                    planner = getattr(mf, "_planner", None)
+                    if planner is not None:
+                        planner(q.device).plans.clear()
                     torch.cuda.synchronize()
                     start = time.perf_counter()
-                    mf.paged_mla_decode_flashinfer(q, cache, tables, lens, scale, r)  # plans (a host sync), runs
-                    torch.cuda.synchronize()
-                    plan_us = (time.perf_counter() - start) * 1e6
+                    try:
+                        mf.paged_mla_decode_flashinfer(q, cache, tables, lens, scale, r)  # plans (a host sync), runs
+                        torch.cuda.synchronize()
+                        plan_us = (time.perf_counter() - start) * 1e6
+                    except Exception as e:  # noqa: BLE001 - recorded as its row's error below
+                        print(f"  flashinfer h={heads} B={batch}: first call failed ({type(e).__name__})", flush=True)
                     paths["flashinfer"] = (partial(mf.paged_mla_decode_flashinfer, q, cache, tables, lens, scale, r),
                                            None)
                 cache_bytes = mla_cache_bytes(batch, MLA["context"], cache.element_size())
@@ -180,7 +219,7 @@ def bench_mla(repeats: int, flush: torch.Tensor, use_flashinfer: bool, heads_lis
                     try:
                         t = timed(fn, repeats, flush)
                         err = rel_err(fn(), ref)
-                    except (RuntimeError, ValueError) as e:
+                    except Exception as e:  # noqa: BLE001 - a kernel that fails here (a Triton compile error too)
                         print(f"  mla {dtype_name} h={heads} B={batch} {path}: failed "
                               f"({str(e).splitlines()[0][:120] if str(e) else type(e).__name__})", flush=True)
                         rows.append(row | {"error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -257,8 +296,13 @@ def main() -> None:
     ap.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's MLA decode (its JIT build)")
     ap.add_argument("--no-flashinfer", action="store_false", dest="flashinfer",
                     help="time the Triton MLA decode only (the default)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="every part at tiny shapes, in seconds: the script checked (on the CPU without CUDA)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.smoke:
+        smoke("cuda" if torch.cuda.is_available() else "cpu")
+        args.mla_heads = list(MLA["heads"])
+    elif not torch.cuda.is_available():
         reason = "gpu_micro.py needs a CUDA GPU (torch.cuda.is_available() is False): nothing to measure"
         write_skipped(args.json, reason)
         print(reason, file=sys.stderr)
@@ -270,10 +314,12 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("epserve").setLevel(logging.INFO)  # the kernel registry's decisions
 
-    props = torch.cuda.get_device_properties(0)
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")  # > L2 (50-60 MB on H100/H200)
-    result: dict[str, Any] = {"device": props.name, "sm": f"{props.major}{props.minor}", "torch": torch.__version__,
-                              "triton": triton.__version__, "cuda": torch.version.cuda, "repeats": args.repeats,
+    cuda = DEVICE == "cuda"
+    props = torch.cuda.get_device_properties(0) if cuda else None
+    name, sm = (props.name, f"{props.major}{props.minor}") if props else ("cpu (smoke, Triton interpreter)", None)
+    flush = torch.empty(256 * 2**20 if cuda else 1, dtype=torch.uint8, device=DEVICE)  # > L2 (50-60 MB on Hopper)
+    result: dict[str, Any] = {"device": name, "sm": sm, "torch": torch.__version__, "triton": triton.__version__,
+                              "cuda": torch.version.cuda, "repeats": args.repeats, "smoke": args.smoke,
                               "status": "running"}
     out = JsonProgress(args.json, result)
 
@@ -282,7 +328,7 @@ def main() -> None:
         out.save()
 
     save()
-    print(f"{props.name} (sm_{props.major}{props.minor}), torch {torch.__version__}, triton {triton.__version__}, "
+    print(f"{name} (sm_{sm}), torch {torch.__version__}, triton {triton.__version__}, "
           f"CUDA {torch.version.cuda}", flush=True)
     failures = []
     parts = ["copy", *[p for p in PARTS if p in args.parts and p != "copy"]]  # the ceilings first, always
@@ -294,12 +340,12 @@ def main() -> None:
             if part == "copy":
                 result["copy"] = bench_copy(args.repeats, flush)
             elif part == "gemm":
-                result["scaled_mm_supported"] = ok = fp8.scaled_mm_supported("cuda")
+                result["scaled_mm_supported"] = ok = cuda and fp8.scaled_mm_supported("cuda")
                 print(f"  blockwise torch._scaled_mm (1x128, 128x128): {'supported' if ok else 'NOT supported'}")
                 bench_gemm(args.repeats, flush, ok, result.setdefault("gemm", []), save, copy_TBps)
             elif part == "grouped":
                 ok = result.get("scaled_mm_supported")
-                ok = fp8.scaled_mm_supported("cuda") if ok is None else ok
+                ok = (cuda and fp8.scaled_mm_supported("cuda")) if ok is None else ok
                 bench_grouped(args.repeats, flush, result.setdefault("grouped", []), save, copy_TBps, ok)
             else:
                 bench_mla(args.repeats, flush, args.flashinfer, args.mla_heads, result.setdefault("mla", {}), save,

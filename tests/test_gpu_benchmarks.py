@@ -175,9 +175,13 @@ def test_op_groups_sum_the_ops_the_issue_names():
 
 def test_the_mla_kernels_are_read_off_the_op():
     micro = _bench("gpu_micro")
-    kernels, why = micro.mla_kernels()
+    from epserve.kernels import ops
+
+    kernels, notes = micro.mla_kernels()
     names = [name for name, _, _ in kernels]
-    assert why is None and "mla_decode_triton:paged_mla_decode_triton" in names
+    listed = [impl.target.split(".")[-1] for impl in ops.mla_decode.impls["cuda"] if impl.backend is None]
+    assert "mla_decode_triton:paged_mla_decode_triton" in names and names == [n for n in listed if n in names]
+    assert len(names) + len(notes) == len(listed) and all("does not import" in note for note in notes)
     assert all(callable(fn) for _, fn, _ in kernels) and not any("flashinfer" in n for n in names)
 
 
@@ -268,3 +272,25 @@ def test_v3_layer_tiny_times_each_op_on_the_cpu(tmp_path):
             "combine"} <= set(groups["moe"])
     assert all(ms > 0 for rec in row["eager"]["ops"].values() for ms in rec.values())
     assert result["key_figures"]["goals"]["v3_layer_vs_floor"]["met"] is None
+
+
+@pytest.mark.slow
+def test_gpu_micro_smoke_runs_every_part_on_the_cpu(tmp_path):
+    """``gpu_micro.py --smoke``: every part end to end at tiny shapes (here the Triton kernels under their
+    interpreter), each Triton path agreeing with its reference, the JSON complete with the goals listed."""
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, "gpu_micro.py", "--smoke", "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=BENCH)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["complete"] is True and result["status"] == "ok" and result["smoke"] is True
+    assert set(result["seconds"]) == {"copy", "gemm", "grouped", "mla"} and result["copy"]["copy_TBps"] > 0
+    triton_rows = [r for r in result["gemm"] if r["path"] == "triton"] + [
+        r for r in result["grouped"] if r["path"] == "triton grouped"] + result["mla"]["rows"]
+    assert triton_rows and all(r["rel_err_vs_ref"] < 2e-2 for r in triton_rows), triton_rows
+    assert {r["M"] for r in result["gemm"]} == {1, 16}
+    assert {r["case"] for r in result["grouped"]} >= {"1/expert", "1/expert padded to 4", "16 rows skewed"}
+    assert all("floor_us" in r for r in result["grouped"] if "us" in r)
+    mla_paths = {r["path"] for r in result["mla"]["rows"]}
+    assert mla_paths == set(result["mla"]["kernels"]) and {r["heads"] for r in result["mla"]["rows"]} == {64, 4}
+    assert set(result["key_figures"]["goals"]) == {"mla_128h_4k_pct_of_copy", "fp8_gemm_pct_of_scaled_mm"}
