@@ -205,6 +205,27 @@ def test_a_call_inside_a_capture_reaches_what_an_eager_call_reaches(gated, monke
     assert backends.passes("test_gate", "fast", CPU, torch.float32)
 
 
+def test_record_calls_names_the_implementation_each_call_ran(gated):
+    x32, x64 = torch.ones(2), torch.ones(2, dtype=torch.float64)
+    with opdef.record_calls() as calls:
+        gated(x32, 1), gated(x64, 1)
+        with opdef.record_calls() as inner:
+            _toy("recorded")(x32, 1)  # no implementation: the reference
+    assert calls == [(gated.name, "opdef_toy_impls:fast"), (gated.name, "opdef_toy_impls:kernel")]
+    assert inner == [("test_opdef_recorded", opdef.REFERENCE)]
+    gated(x32, 1)
+    assert len(calls) == 2  # outside the block nothing is recorded
+    opdef._DEFS.pop("test_opdef_recorded")
+
+
+def test_without_backends_runs_what_runs_where_no_backend_was_chosen(gated):
+    x = torch.ones(2)
+    assert torch.equal(gated.without_backends(x, 3), x * 3) and CALLS == ["kernel"] and SELF_TESTS == []
+    CALLS.clear()
+    gated(x, 3)
+    assert CALLS == ["fast"]  # the op itself: the backend chosen for fp32
+
+
 def test_resolve_fills_a_gated_op_for_its_backends_dtype_only(gated):
     backends.resolve("cpu", {"test_gate": torch.float64, "mla_decode": torch.bfloat16})
     assert [key for key in gated._table] == [("cpu", torch.float64)] and SELF_TESTS == [torch.float64]
