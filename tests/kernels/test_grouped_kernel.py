@@ -23,7 +23,7 @@ from epserve.moe.dispatch.base import ExpertInput
 from epserve.moe.experts import GroupedExperts
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py), selected by the GPU check
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # (rows, counts): empty experts, trailing padding rows, all padding, one expert with every row, no rows
 CASES = [(17, [3, 0, 9, 4]), (20, [0, 5, 0, 2]), (9, [0, 0, 0, 0]), (6, [6, 0, 0, 0]), (1, [0, 0, 1, 0]),
@@ -176,8 +176,67 @@ def _case_fp8_front_end_on_a_payload(gt) -> None:
         fp8._on_cuda = on_cuda
 
 
+def _case_masked_decode_tile(gt) -> None:
+    """A decode-shaped masked input: 32 experts, 2 real rows each expected, 24x as many padding rows (the
+    symm_mem dispatcher's N). The tile comes from the expected real rows (16, not the padded rows' 64); the
+    tile map gives the padding rows (NaN) no tile, so they are neither read nor written, and the real rows
+    equal the unmasked call's bit for bit."""
+    from epserve.kernels import fp8_triton
+
+    experts, h, i = 32, 64, 32
+    counts = [2] * 30 + [0, 4]
+    rows = 48 * experts  # N: ep * tokens * min(K, S) with heavy padding
+    assert fp8_triton.grouped_tile_m(rows, experts) == 64  # what the padded rows alone would pick
+    assert fp8_triton.grouped_tile_m(rows, experts, rows_per_expert=2.0) == 16
+    w13, w2 = make_experts(experts, h, i, torch.float32, seed=6)
+    x = make_rows(rows, h, torch.float32, counts, seed=7)
+    ref = gt.grouped_swiglu_triton(x, torch.tensor(counts), w13, w2)
+    total = sum(counts)
+    for hint in (None, 2.0):
+        got = gt.grouped_swiglu_triton(x, torch.tensor(counts), w13, w2, rows_per_expert=hint, masked=True)
+        assert torch.equal(got[:total], ref[:total]), hint
+    # the tile map: no tile for the padding rows when masked
+    expert, first, end = fp8_triton._tile_map(torch.tensor(counts), rows, rows // 16 + experts, 16, masked=True)
+    assert int((expert == experts).sum()) == 0 and int((expert < experts).sum()) == 31
+    expert, _, _ = fp8_triton._tile_map(torch.tensor(counts), rows, rows // 16 + experts, 16)
+    assert int((expert == experts).sum()) == -(-(rows - total) // 16)
+
+
+def _case_fp8_masked_tile(gt) -> None:
+    """The grouped FP8 GEMM on a masked input with NaN padding: the real rows equal the unpadded call's."""
+    from epserve.kernels import fp8_triton
+
+    w13, s13, _, _ = fp8_experts(e=3, h=128, i=128)
+    counts = [1, 0, 2]
+    x = make_rows(60, 128, torch.bfloat16, counts)
+    q, s = fp8.act_quant(x[:3])
+    q = torch.cat([q, torch.full((57, 128), 0x7F, dtype=torch.uint8).view(q.dtype)])  # NaN padding
+    s = torch.cat([s, torch.full((57, 1), float("nan"))])
+    want = fp8_triton.grouped_block_fp8_gemm_triton(q[:3], s[:3], w13, s13, torch.tensor(counts), torch.bfloat16)
+    got = fp8_triton.grouped_block_fp8_gemm_triton(q, s, w13, s13, torch.tensor(counts), torch.bfloat16,
+                                                   rows_per_expert=1.0, masked=True)
+    assert torch.equal(got[:3], want)
+
+
+def _case_gather_real_rows(gt) -> None:
+    """The symm_mem dispatcher's masked gather: the real rows (a count on the device) from a wider buffer at
+    a column offset, the rest untouched."""
+    from epserve.kernels import moe_triton
+
+    src = torch.arange(7 * 600, dtype=torch.float32).view(7, 600)
+    index = torch.tensor([5, 0, 3, 6, 6, 6])
+    out = torch.full((6, 520), -1.0)
+    moe_triton.gather_real_rows_triton(out, src, index, torch.tensor([3]), 40)
+    assert torch.equal(out[:3], src[[5, 0, 3], 40:560]) and torch.equal(out[3:], torch.full((3, 520), -1.0))
+    bytes_out = torch.zeros(6, 9, dtype=torch.uint8)
+    moe_triton.gather_real_rows_triton(bytes_out, src.view(torch.uint8), index, torch.tensor([0]), 0)
+    assert not bytes_out.any()
+
+
 INTERP_CASES = {"interpreted": _case_interpreted, "grouped_swiglu": _case_grouped_swiglu,
-                "plain_gemm": _case_plain_gemm, "fp8_payload": _case_fp8_front_end_on_a_payload}
+                "plain_gemm": _case_plain_gemm, "fp8_payload": _case_fp8_front_end_on_a_payload,
+                "masked_decode_tile": _case_masked_decode_tile, "fp8_masked_tile": _case_fp8_masked_tile,
+                "gather_real_rows": _case_gather_real_rows}
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +302,26 @@ def test_cuda_graph_captures_the_grouped_experts(dtype):
         x[sum(new):] = float("nan")
         graph.replay()
         assert_grouped_close(out.cpu(), grouped.grouped_swiglu_ref(x.cpu(), new, w13.cpu(), w2.cpu()), new)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_masked_experts_capture_and_keep_the_real_rows(dtype):
+    """A masked decode-shaped input, captured: the real rows equal the unmasked call's on every replay."""
+    w13, w2 = (w.cuda() for w in make_experts(16, 256, 128, dtype))
+    x = make_rows(16 * 32, 256, dtype, [2] * 16).cuda()
+    counts = torch.tensor([2] * 16, device="cuda")
+    grouped.grouped_swiglu(x, counts, w13, w2, 2.0, True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped.grouped_swiglu(x, counts, w13, w2, 2.0, True)
+    for new in ([2] * 16, [0, 5, 0, 1] * 4, [32] + [0] * 15):
+        counts.copy_(torch.tensor(new))
+        x[sum(new):] = float("nan")
+        graph.replay()
+        total = sum(new)
+        assert_grouped_close(out[:total].cpu(), grouped.grouped_swiglu_ref(x[:total].cpu(), new, w13.cpu(),
+                                                                            w2.cpu()), new)
 
 
 def _interpreter_main() -> None:

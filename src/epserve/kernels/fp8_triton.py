@@ -196,6 +196,13 @@ def _tile_m(rows_per_group: float) -> int:
     return 16 if rows_per_group <= 16 else 32 if rows_per_group <= 32 else 64
 
 
+def grouped_tile_m(rows: int, num_experts: int, rows_per_expert: float | None = None) -> int:
+    """A grouped GEMM's row tile, from the real rows an expert is expected to get (``rows_per_expert``, a
+    host value the dispatcher knows from the step's token count) where given, else from ``rows`` (which may
+    count padding rows) over the experts."""
+    return _tile_m(rows / num_experts if rows_per_expert is None else rows_per_expert)
+
+
 def block_fp8_gemm_triton(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -218,10 +225,11 @@ def block_fp8_gemm_triton(
     return out
 
 
-def _tile_map(counts: torch.Tensor, rows: int, tiles: int, bm: int) -> tuple[torch.Tensor, ...]:
+def _tile_map(counts: torch.Tensor, rows: int, tiles: int, bm: int, masked: bool = False) -> tuple[torch.Tensor, ...]:
     """Per row tile t < ``tiles``: (expert, first row, end row), on the device, without a host sync.
     Expert e's rows get cdiv(counts[e], bm) tiles in order; then tiles for the padding rows past
-    sum(counts) (expert = E); the rest are unused (expert = E + 1). ``tiles = cdiv(R, bm) + E`` is
+    sum(counts) (expert = E: they write zeros), none with ``masked`` (the padding rows are left unwritten);
+    the rest are unused (expert = E + 1). ``tiles = cdiv(R, bm) + E`` is
     always enough: sum_e cdiv(c_e, bm) + cdiv(R - sum c, bm) < R / bm + E + 1."""
     num_experts = counts.shape[0]
     counts = counts.to(torch.int64)
@@ -230,7 +238,7 @@ def _tile_map(counts: torch.Tensor, rows: int, tiles: int, bm: int) -> tuple[tor
     row_end = torch.cumsum(counts, 0)
     total_rows = row_end[-1:]  # [1]
     used = tile_end[-1:]
-    pad_tiles = (rows - total_rows + bm - 1).clamp(min=0) // bm
+    pad_tiles = (rows - total_rows + bm - 1).clamp(min=0) // bm * (not masked)
     t = torch.arange(tiles, device=counts.device)
     expert = torch.searchsorted(tile_end, t, right=True)  # first e with tile_end[e] > t
     e = expert.clamp(max=num_experts - 1)
@@ -250,9 +258,12 @@ def grouped_block_fp8_gemm_triton(
     b_scale: torch.Tensor,
     counts: torch.Tensor | Sequence[int],
     out_dtype: torch.dtype,
+    rows_per_expert: float | None = None,
+    masked: bool = False,
 ) -> torch.Tensor:
     """Rows of a [R, K] grouped by expert (counts [E], sum <= R) times b [E, N, K] -> [R, N] out_dtype;
-    rows past sum(counts) come out zero. ``counts`` is never read on the host."""
+    rows past sum(counts) come out zero, or are left unwritten with ``masked``. ``counts`` is never read on
+    the host; the row tile comes from ``rows_per_expert`` where given (``grouped_tile_m``)."""
     if not isinstance(counts, torch.Tensor):
         counts = torch.tensor(list(counts), dtype=torch.int64)
     check_grouped(a, a_scale, b, b_scale, counts)
@@ -264,9 +275,9 @@ def grouped_block_fp8_gemm_triton(
     if k == 0 or num_experts == 0:
         return out.zero_()
     counts = counts.to(a.device, non_blocking=True)
-    bm, bn = _tile_m(r / num_experts), 128
+    bm, bn = grouped_tile_m(r, num_experts, rows_per_expert), 128
     tiles = cdiv(r, bm) + num_experts
-    tile_expert, tile_row, tile_end = _tile_map(counts, r, tiles, bm)
+    tile_expert, tile_row, tile_end = _tile_map(counts, r, tiles, bm, masked)
     grid = (tiles, cdiv(n, bn))
     _grouped_gemm_kernel[grid](
         a, a_scale, b, b_scale, out, tile_expert, tile_row, tile_end, r, n, k, num_experts,

@@ -104,8 +104,17 @@ def grouped_swiglu_host(x: torch.Tensor, sizes: Sequence[int], w13: torch.Tensor
     return out
 
 
-def grouped_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """:func:`grouped_swiglu_host` with the counts read on the host (the CPU op's fallback)."""
+def grouped_swiglu_cpu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       rows_per_expert: float | None = None, masked: bool = False) -> torch.Tensor | None:
+    """The C decode kernel (``kernels.cpu.moe_swiglu_counts``: it reads the counts itself, and only the real
+    rows), or None where it does not apply; the tile hint is the GPU kernels'."""
+    return cpu.moe_swiglu_counts(x, counts, w13, w2)
+
+
+def grouped_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                          rows_per_expert: float | None = None, masked: bool = False) -> torch.Tensor:
+    """:func:`grouped_swiglu_host` with the counts read on the host (the CPU op's fallback): only the real
+    rows are read."""
     return grouped_swiglu_host(x, counts.tolist() if isinstance(counts, torch.Tensor) else counts, w13, w2)
 
 
@@ -115,28 +124,37 @@ def _device_counts(x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> tor
     return counts
 
 
-def _grouped_mm_takes(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def _grouped_mm_takes(x: torch.Tensor, *args: object, **kwargs: object) -> bool:
     return grouped_mm_ok(x)
 
 
-def grouped_mm_masked(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+def grouped_mm_masked(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      rows_per_expert: float | None = None, masked: bool = False) -> torch.Tensor:
     """The CUDA experts by ``_grouped_mm`` on device offsets; the rows past the last offset are undefined
-    (maybe NaN): zeroed."""
+    (maybe NaN): zeroed, or left so with ``masked``."""
     counts = _device_counts(x, counts)
     check_grouped_swiglu(x, counts, w13, w2)
+    y = grouped_mm_swiglu(x, counts, w13, w2)
+    if masked:
+        return y
     valid = (torch.arange(x.shape[0], device=x.device) < counts.sum()).unsqueeze(1)
-    return torch.where(valid, grouped_mm_swiglu(x, counts, w13, w2), 0.0)
+    return torch.where(valid, y, 0.0)
 
 
-@declare("grouped_swiglu", fake=lambda x, counts, w13, w2: x.new_empty(x.shape[0], w2.shape[1]))
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+@declare("grouped_swiglu", fake=lambda x, counts, w13, w2, rows_per_expert=None, masked=False:
+         x.new_empty(x.shape[0], w2.shape[1]))
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   rows_per_expert: float | None = None, masked: bool = False) -> torch.Tensor:
     """Experts on rows of x [R, H] grouped by expert (counts [E]; a list of ints in eager calls) -> [R, H] in x's
     dtype, rows past sum(counts) zero: ``_grouped_mm`` or Triton on CUDA (no host read), the C decode kernel or
-    a host read of the counts on the CPU; the reference (the per-expert loop) elsewhere."""
+    a host read of the counts on the CPU; the reference (the per-expert loop) elsewhere. ``masked``
+    (``ExpertInput.masked``): the rows past sum(counts) may be garbage and their outputs are left undefined,
+    the GPU kernels neither read nor write them. ``rows_per_expert``: the real rows an expert is expected to
+    get (a host value), from which the Triton kernels pick their row tile."""
     return grouped_swiglu_ref(x, counts, w13, w2)
 
 
-grouped_swiglu.implement("cpu", "epserve.kernels.cpu:moe_swiglu_counts")
+grouped_swiglu.implement("cpu", f"{__name__}:grouped_swiglu_cpu")
 grouped_swiglu.implement("cpu", f"{__name__}:grouped_swiglu_counts", takes=lambda *args: True, traced="op")
 grouped_swiglu.implement("cuda", f"{__name__}:grouped_mm_masked", takes=_grouped_mm_takes, traced="inline")
 grouped_swiglu.implement("cuda", "epserve.kernels.grouped_triton:grouped_swiglu_triton", traced="op")

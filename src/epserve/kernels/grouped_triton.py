@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from epserve.kernels.fp8 import cdiv
-from epserve.kernels.fp8_triton import _tile_m, _tile_map
+from epserve.kernels.fp8_triton import _tile_map, grouped_tile_m
 from epserve.kernels.grouped import check_grouped_swiglu
 
 _OPTS = {"enable_fp_fusion": True}
@@ -89,11 +89,13 @@ def _as_counts(counts: torch.Tensor | Sequence[int], device: torch.device) -> to
 
 
 def grouped_gemm_triton(
-    a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, swiglu: bool = False
+    a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, swiglu: bool = False,
+    rows_per_expert: float | None = None, masked: bool = False,
 ) -> torch.Tensor:
     """Rows of a [R, K] grouped by expert (counts [E] on a's device, sum <= R) times b [E, N, K]^T ->
     [R, N] in a's dtype; ``swiglu``: b is [E, 2N, K] (gate rows, then up rows) and the result is
-    ``silu(gate) * up`` [R, N]. Rows past sum(counts) come out zero; ``counts`` is never read on the host."""
+    ``silu(gate) * up`` [R, N]. Rows past sum(counts) come out zero, or, ``masked``, are neither read nor
+    written; ``counts`` is never read on the host. The row tile: ``fp8_triton.grouped_tile_m``."""
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 and b.stride(-2) == b.shape[-1] else b.contiguous()
     (r, k), (num_experts, n, _) = a.shape, b.shape
@@ -103,9 +105,9 @@ def grouped_gemm_triton(
         return out
     if k == 0 or num_experts == 0:
         return out.zero_()
-    bm, bk = _tile_m(r / num_experts), 32 if a.dtype == torch.float32 else 64
+    bm, bk = grouped_tile_m(r, num_experts, rows_per_expert), 32 if a.dtype == torch.float32 else 64
     tiles = cdiv(r, bm) + num_experts
-    tile_expert, tile_row, tile_end = _tile_map(counts, r, tiles, bm)
+    tile_expert, tile_row, tile_end = _tile_map(counts, r, tiles, bm, masked)
     _grouped_gemm_kernel[(tiles, cdiv(n, BN))](
         a, b, out, tile_expert, tile_row, tile_end, r, n, k, num_experts,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
@@ -117,12 +119,14 @@ def grouped_gemm_triton(
 
 
 def grouped_swiglu_triton(
-    x: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor, w2: torch.Tensor,
+    rows_per_expert: float | None = None, masked: bool = False,
 ) -> torch.Tensor:
     """SwiGLU experts on rows of x [R, H] grouped by expert: ``w2[e] @ (silu(gate) * up)`` with
     ``[gate; up] = w13[e] @ x`` (w13 [E, 2I, H], w2 [E, H, I]) -> [R, H] in x's dtype, rows past
-    sum(counts) zero. Two launches: gate/up with SiLU·mul fused, then the down projection."""
+    sum(counts) zero (``masked``: never read or written, in either launch). Two launches: gate/up with
+    SiLU·mul fused, then the down projection."""
     counts = _as_counts(counts, x.device)
     check_grouped_swiglu(x, counts, w13, w2)
-    h = grouped_gemm_triton(x, w13, counts, swiglu=True)
-    return grouped_gemm_triton(h, w2, counts)
+    h = grouped_gemm_triton(x, w13, counts, swiglu=True, rows_per_expert=rows_per_expert, masked=masked)
+    return grouped_gemm_triton(h, w2, counts, rows_per_expert=rows_per_expert, masked=masked)

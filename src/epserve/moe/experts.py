@@ -68,7 +68,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, expert_input: ExpertInput) -> torch.Tensor:
         """Rows grouped by local expert [N, H] -> expert outputs [N, H] in the same order (in the model's
-        activation dtype; rows past the counts' sum zero)."""
+        activation dtype; rows past the counts' sum zero, or undefined for a ``masked`` input, whose padding
+        the experts in the model dtype skip; the tile from ``rows_per_expert``)."""
         x, counts, scales = expert_input.hidden_states, expert_input.num_tokens_per_expert, expert_input.scales
         want_scales = (x.shape[0], -(-x.shape[1] // BLOCK))
         if scales is not None and (x.dtype != FP8_DTYPE or tuple(scales.shape) != want_scales):
@@ -86,4 +87,4 @@ class GroupedExperts(nn.Module):
             x = dequantize_rows(x, scales, out_dtype)
         # CUDA: device counts (_grouped_mm on bf16 SM90+, or Triton), no host sync; CPU: the decode kernel reads
         # the counts, larger inputs read them on the host
-        return grouped_swiglu(x, counts, self.w13, self.w2)
+        return grouped_swiglu(x, counts, self.w13, self.w2, expert_input.rows_per_expert, expert_input.masked)
