@@ -14,7 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from epserve import LLM, SamplingParams
 from epserve.config import ConfigError
-from epserve.engine.graphs import DecodeGraphs, decode_buckets, pad_decode
+from epserve.engine.block_tables import TableAppends
+from epserve.engine.graphs import DecodeGraphs, DecodeStep, decode_buckets
 from epserve.kernels import cpu, cpu_ops
 from epserve.kernels.cpu_graph import CpuGraph
 from epserve.moe.dispatch.padded import PaddedDispatcher
@@ -35,18 +36,21 @@ def test_buckets():
         decode_buckets(0)
 
 
-def _decode_inputs(runner, rows: int, bucket: int, seed: int = 0):
-    """``rows`` decode rows at different context lengths in their own blocks, padded to ``bucket``."""
+def _decode_inputs(runner, graphs: DecodeGraphs, rows: int, bucket: int, seed: int = 0):
+    """``rows`` decode rows at different context lengths in their own blocks (rows 1.. of the device tables),
+    padded to ``bucket``: the bucket's static inputs holding them."""
     g = torch.Generator().manual_seed(seed)
     bs = runner.block_size
     positions = tuple(int(p) for p in torch.randint(1, 3 * bs, (rows,), generator=g))
     tables = [list(range(4 * i, 4 * i + -(-(p + 1) // bs))) for i, p in enumerate(positions)]
-    width = max(map(len, tables))
-    tables = tuple(tuple(t + [0] * (width - len(t))) for t in tables)  # one width, as BatchPlan pads them
+    owners = tuple(i + 1 for i, t in enumerate(tables) for _ in t)  # row i + 1 holds sequence i's blocks
+    columns = tuple(c for t in tables for c in range(len(t)))
+    runner.tables.apply(TableAppends(owners, columns, tuple(b for t in tables for b in t)))
     slots = tuple(t[p // bs] * bs + p % bs for t, p in zip(tables, positions))
     ids = tuple(int(t) for t in torch.randint(2, 500, (rows,), generator=g))
-    return pad_decode(ids, positions, slots, tuple(p + 1 for p in positions), tables, bucket,
-                      runner.max_blocks_per_seq, runner.sink_slot, runner.device)
+    step = DecodeStep.pad(ids, positions, slots, tuple(p + 1 for p in positions), tuple(range(1, rows + 1)), bucket,
+                          runner.sink_slot)
+    return graphs.stage(step)
 
 
 def test_padding_rows_change_no_real_row(ckpt):
@@ -54,17 +58,17 @@ def test_padding_rows_change_no_real_row(ckpt):
     agree; the padding rows write only the sink block."""
     llm = LLM(ckpt, dtype="float32", num_blocks=64)
     runner = llm.engine.runner
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 8, "compile")
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 8, "compile", tables=runner.tables)
     torch.manual_seed(0)
     for cache in runner.kv_caches:
         cache.normal_()  # a context to attend to
     before = [c.clone() for c in runner.kv_caches]
     with torch.inference_mode():
-        small = graphs._forward(*_decode_inputs(runner, 3, 4).tensors(), "dispatch")
+        small = graphs._forward(*_decode_inputs(runner, graphs, 3, 4).tensors(), "dispatch")
         after_small = [c.clone() for c in runner.kv_caches]
         for c, b in zip(runner.kv_caches, before):
             c.copy_(b)
-        big = graphs._forward(*_decode_inputs(runner, 3, 8).tensors(), "dispatch")
+        big = graphs._forward(*_decode_inputs(runner, graphs, 3, 8).tensors(), "dispatch")
     torch.testing.assert_close(big[:3], small[:3], rtol=1e-5, atol=1e-5)  # (GEMM blocking differs by rows)
     sink = runner.num_blocks
     for c, s, b in zip(runner.kv_caches, after_small, before):
@@ -98,8 +102,8 @@ def test_decode_forward_has_no_host_syncs(ckpt, dispatch, request):
         for layer in runner.model.layers:
             if layer.is_moe:
                 layer.mlp.dispatcher = padded
-    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 8, "compile")
-    inputs = _decode_inputs(runner, 5, 8)
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 8, "compile", tables=runner.tables)
+    inputs = _decode_inputs(runner, graphs, 5, 8)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     assert _host_read_raises(mode)  # the check can fail
     with torch.inference_mode(), mode:

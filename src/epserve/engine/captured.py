@@ -1,7 +1,9 @@
 """The captured decode of one rank: the decode forward's graphs and, with MTP, the draft passes' (a
 pure-decode step's MTP passes are decode-shaped too: one row per kept position or drafting request), the
 bucket every rank replays, and their start-up: a probe capture that measures what the graphs need before
-the KV pool is sized, then every bucket captured largest first (``engine/graphs.py`` holds one set)."""
+the KV pool is sized, then every bucket captured largest first (``engine/graphs.py`` holds one set). A step's
+block tables come from the rank's device tables (``engine/block_tables.py``): a plan names each row's table row,
+the step copies only its O(bucket) host values to the device."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import torch
 
 from epserve.config import OverlapMode
 from epserve.engine.batch_plan import BatchPlan
-from epserve.engine.graphs import CaptureMode, DecodeGraphs, DecodeInputs, bucket_schedules, pad_decode
+from epserve.engine.block_tables import DeviceTables
+from epserve.engine.graphs import CaptureMode, DecodeGraphs, DecodeStep, bucket_schedules
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -38,35 +41,42 @@ class CaptureShape:
 
 class CapturedDecode:
     def __init__(self, model: DeepseekV3ForCausalLM, kv_caches: list[torch.Tensor], mode: CaptureMode,
-                 shape: CaptureShape, mtp: bool) -> None:
+                 shape: CaptureShape, mtp: bool, tables: DeviceTables | None = None) -> None:
+        """``tables``: the rank's device block tables (the runner's, which every step's appends reach); a
+        probe's own when None."""
         self.mode = mode
         self.shape = shape
-        self.sink_slot = (kv_caches[0].shape[0] - 1) * shape.block_size  # the pool's last block
-        self.sets = [DecodeGraphs(model, kv_caches, shape.block_size, shape.max_batch, mode,
-                                  on_bucket=shape.begin_step, mtp=draft) for draft in (False, True)[: 1 + mtp]]
+        sink = kv_caches[0].shape[0] - 1  # the pool's last block
+        self.sink_slot = sink * shape.block_size
+        self.tables = tables or DeviceTables(shape.max_blocks_per_seq, sink, shape.device)
+        self.sets = [DecodeGraphs(model, kv_caches, shape.block_size, shape.max_batch, mode, on_bucket=shape.begin_step,
+                                  mtp=draft, tables=self.tables) for draft in (False, True)[: 1 + mtp]]
         self.graphs = self.sets[0]
         self.drafts = self.sets[1] if mtp else None
 
     def schedules(self, graphs: DecodeGraphs) -> dict[int, OverlapMode]:
         return bucket_schedules(graphs.buckets, self.shape.schedule)
 
-    def empty(self, bucket: int, mtp: bool = False) -> DecodeInputs:
+    def empty(self, bucket: int, mtp: bool = False) -> DecodeStep:
         """``bucket`` padding rows (what a capture runs on)."""
         s = self.shape
-        hidden = torch.zeros(bucket, s.hidden_size, dtype=s.dtype, device=s.device) if mtp else None
-        return pad_decode((), (), (), (), (), bucket, s.max_blocks_per_seq, self.sink_slot, s.device, hidden)
+        hidden = torch.zeros(0, s.hidden_size, dtype=s.dtype, device=s.device) if mtp else None
+        return DecodeStep.pad((), (), (), (), (), bucket, self.sink_slot, hidden)
 
-    def pad(self, plan: BatchPlan, bucket: int, hidden: torch.Tensor | None = None) -> DecodeInputs:
-        s = self.shape
-        return pad_decode(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens, plan.block_tables,
-                          bucket, s.max_blocks_per_seq, self.sink_slot, s.device, hidden)
+    def pad(self, plan: BatchPlan, bucket: int, hidden: torch.Tensor | None = None) -> DecodeStep:
+        """The plan's rows padded to ``bucket``: their table rows, or a plan's whole tables where it names none
+        (a plan built without the leader's ``TableRows``)."""
+        tables = () if plan.table_rows else plan.block_tables
+        return DecodeStep.pad(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens, plan.table_rows,
+                              bucket, self.sink_slot, hidden, tables)
 
     def forward(self, plan: BatchPlan, bucket: int, overlap: OverlapMode) -> torch.Tensor:
-        """The step's final hidden states, its real rows."""
+        """The step's final hidden states, its real rows (the plan's appends already in the tables)."""
         return self.graphs.run(self.pad(plan, bucket), overlap)[: plan.num_tokens]
 
     def draft(self, plan: BatchPlan, hidden: torch.Tensor, bucket: int, overlap: OverlapMode) -> torch.Tensor:
-        """An MTP pass of a pure-decode step (the proposer's hook): the layer's output, its real rows."""
+        """An MTP pass of a pure-decode step (the proposer's hook): the layer's output, its real rows. A draft
+        row reads its request's table row (the step's appends cover the blocks the passes write)."""
         return self.drafts.run(self.pad(plan, bucket, hidden), overlap)[: plan.num_tokens]  # type: ignore[union-attr]
 
     def warm_up(self, largest_only: bool = False) -> tuple[int, float, int]:

@@ -4,7 +4,10 @@ same padding.
 
 A pure-decode step of ``n`` sequences runs as the bucket ``b >= n`` (1, 2, 4, 8, then every multiple of
 8 up to the maximum): rows ``n..b`` are padding (token 0 at position 0, context length 0, their KV written
-to a sink block the scheduler never hands out), so every step of one bucket has the same shapes. Nothing in
+to a sink block the scheduler never hands out), so every step of one bucket has the same shapes. A step sends
+the device its rows' host values alone, one copy of O(bucket) integers (:class:`DecodeStep`: tokens, positions,
+slots, lengths and each row's row of the device block tables, ``engine/block_tables.py``); the bucket's
+``[bucket, max_blocks]`` table is gathered on the device, before the graph runs. Nothing in
 the forward reads the device on the host (routing counts, offsets, attention lengths stay tensors; the CPU
 references that do read them are custom ops), so the forward captures as one CUDA graph and compiles as
 one graph: ``fullgraph=True`` is the proof. Prefill and mixed steps run eagerly.
@@ -30,7 +33,9 @@ import torch
 
 from epserve import env
 from epserve.config import OverlapMode
+from epserve.engine.block_tables import PAD_ROW, DeviceTables
 from epserve.kernels import cpu as cpu_kernels
+from epserve.kernels import decode_plan
 from epserve.kernels.cpu_graph import CaptureError, CpuGraph, record
 from epserve.model.batch import ForwardBatch
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -74,7 +79,8 @@ class WarmUp:
 
 @dataclass(frozen=True)
 class DecodeInputs:
-    """A decode batch padded to its bucket: one token per row. [bucket] each, tables [bucket, max_blocks]."""
+    """A bucket's static device inputs, what its graph reads: one token per row. [bucket] each, tables
+    [bucket, max_blocks]."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -92,48 +98,45 @@ class DecodeInputs:
         return base if self.hidden is None else (*base, self.hidden)
 
 
-def pad_decode(
-    input_ids: tuple[int, ...],
-    positions: tuple[int, ...],
-    slot_mapping: tuple[int, ...],
-    seq_lens: tuple[int, ...],
-    block_tables: tuple[tuple[int, ...], ...],  # one width for every row
-    bucket: int,
-    max_blocks: int,
-    sink_slot: int,
-    device: torch.device,
-    hidden: torch.Tensor | None = None,
-) -> DecodeInputs:
-    """The ``n`` decode rows (one token each) padded to ``bucket`` rows (context length 0); with ``hidden``
-    ([n, H] on the device, an MTP pass's input) zero rows padding it too."""
-    n = len(input_ids)
-    if n > bucket:
-        raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
-    pad = bucket - n
-    tables = torch.zeros(bucket, max_blocks, dtype=torch.long)
-    if n:  # the plan's rows share one width (BatchPlan pads them), at most the model's blocks per sequence
-        rows = torch.tensor(block_tables, dtype=torch.long)
-        tables[:n, : rows.shape[1]] = rows
+@dataclass(frozen=True)
+class DecodeStep:
+    """A decode step as it reaches the captured decode: its rows on the host, padded to the bucket (token 0 at
+    position 0, context length 0, writing ``sink_slot``, reading the padding table row), each naming its row of
+    the device block tables; with ``hidden`` the MTP pass's input ([real rows, H] on the device). ``tables``:
+    the real rows' whole block tables instead (a plan built without device-table rows)."""
 
-    def t(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long)
+    input_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    slot_mapping: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    table_rows: tuple[int, ...]
+    hidden: torch.Tensor | None = None
+    tables: tuple[tuple[int, ...], ...] = ()
 
-    host = DecodeInputs(
-        input_ids=t([*input_ids, *[0] * pad]),
-        positions=t([*positions, *[0] * pad]),
-        slot_mapping=t([*slot_mapping, *[sink_slot] * pad]),
-        seq_lens=t([*seq_lens, *[0] * pad]),
-        block_tables=tables,
-    )
-    moved = (x.to(device, non_blocking=True) for x in host.tensors())
-    if hidden is not None:
-        hidden = torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) if pad else hidden
-    return DecodeInputs(*moved, hidden=hidden)
+    @property
+    def bucket(self) -> int:
+        return len(self.input_ids)
+
+    @classmethod
+    def pad(cls, input_ids: tuple[int, ...], positions: tuple[int, ...], slot_mapping: tuple[int, ...],
+            seq_lens: tuple[int, ...], table_rows: tuple[int, ...], bucket: int, sink_slot: int,
+            hidden: torch.Tensor | None = None, tables: tuple[tuple[int, ...], ...] = ()) -> DecodeStep:
+        """The ``n`` decode rows padded to ``bucket`` rows (``table_rows`` empty with ``tables``)."""
+        n = len(input_ids)
+        if n > bucket:
+            raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
+        pad = (0,) * (bucket - n)
+        rows = table_rows or (PAD_ROW,) * n
+        return cls((*input_ids, *pad), (*positions, *pad), (*slot_mapping, *(sink_slot,) * len(pad)),
+                   (*seq_lens, *pad), (*rows, *(PAD_ROW,) * len(pad)), hidden, tables)
 
 
 class DecodeGraphs:
-    """The model's decode forward per bucket, captured (``cuda_graph``) or compiled (``compile``); with
-    ``mtp``, the MTP layer's draft pass instead (its inputs carry the previous depth's hidden states)."""
+    """The model's decode forward per bucket, captured (``cuda_graph``), recorded (``cpu_graph``) or compiled
+    (``compile``); with ``mtp``, the MTP layer's draft pass instead (its inputs carry the previous depth's hidden
+    states). Every mode runs a bucket on its static inputs (:meth:`stage`), planned before each run
+    (``kernels/decode_plan.py``: before a CUDA graph's warm-up run, its capture and every replay; before a CPU
+    graph's recording and every replay; before every call of the compiled forward)."""
 
     def __init__(
         self,
@@ -144,20 +147,24 @@ class DecodeGraphs:
         mode: CaptureMode,
         on_bucket: Callable[[int], None] | None = None,
         mtp: bool = False,
+        tables: DeviceTables | None = None,
     ) -> None:
-        """``on_bucket(bucket)`` runs before every forward of a bucket (the dispatcher's ``begin_step``)."""
+        """``on_bucket(bucket)`` runs before every forward of a bucket (the dispatcher's ``begin_step``);
+        ``tables``: the rank's device block tables, which a step's rows are gathered from (:meth:`run`)."""
         self.model = model
         self.mtp = mtp
         self.kv_caches = kv_caches
         self.block_size = block_size
+        self.tables = tables
         self.buckets = (tuple(range(1, min(max_batch, cpu_kernels.TILE_M) + 1)) if mode == "cpu_graph"
                         else decode_buckets(max_batch))
         self.mode = mode
         self.on_bucket = on_bucket or (lambda bucket: None)
-        self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
+        self._inputs: dict[int, DecodeInputs] = {}  # each bucket's static inputs (its graphs read them)
+        self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._pool: tuple[int, int] | None = None  # the CUDA graphs' shared memory pool
-        self._cpu_graphs: dict[tuple[int, str], tuple[CpuGraph, DecodeInputs, torch.Tensor]] = {}
+        self._cpu_graphs: dict[tuple[int, str], tuple[CpuGraph, torch.Tensor]] = {}
         self._eager: set[tuple[int, str]] = set()  # CPU buckets whose forward could not be recorded
         self._warm: set[tuple[int, str]] = set()  # (bucket, overlap) run once: captured or compiled
         self.warming_up = False  # a first run (capture or compile) is under way: a step may take minutes
@@ -201,23 +208,63 @@ class DecodeGraphs:
     def _args(inputs: DecodeInputs, overlap: OverlapMode) -> tuple:
         return (*inputs.tensors()[:5], overlap, inputs.hidden)
 
+    def stage(self, step: DecodeStep) -> DecodeInputs:
+        """The bucket's static inputs holding ``step``: its host values copied to the device at once, then its
+        rows' block tables gathered from the device tables (outside any graph)."""
+        assert self.tables is not None, "a decode step needs the device block tables"
+        static = self._inputs.get(step.bucket)
+        if static is None:
+            static = self._inputs[step.bucket] = self._static(step)
+        staged = self.tables.stage((step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                    step.table_rows))
+        for dst, src in zip(static.tensors()[:4], staged):
+            dst.copy_(src)
+        self.tables.gather(staged[4], out=static.block_tables)
+        if step.tables:  # whole tables: the real rows' columns over the padding row's
+            tables = self.tables.stage(step.tables)
+            static.block_tables[: tables.shape[0], : tables.shape[1]] = tables
+        if static.hidden is not None:
+            n = step.hidden.shape[0]  # type: ignore[union-attr]
+            static.hidden[:n].copy_(step.hidden)  # type: ignore[arg-type]
+            static.hidden[n:].zero_()
+        return static
+
+    def _static(self, step: DecodeStep) -> DecodeInputs:
+        assert self.tables is not None
+        rows, device = step.bucket, self.tables.device
+
+        def ids() -> torch.Tensor:
+            return torch.zeros(rows, dtype=torch.long, device=device)
+
+        hidden = None
+        if self.mtp:
+            assert step.hidden is not None, "an MTP pass needs the previous depth's hidden states"
+            hidden = step.hidden.new_zeros(rows, step.hidden.shape[1])
+        tables = torch.zeros(rows, self.tables.max_blocks, dtype=torch.long, device=device)
+        return DecodeInputs(ids(), ids(), ids(), ids(), tables, hidden)
+
+    def _plan(self, static: DecodeInputs, step: DecodeStep) -> None:
+        """The kernels that plan on the host told this step's lengths (``static`` holds the step)."""
+        decode_plan.plan_replay(decode_plan.DecodeReplay(static.block_tables, static.seq_lens, step.seq_lens,
+                                                         self.block_size))
+
     @torch.inference_mode()
-    def run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
-        """Hidden states [bucket, H] of a padded decode batch (callers keep the real rows)."""
-        key = (inputs.bucket, overlap)
+    def run(self, step: DecodeStep, overlap: OverlapMode) -> torch.Tensor:
+        """Hidden states [bucket, H] of a padded decode step (callers keep the real rows)."""
+        key = (step.bucket, overlap)
         if key in self._warm:
-            return self._run(inputs, overlap)
+            return self._run(step, overlap)
         self.warming_up = True
         try:
-            out = self._run(inputs, overlap)
+            out = self._run(step, overlap)
         finally:
             self.warming_up = False
         self._warm.add(key)
         return out
 
-    def warm_up(self, empty_inputs: Callable[[int], DecodeInputs], schedules: dict[int, OverlapMode]) -> WarmUp:
-        """Run each bucket of ``schedules`` once with its schedule, largest first, on all-padding inputs
-        (``empty_inputs(bucket)``): CUDA graphs are captured here, at start-up, instead of at a bucket's first
+    def warm_up(self, empty: Callable[[int], DecodeStep], schedules: dict[int, OverlapMode]) -> WarmUp:
+        """Run each bucket of ``schedules`` once with its schedule, largest first, on all-padding steps
+        (``empty(bucket)``): CUDA graphs are captured here, at start-up, instead of at a bucket's first
         use. Largest first, so every smaller graph fits in the memory the largest one's pool already holds.
         Every rank of an EP group calls it with the same buckets (the padded dispatch's collectives are
         inside)."""
@@ -228,40 +275,38 @@ class DecodeGraphs:
             free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
         for bucket in order:
-            self.run(empty_inputs(bucket), schedules[bucket])
+            self.run(empty(bucket), schedules[bucket])
         used = 0
         if cuda:
             torch.cuda.synchronize()
             used = free_before - torch.cuda.mem_get_info()[0]
         return WarmUp(order, time.perf_counter() - start, max(used, 0))
 
-    def _run(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
-        self.on_bucket(inputs.bucket)
+    def _run(self, step: DecodeStep, overlap: OverlapMode) -> torch.Tensor:
+        self.on_bucket(step.bucket)
+        static = self.stage(step)
         if self._compiled is not None:
-            return self._compiled(*self._args(inputs, overlap))
+            self._plan(static, step)
+            return self._compiled(*self._args(static, overlap))
         if self.mode == "cpu_graph":
-            return self._replay_cpu(inputs, overlap)
-        graph, static, out = self._graph(inputs, overlap)
-        for dst, src in zip(static.tensors(), inputs.tensors()):
-            dst.copy_(src, non_blocking=True)
+            return self._replay_cpu(static, step, overlap)
+        graph, out = self._graph(static, step, overlap)
+        self._plan(static, step)
         graph.replay()
         return out
 
-    def _replay_cpu(self, inputs: DecodeInputs, overlap: OverlapMode) -> torch.Tensor:
-        """The bucket's CPU graph replayed on ``inputs`` (recorded on its first use), or the eager forward
-        for a bucket that cannot be recorded."""
-        key = (inputs.bucket, overlap)
+    def _replay_cpu(self, static: DecodeInputs, step: DecodeStep, overlap: OverlapMode) -> torch.Tensor:
+        """The bucket's CPU graph replayed on its static inputs (recorded on its first use), or the eager
+        forward for a bucket that cannot be recorded."""
+        key = (step.bucket, overlap)
+        self._plan(static, step)
         if key in self._eager:
-            return self._forward(*self._args(inputs, overlap))
+            return self._forward(*self._args(static, overlap))
         entry = self._cpu_graphs.get(key)
         if entry is not None:
-            graph, static, out = entry
-            for dst, src in zip(static.tensors(), inputs.tensors()):
-                dst.copy_(src)
+            graph, out = entry
             graph.replay()
             return out
-        static = DecodeInputs(*(t.clone() for t in inputs.tensors()[:5]),
-                              hidden=None if inputs.hidden is None else inputs.hidden.clone())
         # the modules' state a step reads or writes (the load counters are plain attributes, not buffers)
         buffers = [*self.model.buffers(), *(moe.expert_load for moe in self.model.moe_layers().values())]
         saved = [b.clone() for b in buffers]  # a failed recording's effects on them undone (the load counters)
@@ -273,31 +318,33 @@ class DecodeGraphs:
             for b, old in zip(buffers, saved):
                 b.copy_(old)
             self._eager.add(key)
-            logger.info("decode batch %d%s runs eagerly: %s", inputs.bucket, " (MTP)" if self.mtp else "", e)
-            return self._forward(*self._args(inputs, overlap))
-        self._cpu_graphs[key] = (graph, static, out)
-        logger.debug("recorded the CPU decode of batch %d%s (%s): %d kernel calls in %.3f s", inputs.bucket,
+            logger.info("decode batch %d%s runs eagerly: %s", step.bucket, " (MTP)" if self.mtp else "", e)
+            return self._forward(*self._args(static, overlap))
+        self._cpu_graphs[key] = (graph, out)
+        logger.debug("recorded the CPU decode of batch %d%s (%s): %d kernel calls in %.3f s", step.bucket,
                      " (MTP)" if self.mtp else "", overlap, len(graph.calls), time.perf_counter() - start)
         return out
 
-    def _graph(self, inputs: DecodeInputs,
-               overlap: OverlapMode) -> tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]:
-        """The bucket's CUDA graph, captured on its first use (after one eager warm-up on a side stream)."""
-        key = (inputs.bucket, overlap)
+    def _graph(self, static: DecodeInputs, step: DecodeStep,
+               overlap: OverlapMode) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The bucket's CUDA graph, captured on its first use after one eager warm-up run on a side stream:
+        the same static inputs, schedule and planning as the capture (kernels compiled, workspaces allocated
+        by the same calls the graph then records)."""
+        key = (step.bucket, overlap)
         if key not in self._graphs:
             start = time.perf_counter()
-            static = DecodeInputs(*(t.clone() for t in inputs.tensors()[:5]),
-                                  hidden=None if inputs.hidden is None else inputs.hidden.clone())
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(*self._args(static, overlap))  # warm-up: kernels compiled, workspaces allocated
+                self._plan(static, step)
+                self._forward(*self._args(static, overlap))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            self._plan(static, step)
             with torch.cuda.graph(graph, pool=self._pool):  # one memory pool for every bucket's graph
                 out = self._forward(*self._args(static, overlap))
             self._pool = graph.pool()
-            self._graphs[key] = (graph, static, out)
-            logger.debug("captured the decode graph of batch %d (%s) in %.2f s", inputs.bucket, overlap,
+            self._graphs[key] = (graph, out)
+            logger.debug("captured the decode graph of batch %d (%s) in %.2f s", step.bucket, overlap,
                          time.perf_counter() - start)
         return self._graphs[key]

@@ -1,4 +1,5 @@
-"""KV cache bookkeeping for requests: block tables, prefix reuse and caching of full blocks.
+"""KV cache bookkeeping for requests: block tables, prefix reuse and caching of full blocks, and the rows of
+the device block tables the requests hold (``table_rows``, kept in step with every allocation, trim and free).
 
 Block ``i`` of ``request.block_ids`` holds token positions ``[i * block_size, (i + 1) * block_size)``;
 the slot of position ``pos`` is ``block_ids[pos // block_size] * block_size + pos % block_size``.
@@ -10,6 +11,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from epserve.engine.block_pool import BlockPool
+from epserve.engine.block_tables import TableRows
 from epserve.engine.prefix_cache import PrefixCache, hash_blocks
 from epserve.engine.request import Request
 
@@ -35,6 +37,7 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, self.prefix_cache)
         # request_id -> how many leading blocks of the request are already in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
+        self.table_rows = TableRows()  # the device tables' rows: what a plan appends, which rows are free
 
     @property
     def num_blocks(self) -> int:
@@ -130,12 +133,14 @@ class KVCacheManager:
         if len(request.block_ids) > keep:
             self.block_pool.free(request.block_ids[keep:])
             del request.block_ids[keep:]
+            self.table_rows.truncate(request.request_id, keep)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (cached ones stay reusable until evicted)."""
         self.block_pool.free(request.block_ids)
         request.block_ids.clear()
         self._num_cached_blocks.pop(request.request_id, None)
+        self.table_rows.release(request.request_id)
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""

@@ -13,6 +13,7 @@ from epserve.checkpoint import as_torch_dtype
 from epserve.config import EngineConfig
 from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
+from epserve.engine.block_tables import DeviceTables
 from epserve.engine.captured import CapturedDecode, CaptureShape, capture_at_start, probe_graph_memory
 from epserve.engine.graphs import DecodeGraphs
 from epserve.engine.kv_handoff import KVWrite
@@ -103,6 +104,9 @@ class ModelRunner:
         # One block more than the scheduler hands out: the sink padding rows of a captured decode write to.
         self.kv_caches = self._kv_pool(self.num_blocks + 1)
         self.sink_slot = self.num_blocks * self.block_size
+        # each running request's block table, kept on the device (``engine/block_tables.py``)
+        self.tables = DeviceTables(self.max_blocks_per_seq, self.num_blocks, self.device,
+                                   config.scheduler.max_num_seqs + 1)
         info = self.cache_info()
         logger.info("KV cache: %d blocks of %d tokens, %d bytes per token (%s), %.1f MiB", info["num_blocks"],
                     info["block_size"], info["bytes_per_token"], info["kv_cache_dtype"],
@@ -113,7 +117,8 @@ class ModelRunner:
         self.captured: CapturedDecode | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if mode is not None:
-            self.captured = CapturedDecode(self.model, self.kv_caches, mode, self.capture_shape, self.num_spec > 0)
+            self.captured = CapturedDecode(self.model, self.kv_caches, mode, self.capture_shape, self.num_spec > 0,
+                                           self.tables)
             self.decode_graphs = self.captured.graphs
             if self.proposer is not None:
                 self.proposer.replay = self.captured.draft
@@ -183,12 +188,13 @@ class ModelRunner:
         token, ``[plan.num_tokens, H]``. ``global_max_tokens``: the most tokens
         any DP group runs this step, ``all_decode``: whether every DP group's batch is pure decode (from
         the step's all-reduce; then every rank can run the same captured bucket)."""
+        self.tables.apply(plan.table_appends)  # the blocks its requests gained since their last step
         per_rank, overlap = self._step_shape(global_max_tokens)
         bucket = self._replay_bucket(global_max_tokens, all_decode, overlap)
         if bucket is not None:
             return self.captured.forward(plan, bucket, overlap)  # type: ignore[union-attr,arg-type]
         self.dispatcher.begin_step(per_rank)
-        batch = plan.to_batch(self.device, self.block_size)
+        batch = plan.to_batch(self.device, self.block_size, self.tables)
         num_seqs = len(plan.seq_lens)
         self.profiler.begin_step(plan.num_tokens, num_seqs, plan.num_decode_seqs == num_seqs, overlap)
         return self.profiler.timed("forward", self._forward, batch, overlap)  # type: ignore[return-value]
