@@ -152,6 +152,11 @@ def test_the_graph_plan_lists_each_rows_pages_as_a_plain_construction(dtype):
         mg.page_layout((1, 145), 16, 9)
 
 
+def test_a_wrappers_bytes_grow_with_its_rows_and_table_width():
+    assert mg.wrapper_bytes(256, 10240) - mg.INT_WORKSPACE_BYTES >= 256 * 10240 * 4  # kv_indices: every entry
+    assert mg.wrapper_bytes(1, 1) > mg.INT_WORKSPACE_BYTES and mg.wrapper_bytes(2, 4) < mg.wrapper_bytes(2, 5)
+
+
 def test_planning_a_replay_reads_nothing_from_the_device():
     """The planner registered, a replay planned and its page list built on meta tensors standing for CUDA ones
     (values nowhere): any host read of a device value (``.item()``, ``.tolist()``, a data-dependent shape) would

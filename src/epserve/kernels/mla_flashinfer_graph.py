@@ -40,6 +40,7 @@ from epserve.kernels.device import is_cuda
 
 KV_LORA_RANK, ROPE_DIM = 512, 64  # the shapes FlashInfer's MLA kernels are built for (DeepSeek-V2/V3)
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split-KV partial outputs), per device
+INT_WORKSPACE_BYTES = 8 << 20  # the int workspace (its schedule) each wrapper allocates for itself
 
 
 class SeqLensError(ValueError):
@@ -118,6 +119,14 @@ def graph_pages(block_tables: torch.Tensor, kv_indptr: torch.Tensor, pages: int)
 # ---- the captured buckets and their wrappers --------------------------------------------------------
 
 
+def wrapper_bytes(rows: int, width: int) -> int:
+    """Device bytes a graph-mode wrapper of ``rows`` rows over tables ``width`` blocks wide holds beside the
+    shared workspace: its int workspace, ``kv_indices`` (every table entry) and the row-sized buffers. Allocated
+    by a bucket's warm-up run, outside the graphs' pool: the memory plan counts them for every captured bucket
+    where FlashInfer decodes."""
+    return INT_WORKSPACE_BYTES + 4 * rows * width + 4 * (3 * rows + 2) + rows
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """What a wrapper is planned for besides the lengths (one per attention configuration the forward runs)."""
@@ -134,7 +143,7 @@ class GraphWrapper:
     """A CUDA-graph-mode wrapper and its fixed buffers, for ``shape.rows`` rows of one captured bucket."""
 
     def __init__(self, device: torch.device, shape: AttentionShape, width: int) -> None:
-        rows = shape.rows
+        rows = shape.rows  # (wrapper_bytes counts what is allocated here)
         self.shape = shape
         self.kv_indices = torch.empty(rows * width, dtype=torch.int32, device=device)  # at most every table entry
         self.empty = torch.zeros(rows, 1, 1, dtype=torch.bool, device=device)
