@@ -257,7 +257,8 @@ def decide(op_name: str, device: torch.device | str, dtype: torch.dtype | None =
         _chosen[key] = chosen
         for name, error in failures:
             logger.info("%s: %s unavailable on %s (%s); using %s", op.name, name, _where(key), error, chosen)
-        if not failures and len(passed) == 1 and chosen != op.fallback:
+        untimed = len(passed) == 1 or any(op.backend(name).benchmark is None for name in passed)
+        if not failures and untimed and chosen != op.fallback:
             logger.info("%s on %s: %s (self-test passed)", op.name, _where(key), chosen)
         return chosen
 
@@ -285,7 +286,8 @@ def _fastest(op: KernelOp, key: tuple[str, str, torch.dtype | None], passed: lis
 
 def _measure(backend: KernelBackend, device: torch.device, dtype: torch.dtype | None) -> float:
     """Seconds per run of ``backend``'s benchmark on CUDA ``device``: the median of ``TIMING_REPEATS`` runs
-    timed with CUDA events, after one untimed run (compiles, plans, first-touch)."""
+    timed with CUDA events, after one untimed run (compiles, plans, first-touch). Its inputs are freed and
+    handed back to the driver afterwards (the KV pool is sized from the device's free memory)."""
     assert backend.benchmark is not None
     with torch.cuda.device(device):
         run = backend.benchmark(device, dtype)  # type: ignore[arg-type]
@@ -298,6 +300,8 @@ def _measure(backend: KernelBackend, device: torch.device, dtype: torch.dtype | 
             run()
             end.record()
         torch.cuda.synchronize()
+        del run
+        torch.cuda.empty_cache()
     elapsed = sorted(start.elapsed_time(end) for start, end in events)  # milliseconds
     return elapsed[len(elapsed) // 2] / 1e3
 
