@@ -136,10 +136,10 @@ def build_checkpoint(path: Path, size: str) -> tuple[Path, float]:
 WARM_STEPS = 2  # decode steps of each batch before the timed rounds (a bucket's first use; compiles on the CPU)
 
 
-def run_steps(llm: LLM, steps: int, fwd: ForwardTimer, clock: Clock,
-              timer: LayerTimer | OpTimer | None = None) -> tuple[list[float], list[float]]:
+def run_steps(llm: LLM, steps: int, fwd: ForwardTimer, clock: Clock, timer: LayerTimer | OpTimer | None = None,
+              running: list[int] | None = None) -> tuple[list[float], list[float]]:
     """``steps`` decode steps of the engine's running batch: each step's wall time and its forward's time
-    (``timer``: its op hooks on during those steps only)."""
+    (``timer``: its op hooks on during those steps only; ``running``: gets the sequences each step runs)."""
     engine = llm.engine
     fwd.take()
     walls = []
@@ -147,6 +147,8 @@ def run_steps(llm: LLM, steps: int, fwd: ForwardTimer, clock: Clock,
         timer.enable(True)
     try:
         for _ in range(steps):
+            if running is not None:
+                running.append(len(engine.scheduler.running))
             start = time.perf_counter()
             engine.step()
             if clock.cuda:
@@ -211,17 +213,29 @@ def decode_steps(args: argparse.Namespace, mode: str) -> int:
     return WARM_STEPS + args.rounds * args.steps + (2 * args.steps if mode == "eager" else 0)
 
 
+def prefill_chunk(args: argparse.Namespace) -> int:
+    """Tokens a step prefills: long prompts in fewer, larger chunks (the prefill is not what is timed)."""
+    return 8192 if args.prompt_len > 2048 else 2048
+
+
+def prefill_steps(args: argparse.Namespace, batch: int) -> int:
+    """Steps the batch's prefill takes; the sequences prefilled first decode during the later ones (decodes
+    share a step with prefill chunks), so each request gets this many more tokens: the whole batch is still
+    running through every timed step."""
+    return -(-batch * args.prompt_len // prefill_chunk(args)) + 1
+
+
 def engine_options(args: argparse.Namespace, variant: str, mode: str, max_batch: int) -> dict[str, Any]:
     cuda = args.device.startswith("cuda")
-    generated = max(decode_steps(args, "eager") + 2, args.tokens)
+    generated = max(decode_steps(args, "eager") + prefill_steps(args, max_batch) + 2, args.tokens)
     max_len = max(args.prompt_len, max(TOKEN_PROMPT_LENS)) + generated + 16
     per_seq = -(-max_len // args.block_size)
     options: dict[str, Any] = dict(
         dtype="bfloat16", device=args.device, block_size=args.block_size, enable_prefix_caching=False,
         num_blocks=max(max_batch, len(TOKEN_PROMPT_LENS)) * per_seq + 8, max_num_seqs=max_batch,
         max_model_len=max_len, **VARIANTS[variant])
-    if args.prompt_len > 2048:  # long prompts: prefill in fewer, larger chunks (the prefill is not what is timed)
-        options["max_num_batched_tokens"] = 8192
+    if prefill_chunk(args) != 2048:  # the scheduler's default
+        options["max_num_batched_tokens"] = prefill_chunk(args)
     if mode == "captured":
         options |= {"cuda_graph": True, "cuda_graph_max_bs": max_batch} if cuda else {"compile": True,
                                                                                        "cuda_graph_max_bs": max_batch}
@@ -269,18 +283,21 @@ def time_batch(args: argparse.Namespace, batch: int, engines: dict[str, LLM], ti
     between the engines; the eager engine then times its layers and its ops. Fills ``row``."""
     start = time.perf_counter()
     for mode, llm in engines.items():
-        start_decode_batch(llm.engine, batch, args.prompt_len, decode_steps(args, mode), seed=batch, tag=f"b{batch}")
+        start_decode_batch(llm.engine, batch, args.prompt_len, decode_steps(args, mode) + prefill_steps(args, batch),
+                           seed=batch, tag=f"b{batch}")
         row[mode] = {"step_ms_rounds": [], "forward_ms_rounds": []}
     row["prefill_s"] = time.perf_counter() - start
     for mode, llm in engines.items():  # warm-up (a bucket's first use; compiles on the CPU)
         run_steps(llm, WARM_STEPS, timers[mode], clock)
+    running: dict[str, list[int]] = {mode: [] for mode in engines}
     for _ in range(args.rounds):  # alternating, so drift hits both alike
         for mode, llm in engines.items():
-            walls, forwards = run_steps(llm, args.steps, timers[mode], clock)
+            walls, forwards = run_steps(llm, args.steps, timers[mode], clock, running=running[mode])
             row[mode]["step_ms_rounds"].append(median_ms(walls))
             row[mode]["forward_ms_rounds"].append(median_ms(forwards))
     for mode in engines:
         rec = row[mode]
+        rec["min_running"] = min(running[mode])  # the sequences every timed step decoded (B: none finished early)
         rec["step_ms"] = statistics.median(rec["step_ms_rounds"])
         rec["forward_ms"] = statistics.median(rec["forward_ms_rounds"])
         rec["forward_ms_per_layer"] = rec["forward_ms"] / SHARD["num_hidden_layers"]

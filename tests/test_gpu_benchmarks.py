@@ -266,6 +266,7 @@ def test_v3_layer_tiny_times_each_op_on_the_cpu(tmp_path):
     assert result["complete"] is True and result["status"] == "ok"
     (row,) = result["variants"][0]["rows"]
     assert row["batch"] == 2 and row["context"] == 32 and "floor" not in row
+    assert row["eager"]["min_running"] == 2  # every timed step decoded the whole batch
     groups = row["eager"]["op_groups"]
     assert {"attention projections", "MLA decode", "o_proj", "dense MLP"} <= set(groups["dense"])
     assert {"attention projections", "MLA decode", "o_proj", "gate", "dispatch", "grouped experts", "shared expert",
