@@ -1,19 +1,12 @@
 """The kernel figures of one CUDA GPU at DeepSeek-V3's real shapes, against its measured ceilings, in one JSON
 rewritten after every measurement.
 
-    python3 benchmarks/gpu_micro.py [--json micro.json] [--repeats 10] [--parts copy gemm grouped mla]
-                                    [--mla-heads 128 16] [--flashinfer]
+    python3 benchmarks/gpu_micro.py [--json micro.json] [--repeats 10] [--parts copy mla gemm grouped]
+                                    [--mla-heads 128 16] [--flashinfer] [--smoke]
 
 - copy: device-to-device copy bandwidth (``dst.copy_(src)`` of 2 GiB, bytes read plus written, as the
   3.0 TB/s seen on the H100 and 4.3 TB/s on the H200 count them: the floor for everything after it) and a bf16
   8192^3 ``torch.matmul`` (the dense TFLOP/s ceiling).
-- gemm: the block-scaled FP8 GEMM at V3's decode shapes (``gpu_figures.gemm_shapes``: qkv_a, q_b, ``o_proj``
-  7168x16384, the dense MLP's gate_up 36864x7168 and down 7168x18432, an expert's) at M = 1, 16, 64, 128, 4096:
-  our Triton kernel, blockwise ``torch._scaled_mm`` (where the probe accepts it) and cuBLAS bf16 on the
-  dequantized weight (``fp8_gemm.bench_gemm``): TFLOP/s, % of ``_scaled_mm``, weight GB/s as % of the copy.
-- grouped: the grouped FP8 GEMM over one EP8 shard's 32 experts at decode sizes (1..16 real rows an expert,
-  with and without padding rows) and two prefill sizes, against the weight-streaming floor and per-expert
-  cuBLAS / ``_scaled_mm`` loops (``fp8_gemm.bench_grouped``).
 - mla: paged MLA decode (DeepSeek's 512 + 64 latent) at 128 heads (DP attention: every head on a rank) and 16
   (one TP-8 shard), batch 1, 16 and 64, 4096-token contexts, 16-token blocks in shuffled order, bf16 and FP8
   caches: every Triton implementation the ``mla_decode`` op lists for CUDA (the many-head kernel where it
@@ -21,13 +14,23 @@ rewritten after every measurement.
   the torch reference: GB/s of cache read and % of the copy bandwidth. ``--flashinfer`` adds FlashInfer's
   (bf16; where it imports and its self-test passes; its plan, one per step, timed apart): off by default, so
   no FlashInfer JIT build happens unless asked for (the GPU check asks in its last stage).
+- gemm: the block-scaled FP8 GEMM at V3's decode shapes (``gpu_figures.gemm_shapes``: qkv_a, q_b, ``o_proj``
+  7168x16384, the dense MLP's gate_up 36864x7168 and down 7168x18432, an expert's) at M = 1, 16, 64, 128, 4096:
+  our Triton kernel, blockwise ``torch._scaled_mm`` (where the probe accepts it) and cuBLAS bf16 on the
+  dequantized weight (``fp8_gemm.bench_gemm``): TFLOP/s, % of ``_scaled_mm``, weight GB/s as % of the copy.
+- grouped: the grouped FP8 GEMM over one EP8 shard's 32 experts at decode sizes (1..16 real rows an expert,
+  with and without padding rows) and two prefill sizes, against the weight-streaming floor and per-expert
+  cuBLAS / ``_scaled_mm`` loops (``fp8_gemm.bench_grouped``).
 
+The parts run in that order (copy always, first: the others are read against it), the goals' parts first.
 ``key_figures`` carries the ceilings, the best MLA and GEMM ratios, and the issue's goals (``gpu_figures.GOALS``,
 each with its value, goal and whether it is met). Each timing is the median over ``--repeats`` runs by CUDA
 events after warm-ups, the L2 cache flushed before each run (``fp8_gemm.timed``). The JSON is rewritten
 (atomically) after every measurement with ``"complete": false`` until the end, so a run cut off by a timeout
 leaves every figure measured so far. Needs CUDA: without it, says so and exits with status 2 (after writing
-``{"status": "skipped"}`` to ``--json``). About two minutes on an H100, the first Triton builds included.
+``{"status": "skipped"}`` to ``--json``); ``--smoke`` runs every part at tiny shapes instead (on the CPU with
+the Triton kernels under their interpreter: the script's own code checked without a GPU). Not yet timed on a
+GPU: expect a minute or two on an H100, the first Triton builds included.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import torch
 from fp8_gemm import bench_gemm, bench_grouped, rel_err, timed
 from gpu_figures import GOALS, MLA, JsonProgress, goal, mla_cache_bytes, pct, write_skipped
 
-PARTS = ("copy", "gemm", "grouped", "mla")
+PARTS = ("copy", "mla", "gemm", "grouped")  # in the order they run: the goals first
 COPY_BYTES = 2 << 30
 MATMUL = 8192
 Save = Callable[[], None]
