@@ -5,7 +5,9 @@ step's lengths outside the graph, as vLLM and SGLang plan it before each replay)
 The captured decode calls :func:`plan_replay` with the bucket's static inputs, the device tensors the graph reads
 (already holding this step's values), and the step's lengths on the host, once before capturing a bucket and
 once before every replay, outside the graph. Kernels that plan register a planner once (:func:`register`); a
-kernel that reads its lengths on the device needs none. Nothing here reads the device.
+kernel that reads its lengths on the device needs none. Nothing here reads the device. FlashInfer's planner
+(``kernels.mla_flashinfer_graph.plan_captured``) is registered when that module is imported: on CUDA, when
+``kernels.backends`` first decides ``mla_decode`` (at start-up).
 """
 
 from __future__ import annotations
