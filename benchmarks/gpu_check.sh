@@ -1,37 +1,42 @@
 #!/usr/bin/env bash
-# The GPU check, for a session that is lent the CUDA machine: ONE command that fits one lease (15 minutes of
-# device time in all, at most 10 per command, at most 8 files back under $OUT, the image's own python3 with
-# torch 2.11 and Triton 3.6, no network). Its stages run in order of value, each under `timeout`, with 540 s
-# of stage budget in all (LEASE_BUDGET_S to change it): a stage gets its own budget plus whatever the stages
+# The GPU check, for a session that is lent the CUDA machine (H100 80 GB or H200): ONE command that fits one
+# lease (15 minutes of device time in all, a fresh machine minutes of it, at most 10 per command, at most 8 files
+# back under $OUT, the image's own python3 with torch 2.11 and Triton 3.6, no network). CUDA tests only (CI runs
+# the CPU ones): the kernel, dispatch and sampling tests marked `cuda`, and the engine tests that take the `device`
+# fixture (EPSERVE_TEST_DEVICE=cuda makes it the GPU). Stages run in order of value, each under `timeout`, with
+# 540 s of stage budget in all (LEASE_BUDGET_S to change it): a stage gets its own budget plus whatever the stages
 # before it left unused, never the time the stages after it were budgeted, so a slow stage cannot eat the rest.
-#   env         nvidia-smi; the carried wheels (benchmarks/gpu_wheels.sh made .whl) installed into /tmp/site,
-#               on PYTHONPATH; versions, and which optional packages import. Then the V3-shaped checkpoint of
-#               the v3 stage is built in the background (CPU only) while the GPU stages run.
-#   kernels     tests/kernels/* on CUDA against the torch references (block FP8 GEMMs, _scaled_mm, the fused
-#               router, grouped experts, paged MLA decode, CUDA-graph capture and replay of each, the backend
-#               registry's self-test and fallback), in 4 pytest-xdist workers where xdist is there. The
-#               Triton-interpreter cases (CPU checks, CI runs them) are left out, FlashInfer's to its stage.
-#   sanitizer   compute-sanitizer memcheck on one small kernel test: the paged MLA decode Triton kernel with
-#               an FP8 cache (PyTorch's caching allocator off, so a read past a tensor is past its allocation).
-#   flashinfer  FlashInfer's paged MLA decode on CUDA against the reference (its JIT build for sm_90a the first
-#               time; FLASHINFER_CUDA_ARCH_LIST and MAX_JOBS set), and the registry's choice. If FlashInfer
-#               imports but this stage does not pass, the later stages run with EPSERVE_MLA_BACKEND=triton.
-#   capture     the captured decode's tests with the engine on CUDA (EPSERVE_TEST_DEVICE=cuda): start-up
-#               capture, the shared expert's side stream inside a graph, MTP drafts and verification rows
-#               through CUDA graphs (tokens = plain decoding); the CPU-traced graph tests under torch 2.11.
-#   tokens      benchmarks/v3_layer.py --size tiny on CUDA: bf16, FP8 and FP8-KV engines, captured greedy
-#               tokens = eager tokens (DeepSeek-V3's layer structure, MLA's 512 + 64, 32 experts top-8).
-#   micro       benchmarks/gpu_micro.py: copy bandwidth (4.3 TB/s seen), bf16 matmul, FP8 block GEMM TFLOP/s
-#               (Triton vs blockwise _scaled_mm vs bf16) at V3 shapes, M = 1, 16, 128, 4096, the grouped
-#               GEMM over 32 experts, paged MLA decode GB/s (Triton vs FlashInfer) at batch 1/16/64, 4k context.
-#   v3          benchmarks/v3_layer.py: DeepSeek-V3's dense and MoE layer at full width with one EP8 expert
-#               shard, random FP8 weights: decode step time per layer at batch 1, 16, 64, eager and CUDA
-#               graphs, graph memory, KV bytes, tokens eager = captured.
-#   sampling    penalties, logit_bias, min_tokens, prompt logprobs and structured outputs (xgrammar bitmasks
-#               on CUDA logits; needs the xgrammar and jsonschema wheels) with the engine on CUDA.
-# $OUT gets 6 files: summary.json (every stage's status, seconds, budget, test counts and failures, key
-# figures, the stage JSONs merged in; rewritten after each stage, so a cut-off run still leaves one), and the
-# tails of the stages' output: env.txt, kernels.log, capture.log, perf.log, sampling.log.
+# MLA decode is pinned to Triton (EPSERVE_MLA_BACKEND=triton) in every stage but the last, so FlashInfer's JIT
+# build happens there alone, timed.
+#   env         nvidia-smi; the carried wheels (benchmarks/gpu_wheels.sh made .whl) installed into /tmp/site, on
+#               PYTHONPATH; versions, which optional packages import. The v3 stage's checkpoint is then built in
+#               the background (CPU only) while the GPU stages run.
+#   mtp         tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp with the engine on CUDA: the
+#               captured decode (CUDA graphs) with MTP drafts and verification rows, tokens = plain decoding's.
+#   tokens      benchmarks/gpu_tokens.py --check: the bf16 and FP8 tiny checkpoints rebuilt (their hashes against
+#               the reference's), greedy 64 tokens for 5 prompts, captured and eager, against the tokens this
+#               project's CPU computed (benchmarks/gpu_reference/tokens.json); equal, or the first difference.
+#   kernels     tests/kernels -m cuda (FlashInfer's to its stage): FP8 GEMMs and _scaled_mm, grouped experts, the
+#               fused router, paged MLA decode, fused norms/RoPE, CUDA-graph capture and replay of each, against
+#               the torch references; 4 pytest-xdist workers where xdist imports.
+#   dispatch    tests/parallel -m cuda: PaddedDispatcher and the TP collectives captured on a one-rank NCCL group,
+#               SymmMemDispatcher eager and captured on one-rank NVSHMEM.
+#   capture     tests/engine and tests/model on CUDA (--on-device; not slow): the engine's start-up capture,
+#               parity with transformers, prefix cache, preemption, the KV handoff, EPLB into the captured decode.
+#   micro       benchmarks/gpu_micro.py: copy bandwidth and bf16 matmul (the ceilings), the FP8 GEMMs at V3's
+#               shapes (o_proj, the dense MLP) against _scaled_mm and cuBLAS, the grouped GEMM, Triton MLA decode
+#               at 128 and 16 heads (JSON rewritten after every measurement).
+#   v3          benchmarks/v3_layer.py: DeepSeek-V3's dense and MoE layer at full width with one EP8 expert shard,
+#               FP8 weights: decode step time per layer at batch 1, 16, 64, eager and captured, per-op times.
+#   sampling    logits processing and structured outputs (xgrammar bitmasks on CUDA logits) on CUDA.
+#   flashinfer  FlashInfer's paged MLA decode against the reference and the registry's choice (its JIT build for
+#               sm_90a; FLASHINFER_CUDA_ARCH_LIST, MAX_JOBS set), then gpu_micro.py --parts mla --flashinfer.
+#   sanitizer   (not in the plan: --stages sanitizer) compute-sanitizer memcheck on the MLA decode CUDA tests.
+# Each pytest stage writes one JSON line per test as it finishes (benchmarks/gpu_report.py, a pytest plugin), so
+# a stage cut off by its timeout still reports what ran and the test it was in; the benchmark stages rewrite
+# their JSON after each measurement. After every stage, and every 30 s during one, $OUT gets: summary.json
+# (each stage's status, seconds, budget, tests, failures, figures, the stage JSONs merged in, cut-off ones too),
+# logs.tar.gz (every stage's complete output, test reports and JSON) and tails.txt (each stage's last lines).
 #
 # Usage (device tool):  bash benchmarks/gpu_check.sh                   the lease plan (about 9 minutes)
 #                       bash benchmarks/gpu_check.sh --stages v3,micro  some of its stages (a second call)
@@ -45,111 +50,55 @@ ROOT=$PWD
 OUT=${OUT:-bench_out}
 TOTAL=${LEASE_BUDGET_S:-540}
 MIN_STAGE_S=15
-LEASE_FILES=(summary.json env.txt kernels.log capture.log perf.log sampling.log)
+SNAPSHOT_S=30
+LEASE_FILES=(summary.json logs.tar.gz tails.txt)  # gpu_report.LEASE_FILES
 
-# ---- the plan: stage, budget (s), log file under $OUT, lines of output kept there -----------------------
-STAGES=(env kernels sanitizer flashinfer capture tokens micro v3 sampling)
-declare -A BUDGET=([env]=20 [kernels]=100 [sanitizer]=50 [flashinfer]=90 [capture]=45 [tokens]=40 [micro]=60
-                   [v3]=110 [sampling]=25)
-declare -A LOG=([env]=env.txt [kernels]=kernels.log [sanitizer]=kernels.log [flashinfer]=kernels.log
-                [capture]=capture.log [tokens]=capture.log [micro]=perf.log [v3]=perf.log [sampling]=sampling.log)
-declare -A KEEP=([env]=80 [kernels]=60 [sanitizer]=40 [flashinfer]=40 [capture]=50 [tokens]=30 [micro]=120
-                 [v3]=60 [sampling]=50)
-# The tests each pytest stage selects (the dry run collects them: a renamed file or test breaks it).
+# ---- the plan: stage, budget (s), test selection -----------------------------------------------------------
+ALL_STAGES=(env mtp tokens kernels sanitizer dispatch capture micro v3 sampling flashinfer)
+STAGES=(env mtp tokens kernels dispatch capture micro v3 sampling flashinfer)  # the default plan
+declare -A BUDGET=([env]=20 [mtp]=40 [tokens]=45 [kernels]=80 [sanitizer]=60 [dispatch]=35 [capture]=50 [micro]=75
+                   [v3]=95 [sampling]=25 [flashinfer]=60)
+# The tests each pytest stage selects (the dry run collects each: a renamed file or test, or a lost mark, breaks it).
 declare -A SELECT=(
-  [kernels]="tests/kernels -k 'not under_interpreter and not flashinfer and not whichever_backend'"
-  [sanitizer]="tests/kernels/test_mla_decode_kernel.py -k 'test_cuda_matches_ref and fp8'"
-  [flashinfer]="tests/kernels/test_backends.py -k 'flashinfer or whichever_backend'"
-  [capture]="tests/engine/test_graph_startup.py tests/engine/test_decode_graphs.py tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp -m 'not slow'"
-  [sampling]="tests/engine/test_logits_processing.py tests/engine/test_structured.py"
+  [mtp]="tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp"
+  [kernels]="tests/kernels -m cuda -k 'not flashinfer and not whichever_backend'"
+  [sanitizer]="tests/kernels/test_mla_decode_kernel.py -m cuda"
+  [dispatch]="tests/parallel -m cuda"
+  [capture]="tests/engine tests/model --on-device -m 'not slow' --deselect tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp --ignore=tests/engine/test_logits_processing.py --ignore=tests/engine/test_structured.py --ignore=tests/engine/test_structured_failures.py"
+  [sampling]="tests/engine/test_logits_processing.py tests/engine/test_structured.py tests/engine/test_structured_failures.py --on-device"
+  [flashinfer]="tests/kernels/test_backends.py -m cuda -k 'flashinfer or whichever_backend'"
 )
-SCRIPTS=(benchmarks/v3_layer.py benchmarks/step_timers.py benchmarks/gpu_micro.py benchmarks/fp8_gemm.py benchmarks/common.py)
+SAMPLING_NO_XGRAMMAR="tests/engine/test_logits_processing.py --on-device"
+REFERENCE=benchmarks/gpu_reference/tokens.json
+MICRO_ARGS="--repeats 10"
 V3_ARGS="--device cuda --variants fp8 --batches 1 16 64"
-TOKENS_ARGS="--size tiny --device cuda --variants bf16 fp8 fp8-kv --batches 1 4 --no-timing --tokens 16"
+FI_MICRO_ARGS="--parts mla --mla-heads 128 --flashinfer --repeats 5"
+# the benchmark scripts and the flags the plan passes them (the dry run checks each --help names them)
+declare -A FLAGS=([benchmarks/gpu_tokens.py]="--check --json --device" [benchmarks/gpu_micro.py]="--repeats --json --parts --mla-heads --flashinfer"
+                  [benchmarks/v3_layer.py]="--device --variants --batches --json --build-only --size")
 declare -A DESC=(
   [env]="nvidia-smi; pip install .whl/*.whl --target /tmp/site; versions, optional imports -> env.json"
+  [mtp]="pytest ${SELECT[mtp]}"
+  [tokens]="python3 benchmarks/gpu_tokens.py --check $REFERENCE"
   [kernels]="pytest ${SELECT[kernels]}"
   [sanitizer]="compute-sanitizer --tool memcheck pytest ${SELECT[sanitizer]}"
-  [flashinfer]="pytest ${SELECT[flashinfer]}"
-  [capture]="pytest ${SELECT[capture]}"
-  [tokens]="python3 benchmarks/v3_layer.py $TOKENS_ARGS"
-  [micro]="python3 benchmarks/gpu_micro.py --repeats 10"
+  [dispatch]="pytest ${SELECT[dispatch]}"
+  [capture]="pytest tests/engine tests/model --on-device -m 'not slow' (not mtp's test, not sampling's files)"
+  [micro]="python3 benchmarks/gpu_micro.py $MICRO_ARGS"
   [v3]="python3 benchmarks/v3_layer.py $V3_ARGS (checkpoint built in the background after env)"
-  [sampling]="pytest ${SELECT[sampling]} (test_structured.py only where xgrammar and jsonschema import)"
+  [sampling]="pytest ${SELECT[sampling]} (structured only where xgrammar and jsonschema import)"
+  [flashinfer]="pytest ${SELECT[flashinfer]} (MLA auto); gpu_micro.py $FI_MICRO_ARGS"
 )
 
 wheel_mib() { find .whl -maxdepth 1 -type f -name '*.whl' -printf '%s\n' 2>/dev/null | awk '{s += $1} END {printf "%.1f", s / 2^20}'; }
 
-# ---- the summary: stage records (TSV) and stage JSONs merged into one JSON --------------------------------
-write_summary() {  # write_summary WORK_DIR OUT_DIR
-  "$PY" - "$1" "$2" "$TOTAL" <<'EOF'
-import json, re, sys, time
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
-work, out, total = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-fields = ["stage", "status", "seconds", "budget_s", "timeout_s", "rc", "log", "junit", "json", "output", "note"]
-stages, order = {}, []
-for line in (work / "stages.tsv").read_text().splitlines() if (work / "stages.tsv").exists() else []:
-    rec = dict(zip(fields, line.split("\t")))
-    name = rec.pop("stage")
-    for key in ("seconds", "budget_s", "timeout_s"):
-        rec[key] = float(rec[key]) if rec.get(key) not in (None, "", "-") else None
-    rec["rc"] = int(rec["rc"]) if rec.get("rc", "-").lstrip("-").isdigit() else None
-    junit, js, output = rec.pop("junit", "-"), rec.pop("json", "-"), rec.pop("output", "-")
-    if junit not in ("-", "") and Path(junit).exists():
-        try:
-            root = ET.parse(junit).getroot()
-            suites = [root] if root.tag == "testsuite" else list(root)
-            counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-            counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-            failed = []
-            for case in root.iter("testcase"):
-                for bad in list(case.findall("failure")) + list(case.findall("error")):
-                    message = (bad.get("message") or bad.text or "").strip().splitlines()
-                    failed.append({"test": f"{case.get('classname')}::{case.get('name')}",
-                                   "message": (message[0] if message else "")[:300]})
-            counts["failed_tests"] = failed[:25]
-            rec["tests"] = counts
-        except ET.ParseError as e:
-            rec["tests"] = {"error": f"junit unreadable: {e}"}
-    if js not in ("-", "") and Path(js).exists():
-        try:
-            result = json.loads(Path(js).read_text())
-            rec["figures"] = result.pop("key_figures", None) if isinstance(result, dict) else None
-            rec["result"] = result
-        except json.JSONDecodeError as e:
-            rec["result"] = {"error": f"unreadable: {e}"}
-    if output not in ("-", "") and Path(output).exists():
-        text = Path(output).read_text(errors="replace")
-        m = re.search(r"ERROR SUMMARY: (\d+) error", text)
-        if m:
-            rec.setdefault("figures", {})["memcheck_errors"] = int(m[1])
-    stages[name] = rec
-    order.append(name)
-env = {}
-if (work / "env.json").exists():
-    try:
-        env = json.loads((work / "env.json").read_text())
-    except json.JSONDecodeError:
-        env = {"error": "env.json unreadable"}
-summary = {
-    "plan": {"budget_s": total, "stages": order, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-             "files": sorted(p.name for p in out.iterdir() if p.is_file()) if out.exists() else []},
-    "env": env,
-    "stages": stages,
-    "not_ok": [n for n in order if stages[n]["status"] not in ("ok", "planned")],
-}
-build = work / "v3_build.out"  # the v3 stage's checkpoint, built in the background
-if build.exists():
-    summary["v3_checkpoint_build"] = [line for line in build.read_text(errors="replace").splitlines() if line][-3:]
-(out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-EOF
+summary() {  # summary [RUNNING_STAGE]: summary.json, logs.tar.gz, tails.txt rewritten from $WORK
+  "$PY" benchmarks/gpu_report.py summary "$WORK" "$OUT" "$TOTAL" ${1:+--running "$1"} 2>>"$WORK/summary.err"
 }
 
-record() {  # record NAME STATUS SECONDS TIMEOUT RC JUNIT JSON OUTPUT NOTE
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${BUDGET[$1]}" "$4" "$5" "${LOG[$1]}" \
-    "$6" "$7" "$8" "${9//$'\t'/ }" >>"$WORK/stages.tsv"
+record() {  # record NAME STATUS SECONDS TIMEOUT RC REPORT JSON NOTE
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${BUDGET[$1]}" "$4" "$5" "$1.out" "$6" "$7" \
+    "${8//$'\t'/ }" >>"$WORK/stages.tsv"
 }
 
 later_budget() {  # the budgets of the planned stages after $1
@@ -161,38 +110,41 @@ later_budget() {  # the budgets of the planned stages after $1
   echo $sum
 }
 
-# run_stage NAME JUNIT JSON COMMAND...: under timeout; its output's tail into its log; recorded; summary rewritten
+# run_stage NAME REPORT JSON COMMAND...: under timeout, its whole output to $WORK/NAME.out, the records merged
+# into $OUT every SNAPSHOT_S seconds while it runs and once more when it ends
 run_stage() {
-  local name=$1 junit=$2 js=$3
+  local name=$1 report=$2 js=$3
   shift 3
   local left=$((TOTAL - (SECONDS - T0) - $(later_budget "$name")))
-  local log="$OUT/${LOG[$name]}" output="$WORK/$name.out"
+  local output="$WORK/$name.out"
   if [ $left -lt $MIN_STAGE_S ]; then
-    echo "== $name: skipped, ${left}s left of its budget" | tee -a "$log"
-    record "$name" "skipped: no budget left" 0 "$left" - - - - ""
-    write_summary "$WORK" "$OUT"
+    echo "== $name: skipped, ${left}s left of its budget" | tee -a "$output"
+    record "$name" "skipped: no budget left" 0 "$left" - - - ""
+    summary
     return 1
   fi
   echo "== $name (up to ${left}s): $*"
-  local t0=$EPOCHREALTIME
-  timeout -k 5 "$left" "$@" >"$output" 2>&1
+  echo "== $name (up to ${left}s; budget ${BUDGET[$name]}s): $*" >"$output"
+  (while sleep "$SNAPSHOT_S"; do summary "$name"; done) &
+  local snap=$! t0=$EPOCHREALTIME
+  timeout -k 5 "$left" "$@" >>"$output" 2>&1
   local rc=$?
-  local secs
+  kill "$snap" 2>/dev/null
+  wait "$snap" 2>/dev/null
+  local secs status=ok
   secs=$(awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN {printf "%.1f", b - a}')
-  local status=ok
   case $rc in
     0) status=ok ;;
     124|137) status="timeout after ${left}s" ;;
-    5) [ "$junit" != - ] && status="no tests selected" || status="failed (exit 5)" ;;
+    5) [ "$report" != - ] && status="no tests selected" || status="failed (exit 5)" ;;
     *) status="failed (exit $rc)" ;;
   esac
   if [ "$name" = sanitizer ] && grep -q "Device not supported" "$output"; then status="unsupported: compute-sanitizer refused the device"; fi
-  { echo "== $name: $status in ${secs}s (up to ${left}s; budget ${BUDGET[$name]}s): $*"
-    tail -n "${KEEP[$name]}" "$output"; } >>"$log"
+  echo "== $name: $status in ${secs}s" >>"$output"
   echo "   $name: $status in ${secs}s"
-  record "$name" "$status" "$secs" "$left" "$rc" "$junit" "$js" "$output" "${NOTE:-}"
+  record "$name" "$status" "$secs" "$left" "$rc" "$report" "$js" "${NOTE:-}"
   NOTE=
-  write_summary "$WORK" "$OUT"
+  summary
   [ "$status" = ok ]
 }
 
@@ -220,13 +172,18 @@ try:
         p = torch.cuda.get_device_properties(0)
         out |= {"device": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
                 "memory_GiB": round(p.total_memory / 2**30, 1)}
+    out["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
 except Exception as e:  # noqa: BLE001
     out["torch_error"] = f"{type(e).__name__}: {e}"[:300]
 import importlib.metadata as metadata
 dists = {"triton": "triton", "transformers": "transformers", "xdist": "pytest-xdist", "xgrammar": "xgrammar",
-         "jsonschema": "jsonschema", "pydantic": "pydantic", "tvm_ffi": "apache-tvm-ffi", "flashinfer": "flashinfer-python"}
+         "jsonschema": "jsonschema", "pydantic": "pydantic", "tvm_ffi": "apache-tvm-ffi", "flashinfer": "flashinfer-python",
+         "nvshmem": "nvidia-nvshmem-cu13"}
 for name, dist in dists.items():
     try:
+        if name == "nvshmem":
+            out[name] = metadata.version(dist)
+            continue
         importlib.import_module(name)
         try:
             out[name] = metadata.version(dist)
@@ -251,13 +208,17 @@ has() {  # has STAGE: whether the plan runs it
   return 1
 }
 
-pytest_stage() {  # pytest_stage NAME [extra args]: the stage's selection, junit XML into the work folder
+pytest_args() {  # pytest_args NAME [SELECTION]: the stage's pytest command line, its report into $WORK/NAME.jsonl
+  local sel=()
+  eval "sel=(${2:-${SELECT[$1]}})"  # the selection's quoting (-k '...') as the shell reads it
+  ARGS=("$PY" -m pytest -q -p no:cacheprovider -p benchmarks.gpu_report --gpu-report "$WORK/$1.jsonl" "${sel[@]}")
+}
+
+pytest_stage() {  # pytest_stage NAME [extra pytest args]
   local name=$1
   shift
-  local sel=()
-  eval "sel=(${SELECT[$name]})"  # the selection's quoting (-k '...') as the shell reads it
-  run_stage "$name" "$WORK/$name.xml" - "$PY" -m pytest -q -p no:cacheprovider "$@" "${sel[@]}" \
-    --junitxml="$WORK/$name.xml"
+  pytest_args "$name"
+  run_stage "$name" "$WORK/$name.jsonl" - "${ARGS[@]}" "$@"
 }
 
 lease_plan() {
@@ -266,23 +227,24 @@ lease_plan() {
   case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # stages cd into benchmarks/
   WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
   mkdir -p "$OUT"
-  rm -f "$OUT"/{summary.json,env.txt,kernels.log,capture.log,perf.log,sampling.log}
+  rm -f "$OUT"/{summary.json,logs.tar.gz,tails.txt}
   T0=$SECONDS
   NOTE=
-  export PYTHONUNBUFFERED=1 EPSERVE_TEST_DEVICE=cuda EPSERVE_NO_PROGRESS=1
+  local mla_pin=${EPSERVE_MLA_BACKEND:-triton}
+  export PYTHONUNBUFFERED=1 EPSERVE_TEST_DEVICE=cuda EPSERVE_NO_PROGRESS=1 EPSERVE_MLA_BACKEND=$mla_pin
   export EPSERVE_CACHE_DIR=${EPSERVE_CACHE_DIR:-$ROOT/.gpu-cache}
-  export PYTHONPATH=$ROOT/src${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}  # $ROOT: -p benchmarks.gpu_report in xdist workers
   if compgen -G ".whl/*.whl" >/dev/null; then export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
   export -f env_probe wheel_mib
   export PY
-  echo "lease plan: ${PLAN[*]}; ${TOTAL}s of stage budget; work in $WORK, results in $OUT"
+  echo "lease plan: ${PLAN[*]}; ${TOTAL}s of stage budget; MLA pinned to $mla_pin before flashinfer; work in $WORK, results in $OUT"
   BUILD_PID=
   if has env; then
     run_stage env - - bash -c 'env_probe "$1"' _ "$WORK/env.json"
   else
     env_probe "$WORK/env.json" >"$WORK/env.out" 2>&1
   fi
-  local xdist=() sanitizer cap fi_ok=1 micro_flags=()
+  local xdist=() sanitizer cap
   [ -n "$(envget xdist)" ] && xdist=(-n 4 --dist loadfile)
   sanitizer=$(envget compute_sanitizer)
   cap=$(envget capability)
@@ -291,80 +253,75 @@ lease_plan() {
       >"$WORK/v3_build.out" 2>&1 &
     BUILD_PID=$!
   fi
+  if has mtp; then pytest_stage mtp; fi
+  if has tokens; then
+    run_stage tokens - "$WORK/tokens.json" "$PY" benchmarks/gpu_tokens.py --check "$REFERENCE" --json "$WORK/tokens.json"
+  fi
   if has kernels; then pytest_stage kernels "${xdist[@]}"; fi
   if has sanitizer; then
     if [ -n "$sanitizer" ]; then
-      local sel=()
-      eval "sel=(${SELECT[sanitizer]})"
-      run_stage sanitizer "$WORK/sanitizer.xml" - env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck \
-        --error-exitcode 3 --print-limit 20 "$PY" -m pytest -q -p no:cacheprovider "${sel[@]}" \
-        --junitxml="$WORK/sanitizer.xml"
+      pytest_args sanitizer
+      run_stage sanitizer "$WORK/sanitizer.jsonl" - env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" --tool memcheck \
+        --error-exitcode 3 --print-limit 20 "${ARGS[@]}"
     else
-      echo "== sanitizer: skipped (no compute-sanitizer on PATH or in /usr/local/cuda)" >>"$OUT/kernels.log"
-      record sanitizer "skipped: no compute-sanitizer on PATH" 0 0 - - - - ""
+      echo "== sanitizer: skipped (no compute-sanitizer on PATH or in /usr/local/cuda)" >"$WORK/sanitizer.out"
+      record sanitizer "skipped: no compute-sanitizer on PATH" 0 0 - - - ""
+      summary
     fi
   fi
-  if ! has flashinfer; then
-    fi_ok=0  # not checked in this call: no JIT build inside the other stages (EPSERVE_MLA_BACKEND=auto to allow it)
-  else
-    if [ -n "$(envget flashinfer)" ]; then
-      export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-${cap}$([ "${cap%%.*}" -ge 9 ] 2>/dev/null && echo a)}
-      export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-      NOTE="FLASHINFER_CUDA_ARCH_LIST=$FLASHINFER_CUDA_ARCH_LIST"
-      pytest_stage flashinfer || fi_ok=0
-    else
-      NOTE="flashinfer does not import: the fallback to Triton is what runs"
-      pytest_stage flashinfer
-      fi_ok=0
-    fi
-  fi
-  if [ $fi_ok = 0 ]; then
-    micro_flags=(--no-flashinfer)
-    if [ -n "$(envget flashinfer)" ] && [ -z "${EPSERVE_MLA_BACKEND:-}" ]; then
-      export EPSERVE_MLA_BACKEND=triton  # imports, but did not pass here (or ran out of time): no JIT build later
-      echo "   flashinfer imports but did not pass in this call: EPSERVE_MLA_BACKEND=triton from here on"
-    fi
-  fi
+  if has dispatch; then pytest_stage dispatch; fi
   if has capture; then pytest_stage capture; fi
-  if has tokens; then
-    # shellcheck disable=SC2086
-    run_stage tokens - "$WORK/tokens.json" bash -c "cd benchmarks && \"\$PY\" v3_layer.py $TOKENS_ARGS --json $WORK/tokens.json"
-  fi
   if has micro; then
-    run_stage micro - "$WORK/micro.json" bash -c "cd benchmarks && \"\$PY\" gpu_micro.py --repeats 10 ${micro_flags[*]} --json $WORK/micro.json"
+    run_stage micro - "$WORK/micro.json" bash -c "cd benchmarks && \"\$PY\" gpu_micro.py $MICRO_ARGS --json $WORK/micro.json"
   fi
   if has v3; then
     run_stage v3 - "$WORK/v3.json" bash -c "cd benchmarks && \"\$PY\" v3_layer.py $V3_ARGS --json $WORK/v3.json"
   fi
   if [ -n "$BUILD_PID" ] && kill -0 "$BUILD_PID" 2>/dev/null; then kill "$BUILD_PID" 2>/dev/null; fi
-  [ -f "$WORK/v3_build.out" ] && { echo "== v3 checkpoint build (background)"; tail -n 5 "$WORK/v3_build.out"; } >>"$OUT/perf.log"
   if has sampling; then
     if [ -n "$(envget xgrammar)" ] && [ -n "$(envget jsonschema)" ]; then
       pytest_stage sampling
     else
-      NOTE="xgrammar or jsonschema does not import: test_structured.py left out"
-      run_stage sampling "$WORK/sampling.xml" - "$PY" -m pytest -q -p no:cacheprovider \
-        tests/engine/test_logits_processing.py --junitxml="$WORK/sampling.xml"
+      NOTE="xgrammar or jsonschema does not import: the structured-output tests left out"
+      pytest_args sampling "$SAMPLING_NO_XGRAMMAR"
+      run_stage sampling "$WORK/sampling.jsonl" - "${ARGS[@]}"
     fi
   fi
-  write_summary "$WORK" "$OUT"
+  if has flashinfer; then  # last: FlashInfer's JIT build, MLA decode on auto (its self-test decides), timed
+    if [ -n "$(envget flashinfer)" ]; then
+      export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-${cap}$([ "${cap%%.*}" -ge 9 ] 2>/dev/null && echo a)}
+      export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+      NOTE="FLASHINFER_CUDA_ARCH_LIST=$FLASHINFER_CUDA_ARCH_LIST"
+    else
+      NOTE="flashinfer does not import: the fallback to Triton is what runs"
+    fi
+    pytest_args flashinfer
+    run_stage flashinfer "$WORK/flashinfer.jsonl" "$WORK/flashinfer.json" env -u EPSERVE_MLA_BACKEND bash -c \
+      '"$@"; rc=$?; cd benchmarks && "$PY" gpu_micro.py '"$FI_MICRO_ARGS --json $WORK/flashinfer.json"'; m=$?
+       [ $rc = 0 ] && rc=$m; exit $rc' _ "${ARGS[@]}"
+  fi
+  summary
   echo "done in $((SECONDS - T0))s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
-  "$PY" -c "import json, sys; s = json.load(open(sys.argv[1])); [print(f'  {n:11s} {r[\"status\"]:32s} {r[\"seconds\"] or 0:6.1f}s') for n, r in s['stages'].items()]" "$OUT/summary.json"
+  "$PY" benchmarks/gpu_report.py table "$OUT"
 }
 
 # ---- the dry run: the plan printed and checked on a machine without a GPU ----------------------------------
 dry_run() {
   PY=${PYTHON:-}
-  if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi; fi
+  if [ -z "$PY" ]; then if [ -x .venv/bin/python ]; then PY=$ROOT/.venv/bin/python; else PY=python3; fi; fi
+  case $PY in */*) PY=$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY") ;; esac  # the --help checks cd
   local bad=0 sum=0 s files=${#LEASE_FILES[@]}
   echo "lease plan: one command, ${#STAGES[@]} stages, each under timeout with the budget below plus what earlier stages left"
-  for s in "${STAGES[@]}"; do
-    sum=$((sum + BUDGET[$s]))
-    printf '  %-10s %4ss  -> %-12s %s\n' "$s" "${BUDGET[$s]}" "${LOG[$s]}" "${DESC[$s]}"
+  for s in "${ALL_STAGES[@]}"; do
+    if has_default "$s"; then sum=$((sum + BUDGET[$s])); fi
+    printf '  %-10s %4ss  %s%s\n' "$s" "${BUDGET[$s]}" "$(has_default "$s" || echo '(--stages only) ')" "${DESC[$s]}"
   done
   echo "  total      ${sum}s of ${TOTAL}s (LEASE_BUDGET_S); files under \$OUT: ${LEASE_FILES[*]}"
   [ "$sum" -le "$TOTAL" ] || { echo "  FAIL: the stage budgets add up to ${sum}s, over ${TOTAL}s"; bad=1; }
   [ "$files" -le 8 ] || { echo "  FAIL: $files files, over 8"; bad=1; }
+  local n
+  n=$("$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import gpu_report; print(len(gpu_report.LEASE_FILES))")
+  [ "$n" = "$files" ] || { echo "  FAIL: gpu_report.py writes $n files, the plan says $files"; bad=1; }
   # the wheel bundle
   local wheels
   wheels=$(wheel_mib)
@@ -385,68 +342,62 @@ dry_run() {
     done
   else
     echo "wheel bundle .whl: absent (bash benchmarks/gpu_wheels.sh makes it). Without it: the flashinfer stage runs"
-    echo "  only the fallback tests, micro times Triton's MLA decode alone, sampling leaves test_structured.py out"
+    echo "  only the fallback tests and Triton's MLA timings, sampling leaves the structured-output tests out"
   fi
-  # every path the plan names, and every test selection non-empty
-  local missing=0 f
-  for f in "${SCRIPTS[@]}" benchmarks/gpu_wheels.sh; do [ -f "$f" ] || { echo "  FAIL: $f is missing"; missing=1; }; done
-  [ $missing = 0 ] || bad=1
-  local sels=()
-  for s in kernels sanitizer flashinfer capture sampling; do sels+=("$s=${SELECT[$s]}"); done
-  "$PY" - "${sels[@]}" <<'EOF' || bad=1
-import re, shlex, subprocess, sys
-from pathlib import Path
-stages = dict(arg.split("=", 1) for arg in sys.argv[1:])
-parsed, files = {}, []
-for name, sel in stages.items():
-    words, ids, keyword, i = shlex.split(sel), [], None, 0
-    while i < len(words):
-        if words[i] in ("-k", "-m"):
-            keyword = words[i + 1] if words[i] == "-k" else keyword
-            i += 2
-            continue
-        ids.append(words[i])
-        i += 1
-    parsed[name] = (ids, keyword)
-    for node in ids:
-        path = node.split("::")[0]
-        if not Path(path).exists():
-            print(f"  FAIL: {name}: {path} is missing")
-            sys.exit(1)
-        files.append(path)
-proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *dict.fromkeys(files)],
-                      capture_output=True, text=True, timeout=300)
-collected = [line.strip() for line in proc.stdout.splitlines() if "::" in line]
-if proc.returncode != 0:
-    print(f"  FAIL: collecting the stages' tests: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+  # every script the plan runs, with the flags it passes
+  local f flag help
+  for f in "${!FLAGS[@]}" benchmarks/gpu_report.py benchmarks/gpu_wheels.sh "$REFERENCE"; do
+    [ -f "$f" ] || { echo "  FAIL: $f is missing"; bad=1; }
+  done
+  for f in "${!FLAGS[@]}"; do
+    help=$(cd "$(dirname "$f")" && PYTHONPATH=$ROOT/src "$PY" "$(basename "$f")" --help 2>&1) || { echo "  FAIL: $f --help: ${help: -300}"; bad=1; continue; }
+    for flag in ${FLAGS[$f]}; do
+      grep -q -- "$flag\b" <<<"$help" || { echo "  FAIL: $f takes no $flag (the plan passes it)"; bad=1; }
+    done
+  done
+  # the token reference: shipped, for the generator gpu_tokens.py has now
+  PYTHONPATH=$ROOT/src "$PY" - "$REFERENCE" <<'EOF' || bad=1
+import json, sys
+sys.path.insert(0, "benchmarks")
+import gpu_tokens as g
+ref = json.load(open(sys.argv[1]))
+gen = ref.get("generator", {})
+now = {"seed": g.SEED, "logit_margin": g.LOGIT_MARGIN, "tokens": g.TOKENS, "variants": g.VARIANTS, "engine": g.ENGINE}
+stale = [k for k, v in now.items() if gen.get(k) != v] + (["prompts"] if ref.get("prompts") != g.PROMPTS else [])
+if stale or set(ref.get("variants", {})) != set(g.VARIANTS):
+    print(f"  FAIL: {sys.argv[1]} is for another generator ({', '.join(stale) or 'variants'}): "
+          "python benchmarks/gpu_tokens.py --write-reference " + sys.argv[1])
     sys.exit(1)
-
-def matches(expr: str, node: str) -> bool:
-    """pytest's -k on the words of the node id (its file, test name and parameters), case-insensitive."""
-    words = node.lower()
-    py = re.sub(r"\b(?!and\b|or\b|not\b)([A-Za-z_][\w\-\[\]]*)", lambda m: repr(m[1].lower()) + " in w", expr)
-    return bool(eval(py, {}, {"w": words}))  # noqa: S307 - our own selections
-
-counts = []
-for name, (ids, keyword) in parsed.items():
-    chosen = [n for n in collected if any(n == i or n.startswith(i.rstrip("/") + ("" if "::" in i else "/")) or
-                                          n.startswith(i + "::") or n.startswith(i + "[") for i in ids)]
-    if keyword:
-        chosen = [n for n in chosen if matches(keyword, n)]
-    if not chosen:
-        print(f"  FAIL: {name}: the selection {stages[name]!r} selects no test")
-        sys.exit(1)
-    counts.append(f"{name} {len(chosen)}")
-print("test selections (collected here): " + ", ".join(counts))
+shapes = ", ".join(f"{v} {len(r['tokens'])}x{g.TOKENS}" for v, r in ref["variants"].items())
+print(f"token reference: {sys.argv[1]}: {shapes} tokens, written with torch {ref['written_with']['torch']}")
 EOF
-  # the summary merge, on planned records
+  # every test selection collected as the stage runs it (the plugin's --on-device included): at least one test
   WORK=$(mktemp -d /tmp/gpu_check_dry.XXXXXX)
+  local counts=() line
+  for s in "${ALL_STAGES[@]}"; do
+    [ -n "${SELECT[$s]:-}" ] || continue
+    pytest_args "$s"
+    line=$("${ARGS[@]}" --collect-only 2>&1 | grep -E "tests? collected|no tests collected|error" | tail -1)
+    n=$(sed -nE 's/^([0-9]+)(\/[0-9]+)? tests? collected.*/\1/p' <<<"$line")
+    if grep -q error <<<"$line" || [ -z "$line" ]; then
+      echo "  FAIL: $s: collecting ${SELECT[$s]} fails here (${line:-no output})"
+      bad=1
+    elif [ -z "$n" ] || [ "$n" -lt 1 ]; then
+      echo "  FAIL: $s: the selection ${SELECT[$s]} collects no test here ($line)"
+      bad=1
+    else
+      counts+=("$s $n")
+    fi
+  done
+  line=$(printf '%s, ' "${counts[@]}")
+  echo "test selections (collected here): ${line%, }"
+  # the summary merge, on planned records
   local dry_out="$WORK/out"
   mkdir -p "$dry_out"
-  for s in "${STAGES[@]}"; do record "$s" planned - "${BUDGET[$s]}" - - - - "dry run"; done
-  if write_summary "$WORK" "$dry_out" && "$PY" -c "import json, sys; s = json.load(open(sys.argv[1])); assert len(s['stages']) == int(sys.argv[2])" \
-      "$dry_out/summary.json" "${#STAGES[@]}"; then
-    echo "summary: the merge writes a valid summary.json ($(wc -c <"$dry_out/summary.json") bytes for the planned stages)"
+  for s in "${STAGES[@]}"; do record "$s" planned - "${BUDGET[$s]}" - - - "dry run"; done
+  if "$PY" benchmarks/gpu_report.py summary "$WORK" "$dry_out" "$TOTAL" && "$PY" -c "import json, sys; s = json.load(open(sys.argv[1])); assert len(s['stages']) == int(sys.argv[2])" \
+      "$dry_out/summary.json" "${#STAGES[@]}" && [ "$(ls "$dry_out" | wc -l)" -le 8 ]; then
+    echo "summary: the merge writes a valid summary.json ($(wc -c <"$dry_out/summary.json") bytes for the planned stages), $(ls "$dry_out" | tr '\n' ' ')"
   else
     echo "  FAIL: the summary merge"
     bad=1
@@ -455,6 +406,12 @@ EOF
   [ $bad = 0 ] || echo "dry run: FAILED (above)"
   echo "budget $sum s, $files files, wheels $wheels MiB"
   return $bad
+}
+
+has_default() {  # has_default STAGE: whether the default plan runs it
+  local s
+  for s in "${STAGES[@]}"; do [ "$s" = "$1" ] && return 0; done
+  return 1
 }
 
 # ---- the older named parts (each < 10 min, one a call; not fitted to the 8 files of a lease) ---------------
@@ -522,12 +479,12 @@ case ${1:-} in
   ""|lease) lease_plan "${STAGES[@]}" ;;
   --dry-run) dry_run ;;
   --stages)
-    IFS=, read -r -a chosen <<<"${2:?--stages needs a comma-separated list of: ${STAGES[*]}}"
+    IFS=, read -r -a chosen <<<"${2:?--stages needs a comma-separated list of: ${ALL_STAGES[*]}}"
     for s in "${chosen[@]}"; do
-      [ -n "${BUDGET[$s]:-}" ] || { echo "unknown stage $s; the stages: ${STAGES[*]}"; exit 2; }
+      [ -n "${BUDGET[$s]:-}" ] || { echo "unknown stage $s; the stages: ${ALL_STAGES[*]}"; exit 2; }
     done
     ordered=()
-    for s in "${STAGES[@]}"; do for c in "${chosen[@]}"; do [ "$s" = "$c" ] && ordered+=("$s"); done; done
+    for s in "${ALL_STAGES[@]}"; do for c in "${chosen[@]}"; do [ "$s" = "$c" ] && ordered+=("$s"); done; done
     lease_plan "${ordered[@]}" ;;
   engine|kernels|decode|mtp|eplb|recovery|disagg|sampling) old_part "$1" ;;
   all) for p in engine kernels decode mtp eplb recovery disagg sampling; do old_part "$p"; done ;;

@@ -172,6 +172,7 @@ def salvage_json(text: str) -> tuple[Any, bool]:
             in_string = True
         elif ch in "[{":
             stack.append("]" if ch == "[" else "}")
+            cuts.append((i + 1, "".join(reversed(stack))))
         elif ch in "]}":
             if stack:
                 stack.pop()
