@@ -11,9 +11,10 @@ shape and M) and ``weight_pct_of_copy`` (weight GB/s as % of the copy bandwidth,
 
 Grouped: 32 experts with 1, 2, 4, 8, 16 real rows each, without padding (R = real rows) and with padding
 (R = 32 x 64: the real rows first, the rest padding rows, as a padded dispatch hands them over), plus two skewed
-prefill-sized batches; paths: the Triton grouped GEMM, a per-expert loop of cuBLAS bf16 and of ``_scaled_mm``
-(where accepted), bf16 ``torch._grouped_mm`` where it runs; each against the floor of streaming the active
-experts' FP8 weights once (``floor_us``, ``pct_of_floor``).
+prefill-sized batches; paths: the Triton grouped GEMM (with padding also as the dispatcher calls it: the row
+tile from the real rows an expert gets, padding rows neither read nor written; ``tile_m`` says which), a
+per-expert loop of cuBLAS bf16 and of ``_scaled_mm`` (where accepted), bf16 ``torch._grouped_mm`` where it runs;
+each against the floor of streaming the active experts' FP8 weights once (``floor_us``, ``pct_of_floor``).
 
 Each timing is the median over ``--repeats`` runs by CUDA events, with the L2 cache flushed before every
 run (decode-sized GEMMs would otherwise read their weights from L2). Correctness: max |out - ref| /
@@ -25,6 +26,7 @@ dequantized weight. Needs CUDA: without it, says so and exits with status 2 (``{
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -225,9 +227,16 @@ def bench_grouped(repeats: int, flush: torch.Tensor, rows_out: list[dict] | None
             ends = counts_cpu.cumsum(0).tolist()
             parts = [(i, end - int(c), end) for i, (c, end) in enumerate(zip(counts_cpu.tolist(), ends)) if c]
             active = len(parts)
-            paths: dict[str, Callable[[], Any]] = {
-                "triton grouped": partial(fp8_triton.grouped_block_fp8_gemm_triton, q, s, w, ws, counts,
-                                          torch.bfloat16)}
+            grouped = fp8_triton.grouped_block_fp8_gemm_triton
+            paths: dict[str, Callable[[], Any]] = {"triton grouped": partial(grouped, q, s, w, ws, counts,
+                                                                             torch.bfloat16)}
+            tiles = {"triton grouped": (r, None)}
+            if r > real and {"rows_per_expert", "masked"} <= inspect.signature(grouped).parameters.keys():
+                # as the dispatcher calls it: the tile from the real rows an expert gets, padding rows untouched
+                masked = "triton grouped (real-row tile, masked)"
+                paths[masked] = partial(grouped, q, s, w, ws, counts, torch.bfloat16, rows_per_expert=real / e,
+                                        masked=True)
+                tiles[masked] = (r, real / e)
             out_loop = torch.empty(real, n, device=DEVICE, dtype=torch.bfloat16)
             paths["cuBLAS bf16 per-expert loop"] = partial(_bf16_loop, parts, x, w_bf16, out_loop)
             if scaled_mm_ok and fp8_scaled_mm._scaled_mm_eligible(q, w[0], ws[0], torch.bfloat16):
@@ -252,6 +261,9 @@ def bench_grouped(repeats: int, flush: torch.Tensor, rows_out: list[dict] | None
                 weight_bytes = active * (n * k * 2 if "bf16" in path else fp8_weight_bytes(n, k))
                 row |= {"us": t * 1e6, "tflops": gemm_flops(real, n, k) / t / 1e12,
                         "weight_GBps": weight_bytes / t / 1e9, "rel_err_vs_ref": rel_err(got, ref)}
+                tile_m = getattr(fp8_triton, "grouped_tile_m", None)
+                if path in tiles and tile_m is not None:
+                    row["tile_m"] = tile_m(tiles[path][0], e, tiles[path][1])
                 if floor:
                     row |= {"floor_us": floor * 1e6, "pct_of_floor": pct(floor, t)}
                 rows_out.append(row)

@@ -292,6 +292,8 @@ def test_gpu_micro_smoke_runs_every_part_on_the_cpu(tmp_path):
     assert {r["M"] for r in result["gemm"]} == {1, 16}
     assert {r["case"] for r in result["grouped"]} >= {"1/expert", "1/expert padded to 4", "16 rows skewed"}
     assert all("floor_us" in r for r in result["grouped"] if "us" in r)
+    masked = [r for r in result["grouped"] if "masked" in r["path"]]  # as the dispatcher calls it, with padding
+    assert masked and all("padded" in r["case"] and r["tile_m"] == 16 for r in masked)
     mla_paths = {r["path"] for r in result["mla"]["rows"]}
     assert mla_paths == set(result["mla"]["kernels"]) and {r["heads"] for r in result["mla"]["rows"]} == {64, 4}
     assert set(result["key_figures"]["goals"]) == {"mla_128h_4k_pct_of_copy", "fp8_gemm_pct_of_scaled_mm"}
