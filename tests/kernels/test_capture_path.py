@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from epserve import LLM, env
+from epserve import LLM, SamplingParams, env
 from epserve.engine.graphs import DecodeGraphs
 from epserve.kernels import backends, decode_plan, ops
 from epserve.kernels import mla_flashinfer as mf
@@ -248,3 +248,20 @@ def test_flashinfer_inside_a_capture_without_a_plan_raises(forced_flashinfer):  
     paged_mla_decode(q, cache, tables, lens, 0.07, 512)  # eager: planned per call
     with pytest.raises(mg.NotPlanned), torch.cuda.graph(torch.cuda.CUDAGraph()):
         paged_mla_decode(q, cache, tables, lens, 0.07, 512)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_FLASHINFER, reason="needs flashinfer-python")
+def test_flashinfer_engine_captures_its_decode_and_decodes_as_its_eager_run(make_ckpt, forced_flashinfer):  # noqa: ANN001
+    """What used to crash in ``probe_graph_memory``: a bf16 engine whose MLA decode is FlashInfer (DeepSeek's 512 +
+    64 latent, 16 heads) captures its decode buckets, the captured decode running FlashInfer's graph-mode
+    wrappers, and gives its eager run's greedy tokens (one FlashInfer schedule from the same lengths)."""
+    ckpt = make_ckpt("tiny", dtype="bfloat16", overrides={"kv_lora_rank": 512, "qk_rope_head_dim": 64,
+                                                          "num_attention_heads": 16, "num_key_value_heads": 16})
+    prompts, params = [[1, 2, 3, 4], [5, 6, 7], list(range(9, 40))], SamplingParams(max_tokens=6, temperature=0.0)
+    kw = {"dtype": "bfloat16", "num_blocks": 64, "max_num_seqs": 4, "device": "cuda"}
+    eager = [o.token_ids for o in LLM(ckpt, cuda_graph=False, **kw).generate(prompts, params)]
+    llm = LLM(ckpt, **kw)
+    assert llm.engine.runner.decode_graphs is not None and llm.engine.runner.decode_graphs.mode == "cuda_graph"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+    assert any(bucket.wrappers for bucket in mg._buckets.values() if bucket.alive())
