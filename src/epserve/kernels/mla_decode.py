@@ -3,22 +3,26 @@
 Decode queries ``q_latent [B, h, r + rope]`` (``W_UK`` already folded in, fp32) attend as multi-query
 attention over the cached rows ``[c_kv (r) | k_pe (rope)]`` of their sequence: the key is the whole
 row, the value its first ``r = kv_lora_rank`` columns. The cache is ``[num_blocks, block_size,
-r + rope]`` in bf16/fp32, or float8_e4m3fn with a per-layer scalar ``kv_scale`` (stored = latent /
+r + rope]`` in bf16/fp16/fp32, or float8_e4m3fn with a per-layer scalar ``kv_scale`` (stored = latent /
 scale; read = stored * scale). Sequence ``i`` holds its ``seq_lens[i]`` tokens in the blocks
 ``block_tables[i, :cdiv(seq_lens[i], block_size)]``, in order; later table entries are never read.
 Rows with ``seq_lens[i] == 0`` (padding of a padded batch) come out zero.
 
 ``paged_mla_decode`` is the op (declared once, ``kernels.opdef``; traced, always the custom op
-``epserve::paged_mla_decode``; its table keyed by the cache dtype): on CUDA FlashInfer where
-``kernels.backends`` chose it for the cache dtype (``kernels.mla_flashinfer``), else the split-K Triton
-kernels (``kernels.mla_decode_triton``; both imported only on CUDA, so the CPU engine never loads triton);
-on the CPU the C kernel of ``kernels.cpu_ops`` for a bf16 or fp32 cache (one pass per sequence and head, no
-gather); the torch reference ``paged_mla_decode_ref`` otherwise. The reference walks the context a chunk
-of blocks at a time for all sequences still running, gathering those blocks through the block table
-(dequantizing FP8 as read) and merging chunks with an online softmax, so its memory stays bounded
-(about ``_CHUNK_ELEMS`` fp32 values) however long the contexts are. It reads ``seq_lens`` on the host;
-the CUDA path never does (no host sync, CUDA-graph safe): its grid comes from shapes only, and its
-context bound is ``block_tables.shape[1] * block_size``.
+``epserve::paged_mla_decode``; its table keyed by the cache dtype). On CUDA: FlashInfer where
+``kernels.backends`` chose it for the cache dtype (``kernels.mla_flashinfer``); else, for calls with
+``WIDE_MIN_HEADS`` heads or more (DeepSeek-V3 with DP attention: 128), the many-head Triton kernel that
+reads each KV tile for 64 heads at once (``kernels.mla_decode_wide``, :func:`takes_wide`: a bf16, fp16 or
+FP8 cache, a power-of-two ``r``); else the split-K Triton kernels (``kernels.mla_decode_triton``, 16 heads
+a program). The choice reads shapes only; the Triton modules are imported only on CUDA, so the CPU engine
+never loads triton. On the CPU the C kernel of ``kernels.cpu_ops`` for a bf16 or fp32 cache (one pass per
+sequence and head, no gather); the torch reference ``paged_mla_decode_ref`` otherwise (an fp16 or FP8
+cache). The reference walks the context a chunk of blocks at a time for all sequences still running,
+gathering those blocks through the block table (dequantizing FP8 as read) and merging chunks with an
+online softmax, so its memory stays bounded (about ``_CHUNK_ELEMS`` fp32 values) however long the
+contexts are. It reads ``seq_lens`` on the host; the Triton kernels never do (no host sync, CUDA-graph
+safe): their grids come from shapes only, and their context bound is ``block_tables.shape[1] *
+block_size``. The kernels' precision contracts are in their modules.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from epserve.kernels import cpu_ops
 from epserve.kernels.fp8 import FP8_DTYPE, cdiv
 from epserve.kernels.opdef import declare
 
-CACHE_DTYPES = (torch.bfloat16, torch.float32, FP8_DTYPE)
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 BLOCK_H = 16  # heads per Triton program (the MMA's M; fewer heads are masked)
 TARGET_PROGRAMS = 256  # split the context until B * head blocks * splits reaches about this (~2 waves)
 MIN_SPLIT_TOKENS = 256  # ... but give each split at least this much of the longest possible context
 MAX_SPLITS = 64
+WIDE_MIN_HEADS = 64  # from this many heads on, CUDA runs the many-head kernel (kernels.mla_decode_wide)
+WIDE_CACHE_DTYPES = (torch.bfloat16, torch.float16, FP8_DTYPE)
 _CHUNK_ELEMS = 1 << 22  # the reference's working set per chunk: ~16 MiB of fp32
 
 
@@ -81,13 +87,14 @@ def check_decode(
         raise ValueError(f"all inputs must be on one device, got {devices}")
 
 
-def default_num_splits(batch: int, num_heads: int, max_tokens: int) -> int:
+def default_num_splits(batch: int, num_heads: int, max_tokens: int, block_h: int = BLOCK_H,
+                       target_programs: int = TARGET_PROGRAMS) -> int:
     """KV splits per (sequence, head block) for the Triton kernels, from shapes only: enough programs
-    to fill the GPU (``TARGET_PROGRAMS``), at least ``MIN_SPLIT_TOKENS`` of the longest possible
-    context (``max_tokens``) per split, at most ``MAX_SPLITS``. Each sequence divides its own length
-    into this many parts, so short sequences in a long batch get short splits."""
-    programs = max(1, batch * cdiv(num_heads, BLOCK_H))
-    return max(1, min(cdiv(TARGET_PROGRAMS, programs), max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
+    (``block_h`` heads each) to fill the GPU (``target_programs``), at least ``MIN_SPLIT_TOKENS`` of the
+    longest possible context (``max_tokens``) per split, at most ``MAX_SPLITS``. Each sequence divides its
+    own length into this many parts, so short sequences in a long batch get short splits."""
+    programs = max(1, batch * cdiv(num_heads, block_h))
+    return max(1, min(cdiv(target_programs, programs), max_tokens // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 # ---- torch reference ----------------------------------------------------------------------------
@@ -193,10 +200,10 @@ def paged_mla_decode(
     """o_latent [B, h, kv_lora_rank] fp32 for q_latent [B, h, r + rope] over the paged latent cache.
     ``block_tables`` [B, max_blocks] int32/int64 and ``seq_lens`` [B] live on q's device; ``kv_scale``
     (0-d fp32) dequantizes an FP8 cache; ``num_splits`` (CUDA only) overrides the KV split count.
-    On CUDA: FlashInfer (``kernels.mla_flashinfer``) where the call fits it (eager, bf16/fp16 cache,
-    DeepSeek's 512 + 64 columns, no ``num_splits``) and ``kernels.backends`` chose it for this device and
-    cache dtype (installed, self-test passed, or forced by ``EPSERVE_MLA_BACKEND``), else Triton. The
-    reference ignores ``num_splits``."""
+    On CUDA: FlashInfer (``kernels.mla_flashinfer``) where the call fits it (bf16/fp16 cache, DeepSeek's
+    512 + 64 columns, no ``num_splits``) and ``kernels.backends`` chose it for this device and cache dtype
+    (installed, self-test passed, or forced by ``EPSERVE_MLA_BACKEND``), else Triton: the many-head kernel
+    for ``WIDE_MIN_HEADS`` heads or more, the split-K one for fewer. The reference ignores ``num_splits``."""
     return paged_mla_decode_ref(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale)
 
 
@@ -210,7 +217,21 @@ def paged_mla_decode_c(
     return cpu_ops.mla_decode(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank)
 
 
+def wide_fits(kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
+    """Whether the many-head kernel takes this cache's dtype and latent width (a power of two >= 32)."""
+    return kv_cache.dtype in WIDE_CACHE_DTYPES and kv_lora_rank >= 32 and kv_lora_rank & (kv_lora_rank - 1) == 0
+
+
+def takes_wide(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               softmax_scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None = None,
+               num_splits: int | None = None) -> bool:
+    """The many-head kernel runs calls with ``WIDE_MIN_HEADS`` heads or more that it fits (shapes only)."""
+    return q_latent.shape[1] >= WIDE_MIN_HEADS and wide_fits(kv_cache, kv_lora_rank)
+
+
 paged_mla_decode.implement("cpu", f"{__name__}:paged_mla_decode_c")
 paged_mla_decode.implement("cuda", "epserve.kernels.mla_flashinfer:paged_mla_decode_fi",
                            backend=("mla_decode", "flashinfer"))
+paged_mla_decode.implement("cuda", "epserve.kernels.mla_decode_wide:paged_mla_decode_wide", takes=takes_wide,
+                           traced="op")
 paged_mla_decode.implement("cuda", "epserve.kernels.mla_decode_triton:paged_mla_decode_triton", traced="op")

@@ -1,5 +1,7 @@
 """Triton split-K ("flash-decoding") kernels for paged MLA decode (see ``kernels.mla_decode`` for the
-layout and the torch reference).
+layout and the torch reference): the ``mla_decode`` op's CUDA kernels for fewer than
+``WIDE_MIN_HEADS`` heads (and for fp32 caches); ``kernels.mla_decode_wide`` takes many heads with the
+same launcher and merge pass (``run_split_k``).
 
 - ``_split_kernel``, grid ``(cdiv(h, BLOCK_H), num_splits, B)`` (head blocks vary fastest, so the
   programs sharing a stretch of one sequence's cache run together and the later ones hit L2): program
@@ -16,17 +18,18 @@ layout and the torch reference).
 
 ``num_splits`` is a runtime argument (one compiled kernel serves every split count); the compiled
 variants differ only in block size, dims, cache dtype, scale or not, and one split or several. At
-DeepSeek-V3's dims (BLOCK_H 16, BLOCK_N 32, r 512 + rope 64, 8 warps) the split kernel takes 146
-(bf16) / 226 (FP8) registers on SM90 without spills (ptxas -v).
+DeepSeek-V3's dims (BLOCK_H 16, BLOCK_N 32, r 512 + rope 64, 8 warps) the split kernel takes 155
+(bf16, fp16) / 228 (FP8) registers on SM90 without spills (Triton 3.9, cuobjdump ``-res-usage``).
 
-Precision: bf16 and FP8 caches run the dots on bf16 tensor cores. FP8 rows are converted exactly to
-bf16 and ``kv_scale`` is applied to the scores and the output (it is a scalar), not per element. The
-fp32 query is split into ``hi + lo`` bf16 halves (two dots), so scores keep ~16 mantissa bits; a
-bf16-rounded query would err by ~2^-9 of ``sum |q_i k_i|``, which the softmax exponentiates. P is
-rounded to bf16 for the P.V dot (the FlashAttention convention: relative error 2^-9 per weight, so
-|o - o_exact| <= 2^-9 max|v|). An fp32 cache runs both dots in IEEE fp32 (FMAs, no tensor cores).
-Triton's interpreter multiplies bf16 dot operands as raw bits, so on CPU tensors (``EMULATE``) the
-bf16 dots run in fp32 on the same bf16 values (the same exact products).
+Precision: bf16 and FP8 caches run the dots on bf16 tensor cores, fp16 caches on fp16 ones (``HALF``).
+FP8 rows are converted exactly to bf16 and ``kv_scale`` is applied to the scores and the output (it is
+a scalar), not per element. The fp32 query is split into ``hi + lo`` 16-bit halves (two dots), so scores
+keep ~16 (bf16) or ~22 (fp16) mantissa bits; a bf16-rounded query would err by up to 2^-8 of ``sum |q_i
+k_i|``, which the softmax exponentiates. An fp16 cache's query must fit fp16's range. P is rounded to 16
+bits for the P.V dot (the FlashAttention convention: relative error up to 2^-8 per weight for bf16,
+|o - o_exact| about 2^-9 max|v| in practice, the tolerance the tests hold it to). An fp32 cache runs both
+dots in IEEE fp32 (FMAs, no tensor cores). Triton's interpreter multiplies bf16 dot operands as raw bits,
+so on CPU tensors (``EMULATE``) the 16-bit dots run in fp32 on the same values (the same exact products).
 
 The grid derives from shapes only and no value is read on the host, so the launch can be captured in
 a CUDA graph. The wrappers take CPU tensors under ``TRITON_INTERPRET=1`` (how the tests run them) and
@@ -41,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epserve.kernels.mla_decode import BLOCK_H, check_decode, default_num_splits
+from epserve.kernels.mla_decode import BLOCK_H, TARGET_PROGRAMS, check_decode, default_num_splits
 
 BLOCK_N = 32  # tokens per tile (any block_size works: rows are addressed per token)
 LOG2E = math.log2(math.e)
@@ -55,10 +58,19 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _dot(a, b, acc, EMULATE: tl.constexpr):
-    """``acc + a @ b`` for bf16 a, b (``EMULATE``: as fp32, for the interpreter)."""
+    """``acc + a @ b`` for bf16 (or fp16) a, b (``EMULATE``: as fp32, for the interpreter)."""
     if EMULATE:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _to_dot(x, HALF: tl.constexpr):
+    """``x`` in the dots' 16-bit type: fp16 for an fp16 cache (``HALF``), else bf16."""
+    if HALF:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -68,7 +80,7 @@ def _split_kernel(
     stride_lh,
     PAGE: tl.constexpr, R: tl.constexpr, PE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_PE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr, KV_F32: tl.constexpr,
-    FINAL: tl.constexpr, EMULATE: tl.constexpr,
+    HALF: tl.constexpr, FINAL: tl.constexpr, EMULATE: tl.constexpr,
 ):
     hb, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
@@ -80,10 +92,10 @@ def _split_kernel(
     q = tl.load(q_rows + cols[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
     q_pe = tl.load(q_rows + R + pe_cols[None, :], mask=h_mask[:, None] & pe_mask[None, :], other=0.0)
     q_pe = q_pe.to(tl.float32)
-    if not KV_F32:  # hi + lo bf16 halves: q_hi . k + q_lo . k ~ fp32 q . k for bf16-exact k
-        q_hi, q_pe_hi = q.to(tl.bfloat16), q_pe.to(tl.bfloat16)
-        q_lo = (q - q_hi.to(tl.float32)).to(tl.bfloat16)
-        q_pe_lo = (q_pe - q_pe_hi.to(tl.float32)).to(tl.bfloat16)
+    if not KV_F32:  # hi + lo 16-bit halves: q_hi . k + q_lo . k ~ fp32 q . k for 16-bit-exact k
+        q_hi, q_pe_hi = _to_dot(q, HALF), _to_dot(q_pe, HALF)
+        q_lo = _to_dot(q - q_hi.to(tl.float32), HALF)
+        q_pe_lo = _to_dot(q_pe - q_pe_hi.to(tl.float32), HALF)
     if HAS_SCALE:
         kv_scale = tl.load(scale_ptr).to(tl.float32)
         qk_scale = qk_scale * kv_scale
@@ -108,7 +120,7 @@ def _split_kernel(
             s = tl.dot(q, tl.trans(kv), input_precision="ieee")
             s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
         else:
-            kv, k_pe = kv.to(tl.float32).to(tl.bfloat16), k_pe.to(tl.float32).to(tl.bfloat16)  # exact
+            kv, k_pe = _to_dot(kv.to(tl.float32), HALF), _to_dot(k_pe.to(tl.float32), HALF)  # exact
             k_t, k_pe_t = tl.trans(kv), tl.trans(k_pe)
             s = _dot(q_hi, k_t, tl.zeros([BLOCK_H, BLOCK_N], tl.float32), EMULATE)
             s = _dot(q_lo, k_t, s, EMULATE)
@@ -122,7 +134,7 @@ def _split_kernel(
         if KV_F32:
             acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
         else:
-            acc = _dot(p.to(tl.bfloat16), kv, acc * alpha[:, None], EMULATE)
+            acc = _dot(_to_dot(p, HALF), kv, acc * alpha[:, None], EMULATE)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty: acc = 0 -> 0
@@ -165,7 +177,57 @@ def _merge_kernel(
     tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + cols[None, :], out, mask=o_mask)
 
 
-# ---- wrapper ------------------------------------------------------------------------------------
+# ---- launch ------------------------------------------------------------------------------------
+
+
+def run_split_k(
+    kernel: triton.JITFunction, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, softmax_scale: float, kv_lora_rank: int, kv_scale: torch.Tensor | None,
+    num_splits: int | None, *, block_h: int, target_programs: int, **meta: int | bool,
+) -> torch.Tensor:
+    """o_latent [B, h, r] fp32: ``kernel`` (``_split_kernel``'s signature; ``meta`` its other constexprs and
+    launch options) over the grid ``(cdiv(h, block_h), splits, B)``, then ``_merge_kernel`` when there are
+    several splits. ``q`` [B, h, r + rope] is the query as the kernel reads it; the other arguments are the
+    op's, already checked. ``num_splits`` defaults to ``default_num_splits`` of the shapes (``block_h`` heads
+    and about ``target_programs`` programs). Nothing is read on the host."""
+    if kv_cache.stride(2) != 1:
+        raise ValueError(f"kv_cache rows must be contiguous, got strides {kv_cache.stride()}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    b, h, d = q.shape
+    page, r = kv_cache.shape[1], kv_lora_rank
+    out = torch.empty(b, h, r, dtype=torch.float32, device=q.device)
+    if b == 0 or h == 0:
+        return out
+    if block_tables.shape[1] == 0:
+        return out.zero_()
+    q = q if q.stride(2) == 1 else q.contiguous()
+    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    splits = num_splits or default_num_splits(b, h, block_tables.shape[1] * page, block_h, target_programs)
+    final = splits == 1
+    if final:
+        o_part, lse = out, out
+    else:
+        o_part = torch.empty(b, h, splits, r, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+    block_r = _pow2(r)
+    kernel[(triton.cdiv(h, block_h), splits, b)](
+        q, kv_cache, tables, seq_lens, kv_scale if kv_scale is not None else out, o_part, lse, h, splits,
+        softmax_scale * LOG2E, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        tables.stride(0),
+        o_part.stride(0), o_part.stride(1), 0 if final else o_part.stride(2),
+        0 if final else lse.stride(0), 0 if final else lse.stride(1),
+        PAGE=page, R=r, PE=d - r, BLOCK_R=block_r, BLOCK_PE=_pow2(d - r), BLOCK_H=block_h,
+        HAS_SCALE=kv_scale is not None, HALF=kv_cache.dtype == torch.float16, FINAL=final,
+        EMULATE=not q.is_cuda, **meta, **_OPTS,
+    )
+    if not final:
+        _merge_kernel[(triton.cdiv(h, BLOCK_H), b)](
+            o_part, lse, out, h, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
+            lse.stride(1), out.stride(0), out.stride(1), R=r, BLOCK_R=block_r, BLOCK_H=BLOCK_H,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **_OPTS,
+        )
+    return out
 
 
 def paged_mla_decode_triton(
@@ -181,44 +243,9 @@ def paged_mla_decode_triton(
     """o_latent [B, h, kv_lora_rank] fp32 (see ``mla_decode.paged_mla_decode``); ``num_splits``
     defaults to ``default_num_splits`` of the shapes. Nothing is read on the host."""
     check_decode(q_latent, kv_cache, block_tables, seq_lens, kv_lora_rank, kv_scale)
-    if kv_cache.stride(2) != 1:
-        raise ValueError(f"kv_cache rows must be contiguous, got strides {kv_cache.stride()}")
-    if num_splits is not None and num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    b, h, d = q_latent.shape
-    page, r = kv_cache.shape[1], kv_lora_rank
-    out = torch.empty(b, h, r, dtype=torch.float32, device=q_latent.device)
-    if b == 0 or h == 0:
-        return out
-    if block_tables.shape[1] == 0:
-        return out.zero_()
-    q = q_latent.float()
-    q = q if q.stride(2) == 1 else q.contiguous()
-    tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-    splits = num_splits or default_num_splits(b, h, block_tables.shape[1] * page)
-    final = splits == 1
-    if final:
-        o_part, lse = out, out
-    else:
-        o_part = torch.empty(b, h, splits, r, dtype=torch.float32, device=q.device)
-        lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
-    kv_f32 = kv_cache.dtype == torch.float32
-    block_r, block_pe = _pow2(r), _pow2(d - r)
-    big = block_r >= 256
-    _split_kernel[(triton.cdiv(h, BLOCK_H), splits, b)](
-        q, kv_cache, tables, seq_lens, kv_scale if kv_scale is not None else q, o_part, lse, h, splits,
-        softmax_scale * LOG2E, q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
-        tables.stride(0),
-        o_part.stride(0), o_part.stride(1), 0 if final else o_part.stride(2),
-        0 if final else lse.stride(0), 0 if final else lse.stride(1),
-        PAGE=page, R=r, PE=d - r, BLOCK_R=block_r, BLOCK_PE=block_pe, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        HAS_SCALE=kv_scale is not None, KV_F32=kv_f32, FINAL=final,
-        EMULATE=not q.is_cuda, num_warps=8 if big else 4, num_stages=2, **_OPTS,
+    big = _pow2(kv_lora_rank) >= 256
+    return run_split_k(
+        _split_kernel, q_latent.float(), kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale,
+        num_splits, block_h=BLOCK_H, target_programs=TARGET_PROGRAMS, BLOCK_N=BLOCK_N,
+        KV_F32=kv_cache.dtype == torch.float32, num_warps=8 if big else 4, num_stages=2,
     )
-    if not final:
-        _merge_kernel[(triton.cdiv(h, BLOCK_H), b)](
-            o_part, lse, out, h, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0),
-            lse.stride(1), out.stride(0), out.stride(1), R=r, BLOCK_R=block_r, BLOCK_H=BLOCK_H,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **_OPTS,
-        )
-    return out
