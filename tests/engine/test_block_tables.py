@@ -1,6 +1,8 @@
 """The device block tables' bookkeeping (``engine/block_tables.py``): rows handed out, appended to, trimmed,
 freed and reused as the KV cache manager allocates, and every plan's rows read from the device tables equal to
-the whole tables a plan built without them carries (``batch_plan.block_tables``)."""
+the whole tables a plan built without them carries (``batch_plan.block_tables``); then the engine's step on them:
+a captured step's host bytes independent of ``max_model_len``, each captured run planned
+(``kernels/decode_plan.py``) on tables already holding its rows, the eager engine's tokens."""
 
 from __future__ import annotations
 
@@ -9,10 +11,12 @@ import random
 import pytest
 import torch
 
+from epserve import LLM, SamplingParams
 from epserve.engine.batch_plan import BatchPlan
 from epserve.engine.block_tables import PAD_ROW, DeviceTables, TableAppends
 from epserve.engine.kv_manager import KVCacheManager
 from epserve.engine.request import Request, ScheduledChunk
+from epserve.kernels import cpu, decode_plan
 
 BS = 4
 
@@ -176,3 +180,92 @@ def test_a_plan_naming_rows_needs_the_device_tables():
         plan.to_batch(torch.device("cpu"), BS)
     batch = plan.to_batch(torch.device("cpu"), BS, cache.tables)
     assert batch.block_tables.tolist() == [list(plan.table_appends.blocks)]
+
+
+# ---- the engine's step on the device tables --------------------------------------------------------------------
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], [42] * 5, list(range(300, 340))]
+
+
+@pytest.fixture(scope="module")
+def long_ckpt(make_ckpt):
+    return make_ckpt("tiny", overrides={"max_position_embeddings": 65536})  # float32
+
+
+def _generate(llm, prompts: list[list[int]], max_tokens: int, planned: list | None = None) -> dict:
+    """``llm``'s engine stepped to the end of ``prompts`` (greedy) with its plans built on the leader's
+    device-table rows (``BatchPlan.from_chunks`` with the KV cache manager's ``TableRows``); per captured step
+    the host bytes staged to the device. ``planned``: each step's whole-table plan appended before its forward
+    (what a planner compares the device tables with)."""
+    engine, runner = llm.engine, llm.engine.runner
+    scheduler = engine.scheduler
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    requests = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    staged: list[tuple[int, int]] = []  # (rows, bytes) of each captured step
+    while scheduler.has_unfinished_requests():
+        output = scheduler.schedule()
+        chunks = list(output.chunks)
+        plan = BatchPlan.from_chunks(chunks, runner.block_size, scheduler.kv_manager.table_rows)
+        if planned is not None:
+            planned.append(BatchPlan.from_chunks(chunks, runner.block_size))
+        decode = plan.num_decode_seqs == len(plan.seq_lens)
+        before = runner.tables.staged_bytes
+        hidden = runner.forward(plan, plan.num_tokens, all_decode=decode)
+        if runner._replay_bucket(plan.num_tokens, decode, runner._step_shape(plan.num_tokens)[1]) is not None:
+            staged.append((len(plan.seq_lens), runner.tables.staged_bytes - before))
+        result = engine.sampling.sample(chunks, hidden, plan)
+        scheduler.update(output, result.sampled, result.logprobs, None, result.prompt_logprobs)
+    return {"tokens": [r.output_token_ids for r in requests], "staged": staged}
+
+
+needs_cpu_graph = pytest.mark.skipif(not (cpu.available(cpu.OPS) and cpu.available(torch.float32)),
+                                     reason="the CPU graph records the C kernels: AVX2, a compiler")
+
+
+@needs_cpu_graph
+def test_a_captured_steps_host_bytes_do_not_grow_with_max_model_len(long_ckpt):
+    """The same requests at a 1,024- and a 65,536-token context limit: every captured step stages the same
+    bytes, its O(bucket) values (five int64 a row: token, position, slot, length, table row) and the blocks
+    appended that step, never a [bucket, max_model_len / block_size] table; the tokens are the eager engine's."""
+    kw = dict(dtype="float32", num_blocks=128, block_size=4)
+    eager = _generate(LLM(long_ckpt, cuda_graph=False, **kw), PROMPTS, 12)
+    runs = {n: _generate(LLM(long_ckpt, max_model_len=n, **kw), PROMPTS, 12) for n in (1024, 65536)}
+    assert LLM(long_ckpt, max_model_len=65536, **kw).engine.runner.tables.max_blocks == 65536 // 4
+    short, long = runs[1024]["staged"], runs[65536]["staged"]
+    assert len(short) >= 10 and short == long
+    for rows, staged in short:
+        assert staged <= 8 * (5 * rows + 3 * rows)  # at most one new block a row
+    assert runs[1024]["tokens"] == runs[65536]["tokens"] == eager["tokens"]
+
+
+@pytest.mark.parametrize("mode", ["cpu_graph", "compile"])
+def test_each_captured_run_is_planned_on_tables_holding_its_rows(long_ckpt, mode, monkeypatch):
+    """A planner registered with ``kernels.decode_plan`` is called before every run of a bucket (a CPU graph's
+    recording and each replay; each call of the compiled forward), with the bucket's lengths on the host and
+    the static tables already holding the step's rows."""
+    if mode == "cpu_graph" and not (cpu.available(cpu.OPS) and cpu.available(torch.float32)):
+        pytest.skip("the CPU graph records the C kernels: AVX2, a compiler")
+    monkeypatch.setenv("EPSERVE_COMPILE_BACKEND", "aot_eager")  # the fullgraph trace, without inductor's codegen
+    llm = LLM(long_ckpt, dtype="float32", num_blocks=128, block_size=4, max_num_seqs=4, compile=mode == "compile")
+    assert llm.engine.runner.captured.mode == mode
+    planned: list[BatchPlan] = []
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def planner(replay: decode_plan.DecodeReplay) -> None:
+        whole = planned[-1]
+        n = len(whole.seq_lens)
+        assert replay.host_seq_lens == (*whole.seq_lens, *(0,) * (replay.bucket - n))
+        assert replay.seq_lens.tolist() == list(replay.host_seq_lens)
+        assert replay.block_size == 4 and replay.block_tables.shape == (replay.bucket, 65536 // 4)
+        for i, (length, blocks) in enumerate(zip(whole.seq_lens, whole.block_tables)):
+            used = -(-length // 4)
+            assert replay.block_tables[i, :used].tolist() == list(blocks[:used])
+        seen.append((replay.bucket, replay.host_seq_lens))
+
+    decode_plan.register(planner)
+    try:
+        out = _generate(llm, PROMPTS, 6, planned)
+    finally:
+        decode_plan.unregister(planner)
+    assert len(seen) == len(out["staged"]) >= 5  # once a captured step: recording or replay, compiled call
+    assert {bucket for bucket, _ in seen} >= {4}

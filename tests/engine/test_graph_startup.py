@@ -12,6 +12,7 @@ from epserve.config import CacheConfig, ModelConfig, OutOfMemoryError
 from epserve.engine import memory
 from epserve.engine.graphs import DecodeGraphs, bucket_schedules
 from epserve.model.streams import SideStream
+from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.parallel.overlap import choose_overlap
 from epserve.presets import build_config
 
@@ -45,6 +46,28 @@ def test_the_kv_pool_is_sized_after_the_graphs(monkeypatch):
     assert blocks(gib) == int((0.5 * 8 * gib - gib) * 0.9) // per_block
     with pytest.raises(OutOfMemoryError, match="the decode graphs 4096.0 MiB"):
         blocks(4 * gib, memory_fraction=0.5)
+
+
+def test_the_dispatchers_workspace_comes_off_the_kv_cache(make_ckpt, monkeypatch):
+    """A dispatcher holding N bytes of buffers (symm_mem's symmetric ones, allocated before the pool is sized)
+    leaves N bytes less for the KV cache under a memory budget."""
+    ckpt, budget, n = make_ckpt("tiny"), 48 * 2**20, 16 * 2**20
+
+    def runner():
+        return LLM(ckpt, dtype="float32", memory_budget_bytes=budget, cuda_graph=False).engine.runner
+
+    def blocks(runner, left: int) -> int:
+        per_block = memory.kv_bytes_per_block(runner.config.model, runner.block_size, runner.kv_dtype,
+                                              runner.num_cache_layers)
+        return int(left * (1 - memory._ACTIVATION_RESERVE)) // per_block
+
+    plain = runner()
+    assert plain.dispatcher.workspace_bytes() == 0
+    assert plain.num_blocks == blocks(plain, budget - plain.weight_bytes)  # (not capped by the scheduler's need)
+    monkeypatch.setattr(LocalDispatcher, "workspace_bytes", lambda self: n)
+    held = runner()
+    assert held.dispatcher.workspace_bytes() == n
+    assert held.num_blocks == blocks(held, budget - held.weight_bytes - n) < plain.num_blocks
 
 
 def test_warm_up_runs_every_bucket_once_largest_first(make_ckpt, monkeypatch):

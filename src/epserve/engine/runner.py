@@ -98,7 +98,9 @@ class ModelRunner:
         if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
             cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size,
                             memory_fraction=cache.memory_fraction and cache.memory_fraction / pc.local_world_size)
-        num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, weight_bytes, max_blocks,
+        # the dispatcher's buffers (NVSHMEM's symmetric ones) are resident already, as the weights are
+        resident = weight_bytes + self.dispatcher.workspace_bytes()
+        num_blocks = determine_num_blocks(mc, cache, self.kv_dtype, self.device, resident, max_blocks,
                                           self.num_cache_layers, reserved_bytes=graph_bytes)
         self.num_blocks = -all_reduce_max([-num_blocks], ctx)[0]  # every rank agrees: the smallest pool
         # One block more than the scheduler hands out: the sink padding rows of a captured decode write to.
