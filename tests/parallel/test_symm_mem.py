@@ -28,7 +28,7 @@ from epserve.moe.dispatch.base import ExpertInput
 from epserve.moe.dispatch.exchange import GlooExchange
 from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.moe.dispatch.payload import packed_width
-from epserve.moe.dispatch.symm_layout import compact_index
+from epserve.moe.dispatch.symm_layout import BufferShape, compact_index
 from epserve.moe.dispatch.symm_mem import SymmMemDispatcher, check_symm_mem
 from epserve.moe.experts import GroupedExperts, dequantize_rows
 
@@ -226,3 +226,36 @@ def test_symm_mem_serves_deepseek_v3_at_ep8_16_32_and_names_its_limit(make_ckpt)
         ParallelConfig(dp=ep, dispatch="symm_mem").check_model(v3)
     with pytest.raises(ConfigError, match=r"symm_mem.*--dispatch symm_mem.*512.*--dispatch padded"):
         ParallelConfig(dp=1024, dispatch="symm_mem")
+
+
+def _blocks_per_peer(input_bytes: int, ep: int, max_blocks: int) -> int:
+    """torch's all_to_all_vdev: min(round_up(ceil(bytes / 64 KiB), ep), max_blocks) blocks, per peer."""
+    chunks = -(-input_bytes // 65536)
+    blocks = min(-(-chunks // ep) * ep, max_blocks)
+    return max(blocks // ep, 1)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4, 6, 8, 12, 16, 32, 64, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_buffer_rows_split_evenly_over_the_exchange_blocks(ep: int, fp8: bool) -> None:
+    """DeepSeek-V3's rows (7168 bf16, or packed FP8) in buffers of any token count: every peer's bytes divide
+    by the blocks the op gives it, within a node (64) and across nodes (16), for the dispatch and the combine."""
+    for tokens in (1, 7, 256):
+        shape = BufferShape(send_rows=tokens * 8, recv_rows=ep * tokens * 8, width=packed_width(7168) if fp8 else 7168,
+                            payload_dtype=torch.uint8 if fp8 else torch.bfloat16, hidden=7168, dtype=torch.bfloat16,
+                            slots=256 // min(ep, 256) or 1, ep=ep)
+        payload, out = shape.strides()
+        assert payload >= shape.width and out >= shape.hidden
+        for rows, stride, item in ((shape.send_rows, payload, 1 if fp8 else 2), (shape.recv_rows, out, 2)):
+            row_bytes, input_bytes = stride * item, shape.allocated(rows) * stride * item
+            for max_blocks in (64, 16):
+                per_peer = _blocks_per_peer(input_bytes, ep, max_blocks)
+                assert all(n * row_bytes % per_peer == 0 for n in (1, 3, 17, rows)), (tokens, max_blocks, per_peer)
+
+
+def test_v3_buffers_at_ep16_are_sized_for_decode_steps() -> None:
+    """256 tokens per rank at EP16: about 0.5 GiB a buffer set (the payload and the combine sharing it)."""
+    shape = BufferShape(send_rows=256 * 8, recv_rows=16 * 256 * 8, width=7168, payload_dtype=torch.bfloat16,
+                        hidden=7168, dtype=torch.bfloat16, slots=16, ep=16)
+    assert shape.bytes() == (256 * 8 + 16 * 256 * 8) * 7168 * 2 + 8 * (9 * 16 + 2 * 16 * 16)
+    assert 2 * shape.bytes() < 2**30

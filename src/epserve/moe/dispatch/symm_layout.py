@@ -10,17 +10,31 @@ within: the order ``s`` sent them); the experts take them slot-major (slot 0's r
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
 
 from epserve.moe.dispatch.exchange import Exchange
 
-ROW_ALIGN = 64  # bytes: a buffer row's size is a multiple of it
+# torch's all_to_all_vdev launches min(round_up(ceil(bytes / 64 KiB), ep), 64 within a node, 16 across nodes)
+# blocks (or $TORCH_SYMM_MEM_NBLOCKS) over the whole input buffer, max(blocks // ep, 1) of them per peer, and
+# asserts that each peer's bytes split evenly over its blocks. Buffers of at least MIN_BUFFER_BYTES get the
+# most blocks, and rows padded to ``row_align(ep)`` bytes split evenly, whatever their number.
+ROW_ALIGN = 64
+MIN_BUFFER_BYTES = 64 * 64 * 1024
 
 
 def _item(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def row_align(ep: int) -> int:
+    """Bytes a buffer row's size is a multiple of, so that torch's ``all_to_all_vdev`` splits any number of
+    rows evenly over the blocks it gives each of ``ep`` peers (see ``MIN_BUFFER_BYTES``)."""
+    blocks = [64, 16] + [int(n) for n in [os.environ.get("TORCH_SYMM_MEM_NBLOCKS", "")] if n.isdigit() and int(n)]
+    return math.lcm(ROW_ALIGN, *(max(b // ep, 1) for b in blocks))
 
 
 def block_rows(sizes: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,9 +95,15 @@ class BufferShape:
 
     def strides(self) -> tuple[int, int]:
         """Elements per buffer row of the payload and of the expert outputs: their widths rounded up to
-        ``ROW_ALIGN`` bytes (torch's ``all_to_all_vdev`` splits a peer's bytes evenly over up to 64 blocks)."""
-        return tuple(-(-width * item // ROW_ALIGN) * ROW_ALIGN // item for width, item in (  # type: ignore[return-value]
+        ``row_align(ep)`` bytes."""
+        align = row_align(self.ep)
+        return tuple(-(-width * item // align) * align // item for width, item in (  # type: ignore[return-value]
             (self.width, _item(self.payload_dtype)), (self.hidden, _item(self.dtype))))
+
+    def allocated(self, rows: int) -> int:
+        """Rows allocated for ``rows``: at least ``MIN_BUFFER_BYTES`` in either use of the buffer."""
+        payload, out = self.strides()
+        return max(rows, -(-MIN_BUFFER_BYTES // min(payload * _item(self.payload_dtype), out * _item(self.dtype))))
 
     def row_bytes(self) -> int:
         """Bytes of a row slot shared by a payload row and an expert-output row (one buffer serves both)."""
@@ -92,7 +112,8 @@ class BufferShape:
 
     def bytes(self) -> int:
         counters = 9 * self.ep + 2 * self.ep * self.slots  # the int64 splits, offsets and counts
-        return (self.send_rows + self.recv_rows) * self.row_bytes() + 8 * counters
+        rows = self.allocated(self.send_rows) + self.allocated(self.recv_rows)
+        return rows * self.row_bytes() + 8 * counters
 
 
 class BufferSet:
@@ -110,13 +131,14 @@ class BufferSet:
 
         ep, slots, row = shape.ep, shape.slots, shape.row_bytes()
         payload, out = shape.strides()
-        sent = exchange.alloc(shape.send_rows * row, dtype=torch.uint8, device=device)
-        received = exchange.alloc(shape.recv_rows * row, dtype=torch.uint8, device=device)
+        send_rows, recv_rows = shape.allocated(shape.send_rows), shape.allocated(shape.recv_rows)
+        sent = exchange.alloc(send_rows * row, dtype=torch.uint8, device=device)
+        received = exchange.alloc(recv_rows * row, dtype=torch.uint8, device=device)
         # whole rows travel, the real columns first
-        self.send = rows(shape.send_rows, payload, shape.payload_dtype, sent)  # rank-major, then slot
-        self.recv = rows(shape.recv_rows, payload, shape.payload_dtype, received)  # source-major
-        self.combine_in = rows(shape.recv_rows, out, shape.dtype, received)  # as received
-        self.combine_out = rows(shape.send_rows, out, shape.dtype, sent)  # as sent
+        self.send = rows(send_rows, payload, shape.payload_dtype, sent)  # rank-major, then slot
+        self.recv = rows(recv_rows, payload, shape.payload_dtype, received)  # source-major
+        self.combine_in = rows(recv_rows, out, shape.dtype, received)  # as received
+        self.combine_out = rows(send_rows, out, shape.dtype, sent)  # as sent
         self.in_splits, self.recv_splits_offsets = alloc(ep), alloc(2, ep)
         self.counts_send, self.counts_recv = alloc(ep * slots), alloc(ep * slots)
         self.counts_splits, self.counts_splits_offsets = alloc(ep).fill_(slots), alloc(2, ep)
