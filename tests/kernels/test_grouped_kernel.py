@@ -273,6 +273,24 @@ def test_triton_grouped_kernel_compiles_for_the_gpu(dtype, arch):
     assert ".entry" in kernel.asm["ptx"]
 
 
+@pytest.mark.parametrize("dtype,arch", [("u8", 90), ("bf16", 80)])
+def test_masked_gather_kernel_compiles_for_the_gpu(dtype, arch):
+    """The symm_mem dispatcher's masked gather (``kernels.moe_triton``) lowers without a GPU: the early return
+    on the real-row count read on the device, 64-bit row offsets."""
+    if torch.cuda.is_available() or not HAS_TRITON:
+        pytest.skip("no triton, or a GPU is here (the CUDA tests run the kernel)")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    from epserve.kernels import moe_triton
+
+    sig = {"out_ptr": f"*{dtype}", "src_ptr": f"*{dtype}", "index_ptr": "*i64", "total_ptr": "*i64",
+           **dict.fromkeys("N C col0 stride_out stride_src".split(), "i32"), "BR": "constexpr", "BC": "constexpr"}
+    kernel = compile(ASTSource(moe_triton._gather_rows_kernel, sig, {"BR": moe_triton.ROWS, "BC": moe_triton.COLS}),
+                     target=GPUTarget("cuda", arch, 32), options=moe_triton._OPTS)
+    assert ".entry" in kernel.asm["ptx"]
+
+
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 

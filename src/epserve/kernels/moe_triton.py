@@ -16,6 +16,7 @@ from epserve.kernels.fp8 import cdiv
 
 ROWS = 4  # rows per program
 COLS = 512  # columns per inner step
+_OPTS = {"enable_fp_fusion": False}  # copies only: explicit, since Triton 3.10 changes the default
 
 
 @triton.jit
@@ -46,5 +47,5 @@ def gather_real_rows_triton(out: torch.Tensor, src: torch.Tensor, index: torch.T
                          f"{out.stride()} and src {src.dtype} strides {src.stride()}")
     _gather_rows_kernel[(cdiv(n, ROWS),)](
         out, src, index, total.reshape(-1), n, c, col0, out.stride(0), src.stride(0), BR=ROWS, BC=COLS,
-        num_warps=4,
+        num_warps=4, **_OPTS,
     )
