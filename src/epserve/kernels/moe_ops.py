@@ -1,9 +1,10 @@
 """The dispatchers' kernel ops, each declared once (``kernels.opdef``) with its torch reference: grouping token
 copies by expert, the local dispatcher's whole permutation, the weighted combine every dispatcher ends with,
-the experts' load counters, and the masked row gather of the ``symm_mem`` dispatcher (Triton on CUDA:
-``kernels.moe_triton``). On the CPU in eager steps each is one C call (``kernels.cpu_ops``: the same
-order and roundings as the reference), so a recorded decode step (``kernels/cpu_graph.py``) holds them; traced
-and elsewhere the reference runs.
+the experts' load counters, and the masked row gather of the ``symm_mem`` dispatcher. On the CPU in eager
+steps each but the gather is one C call (``kernels.cpu_ops``: the same order and roundings as the reference),
+so a recorded decode step (``kernels/cpu_graph.py``) holds them; the gather is a Triton kernel on CUDA
+(``kernels.moe_triton``) and its reference on the CPU, where only the ``symm_mem`` tests' gloo twin runs it;
+traced and elsewhere the reference runs.
 """
 
 from __future__ import annotations
