@@ -202,6 +202,10 @@ print(json.dumps(out, indent=2))
 EOF
 }
 
+plugin_path() {  # the pytest plugin (-p gpu_report) alone in a folder of $WORK, for PYTHONPATH (no other module
+  mkdir -p "$WORK/plugin" && cp benchmarks/gpu_report.py "$WORK/plugin/"  # of benchmarks/ shadows an installed one)
+}
+
 has() {  # has STAGE: whether the plan runs it
   local s
   for s in "${PLAN[@]}"; do [ "$s" = "$1" ] && return 0; done
@@ -211,7 +215,7 @@ has() {  # has STAGE: whether the plan runs it
 pytest_args() {  # pytest_args NAME [SELECTION]: the stage's pytest command line, its report into $WORK/NAME.jsonl
   local sel=()
   eval "sel=(${2:-${SELECT[$1]}})"  # the selection's quoting (-k '...') as the shell reads it
-  ARGS=("$PY" -m pytest -q -p no:cacheprovider -p benchmarks.gpu_report --gpu-report "$WORK/$1.jsonl" "${sel[@]}")
+  ARGS=("$PY" -m pytest -q -p no:cacheprovider -p gpu_report --gpu-report "$WORK/$1.jsonl" "${sel[@]}")
 }
 
 pytest_stage() {  # pytest_stage NAME [extra pytest args]
@@ -233,7 +237,8 @@ lease_plan() {
   local mla_pin=${EPSERVE_MLA_BACKEND:-triton}
   export PYTHONUNBUFFERED=1 EPSERVE_TEST_DEVICE=cuda EPSERVE_NO_PROGRESS=1 EPSERVE_MLA_BACKEND=$mla_pin
   export EPSERVE_CACHE_DIR=${EPSERVE_CACHE_DIR:-$ROOT/.gpu-cache}
-  export PYTHONPATH=$ROOT/src:$ROOT${PYTHONPATH:+:$PYTHONPATH}  # $ROOT: -p benchmarks.gpu_report in xdist workers
+  plugin_path
+  export PYTHONPATH=$ROOT/src:$WORK/plugin${PYTHONPATH:+:$PYTHONPATH}
   if compgen -G ".whl/*.whl" >/dev/null; then export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
   export -f env_probe wheel_mib
   export PY
@@ -373,6 +378,9 @@ print(f"token reference: {sys.argv[1]}: {shapes} tokens, written with torch {ref
 EOF
   # every test selection collected as the stage runs it (the plugin's --on-device included): at least one test
   WORK=$(mktemp -d /tmp/gpu_check_dry.XXXXXX)
+  plugin_path
+  local PYTHONPATH=$WORK/plugin${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH
   local counts=() line
   for s in "${ALL_STAGES[@]}"; do
     [ -n "${SELECT[$s]:-}" ] || continue

@@ -2,12 +2,14 @@
 it finishes, and the merge of every stage's records into ``summary.json`` and ``logs.tar.gz`` under ``$OUT``,
 keeping what a cut-off stage left (its finished tests, the test it was in, its benchmark JSON up to the cut).
 
-As a pytest plugin (``python -m pytest -p benchmarks.gpu_report --gpu-report PATH``): PATH gets one JSON line
-per event, flushed as written, so a pytest killed by ``timeout`` still leaves its report (junit XML is written
-only at the end): ``start``; ``begin`` (a test starts: the last one without its ``test`` line is where a
-killed run was); ``test`` (outcome, seconds, the first line of a failure); ``finish`` (pytest's exit status).
-``--on-device`` keeps only the tests that run on the GPU: those marked ``cuda`` and those taking the
-``device`` fixture (``EPSERVE_TEST_DEVICE=cuda`` makes it the GPU); the rest are CPU tests CI runs.
+As a pytest plugin (``python -m pytest -p gpu_report --gpu-report PATH``, with this file's folder, or a folder
+holding a copy of it, on PYTHONPATH: gpu_check.sh copies it alone into one, so that no other module of
+benchmarks/ becomes importable): PATH gets one JSON line per event, flushed as written, so a pytest killed by
+``timeout`` still leaves its report (junit XML is written only at the end): ``start``; ``begin`` (a test starts:
+the last one without its ``test`` line is where a killed run was); ``test`` (outcome, seconds, the first line of
+a failure); ``finish`` (pytest's exit status). ``--on-device`` keeps only the tests that run on the GPU: those
+marked ``cuda`` and those taking the ``device`` fixture (``EPSERVE_TEST_DEVICE=cuda`` makes it the GPU); the
+rest are CPU tests CI runs.
 
 As a script: ``gpu_report.py summary WORK OUT BUDGET [--running STAGE]`` merges WORK/stages.tsv (one record
 per finished stage, written by gpu_check.sh) with each stage's report, JSON and output into OUT/summary.json,

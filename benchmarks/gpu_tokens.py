@@ -55,11 +55,21 @@ def build(variant: str, root: Path) -> Path:
 
 
 def checkpoint_sha256(path: Path) -> str:
-    """One hash over the checkpoint folder: every file's relative name and bytes, in name order."""
-    digest = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        digest.update(f.relative_to(path).as_posix().encode() + b"\0")
-        digest.update(f.read_bytes())
+    """One hash over what the tokens depend on: config.json's values and every tensor's name, dtype, shape and
+    bytes, in name order (not the files' bytes: another safetensors or tokenizers version on the GPU machine
+    may lay the same checkpoint out differently)."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256(json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True).encode())
+    tensors = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors |= {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - safe_open has no iterator
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()
 
 
@@ -115,9 +125,10 @@ def write_reference(dest: Path, workdir: Path) -> dict[str, Any]:
     for variant in VARIANTS:
         path = build(variant, workdir)
         run = generate(path, "cpu")
+        seconds = run.pop("seconds")  # not kept: the file changes only when the tokens or checkpoints do
         ref["variants"][variant] = {"checkpoint_sha256": checkpoint_sha256(path), **run}
         print(f"{variant}: {run['capture']}, smallest top-2 gap {min(g for g in run['min_top2_gap'] if g is not None)}"
-              f" nats, {run['seconds']} s")
+              f" nats, {seconds} s")
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(compact_json(ref) + "\n")
     return ref

@@ -87,9 +87,10 @@ def test_the_summary_keeps_a_cut_off_stages_partial_results(tmp_path):
         "def test_skipped():\n    pass\n\n\ndef test_hangs():\n    time.sleep(600)\n\n\ndef test_never_runs():\n"
         "    pass\n")
     proc = subprocess.run(
-        ["timeout", "8", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.gpu_report",
+        ["timeout", "8", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "gpu_report",
          "--gpu-report", str(work / "kernels.jsonl"), str(tmp_path / "toys"), "--rootdir", str(tmp_path / "toys")],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")})
     assert proc.returncode == 124, proc.stdout[-2000:] + proc.stderr[-2000:]  # killed by timeout, no junit
     (work / "kernels.out").write_text(proc.stdout + "\nthe whole output\n")
     full = {"device": "NVIDIA H100", "rows": [{"m": 1, "tflops": 1.5}, {"m": 16, "tflops": 20.0}],
