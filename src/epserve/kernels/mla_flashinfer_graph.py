@@ -22,9 +22,10 @@ run it so; this is the same scheme behind the project's hooks:
 Planning reads nothing from the device: ``kv_indptr`` and the lengths are built on the host from the host
 lengths (O(bucket)), ``kv_indices`` on the device from the static block table (:func:`graph_pages`: each page's
 row found by a search of the device copy of ``kv_indptr``). A row of length 0 (padding) reads one token of its
-first table entry (the sink block) and its output is zeroed by a mask the plan rewrites. The steps of one engine
-run in order on one stream and each step reads its sampled tokens on the host, so a plan never overwrites a
-schedule a replay still reads.
+first table entry (the sink block) and its output is zeroed by a mask the plan rewrites. FlashInfer's plan writes
+its schedule into a pinned host buffer and copies it to the device asynchronously, without waiting: a wrapper's
+next plan first waits for the copy its previous plan enqueued (an event, normally long complete), so a plan
+never overwrites a schedule still on its way to the device. Plans and replays are ordered on one stream.
 """
 
 from __future__ import annotations
@@ -152,6 +153,7 @@ class GraphWrapper:
                    "kv_indices": self.kv_indices,
                    "kv_len_arr": torch.ones(rows, dtype=torch.int32, device=device)}
         self.buffers = buffers
+        self.copied: torch.cuda.Event | None = None  # recorded after the latest plan's copies were enqueued
         self.wrapper = import_flashinfer().BatchMLAPagedAttentionWrapper(
             workspace(device), use_cuda_graph=True, backend=backend_for(device), **buffers)
 
@@ -161,6 +163,8 @@ class GraphWrapper:
         s = self.shape
         tables = block_tables[s.first : s.first + s.rows]
         layout = page_layout(host_lens[s.first : s.first + s.rows], block_size, tables.shape[1])
+        if self.copied is not None:
+            self.copied.synchronize()  # the pinned schedule the previous plan copies from is about to be rewritten
         self.wrapper.plan(  # type: ignore[attr-defined]
             qo_indptr=torch.arange(s.rows + 1, dtype=torch.int32), kv_indptr=layout.kv_indptr,
             kv_indices=graph_pages(tables, layout.kv_indptr, layout.pages), kv_len_arr=layout.read,
@@ -168,6 +172,8 @@ class GraphWrapper:
             sm_scale=s.softmax_scale, q_data_type=s.q_dtype, kv_data_type=s.kv_dtype,
         )
         self.empty.copy_(layout.empty.view(-1, 1, 1), non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
 
     def run(self, q_latent: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """o_latent [rows, h, 512] fp32 from the buffers the latest plan wrote (what a capture records)."""
