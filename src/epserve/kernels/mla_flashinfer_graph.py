@@ -95,7 +95,7 @@ def page_layout(host_lens: tuple[int, ...], block_size: int, width: int) -> Page
     """The host side of a plan from the host lengths alone (O(rows)); lengths past ``width`` blocks raise."""
     if any(n < 0 or n > width * block_size for n in host_lens):
         raise SeqLensError(f"seq_lens {list(host_lens)} must lie in [0, {width * block_size}] "
-                         f"({width} blocks of {block_size} tokens per row)")
+                           f"({width} blocks of {block_size} tokens per row)")
     read = [max(n, 1) for n in host_lens]
     indptr = [0]
     for n in read:
@@ -109,9 +109,8 @@ def graph_pages(block_tables: torch.Tensor, kv_indptr: torch.Tensor, pages: int)
     ``kv_indptr[i + 1] - kv_indptr[i]`` table entries, rows one after another (int32, ``pages`` of them).
     ``kv_indptr`` is the host's; each page's row is found by a search of its copy on the device."""
     device = block_tables.device
-    total = pages
     bounds = kv_indptr.to(device, torch.int64, non_blocking=True)
-    page = torch.arange(total, device=device)
+    page = torch.arange(pages, device=device)
     row = torch.searchsorted(bounds[1:], page, right=True)
     col = page - bounds[row]
     return block_tables[row, col].to(torch.int32)
