@@ -197,8 +197,14 @@ def check_symm_mem_over_gloo(rank: int, world: int) -> int:
     sc_a, sc_b = cases(world)["fp32"][0], cases(world)["one_target"][0]
     disp = SymmMemDispatcher(SLOTS, group, TOP_K, 9, HIDDEN, torch.float32, torch.device("cpu"),
                              exchange=GlooExchange(group))
-    disp.begin_step(9)
     ins = {"a": sc_a.inputs(world)[rank], "b": sc_b.inputs(world)[rank]}
+    with pytest.raises(RuntimeError, match="begin_step"):
+        disp.dispatch_send(*ins["b"])
+    disp.begin_step(8)
+    if len(ins["b"][0]) > 8:  # rank 0 of one_target: 9 tokens
+        with pytest.raises(RuntimeError, match="exceed"):
+            disp.dispatch_send(*ins["b"])
+    disp.begin_step(9)
     sent = {k: disp.dispatch_send(*ins[k]) for k in ("a", "b")}
     combining = {}
     for k in ("a", "b"):
