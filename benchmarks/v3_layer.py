@@ -13,12 +13,16 @@ runs all 128 heads, as it does per rank with data-parallel attention (EP8 x DP8)
 
 The checkpoint is written by epserve's own writer (``presets.make_checkpoint``: ``build_config``,
 ``random_weights`` with a logit margin so greedy tokens are well separated, ``save_checkpoint``) once
-into ``--checkpoint`` and loaded by ``LLM``. For each variant (``fp8``: FP8 weights, bf16 KV cache;
+into ``--checkpoint`` and loaded by ``LLM``: at ``--size v3`` 2.3e9 values generated and quantized on the
+CPU (about 20 s per 1e9 on two busy cores here), which the GPU check runs in the background
+(``--build-only``) while its earlier stages use the GPU. For each variant (``fp8``: FP8 weights, bf16 KV cache;
 ``bf16``: the weights dequantized at load; ``fp8-kv``: FP8 weights and an FP8 cache) two engines run:
 eager, and captured (CUDA graphs on a GPU, captured at start-up; ``torch.compile`` on the CPU). Both
 decode the same prompts greedily (the tokens must be equal). Then, at each ``--batches`` size, both engines
 prefill B sequences of ``--prompt-len`` tokens (4096 at ``--size v3``: the 4k context of the issue's goal)
-ONCE and decode on from there, alternating the engines round by round so drift hits both alike:
+ONCE (in 8192-token chunks past 2048 tokens; each request's tokens also cover the steps its batch spends in
+prefill, so all B sequences run through every timed step: ``min_running``) and decode on from there,
+alternating the engines round by round so drift hits both alike:
 ``step_ms`` (``engine.step()``: forward, sampling, scheduler, what a request waits for) and ``forward_ms``
 (the forward alone, CUDA events around it: the graph replay with its input copies, on the captured engine).
 The eager engine then decodes a few more steps with CUDA events at each layer's start, its FFN's start and

@@ -16,14 +16,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCH))
-import gpu_figures as gf  # noqa: E402
 
 
 def _bench(name: str):  # noqa: ANN202 - a benchmark script as a module
+    """``benchmarks/<name>.py`` imported (with the scripts it imports), the folder on the path only meanwhile."""
     import importlib
 
-    return importlib.import_module(name)
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+gf = _bench("gpu_figures")
 
 
 # ---- the shapes ----------------------------------------------------------------------------------------------
@@ -164,7 +170,8 @@ def test_v3_layer_floor_and_goal_on_known_numbers():
 
 
 def test_op_groups_sum_the_ops_the_issue_names():
-    from step_timers import OP_GROUPS, group_ops
+    step_timers = _bench("step_timers")
+    OP_GROUPS, group_ops = step_timers.OP_GROUPS, step_timers.group_ops
 
     grouped = group_ops({"qkv_a_proj": 1.0, "q_b_proj": 2.0, "attention_core": 3.0, "dispatch_send": 0.5,
                          "dispatch_recv": 0.25, "experts": 4.0, "something_new": 7.0})
