@@ -119,11 +119,16 @@ def cuda_case(lens, heads, bs, dtype, seed=0, tables_dtype=None):
     return q, cache, tables if tables_dtype is None else tables.to(tables_dtype), seq_lens, kv_scale
 
 
-def assert_wide_contract(out, q, cache, tables, seq_lens, scale, kv_scale, p_atol) -> None:
-    """The many-head kernel's output (DeepSeek's r = 512): at ``p_atol`` against the reference fed its rounded
-    query, within its contract's bound against the fp32 query (``wide_bound``)."""
-    lens = seq_lens.tolist()
+def wide_refs(q, cache, tables, seq_lens, scale, kv_scale, p_atol) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the many-head kernel's output (DeepSeek's r = 512) is held to: (the reference fed its rounded query,
+    the reference, the contract's bound ``wide_bound``), computed once for a case."""
     rounded = md.paged_mla_decode_ref(rounded_query(q, cache), cache, tables, seq_lens, scale, 512, kv_scale)
-    assert_decode_close(out, rounded, lens, p_atol)
     ref = md.paged_mla_decode_ref(q, cache, tables, seq_lens, scale, 512, kv_scale)
-    assert_decode_close(out, ref, lens, wide_bound(q, cache, tables, seq_lens, scale, 512, kv_scale, p_atol))
+    return rounded, ref, wide_bound(q, cache, tables, seq_lens, scale, 512, kv_scale, p_atol)
+
+
+def assert_wide_contract(out, refs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lens, p_atol) -> None:
+    """At ``p_atol`` against the reference fed the rounded query, within the bound against the fp32 query."""
+    rounded, ref, bound = refs
+    assert_decode_close(out, rounded, lens, p_atol)
+    assert_decode_close(out, ref, lens, bound)

@@ -35,6 +35,7 @@ from mla_cases import (
     rounded_query,
     value_max,
     wide_bound,
+    wide_refs,
 )
 
 from epserve.kernels import mla_decode as md
@@ -260,17 +261,17 @@ def test_cuda_matches_ref(dtype, triton_mla):
         for batch, heads in ((1, 128), (3, 16), (8, 16)):
             lens = lens_for(batch, bs)
             q, cache, tables, seq_lens, kv_scale = cuda_case(lens, heads, bs, DTYPES[dtype], seed=batch)
-            ref = md.paged_mla_decode_ref(q, cache, tables, seq_lens, 512**-0.5, 512, kv_scale)
             atol = (1e-5 if dtype == "fp32" else 2**-9) * value_max(cache, 512, kv_scale)
             wide = md.takes_wide(q, cache, tables, seq_lens, 512**-0.5, 512)
+            refs = wide_refs(q, cache, tables, seq_lens, 512**-0.5, kv_scale, atol) if wide else None
+            ref = refs[1] if wide else md.paged_mla_decode_ref(q, cache, tables, seq_lens, 512**-0.5, 512, kv_scale)
             for splits in (None, 1, 7):
                 args = (q, cache, tables, seq_lens, 512**-0.5, 512, kv_scale, splits)
                 out = md.paged_mla_decode(*args)
                 assert out.is_cuda
                 if wide:
-                    assert_wide_contract(out, q, cache, tables, seq_lens, 512**-0.5, kv_scale, atol)
-                    assert_wide_contract(mw.paged_mla_decode_wide(*args), q, cache, tables, seq_lens, 512**-0.5,
-                                          kv_scale, atol)
+                    assert_wide_contract(out, refs, lens, atol)
+                    assert_wide_contract(mw.paged_mla_decode_wide(*args), refs, lens, atol)
                     assert_decode_close(mt.paged_mla_decode_triton(*args), ref, lens, atol)
                 else:
                     assert_decode_close(out, ref, lens, atol)
@@ -295,7 +296,7 @@ def test_cuda_graph_replays_new_lengths_and_tables(heads, triton_mla):
         tables.copy_(torch.randint(0, cache.shape[0], tuple(tables.shape), generator=g))
         graph.replay()
         if md.takes_wide(*args):
-            assert_wide_contract(out, q, cache, tables, seq_lens, 0.05, kv_scale, atol)
+            assert_wide_contract(out, wide_refs(q, cache, tables, seq_lens, 0.05, kv_scale, atol), new_lens, atol)
         else:
             ref = md.paged_mla_decode_ref(*args)
             assert_decode_close(out, ref, new_lens, atol)
