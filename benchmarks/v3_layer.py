@@ -18,7 +18,8 @@ CPU (about 20 s per 1e9 on two busy cores here), which the GPU check runs in the
 (``--build-only``) while its earlier stages use the GPU. For each variant (``fp8``: FP8 weights, bf16 KV cache;
 ``bf16``: the weights dequantized at load; ``fp8-kv``: FP8 weights and an FP8 cache) two engines run:
 eager, and captured (CUDA graphs on a GPU, captured at start-up; ``torch.compile`` on the CPU). Both
-decode the same prompts greedily (the tokens must be equal). Then, at each ``--batches`` size, both engines
+decode the same prompts greedily (the tokens must be equal). Then, at each ``--batches`` size (the largest
+first: the goal's, kept by a run cut off after it), both engines
 prefill B sequences of ``--prompt-len`` tokens (4096 at ``--size v3``: the 4k context of the issue's goal)
 ONCE (in 8192-token chunks past 2048 tokens; each request's tokens also cover the steps its batch spends in
 prefill, so all B sequences run through every timed step: ``min_running``) and decode on from there,
@@ -363,7 +364,7 @@ def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLine
     if args.no_timing:
         return out
     out["rows"] = []
-    for batch in args.batches:
+    for batch in sorted(args.batches, reverse=True):  # the goal's batch (the largest) first: a cut-off run keeps it
         row: dict[str, Any] = {"batch": batch, "context": args.prompt_len}
         out["rows"].append(row)
         time_batch(args, batch, engines, timers, clock, row, save)
