@@ -19,8 +19,8 @@
 #   kernels     tests/kernels -m cuda (FlashInfer's to its stage): FP8 GEMMs and _scaled_mm, grouped experts, the
 #               fused router, paged MLA decode, fused norms/RoPE, CUDA-graph capture and replay of each, against
 #               the torch references; 4 pytest-xdist workers where xdist imports.
-#   dispatch    tests/parallel -m cuda: PaddedDispatcher and the TP collectives captured on a one-rank NCCL group,
-#               SymmMemDispatcher eager and captured on one-rank NVSHMEM.
+#   dispatch    tests/parallel on CUDA (--on-device): PaddedDispatcher and the TP collectives captured on a one-rank
+#               NCCL group, SymmMemDispatcher eager and captured on one-rank NVSHMEM, the overlap schedules.
 #   capture     tests/engine and tests/model on CUDA (--on-device; not slow): the engine's start-up capture,
 #               parity with transformers, prefix cache, preemption, the KV handoff, EPLB into the captured decode.
 #   micro       benchmarks/gpu_micro.py: copy bandwidth and bf16 matmul (the ceilings), the FP8 GEMMs at V3's
@@ -63,7 +63,7 @@ declare -A SELECT=(
   [mtp]="tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp"
   [kernels]="tests/kernels -m cuda -k 'not flashinfer and not whichever_backend'"
   [sanitizer]="tests/kernels/test_mla_decode_kernel.py -m cuda"
-  [dispatch]="tests/parallel -m cuda"
+  [dispatch]="tests/parallel --on-device"
   [capture]="tests/engine tests/model --on-device -m 'not slow' --deselect tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp --ignore=tests/engine/test_logits_processing.py --ignore=tests/engine/test_structured.py --ignore=tests/engine/test_structured_failures.py"
   [sampling]="tests/engine/test_logits_processing.py tests/engine/test_structured.py tests/engine/test_structured_failures.py --on-device"
   [flashinfer]="tests/kernels/test_backends.py -m cuda -k 'flashinfer or whichever_backend'"
@@ -308,6 +308,7 @@ lease_plan() {
   summary
   echo "done in $((SECONDS - T0))s; $OUT: $(ls "$OUT" | tr '\n' ' ')"
   "$PY" benchmarks/gpu_report.py table "$OUT"
+  rm -rf "$WORK"  # all of it is in logs.tar.gz
 }
 
 # ---- the dry run: the plan printed and checked on a machine without a GPU ----------------------------------

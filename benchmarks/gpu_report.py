@@ -261,7 +261,7 @@ def summarize(work: Path, out: Path, budget: float, running: str | None = None) 
             except json.JSONDecodeError:
                 env = {"error": "env.json unreadable"}
         logs = sorted(p for p in work.iterdir() if p.is_file() and not p.name.startswith(".")
-                      and p.suffix in (".out", ".jsonl", ".json", ".tsv"))
+                      and p.suffix in (".out", ".jsonl", ".json", ".tsv", ".err"))
 
         def tar(tmp: Path) -> None:
             with tarfile.open(tmp, "w:gz", compresslevel=6) as t:
