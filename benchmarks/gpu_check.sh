@@ -64,8 +64,11 @@ declare -A SELECT=(
   [kernels]="tests/kernels -m cuda -k 'not flashinfer and not whichever_backend'"
   [sanitizer]="tests/kernels/test_mla_decode_kernel.py -m cuda"
   [dispatch]="tests/parallel --on-device"
-  [capture]="tests/engine tests/model --on-device -m 'not slow' --deselect tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp --ignore=tests/engine/test_logits_processing.py --ignore=tests/engine/test_structured.py --ignore=tests/engine/test_structured_failures.py"
-  [sampling]="tests/engine/test_logits_processing.py tests/engine/test_structured.py tests/engine/test_structured_failures.py --on-device"
+  [capture]="tests/engine tests/model --on-device -m 'not slow' --deselect tests/engine/test_mtp_engine.py::test_captured_decode_with_mtp
+             --ignore=tests/engine/test_logits_processing.py --ignore=tests/engine/test_structured.py
+             --ignore=tests/engine/test_structured_failures.py"
+  [sampling]="tests/engine/test_logits_processing.py tests/engine/test_structured.py
+              tests/engine/test_structured_failures.py --on-device"
   [flashinfer]="tests/kernels/test_backends.py -m cuda -k 'flashinfer or whichever_backend'"
 )
 SAMPLING_NO_XGRAMMAR="tests/engine/test_logits_processing.py --on-device"
@@ -74,7 +77,8 @@ MICRO_ARGS="--repeats 10"
 V3_ARGS="--device cuda --variants fp8 --batches 1 16 64"
 FI_MICRO_ARGS="--parts mla --mla-heads 128 --flashinfer --repeats 5"
 # the benchmark scripts and the flags the plan passes them (the dry run checks each --help names them)
-declare -A FLAGS=([benchmarks/gpu_tokens.py]="--check --json --device" [benchmarks/gpu_micro.py]="--repeats --json --parts --mla-heads --flashinfer"
+declare -A FLAGS=([benchmarks/gpu_tokens.py]="--check --json --device"
+                  [benchmarks/gpu_micro.py]="--repeats --json --parts --mla-heads --flashinfer"
                   [benchmarks/v3_layer.py]="--device --variants --batches --json --build-only --size")
 declare -A DESC=(
   [env]="nvidia-smi; pip install .whl/*.whl --target /tmp/site; versions, optional imports -> env.json"
@@ -86,7 +90,7 @@ declare -A DESC=(
   [capture]="pytest tests/engine tests/model --on-device -m 'not slow' (not mtp's test, not sampling's files)"
   [micro]="python3 benchmarks/gpu_micro.py $MICRO_ARGS"
   [v3]="python3 benchmarks/v3_layer.py $V3_ARGS (checkpoint built in the background after env)"
-  [sampling]="pytest ${SELECT[sampling]} (structured only where xgrammar and jsonschema import)"
+  [sampling]="pytest tests/engine/test_logits_processing.py test_structured*.py --on-device (structured where xgrammar imports)"
   [flashinfer]="pytest ${SELECT[flashinfer]} (MLA auto); gpu_micro.py $FI_MICRO_ARGS"
 )
 
