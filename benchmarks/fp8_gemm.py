@@ -95,6 +95,18 @@ def timed(fn: Callable[[], object], repeats: int, flush: torch.Tensor) -> float:
     return statistics.median(times)
 
 
+def copy_TBps(repeats: int = 10, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in TB/s (``nbytes`` copied, bytes read plus written, as ``gpu_micro.py``'s
+    copy part counts them): the ceiling a streaming floor is read against."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 255)
+    dst = torch.empty_like(src)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE)
+    t = timed(partial(dst.copy_, src), repeats, flush)
+    del src, dst, flush
+    torch.cuda.empty_cache()
+    return 2 * nbytes / t / 1e12
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-30))
 

@@ -140,6 +140,19 @@ def layer_stream_bytes(batch: int, context: int, kv_bytes_per_elem: int = 2, moe
     return out
 
 
+def forward_floor(batch: int, context: int, copy_TBps: float, kv_bytes_per_elem: int = 2, fp8: bool = True,
+                  experts: int = LOCAL_EXPERTS, top_k: int = V3["top_k"]) -> dict[str, Any]:
+    """The weight-and-KV streaming floor of one decode step of a dense and an MoE layer (``v3_layer.py``'s
+    model): bytes per op of each (``layer_stream_bytes``), their total, and the milliseconds at ``copy_TBps``."""
+    layers = {kind: layer_stream_bytes(batch, context, kv_bytes_per_elem, moe=kind == "moe", experts=experts,
+                                       top_k=top_k, fp8=fp8)
+              for kind in ("dense", "moe")}
+    total = sum(sum(b.values()) for b in layers.values())
+    return {"copy_TBps": copy_TBps, "context": context, "bytes": layers, "forward_bytes": total,
+            "forward_floor_ms": total / (copy_TBps * 1e12) * 1e3,
+            "layer_floor_ms": {k: sum(b.values()) / (copy_TBps * 1e12) * 1e3 for k, b in layers.items()}}
+
+
 # ---- goals -------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Goal:
@@ -164,6 +177,71 @@ def goal(name: str, value: float | None, **detail: Any) -> dict[str, Any]:
     met = None if value is None else (value >= g.target if g.higher_is_better else value <= g.target)
     return {"value": None if value is None else round(value, 3), "goal": ("≥ " if g.higher_is_better else "≤ ")
             + f"{g.target:g}", "met": met, "what": g.what, **detail}
+
+
+def add_floor(row: dict[str, Any], floor: dict[str, Any]) -> None:
+    """The streaming floor into ``row``, with the captured forward (and each eager op) over it."""
+    row["floor"] = floor
+    if "captured" in row and row["captured"].get("forward_ms"):
+        row["captured"]["forward_vs_floor"] = row["captured"]["forward_ms"] / floor["forward_floor_ms"]
+    ops = row.get("eager", {}).get("ops", {})
+    per_ms = 1e3 / (floor["copy_TBps"] * 1e12)
+    row["floor"]["ops_vs_floor"] = {
+        kind: {op: ms / (floor["bytes"][kind][op] * per_ms) for op, ms in rec.items()
+               if ms and floor["bytes"].get(kind, {}).get(op)}
+        for kind, rec in ops.items()}
+
+
+def layer_key_figures(result: dict[str, Any]) -> dict[str, Any]:
+    """What ``v3_layer.py``'s summary shows (its model: a dense then an MoE layer): per variant, tokens equal,
+    graph memory, KV bytes per token, and per batch the step and per-layer forward times, the eager ops' grouped
+    times, the streaming floor and the captured forward over it; an estimate of DeepSeek-V3's whole decode
+    forward (3 dense + 58 MoE layers, the embedding and head left out): the captured two-layer forward scaled by
+    the dense and MoE layers' shares of the eager forward; and ``goals``: the captured forward over its floor at
+    the largest batch of the first FP8-weight variant (goal <= 1.5x)."""
+    figures: dict[str, Any] = {}
+    goal_row: tuple[str, dict[str, Any]] | None = None
+    for v in result["variants"]:
+        f: dict[str, Any] = {"tokens_equal": v.get("tokens_equal")}
+        cap = v.get("modes", {}).get("captured", {})
+        f |= {k: cap[k] for k in ("graphs", "capture_s", "graph_memory_MiB") if k in cap}
+        first = next(iter(v.get("modes", {}).values()), {})
+        f |= {"kv_bytes_per_token": first.get("bytes_per_token"), "kv_bytes": first.get("kv_bytes"),
+              "weight_bytes": first.get("weight_bytes")}
+        for row in v.get("rows", []):
+            b = f"b{row['batch']}"
+            for mode in ("eager", "captured"):
+                if "step_ms" in row.get(mode, {}):
+                    f[f"{b} {mode} step_ms"] = round(row[mode]["step_ms"], 3)
+                    f[f"{b} {mode} forward_ms_per_layer"] = round(row[mode]["forward_ms_per_layer"], 3)
+            layers = row.get("eager", {}).get("layers", {})
+            for kind, rec in layers.items():
+                f[f"{b} eager {kind} layer_ms"] = rec["layer"] and round(rec["layer"], 3)
+            for kind, groups in row.get("eager", {}).get("op_groups", {}).items():
+                f[f"{b} eager {kind} ops_ms"] = {k: round(ms, 3) for k, ms in groups.items()}
+            if "step_ms" in row.get("captured", {}) and layers.get("dense", {}).get("layer") and layers.get(
+                    "moe", {}).get("layer"):
+                dense, moe = layers["dense"]["layer"], layers["moe"]["layer"]
+                f[f"{b} captured {V3['layers']}-layer forward estimate_ms"] = round(row["captured"]["forward_ms"] * (
+                    V3["dense_layers"] * dense + (V3["layers"] - V3["dense_layers"]) * moe) / (dense + moe), 2)
+            floor = row.get("floor")
+            if floor:
+                f[f"{b} forward floor_ms"] = round(floor["forward_floor_ms"], 3)
+                if "forward_vs_floor" in row.get("captured", {}):
+                    f[f"{b} captured forward / floor"] = round(row["captured"]["forward_vs_floor"], 3)
+                    if v["options"].get("quantization") == "fp8" and (goal_row is None or (
+                            goal_row[0] == v["variant"] and row["batch"] > goal_row[1]["batch"])):
+                        goal_row = (v["variant"], row)
+        figures[v["variant"]] = f
+    if goal_row is None:
+        figures["goals"] = {"v3_layer_vs_floor": goal("v3_layer_vs_floor", None, note="not measured in this run")}
+    else:
+        variant, row = goal_row
+        figures["goals"] = {"v3_layer_vs_floor": goal(
+            "v3_layer_vs_floor", row["captured"]["forward_vs_floor"], variant=variant, batch=row["batch"],
+            context=row["floor"]["context"], forward_ms=round(row["captured"]["forward_ms"], 3),
+            floor_ms=round(row["floor"]["forward_floor_ms"], 3), copy_TBps=round(row["floor"]["copy_TBps"], 3))}
+    return figures
 
 
 # ---- the JSON, written as it goes ----------------------------------------------------------------------------

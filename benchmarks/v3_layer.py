@@ -64,19 +64,26 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from common import start_decode_batch
-from gpu_figures import JsonProgress, goal, layer_stream_bytes, write_skipped
-from step_timers import Clock, ForwardTimer, LayerTimer, LogLines, OpTimer, group_ops, median_ms
+from fp8_gemm import copy_TBps as measure_copy_TBps
+from gpu_figures import JsonProgress, add_floor, forward_floor, layer_key_figures, write_skipped
+from step_timers import (
+    WARM_STEPS,
+    Clock,
+    ForwardTimer,
+    LogLines,
+    decode_steps,
+    prefill_chunk,
+    prefill_steps,
+    time_batch,
+)
 
 from epserve import LLM, SamplingParams
 from epserve.env import cache_dir
@@ -138,68 +145,14 @@ def build_checkpoint(path: Path, size: str) -> tuple[Path, float]:
     return path, time.perf_counter() - start
 
 
-WARM_STEPS = 2  # decode steps of each batch before the timed rounds (a bucket's first use; compiles on the CPU)
-
-
-def run_steps(llm: LLM, steps: int, fwd: ForwardTimer, clock: Clock, timer: LayerTimer | OpTimer | None = None,
-              running: list[int] | None = None) -> tuple[list[float], list[float]]:
-    """``steps`` decode steps of the engine's running batch: each step's wall time and its forward's time
-    (``timer``: its op hooks on during those steps only; ``running``: gets the sequences each step runs)."""
-    engine = llm.engine
-    fwd.take()
-    walls = []
-    if timer is not None:
-        timer.enable(True)
-    try:
-        for _ in range(steps):
-            if running is not None:
-                running.append(len(engine.scheduler.running))
-            start = time.perf_counter()
-            engine.step()
-            if clock.cuda:
-                torch.cuda.synchronize()
-            walls.append(time.perf_counter() - start)
-    finally:
-        if timer is not None:
-            timer.enable(False)
-    return walls, fwd.take()
-
-
-def drain(llm: LLM, fwd: ForwardTimer) -> None:
-    """Run the engine's requests to their end (their ``max_tokens`` is set to last the timed steps)."""
-    while llm.engine.has_unfinished_requests():
-        llm.engine.step()
-    fwd.take()
-
-
-def measure_copy_TBps(repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth (1 GiB, bytes read plus written; ``gpu_micro.py``'s copy part, smaller):
-    the ceiling the streaming floor is read against."""
-    from fp8_gemm import timed
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    t = timed(partial(dst.copy_, src), repeats, flush)
-    del src, dst, flush
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / t / 1e12
-
-
 def streaming_floor(args: argparse.Namespace, variant: str, batch: int, copy_TBps: float) -> dict[str, Any]:
-    """The forward's weight-and-KV streaming floor at ``copy_TBps`` for ``batch`` sequences at the timed
-    context: bytes per op of the dense and the MoE layer (``gpu_figures.layer_stream_bytes``)."""
+    """The forward's weight-and-KV streaming floor (``gpu_figures.forward_floor``) for ``variant``'s weights
+    and cache, ``batch`` sequences at the middle of the timed rounds' context, at ``copy_TBps``."""
     options = VARIANTS[variant]
-    fp8 = options.get("quantization") == "fp8"
-    kv = 1 if options.get("kv_cache_dtype") == "fp8" else 2
-    context = args.prompt_len + WARM_STEPS + args.rounds * args.steps // 2  # the middle of the timed rounds
-    layers = {kind: layer_stream_bytes(batch, context, kv, moe=kind == "moe", experts=SHARD["n_routed_experts"],
-                                       top_k=SHARD["num_experts_per_tok"], fp8=fp8)
-              for kind in ("dense", "moe")}
-    total = sum(sum(b.values()) for b in layers.values())
-    return {"copy_TBps": copy_TBps, "context": context, "bytes": layers, "forward_bytes": total,
-            "forward_floor_ms": total / (copy_TBps * 1e12) * 1e3,
-            "layer_floor_ms": {k: sum(b.values()) / (copy_TBps * 1e12) * 1e3 for k, b in layers.items()}}
+    context = args.prompt_len + WARM_STEPS + args.rounds * args.steps // 2
+    return forward_floor(batch, context, copy_TBps, kv_bytes_per_elem=1 if options.get("kv_cache_dtype") == "fp8"
+                         else 2, fp8=options.get("quantization") == "fp8", experts=SHARD["n_routed_experts"],
+                         top_k=SHARD["num_experts_per_tok"])
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> dict[str, int] | None:
@@ -210,24 +163,6 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> dict[str, int] |
         if len(x) != len(y):
             return {"prompt": i, "position": min(len(x), len(y)), "eager": -1, "captured": -1}
     return None
-
-
-def decode_steps(args: argparse.Namespace, mode: str) -> int:
-    """Decode steps a timed batch runs on the engine of ``mode``: warm-up, the rounds, and on the eager
-    engine a layer-timed and an op-timed pass."""
-    return WARM_STEPS + args.rounds * args.steps + (2 * args.steps if mode == "eager" else 0)
-
-
-def prefill_chunk(args: argparse.Namespace) -> int:
-    """Tokens a step prefills: long prompts in fewer, larger chunks (the prefill is not what is timed)."""
-    return 8192 if args.prompt_len > 2048 else 2048
-
-
-def prefill_steps(args: argparse.Namespace, batch: int) -> int:
-    """Steps the batch's prefill takes; the sequences prefilled first decode during the later ones (decodes
-    share a step with prefill chunks), so each request gets this many more tokens: the whole batch is still
-    running through every timed step."""
-    return -(-batch * args.prompt_len // prefill_chunk(args)) + 1
 
 
 def engine_options(args: argparse.Namespace, variant: str, mode: str, max_batch: int) -> dict[str, Any]:
@@ -282,66 +217,6 @@ def start_engines(args: argparse.Namespace, path: Path, variant: str, log: LogLi
     return engines, timers
 
 
-def time_batch(args: argparse.Namespace, batch: int, engines: dict[str, LLM], timers: dict[str, ForwardTimer],
-               clock: Clock, row: dict[str, Any], save: Callable[[], None]) -> None:
-    """One batch size: each engine prefills its B sequences once, then rounds of timed decode steps alternate
-    between the engines; the eager engine then times its layers and its ops. Fills ``row``."""
-    start = time.perf_counter()
-    for mode, llm in engines.items():
-        start_decode_batch(llm.engine, batch, args.prompt_len, decode_steps(args, mode) + prefill_steps(args, batch),
-                           seed=batch, tag=f"b{batch}")
-        row[mode] = {"step_ms_rounds": [], "forward_ms_rounds": []}
-    row["prefill_s"] = time.perf_counter() - start
-    for mode, llm in engines.items():  # warm-up (a bucket's first use; compiles on the CPU)
-        run_steps(llm, WARM_STEPS, timers[mode], clock)
-    running: dict[str, list[int]] = {mode: [] for mode in engines}
-    for _ in range(args.rounds):  # alternating, so drift hits both alike
-        for mode, llm in engines.items():
-            walls, forwards = run_steps(llm, args.steps, timers[mode], clock, running=running[mode])
-            row[mode]["step_ms_rounds"].append(median_ms(walls))
-            row[mode]["forward_ms_rounds"].append(median_ms(forwards))
-    for mode in engines:
-        rec = row[mode]
-        rec["min_running"] = min(running[mode])  # the sequences every timed step decoded (B: none finished early)
-        rec["step_ms"] = statistics.median(rec["step_ms_rounds"])
-        rec["forward_ms"] = statistics.median(rec["forward_ms_rounds"])
-        rec["forward_ms_per_layer"] = rec["forward_ms"] / SHARD["num_hidden_layers"]
-    if "captured" in row and "eager" in row and row["captured"]["forward_ms"]:
-        row["captured"]["speedup_vs_eager"] = row["eager"]["step_ms"] / row["captured"]["step_ms"]
-    save()
-    if "eager" in engines:
-        model = engines["eager"].engine.runner.model
-        kind = {layer.layer_idx: "moe" if layer.is_moe else "dense" for layer in model.layers}
-        layers = LayerTimer(model, clock)
-        run_steps(engines["eager"], args.steps, timers["eager"], clock, layers)
-        row["eager"]["layers"] = {kind[i]: {k: median_ms(v) for k, v in rec.items()}
-                                  for i, rec in sorted(layers.take().items())}
-        save()
-        ops = OpTimer(model, clock)
-        run_steps(engines["eager"], args.steps, timers["eager"], clock, ops)
-        per_op = {kind[i]: {op: median_ms(v) for op, v in rec.items()} for i, rec in sorted(ops.take().items())}
-        row["eager"]["ops"] = per_op
-        row["eager"]["op_groups"] = {k: group_ops(v) for k, v in per_op.items()}
-        row["eager"]["ops_method"] = ("eager pass, CUDA events around each op of the layers' op hooks, a sleep kernel "
-                                      "queued before each (the op's kernels back to back, not its launches)"
-                                      if clock.cuda else "eager pass, perf_counter around each op")
-    for llm, timer in zip(engines.values(), timers.values()):
-        drain(llm, timer)
-
-
-def add_floor(row: dict[str, Any], floor: dict[str, Any]) -> None:
-    """The streaming floor into ``row``, with the captured forward (and each eager op) over it."""
-    row["floor"] = floor
-    if "captured" in row and row["captured"].get("forward_ms"):
-        row["captured"]["forward_vs_floor"] = row["captured"]["forward_ms"] / floor["forward_floor_ms"]
-    ops = row.get("eager", {}).get("ops", {})
-    per_ms = 1e3 / (floor["copy_TBps"] * 1e12)
-    row["floor"]["ops_vs_floor"] = {
-        kind: {op: ms / (floor["bytes"][kind][op] * per_ms) for op, ms in rec.items()
-               if ms and floor["bytes"].get(kind, {}).get(op)}
-        for kind, rec in ops.items()}
-
-
 def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLines, out: dict[str, Any],
                 save: Callable[[], None], copy_TBps: float | None) -> dict[str, Any]:
     """One variant's engines, tokens check and timed batches, filled into ``out`` (``save()`` after each part)."""
@@ -367,7 +242,7 @@ def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLine
     for batch in sorted(args.batches, reverse=True):  # the goal's batch (the largest) first: a cut-off run keeps it
         row: dict[str, Any] = {"batch": batch, "context": args.prompt_len}
         out["rows"].append(row)
-        time_batch(args, batch, engines, timers, clock, row, save)
+        time_batch(args, batch, engines, timers, clock, row, save, SHARD["num_hidden_layers"])
         if copy_TBps and args.size == "v3":
             add_floor(row, streaming_floor(args, variant, batch, copy_TBps))
         save()
@@ -384,55 +259,8 @@ def run_variant(args: argparse.Namespace, path: Path, variant: str, log: LogLine
 
 
 def key_figures(result: dict[str, Any]) -> dict[str, Any]:
-    """The figures a summary shows: per variant, tokens equal, graph memory, KV bytes per token, and per
-    batch the step and per-layer forward times, the eager ops' grouped times, the streaming floor and the
-    captured forward over it; an estimate of DeepSeek-V3's whole decode forward (3 dense + 58 MoE layers, the
-    embedding and head left out): the captured two-layer forward scaled by the dense and MoE layers' shares of
-    the eager forward; and ``goals``: the captured forward over its floor at the largest batch of the first
-    FP8-weight variant (goal <= 1.5x)."""
-    figures: dict[str, Any] = {}
-    goal_row: tuple[str, dict[str, Any]] | None = None
-    for v in result["variants"]:
-        f: dict[str, Any] = {"tokens_equal": v.get("tokens_equal")}
-        cap = v.get("modes", {}).get("captured", {})
-        f |= {k: cap[k] for k in ("graphs", "capture_s", "graph_memory_MiB") if k in cap}
-        first = next(iter(v.get("modes", {}).values()), {})
-        f |= {"kv_bytes_per_token": first.get("bytes_per_token"), "kv_bytes": first.get("kv_bytes"),
-              "weight_bytes": first.get("weight_bytes")}
-        for row in v.get("rows", []):
-            b = f"b{row['batch']}"
-            for mode in ("eager", "captured"):
-                if "step_ms" in row.get(mode, {}):
-                    f[f"{b} {mode} step_ms"] = round(row[mode]["step_ms"], 3)
-                    f[f"{b} {mode} forward_ms_per_layer"] = round(row[mode]["forward_ms_per_layer"], 3)
-            layers = row.get("eager", {}).get("layers", {})
-            for kind, rec in layers.items():
-                f[f"{b} eager {kind} layer_ms"] = rec["layer"] and round(rec["layer"], 3)
-            for kind, groups in row.get("eager", {}).get("op_groups", {}).items():
-                f[f"{b} eager {kind} ops_ms"] = {k: round(ms, 3) for k, ms in groups.items()}
-            if "step_ms" in row.get("captured", {}) and layers.get("dense", {}).get("layer") and layers.get(
-                    "moe", {}).get("layer"):
-                dense, moe = layers["dense"]["layer"], layers["moe"]["layer"]
-                f[f"{b} captured 61-layer forward estimate_ms"] = round(
-                    row["captured"]["forward_ms"] * (3 * dense + 58 * moe) / (dense + moe), 2)
-            floor = row.get("floor")
-            if floor:
-                f[f"{b} forward floor_ms"] = round(floor["forward_floor_ms"], 3)
-                if "forward_vs_floor" in row.get("captured", {}):
-                    f[f"{b} captured forward / floor"] = round(row["captured"]["forward_vs_floor"], 3)
-                    if v["options"].get("quantization") == "fp8" and (goal_row is None or (
-                            goal_row[0] == v["variant"] and row["batch"] > goal_row[1]["batch"])):
-                        goal_row = (v["variant"], row)
-        figures[v["variant"]] = f
-    if goal_row is None:
-        figures["goals"] = {"v3_layer_vs_floor": goal("v3_layer_vs_floor", None, note="not measured in this run")}
-    else:
-        variant, row = goal_row
-        figures["goals"] = {"v3_layer_vs_floor": goal(
-            "v3_layer_vs_floor", row["captured"]["forward_vs_floor"], variant=variant, batch=row["batch"],
-            context=row["floor"]["context"], forward_ms=round(row["captured"]["forward_ms"], 3),
-            floor_ms=round(row["floor"]["forward_floor_ms"], 3), copy_TBps=round(row["floor"]["copy_TBps"], 3))}
-    return figures
+    """``gpu_figures.layer_key_figures``: what a summary shows, the goal among them."""
+    return layer_key_figures(result)
 
 
 def main() -> None:

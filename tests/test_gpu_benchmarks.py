@@ -157,7 +157,7 @@ def test_v3_layer_floor_and_goal_on_known_numbers():
     row = {"batch": 64, "captured": {"forward_ms": 1.2 * floor["forward_floor_ms"], "step_ms": 2.0,
                                      "forward_ms_per_layer": 0.6},
            "eager": {"step_ms": 9.0, "forward_ms_per_layer": 4.0, "ops": {"moe": {"o_proj": 1.0, "norms?": 0.1}}}}
-    v3_layer.add_floor(row, floor)
+    gf.add_floor(row, floor)
     assert row["captured"]["forward_vs_floor"] == pytest.approx(1.2)
     o_proj_floor_ms = gf.fp8_weight_bytes(7168, 16384) / 2e12 * 1e3
     assert row["floor"]["ops_vs_floor"]["moe"]["o_proj"] == pytest.approx(1.0 / o_proj_floor_ms)
@@ -165,7 +165,7 @@ def test_v3_layer_floor_and_goal_on_known_numbers():
     g = v3_layer.key_figures(result)["goals"]["v3_layer_vs_floor"]
     assert g["value"] == pytest.approx(1.2) and g["met"] is True and g["batch"] == 64
     row["captured"]["forward_ms"] = 2.0 * floor["forward_floor_ms"]
-    v3_layer.add_floor(row, floor)
+    gf.add_floor(row, floor)
     assert v3_layer.key_figures(result)["goals"]["v3_layer_vs_floor"]["met"] is False
 
 
