@@ -1,5 +1,6 @@
 """What the GPU benchmarks (``gpu_micro.py``, ``v3_layer.py``) measure against: DeepSeek-V3's shapes, the
-bytes each op must stream, the floors and goal ratios their figures are read as, and the JSON they write as
+bytes each op must stream, the floors (``forward_floor``: the V3-layer benchmark's) and goal ratios their
+figures are read as, the V3-layer benchmark's summary (``layer_key_figures``), and the JSON they write as
 they go. Torch-free, so the CPU tests check the arithmetic on known numbers.
 
 Ceilings are measured, not taken from a datasheet: ``copy_TBps`` is a device-to-device copy counting bytes
