@@ -72,16 +72,15 @@ def _wide_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr, HALF: tl.constexpr,
     FINAL: tl.constexpr, EMULATE: tl.constexpr,
 ):
-    HR: tl.constexpr = R // 2  # the latent's halves (R is a power of two: BLOCK_R == R)
     hb, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
-    half_cols, pe_cols = tl.arange(0, HR), tl.arange(0, BLOCK_PE)
+    half_cols, pe_cols = tl.arange(0, R // 2), tl.arange(0, BLOCK_PE)  # the latent's halves (R: a power of 2)
     pe_mask = pe_cols < PE
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q_a = tl.load(q_rows + half_cols[None, :], mask=h_mask[:, None], other=0.0)  # 16-bit: a shared operand
-    q_b = tl.load(q_rows + HR + half_cols[None, :], mask=h_mask[:, None], other=0.0)
+    q_b = tl.load(q_rows + R // 2 + half_cols[None, :], mask=h_mask[:, None], other=0.0)
     q_pe = tl.load(q_rows + R + pe_cols[None, :], mask=h_mask[:, None] & pe_mask[None, :], other=0.0)
     if HAS_SCALE:
         kv_scale = tl.load(scale_ptr).to(tl.float32)
@@ -93,8 +92,8 @@ def _wide_kernel(
     end = tl.minimum(start + per_split * BLOCK_N, seq_len)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc_a = tl.zeros([BLOCK_H, HR], tl.float32)
-    acc_b = tl.zeros([BLOCK_H, HR], tl.float32)
+    acc_a = tl.zeros([BLOCK_H, R // 2], tl.float32)
+    acc_b = tl.zeros([BLOCK_H, R // 2], tl.float32)
     table = tables_ptr + b * stride_tb
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
@@ -103,7 +102,7 @@ def _wide_kernel(
         blk = tl.load(table + toks // PAGE).to(tl.int64)
         rows = kv_ptr + blk * stride_kvb + (toks % PAGE) * stride_kvt
         kv_a = tl.load(rows[:, None] + half_cols[None, :])
-        kv_b = tl.load(rows[:, None] + HR + half_cols[None, :])
+        kv_b = tl.load(rows[:, None] + R // 2 + half_cols[None, :])
         if BLOCK_PE == PE:
             k_pe = tl.load(rows[:, None] + R + pe_cols[None, :])
         else:
@@ -129,7 +128,7 @@ def _wide_kernel(
     if not FINAL:
         o_ptrs += split * stride_os
     tl.store(o_ptrs, acc_a * norm[:, None], mask=h_mask[:, None])
-    tl.store(o_ptrs + HR, acc_b * norm[:, None], mask=h_mask[:, None])
+    tl.store(o_ptrs + R // 2, acc_b * norm[:, None], mask=h_mask[:, None])
     if not FINAL:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
