@@ -135,6 +135,7 @@ def test_salvage_json_recovers_the_prefix_of_a_cut_file():
         gpu_report.salvage_json("not json")
 
 
+@pytest.mark.slow
 def test_gpu_check_stages_run_and_report_off_the_gpu(tmp_path):
     """The lease plan's own machinery on this CPU (``--stages env,tokens``): the env probe runs, the tokens
     stage fails cleanly (no CUDA), summary.json, logs.tar.gz and tails.txt are written and the table printed."""
