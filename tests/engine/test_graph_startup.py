@@ -11,6 +11,7 @@ from epserve import LLM, SamplingParams
 from epserve.config import CacheConfig, ModelConfig, OutOfMemoryError
 from epserve.engine import memory
 from epserve.engine.graphs import DecodeGraphs, bucket_schedules
+from epserve.kernels import decode_plan
 from epserve.model.streams import SideStream
 from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.parallel.overlap import choose_overlap
@@ -96,7 +97,7 @@ def test_the_side_stream_runs_in_place_off_cuda():
     assert forked.done is None and torch.equal(SideStream.join(forked), x * 2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_the_side_stream_is_concurrent_and_captured():
     """On CUDA the function runs on another stream, ordered after the main stream's earlier work and
     before the main stream's later use; inside a captured graph the replay gives the same result."""
@@ -115,3 +116,28 @@ def test_the_side_stream_is_concurrent_and_captured():
     static.copy_(torch.ones(64, 64, device="cuda"))
     graph.replay()
     torch.testing.assert_close(out, torch.full((64, 64), 4.0, device="cuda"))
+
+
+@pytest.mark.cuda
+def test_a_buckets_warm_up_run_and_capture_take_the_same_inputs_and_planning(make_ckpt):
+    """CUDA: a bucket's first run is planned, run once on a side stream and captured on the same static inputs
+    (each plan made outside the capture), then planned again before its replay; a later step plans and
+    replays alone."""
+    llm = LLM(make_ckpt("tiny"), dtype="bfloat16", device="cuda", num_blocks=64, max_num_seqs=2)
+    runner = llm.engine.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, 2, "cuda_graph", tables=runner.tables)
+    calls = []
+
+    def planner(replay: decode_plan.DecodeReplay) -> None:
+        calls.append((replay.bucket, replay.host_seq_lens, replay.block_tables.data_ptr(), replay.seq_lens.data_ptr(),
+                      torch.cuda.is_current_stream_capturing()))
+
+    decode_plan.register(planner)
+    try:
+        first = graphs.run(runner.captured.empty(2), "dispatch").clone()
+        assert len(calls) == 3 and len(graphs._graphs) == 1  # warm-up, capture, replay
+        again = graphs.run(runner.captured.empty(2), "dispatch")
+    finally:
+        decode_plan.unregister(planner)
+    assert len(calls) == 4 and len(set(calls)) == 1 and calls[0][:2] == (2, (0, 0)) and calls[0][4] is False
+    torch.testing.assert_close(again, first)
