@@ -138,12 +138,12 @@ def _triton_vs_ref(mt, lens, heads, bs, dtype, splits, seed) -> None:
     assert_decode_close(out, ref, lens, atol)
 
 
-def _wide_vs_ref(lens, heads, bs, dtype, splits, seed, q_times: float = 1.0) -> None:
+def _wide_vs_ref(lens, heads, bs, dtype, splits, seed, q_times: float = 1.0, pe: int = PE) -> None:
     """The many-head kernel: at the split-K kernel's tolerance given its rounded query, and within its
     contract's bound for the fp32 query."""
     from epserve.kernels import mla_decode_wide as mw
 
-    q, cache, tables, seq_lens, kv_scale = make_case(lens, heads, bs, dtype, seed=seed)
+    q, cache, tables, seq_lens, kv_scale = make_case(lens, heads, bs, dtype, seed=seed, pe=pe)
     q = q * q_times
     out = mw.paged_mla_decode_wide(q, cache, tables, seq_lens, SOFTMAX_SCALE, R, kv_scale, splits)
     p_atol = 2**-8 * value_max(cache, R, kv_scale)
@@ -196,6 +196,11 @@ def _case_wide_large_logits(mt) -> None:
     _wide_vs_ref([40, 70], 128, 16, torch.bfloat16, 2, seed=3, q_times=40.0)
 
 
+def _case_wide_odd_rope(mt) -> None:
+    """A rope width that is no power of two (24 of a 32-column tile): the masked rope loads."""
+    _wide_vs_ref([5, 0, 37], 128, 16, FP8_DTYPE, 2, seed=4, pe=24)
+
+
 def _case_wide_refuses(mt) -> None:
     from epserve.kernels import mla_decode_wide as mw
 
@@ -216,7 +221,8 @@ INTERP_CASES = {
     "wide_bf16": _wide_case("bf16", ((1, 128, 3, 16), (3, 20, 2, 64), (8, 128, 1, 64), (8, 16, None, 16))),
     "wide_fp8": _wide_case("fp8", ((1, 128, 3, 64), (3, 128, 2, 16), (8, 16, 1, 16))),
     "wide_fp16": _wide_case("fp16", ((3, 128, 2, 16), (8, 16, 1, 64))),
-    "wide_large_logits": _case_wide_large_logits, "wide_refuses": _case_wide_refuses,
+    "wide_large_logits": _case_wide_large_logits, "wide_odd_rope": _case_wide_odd_rope,
+    "wide_refuses": _case_wide_refuses,
 }
 
 
