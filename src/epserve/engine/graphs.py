@@ -230,28 +230,20 @@ class DecodeGraphs:
         return static
 
     def _static(self, step: DecodeStep) -> DecodeInputs:
-        """A bucket's static inputs: the first rows of the largest bucket's (every bucket shares one set of
-        buffers, as no two run at once; a probe of the largest bucket's capture measures them all)."""
+        """A bucket's static inputs, its own tensors (shared by its schedules' graphs, never by two buckets:
+        a kernel that plans on the host knows a bucket by them, ``kernels/decode_plan.py``)."""
         assert self.tables is not None
-        largest = self.buckets[-1]
-        full = self._inputs.get(largest)
-        if full is None:
-            device = self.tables.device
+        rows, device = step.bucket, self.tables.device
 
-            def ids() -> torch.Tensor:
-                return torch.zeros(largest, dtype=torch.long, device=device)
+        def ids() -> torch.Tensor:
+            return torch.zeros(rows, dtype=torch.long, device=device)
 
-            hidden = None
-            if self.mtp:
-                assert step.hidden is not None, "an MTP pass needs the previous depth's hidden states"
-                hidden = step.hidden.new_zeros(largest, step.hidden.shape[1])
-            tables = torch.zeros(largest, self.tables.max_blocks, dtype=torch.long, device=device)
-            full = self._inputs[largest] = DecodeInputs(ids(), ids(), ids(), ids(), tables, hidden)
-        rows = step.bucket
-        if rows > largest:
-            raise ValueError(f"batch {rows} is past the largest captured bucket {largest}")
-        return DecodeInputs(*(t[:rows] for t in full.tensors()[:5]), hidden=None if full.hidden is None else
-                            full.hidden[:rows])
+        hidden = None
+        if self.mtp:
+            assert step.hidden is not None, "an MTP pass needs the previous depth's hidden states"
+            hidden = step.hidden.new_zeros(rows, step.hidden.shape[1])
+        tables = torch.zeros(rows, self.tables.max_blocks, dtype=torch.long, device=device)
+        return DecodeInputs(ids(), ids(), ids(), ids(), tables, hidden)
 
     def _plan(self, static: DecodeInputs, step: DecodeStep) -> None:
         """The kernels that plan on the host told this step's lengths (``static`` holds the step)."""
