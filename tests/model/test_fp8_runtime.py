@@ -15,9 +15,11 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.checkpoint import SCALE_SUFFIX, CheckpointReader, fp8_block_quantize
 from epserve.config import ConfigError, ModelConfig
+from epserve.kernels.fp8 import act_quant
 from epserve.model.load_plan import model_bytes, plan_weight_bytes
 from epserve.model.loader import load_model
 from epserve.model.quantization import fp8_runtime_problems
+from epserve.moe.dispatch.base import ExpertInput
 from epserve.moe.dispatch.local import LocalDispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.context import ParallelContext
@@ -72,6 +74,29 @@ def test_fp8_weights_are_kept_as_stored(fp8_ckpt):
     dequantized = _llm(fp8_ckpt, quantization=None).engine.runner.model
     assert plan_weight_bytes(mc, ParallelContext.single(torch.device("cpu")), fp8=False) == model_bytes(dequantized)
     assert model_bytes(model) < 0.62 * model_bytes(dequantized)
+
+
+@pytest.mark.parametrize("fp8_payload", [False, True])
+def test_fp8_moe_layer_on_a_masked_input(fp8_ckpt, fp8_payload):
+    """The engine's FP8 experts on a masked input (the ``symm_mem`` dispatcher's layout: padding rows never
+    written, NaN here, and the tile hint) give the unmasked input's real rows exactly, on rows in the model
+    dtype and on an FP8 payload."""
+    experts = _llm(fp8_ckpt, quantization="fp8").engine.runner.model.layers[1].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.act_dtype == torch.bfloat16
+    e, h = experts.num_local_experts, experts.w13.shape[2]
+    counts = torch.arange(e) % 3  # a third of the experts get no row
+    total = int(counts.sum())
+    x = torch.randn(total + 6 * e, h, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x[total:] = float("nan")
+    scales = None
+    if fp8_payload:
+        q, scales = act_quant(x[:total])
+        x = torch.cat([q, torch.full((x.shape[0] - total, h), 0x7F, dtype=torch.uint8).view(q.dtype)])  # NaN
+        scales = torch.cat([scales, torch.full((x.shape[0] - total, scales.shape[1]), float("nan"))])
+    masked = ExpertInput(x, counts, scales=scales, masked=True, rows_per_expert=total / e)
+    plain = ExpertInput(x[:total], counts, scales=None if scales is None else scales[:total])
+    got, want = experts(masked), experts(plain)
+    assert got.shape == x.shape and torch.equal(got[:total], want) and bool(want.isfinite().all())
 
 
 def test_fp8_greedy_tokens_match_dequantized_on_clear_margins(margin_ckpt):

@@ -21,6 +21,13 @@ layout ``_scaled_mm`` takes and the one the Triton GEMMs read coalesced; the ref
 row-major. Grouped GEMMs take rows grouped by expert, ``counts[e]`` rows each, in expert order; rows past
 ``sum(counts)`` (padding) come out zero. The CUDA path never reads ``counts`` on the host, so it can
 be captured in a CUDA graph.
+
+A masked grouped input (``moe.dispatch.base.ExpertInput.masked``: padding rows never written, their outputs
+never read) is skipped on CUDA: ``grouped_block_fp8_gemm(..., masked=True)`` gives its padding rows no tile
+(neither read nor written), and the quantizers given the input's ``counts`` stop at ``sum(counts)`` rows, a
+count they read on the device. The grouped GEMM's row tile comes from ``rows_per_expert`` (the real rows an
+expert is expected to get, a host value) where given, not from the padded rows. The reference reads the
+counts on the host: it never reads the padding rows either, and is exact on the real ones.
 """
 
 from __future__ import annotations
@@ -112,9 +119,20 @@ def _as_counts(counts: torch.Tensor | Sequence[int], device: torch.device) -> to
 # ---- torch reference ----------------------------------------------------------------------------
 
 
-def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], fp32 scales [M, ceil(K/128)]): one scale per row and 128 columns."""
+def _real_rows_only(x: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+    """x with its rows past ``sum(counts)`` replaced by zeros, unread (counts read on the host); x itself
+    without counts."""
+    if counts is None:
+        return x
+    real = min(int(counts.sum()), x.shape[0])
+    return x if real == x.shape[0] else F.pad(x[:real], (0, 0, 0, x.shape[0] - real))
+
+
+def act_quant_ref(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], fp32 scales [M, ceil(K/128)]): one scale per row and 128 columns. With the
+    ``counts`` of a grouped input, the rows past ``sum(counts)`` are not read (quantized as zero rows)."""
     check_act(x)
+    x = _real_rows_only(x, counts)
     m, k = x.shape
     groups = cdiv(k, BLOCK)
     padded = torch.zeros(m, groups * BLOCK, dtype=torch.float32, device=x.device)
@@ -125,12 +143,15 @@ def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(m, groups * BLOCK)[:, :k].contiguous(), scale
 
 
-def silu_mul_quant_ref(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2I] -> act_quant_ref(silu(gate) * up) computed in fp32; gate = the first I columns."""
+def silu_mul_quant_ref(
+    gate_up: torch.Tensor, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] -> act_quant_ref(silu(gate) * up) computed in fp32; gate = the first I columns. With
+    ``counts``, the rows past ``sum(counts)`` are not read (quantized as zero rows)."""
     check_act(gate_up, "gate_up")
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must have an even number of columns [M, 2I], got shape {_shape(gate_up)}")
-    gate, up = gate_up.float().chunk(2, dim=1)
+    gate, up = _real_rows_only(gate_up, counts).float().chunk(2, dim=1)
     return act_quant_ref(F.silu(gate) * up)
 
 
@@ -163,8 +184,13 @@ def grouped_block_fp8_gemm_ref(
     b_scale: torch.Tensor,
     counts: torch.Tensor | Sequence[int],
     out_dtype: torch.dtype,
+    rows_per_expert: float | None = None,
+    masked: bool = False,
 ) -> torch.Tensor:
-    """Rows of a [R, K] grouped by expert (``counts[e]`` each, in order) times b[e] [N, K]^T -> [R, N]."""
+    """Rows of a [R, K] grouped by expert (``counts[e]`` each, in order) times b[e] [N, K]^T -> [R, N]; only
+    the real rows are read, the padding rows past ``sum(counts)`` come out zero (``masked`` or not: zero is
+    one of the values a masked input's undefined rows may take); ``rows_per_expert`` is the kernels' tile
+    hint."""
     counts = _as_counts(counts, a.device)
     check_grouped(a, a_scale, b, b_scale, counts)
     sizes = [int(c) for c in counts.tolist()]
@@ -202,12 +228,12 @@ def _fake_quant(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, x.new_empty(m, groups, dtype=torch.float32)
 
 
-def _fake_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_act(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_act(x)
     return _fake_quant(x, x.shape[1])
 
 
-def _fake_silu(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fake_silu(gate_up: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     check_act(gate_up, "gate_up")
     return _fake_quant(gate_up, gate_up.shape[1] // 2)
 
@@ -219,7 +245,8 @@ def _fake_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale:
 
 
 def _fake_grouped(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
-                  counts: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                  counts: torch.Tensor, out_dtype: torch.dtype, rows_per_expert: float | None = None,
+                  masked: bool = False) -> torch.Tensor:
     check_grouped(a, a_scale, b, b_scale, counts)
     return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
@@ -229,15 +256,20 @@ _OP = {"opaque": True, "device_of": _where}
 
 
 @declare("fp8_act_quant", fake=_fake_act, **_OP)
-def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], fp32 [M, ceil(K/128)])."""
-    return act_quant_ref(x)
+def act_quant(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], fp32 [M, ceil(K/128)]). ``counts``: x is a masked grouped input with these
+    counts per expert (on x's device); its rows past ``sum(counts)`` are neither read nor quantized (their
+    values and scales undefined; zero rows' on the reference)."""
+    return act_quant_ref(x, counts)
 
 
 @declare("fp8_silu_mul_quant", fake=_fake_silu, **_OP)
-def silu_mul_quant(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2I] -> quantized silu(gate) * up: (fp8 [M, I], fp32 [M, ceil(I/128)])."""
-    return silu_mul_quant_ref(gate_up)
+def silu_mul_quant(
+    gate_up: torch.Tensor, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] -> quantized silu(gate) * up: (fp8 [M, I], fp32 [M, ceil(I/128)]). ``counts``: as
+    for :func:`act_quant` (the rows past ``sum(counts)`` neither read nor quantized)."""
+    return silu_mul_quant_ref(gate_up, counts)
 
 
 @declare("fp8_block_gemm", fake=_fake_gemm, dtype_of="out_dtype", **_OP)
@@ -251,11 +283,14 @@ def block_fp8_gemm(
 @declare("fp8_grouped_gemm", fake=_fake_grouped, **_OP)
 def grouped_block_fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, counts: torch.Tensor,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, rows_per_expert: float | None = None, masked: bool = False,
 ) -> torch.Tensor:
     """Rows of a [R, K] grouped by expert (counts [E], or a list of ints in eager calls) times b [E, N, K] ->
-    [R, N] out_dtype."""
-    return grouped_block_fp8_gemm_ref(a, a_scale, b, b_scale, counts, out_dtype)
+    [R, N] out_dtype, rows past sum(counts) zero. ``masked`` (``ExpertInput.masked``): those rows may be
+    garbage, and their outputs are left undefined; the CUDA kernels neither read nor write them.
+    ``rows_per_expert``: the real rows an expert is expected to get (a host value), from which the CUDA
+    kernels pick their row tile (``fp8_triton.grouped_tile_m``)."""
+    return grouped_block_fp8_gemm_ref(a, a_scale, b, b_scale, counts, out_dtype, rows_per_expert, masked)
 
 
 act_quant.implement("cuda", f"{_TRITON}:act_quant_triton", traced="op")
@@ -272,7 +307,7 @@ _GEMM_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def scaled_mm_supported(device: torch.device | str, out_dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether blockwise ``torch._scaled_mm`` with ``out_dtype`` output works on ``device`` (its self-test,
     run once per process, device and output dtype, whatever ``EPSERVE_FP8_BACKEND`` forces; False off
-    CUDA, and inside a graph capture before the test ran)."""
+    CUDA; inside a graph capture before the test ran it raises ``backends.KernelUndecided``)."""
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False

@@ -1,6 +1,11 @@
 """The FP8 layers composed of ``kernels.fp8``'s ops: a linear (activation quantization, then the block GEMM)
 and the routed SwiGLU experts (grouped GEMMs around SiLU·mul fused with the re-quantization), on rows in
 the model dtype or on a dispatcher's already quantized FP8 payload.
+
+The experts take a dispatcher's masked layout (``ExpertInput.masked``: padding rows past the counts' sum
+never written, their outputs never read) and its tile hint (``ExpertInput.rows_per_expert``). On CUDA a masked
+input's padding rows are then neither quantized (the quantizers stop at the real rows, counted on the
+device) nor read or written by either grouped GEMM; the reference reads only the real rows in any case.
 """
 
 from __future__ import annotations
@@ -59,36 +64,47 @@ def _pad_rows(y: torch.Tensor, rows: int) -> torch.Tensor:  # zero rows up to ``
     return y if y.shape[0] == rows else F.pad(y, (0, 0, 0, rows - y.shape[0]))
 
 
+def _counts_for(x: torch.Tensor, counts: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """The counts as a tensor, on x's device on the CUDA kernels' route (once for every kernel of the
+    experts; a no-op for device counts)."""
+    counts = _as_counts(counts, x.device)
+    return counts.to(x.device, non_blocking=True) if fp8._on_cuda(x) else counts
+
+
 def fp8_moe_swiglu(
     x: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor, w13_scale: torch.Tensor,
-    w2: torch.Tensor, w2_scale: torch.Tensor,
+    w2: torch.Tensor, w2_scale: torch.Tensor, rows_per_expert: float | None = None, masked: bool = False,
 ) -> torch.Tensor:
     """Routed experts on x [R, H] grouped by expert: ``w2[e] @ (silu(gate) * up)`` with
     ``[gate; up] = w13[e] @ x`` (w13 fp8 [E, 2I, H], w2 fp8 [E, H, I], block scales) -> [R, H] in x.dtype,
-    rows past sum(counts) zero: x quantized once (``act_quant``), then :func:`fp8_moe_swiglu_quantized`."""
+    rows past sum(counts) zero (``masked``: undefined, and never read): x quantized once (``act_quant``, only
+    its real rows when ``masked``), then :func:`fp8_moe_swiglu_quantized`."""
     _check_moe(x, w13, w2)
-    counts = _as_counts(counts, x.device)
+    counts = _counts_for(x, counts)
     rows = _real_rows(x, counts)
-    q, s = act_quant(x[:rows])
-    return _pad_rows(fp8_moe_swiglu_quantized(q, s, counts, w13, w13_scale, w2, w2_scale, x.dtype), x.shape[0])
+    q, s = act_quant(x[:rows], counts if masked else None)
+    out = fp8_moe_swiglu_quantized(q, s, counts, w13, w13_scale, w2, w2_scale, x.dtype, rows_per_expert, masked)
+    return _pad_rows(out, x.shape[0])
 
 
 def fp8_moe_swiglu_quantized(
     q: torch.Tensor, s: torch.Tensor, counts: torch.Tensor | Sequence[int], w13: torch.Tensor,
     w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, out_dtype: torch.dtype,
+    rows_per_expert: float | None = None, masked: bool = False,
 ) -> torch.Tensor:
     """:func:`fp8_moe_swiglu` on rows already quantized (q fp8 [R, H], s fp32 [R, ceil(H/128)] in any
     layout, as ``act_quant`` returns them: an FP8 dispatch payload) -> [R, H] out_dtype, rows past
-    sum(counts) zero. SiLU·mul is fused with the re-quantization between the two grouped GEMMs."""
+    sum(counts) zero. SiLU·mul is fused with the re-quantization between the two grouped GEMMs.
+    ``masked`` (``ExpertInput.masked``): the rows past sum(counts) may be garbage; on CUDA neither GEMM reads
+    or writes them and the intermediate's are not quantized, so their outputs are undefined.
+    ``rows_per_expert``: both GEMMs' tile hint (``kernels.fp8.grouped_block_fp8_gemm``)."""
     _check_moe(q, w13, w2)
     want = (q.shape[0], cdiv(q.shape[1], BLOCK))
     if q.dtype != FP8_DTYPE or s.dtype != torch.float32 or _shape(s) != want:
         raise ValueError(f"fp8_moe_swiglu_quantized needs q {FP8_DTYPE} [R, H] and fp32 scales {want}, got q "
                          f"{q.dtype} {_shape(q)} and scales {s.dtype} {_shape(s)}")
-    counts = _as_counts(counts, q.device)
-    if fp8._on_cuda(q):
-        counts = counts.to(q.device, non_blocking=True)  # once for both GEMMs; a no-op for device counts
+    counts = _counts_for(q, counts)
     rows = _real_rows(q, counts)
-    gate_up = grouped_block_fp8_gemm(q[:rows], s[:rows], w13, w13_scale, counts, out_dtype)
-    q, s = silu_mul_quant(gate_up)
-    return _pad_rows(grouped_block_fp8_gemm(q, s, w2, w2_scale, counts, out_dtype), want[0])
+    gate_up = grouped_block_fp8_gemm(q[:rows], s[:rows], w13, w13_scale, counts, out_dtype, rows_per_expert, masked)
+    q, s = silu_mul_quant(gate_up, counts if masked else None)
+    return _pad_rows(grouped_block_fp8_gemm(q, s, w2, w2_scale, counts, out_dtype, rows_per_expert, masked), want[0])

@@ -3,7 +3,9 @@
 - ``_quant_kernel``: per-token, 128-column-group activation quantization, optionally fused with
   ``silu(gate) * up`` over ``gate_up [M, 2I]``. Values are rounded to the e4m3 grid in fp32 (round to
   nearest even, subnormals included) before the cast, so the cast is exact on every target: Triton's
-  interpreter rounds fp32 -> fp8 wrongly (no carry into the exponent), the GPU does not.
+  interpreter rounds fp32 -> fp8 wrongly (no carry into the exponent), the GPU does not. On a masked
+  grouped input it stops at the real rows (``sum(counts)``, summed and read on the device): the programs
+  past them return at once, the padding rows are neither read nor written.
 - ``_gemm_kernel`` / ``_grouped_gemm_kernel``: fp32 accumulation over 128-wide K blocks (BK = the
   scale group), each block's ``dot`` scaled by ``a_scale[m, kb] * b_scale[n // 128, kb]``. The grouped
   kernel runs a grid of ``cdiv(R, BM) + E`` row tiles over all experts; a tile -> (expert, rows) map
@@ -57,13 +59,18 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def _quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
-    SILU: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, real_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sk,
+    SILU: tl.constexpr, MASKED: tl.constexpr, BM: tl.constexpr, GROUP: tl.constexpr,
     FMAX: tl.constexpr, AMIN: tl.constexpr,
 ):
+    num_rows = M
+    if MASKED:  # only the first *real_ptr rows (a count on the device)
+        num_rows = tl.minimum(tl.load(real_ptr), M)
+        if tl.program_id(0) * BM >= num_rows:
+            return
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    row_mask = rows < M
+    row_mask = rows < num_rows
     mask = row_mask[:, None] & (cols[None, :] < K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     if SILU:  # gate = columns [0, K), up = [K, 2K)
@@ -161,9 +168,13 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def quantize_act(x: torch.Tensor, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(
+    x: torch.Tensor, silu: bool = False, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (or gate_up [M, 2K] with ``silu``) -> (fp8 [M, K], fp32 scales [M, ceil(K/128)]); the
-    scales are M-major (strides (1, M)), the layout ``_scaled_mm`` takes and the GEMMs read coalesced."""
+    scales are M-major (strides (1, M)), the layout ``_scaled_mm`` takes and the GEMMs read coalesced.
+    ``counts`` (a masked grouped input's, any device): only the first ``sum(counts)`` rows are read and
+    quantized, a sum taken and read on the device; the other rows of both outputs are left unwritten."""
     check_act(x, "gate_up" if silu else "x")
     if silu and x.shape[1] % 2:
         raise ValueError(f"gate_up must have an even number of columns [M, 2I], got shape {tuple(x.shape)}")
@@ -173,22 +184,29 @@ def quantize_act(x: torch.Tensor, silu: bool = False) -> tuple[torch.Tensor, tor
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
     if m and k:
+        # the real-row count: a device sum (no host read), [1] int64; unread without counts
+        real = scale if counts is None else counts.to(x.device, non_blocking=True).sum(0, keepdim=True)
         grid = (cdiv(m, QUANT_ROWS), groups)
         _quant_kernel[grid](
-            x, q, scale, m, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
-            SILU=silu, BM=QUANT_ROWS, GROUP=BLOCK, FMAX=FP8_MAX, AMIN=MIN_AMAX, num_warps=4, **_OPTS,
+            x, q, scale, real, m, k, x.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+            SILU=silu, MASKED=counts is not None, BM=QUANT_ROWS, GROUP=BLOCK, FMAX=FP8_MAX, AMIN=MIN_AMAX,
+            num_warps=4, **_OPTS,
         )
     return q, scale
 
 
-def act_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], fp32 [M, ceil(K/128)] M-major)."""
-    return quantize_act(x)
+def act_quant_triton(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], fp32 [M, ceil(K/128)] M-major); with ``counts``, rows past their sum unread
+    and unwritten."""
+    return quantize_act(x, counts=counts)
 
 
-def silu_mul_quant_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [M, 2I] -> quantized silu(gate) * up: (fp8 [M, I], fp32 [M, ceil(I/128)] M-major)."""
-    return quantize_act(gate_up, silu=True)
+def silu_mul_quant_triton(
+    gate_up: torch.Tensor, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] -> quantized silu(gate) * up: (fp8 [M, I], fp32 [M, ceil(I/128)] M-major); with
+    ``counts``, rows past their sum unread and unwritten."""
+    return quantize_act(gate_up, silu=True, counts=counts)
 
 
 def _tile_m(rows_per_group: float) -> int:

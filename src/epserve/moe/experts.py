@@ -8,7 +8,9 @@ one call where it cannot enter it.
 
 The dispatcher may hand over an FP8 payload (``ExpertInput.scales``): rows already quantized as
 ``kernels.fp8.act_quant`` quantizes them. FP8 experts run their GEMMs on it directly; experts in the
-model dtype dequantize it first.
+model dtype dequantize it first. Every path takes the dispatcher's masked layout (``ExpertInput.masked``:
+the padding rows skipped by the GEMMs, and by the FP8 quantizers) and its row-tile hint
+(``ExpertInput.rows_per_expert``).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class GroupedExperts(nn.Module):
     def forward(self, expert_input: ExpertInput) -> torch.Tensor:
         """Rows grouped by local expert [N, H] -> expert outputs [N, H] in the same order (in the model's
         activation dtype; rows past the counts' sum zero, or undefined for a ``masked`` input, whose padding
-        the experts in the model dtype skip; the tile from ``rows_per_expert``)."""
+        rows the experts skip, FP8 or not; the GEMMs' row tile from ``rows_per_expert``)."""
         x, counts, scales = expert_input.hidden_states, expert_input.num_tokens_per_expert, expert_input.scales
         want_scales = (x.shape[0], -(-x.shape[1] // BLOCK))
         if scales is not None and (x.dtype != FP8_DTYPE or tuple(scales.shape) != want_scales):
@@ -78,13 +80,14 @@ class GroupedExperts(nn.Module):
         out_dtype = self._out_dtype(expert_input)
         if x.shape[0] == 0:
             return torch.empty(0, self.w2.shape[1], dtype=out_dtype, device=x.device)
+        tile, masked = expert_input.rows_per_expert, expert_input.masked
         if self.w13_scale_inv is not None:
             if scales is not None:  # already quantized by the dispatcher: no activation quantization here
                 return fp8_moe_swiglu_quantized(x, scales, counts, self.w13, self.w13_scale_inv, self.w2,
-                                                self.w2_scale_inv, out_dtype)
-            return fp8_moe_swiglu(x, counts, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv)
+                                                self.w2_scale_inv, out_dtype, tile, masked)
+            return fp8_moe_swiglu(x, counts, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, tile, masked)
         if scales is not None:
             x = dequantize_rows(x, scales, out_dtype)
         # CUDA: device counts (_grouped_mm on bf16 SM90+, or Triton), no host sync; CPU: the decode kernel reads
         # the counts, larger inputs read them on the host
-        return grouped_swiglu(x, counts, self.w13, self.w2, expert_input.rows_per_expert, expert_input.masked)
+        return grouped_swiglu(x, counts, self.w13, self.w2, tile, masked)
