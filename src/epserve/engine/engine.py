@@ -195,7 +195,8 @@ class LLMEngine:
             self._abort_failed()  # (a first token from a prefill instance its grammar refuses)
         output = scheduler.schedule() if scheduler is not None else None
         chunks = list(output.chunks) if output else []  # decodes first
-        plan = BatchPlan.from_chunks(chunks, self.runner.block_size) if chunks else BatchPlan()
+        table = scheduler.kv_manager.table_rows if scheduler is not None else None
+        plan = BatchPlan.from_chunks(chunks, self.runner.block_size, table) if chunks else BatchPlan()
         if writes:
             plan = replace(plan, kv_writes=tuple(writes))
         self.step_tokens = plan.num_tokens

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
+from epserve.engine.block_tables import DeviceTables
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.sampling import SamplingPipeline
 from epserve.engine.spec_manager import draft_room
@@ -53,6 +54,7 @@ class _Drafting:
     request: Request
     num_drafts: int
     next_position: int
+    table_row: int  # its row of the device block tables (0: the plan carries whole tables)
 
 
 class MTPProposer:
@@ -76,6 +78,7 @@ class MTPProposer:
         # A pure-decode step's passes through the captured draft graph: (plan, hidden, bucket, overlap) -> the
         # layer's output rows; set by the runner when the decode is captured.
         self.replay: Callable[[BatchPlan, torch.Tensor, int, str], torch.Tensor] | None = None
+        self.tables: DeviceTables | None = None  # the rank's device block tables (set by the runner)
 
     @torch.inference_mode()
     def propose(
@@ -163,16 +166,18 @@ class MTPProposer:
                 n = min(self.num_spec, draft_room(request, self.max_model_len, len(got)))
                 if n > 0:
                     draft_rows.append(len(ids) - 1)
-                    drafting.append(_Drafting(request, n, chunk.start + chunk.num_known + len(got) - 1))
+                    row = plan.table_rows[seqs[-1]] if plan.table_rows else 0
+                    drafting.append(_Drafting(request, n, chunk.start + chunk.num_known + len(got) - 1, row))
         first = BatchPlan(
             input_ids=tuple(ids),
             positions=tuple(plan.positions[i] for i in keep),
             slot_mapping=tuple(plan.slot_mapping[i] for i in keep),
             seq_lens=tuple(plan.seq_lens[i] for i in seqs),
-            block_tables=tuple(plan.block_tables[i] for i in seqs),
+            block_tables=tuple(plan.block_tables[i] for i in seqs) if plan.block_tables else (),
             logits_indices=tuple(draft_rows),
             query_start_loc=tuple(query_start),
             num_decode_seqs=sum(1 for i in seqs if i < plan.num_decode_seqs),
+            table_rows=tuple(plan.table_rows[i] for i in seqs) if plan.table_rows else (),
         )
         return DraftPass(first, tuple(keep)), drafting
 
@@ -183,15 +188,17 @@ class MTPProposer:
         bs = self.block_size
         positions = [d.next_position - 1 + depth for d in active]
         seq_lens = [p + 1 for p in positions]
+        rows = tuple(d.table_row for d in active) if all(d.table_row for d in active) else ()
         plan = BatchPlan(
             input_ids=tuple(drafts[d.request.request_id][-1] for d in active),
             positions=tuple(positions),
             slot_mapping=tuple(d.request.block_ids[p // bs] * bs + p % bs for d, p in zip(active, positions)),
             seq_lens=tuple(seq_lens),
-            block_tables=block_tables([d.request.block_ids for d in active], seq_lens, bs),
+            block_tables=() if rows else block_tables([d.request.block_ids for d in active], seq_lens, bs),
             logits_indices=tuple(range(len(active))),
             query_start_loc=tuple(range(len(active) + 1)),
             num_decode_seqs=len(active),
+            table_rows=rows,
         )
         return DraftPass(plan, tuple(hidden_rows))
 
@@ -209,7 +216,7 @@ class MTPProposer:
         if bucket is not None and self.replay is not None:
             return self.replay(step.plan, hidden, bucket, overlap)
         self.dispatcher.begin_step(max_tokens_per_rank)
-        batch = step.plan.to_batch(hidden.device, self.block_size)
+        batch = step.plan.to_batch(hidden.device, self.block_size, self.tables)
         return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]
 
 
