@@ -269,3 +269,25 @@ def test_each_captured_run_is_planned_on_tables_holding_its_rows(long_ckpt, mode
         decode_plan.unregister(planner)
     assert len(seen) == len(out["staged"]) >= 5  # once a captured step: recording or replay, compiled call
     assert {bucket for bucket, _ in seen} >= {4}
+
+
+def test_the_memory_plan_counts_the_tables_and_flashinfers_graph_wrappers(monkeypatch):
+    """What the decode allocates after the pool is sized: the device tables always; with FlashInfer decoding
+    inside captured graphs, one graph-mode wrapper per bucket and set (the MTP passes have their own)."""
+    from epserve.engine.captured import CaptureShape, side_buffer_bytes
+    from epserve.engine.graphs import decode_buckets
+    from epserve.kernels import mla_flashinfer_graph, ops
+
+    shape = CaptureShape(64, 16, 10240, 7168, torch.bfloat16, torch.device("cuda"), lambda n: "none",
+                         lambda b: None)
+    table = 257 * 10240 * 8
+    monkeypatch.setattr(ops.mla_decode, "chosen", lambda where, dtype: [
+        "epserve.kernels.mla_decode_triton:paged_mla_decode_triton"])
+    assert side_buffer_bytes(shape, "cuda_graph", True, torch.bfloat16, 257) == table
+    monkeypatch.setattr(ops.mla_decode, "chosen", lambda where, dtype: [
+        "epserve.kernels.mla_flashinfer:paged_mla_decode_fi", "epserve.kernels.mla_decode_triton:x"])
+    wrappers = sum(mla_flashinfer_graph.wrapper_bytes(b, 10240) for b in decode_buckets(64))
+    assert wrappers > 0
+    assert side_buffer_bytes(shape, "cuda_graph", False, torch.bfloat16, 257) == table + wrappers
+    assert side_buffer_bytes(shape, "cuda_graph", True, torch.bfloat16, 257) == table + 2 * wrappers
+    assert side_buffer_bytes(shape, None, True, torch.bfloat16, 257) == table  # eager decode: no graph wrappers

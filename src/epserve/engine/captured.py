@@ -18,7 +18,8 @@ import torch
 from epserve.config import OverlapMode
 from epserve.engine.batch_plan import BatchPlan
 from epserve.engine.block_tables import DeviceTables
-from epserve.engine.graphs import CaptureMode, DecodeGraphs, DecodeStep, bucket_schedules
+from epserve.engine.graphs import CaptureMode, DecodeGraphs, DecodeStep, bucket_schedules, decode_buckets
+from epserve.kernels import mla_flashinfer_graph, ops
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,23 @@ def probe_graph_memory(model: DeepseekV3ForCausalLM, kv_pool: Callable[[int], li
     gc.collect()
     torch.cuda.empty_cache()
     return measured
+
+
+def side_buffer_bytes(shape: CaptureShape, mode: CaptureMode | None, mtp: bool, kv_dtype: torch.dtype,
+                      table_rows: int) -> int:
+    """Device memory the decode allocates after the KV pool is sized, outside the graphs' pool, for the memory
+    plan: the device block tables (``table_rows`` rows as wide as a sequence's blocks) and, where FlashInfer
+    decodes MLA in the captured decode, each captured bucket's graph-mode wrapper (one per set: the MTP passes
+    have their own; the largest bucket's is also in the probe's measurement, so this errs by one wrapper high)."""
+    table = table_rows * shape.max_blocks_per_seq * torch.empty((), dtype=torch.long).element_size()
+    if mode != "cuda_graph":
+        return table
+    targets = ops.mla_decode.chosen(shape.device.type, kv_dtype)
+    if not any(t.startswith("epserve.kernels.mla_flashinfer:") for t in targets):
+        return table
+    wrappers = sum(mla_flashinfer_graph.wrapper_bytes(b, shape.max_blocks_per_seq)
+                   for b in decode_buckets(shape.max_batch))
+    return table + (1 + mtp) * wrappers
 
 
 def capture_at_start(captured: CapturedDecode, probed_bytes: int) -> None:

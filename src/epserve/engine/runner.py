@@ -14,7 +14,13 @@ from epserve.config import EngineConfig
 from epserve.engine.balancer import ExpertBalancer
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.block_tables import DeviceTables
-from epserve.engine.captured import CapturedDecode, CaptureShape, capture_at_start, probe_graph_memory
+from epserve.engine.captured import (
+    CapturedDecode,
+    CaptureShape,
+    capture_at_start,
+    probe_graph_memory,
+    side_buffer_bytes,
+)
 from epserve.engine.graphs import DecodeGraphs
 from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.memory import determine_num_blocks, kv_bytes_per_token, kv_cache_dtype
@@ -91,9 +97,10 @@ class ModelRunner:
             max_batch, self.block_size, self.max_blocks_per_seq, mc.hidden_size, self.dtype, self.device,
             lambda tokens: self._step_shape(tokens)[1],  # type: ignore[arg-type,return-value]
             lambda b: self.dispatcher.begin_step(-(-b // ctx.tp)))
-        graph_bytes = 0
+        table_rows = config.scheduler.max_num_seqs + 1  # a row per running request, and the padding row
+        graph_bytes = side_buffer_bytes(self.capture_shape, mode, self.num_spec > 0, self.kv_dtype, table_rows)
         if mode == "cuda_graph":
-            graph_bytes = probe_graph_memory(self.model, self._kv_pool, self.capture_shape, self.num_spec > 0)
+            graph_bytes += probe_graph_memory(self.model, self._kv_pool, self.capture_shape, self.num_spec > 0)
         cache = config.cache
         if self.device.type == "cpu" and pc.local_world_size > 1:  # ranks on one host share its memory
             cache = replace(cache, memory_utilization=cache.memory_utilization / pc.local_world_size,
@@ -107,14 +114,15 @@ class ModelRunner:
         self.kv_caches = self._kv_pool(self.num_blocks + 1)
         self.sink_slot = self.num_blocks * self.block_size
         # each running request's block table, kept on the device (``engine/block_tables.py``)
-        self.tables = DeviceTables(self.max_blocks_per_seq, self.num_blocks, self.device,
-                                   config.scheduler.max_num_seqs + 1)
+        self.tables = DeviceTables(self.max_blocks_per_seq, self.num_blocks, self.device, table_rows)
         info = self.cache_info()
         logger.info("KV cache: %d blocks of %d tokens, %d bytes per token (%s), %.1f MiB", info["num_blocks"],
                     info["block_size"], info["bytes_per_token"], info["kv_cache_dtype"],
                     self.num_blocks * self.block_size * info["bytes_per_token"] / 2**20)
         self.proposer = None if not self.num_spec else MTPProposer(
             self.model, self.kv_caches, self.dispatcher, ctx, self.block_size, self.num_spec, config.max_model_len)
+        if self.proposer is not None:
+            self.proposer.tables = self.tables  # its eager passes read their plans' table rows there
         self.profiler: OpProfiler | Untimed = UNTIMED
         self.captured: CapturedDecode | None = None
         self.decode_graphs: DecodeGraphs | None = None
