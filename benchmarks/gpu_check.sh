@@ -69,12 +69,13 @@ declare -A SELECT=(
              --ignore=tests/engine/test_structured_failures.py"
   [sampling]="tests/engine/test_logits_processing.py tests/engine/test_structured.py
               tests/engine/test_structured_failures.py --on-device"
-  [flashinfer]="tests/kernels/test_backends.py -m cuda -k 'flashinfer or whichever_backend'"
+  [flashinfer]="tests/kernels/test_backends.py tests/kernels/test_capture_path.py -m cuda
+                -k 'flashinfer or whichever_backend'"
 )
 SAMPLING_NO_XGRAMMAR="tests/engine/test_logits_processing.py --on-device"
 REFERENCE=benchmarks/gpu_reference/tokens.json
 MICRO_ARGS="--repeats 10"
-V3_ARGS="--device cuda --variants fp8 --batches 1 16 64"
+V3_ARGS="--device cuda --variants fp8 --batches 1 64"
 FI_MICRO_ARGS="--parts mla --mla-heads 128 --flashinfer --repeats 5"
 # the benchmark scripts and the flags the plan passes them (the dry run checks each --help names them)
 declare -A FLAGS=([benchmarks/gpu_tokens.py]="--check --json --device"
