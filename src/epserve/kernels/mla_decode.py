@@ -201,7 +201,8 @@ def paged_mla_decode(
     ``block_tables`` [B, max_blocks] int32/int64 and ``seq_lens`` [B] live on q's device; ``kv_scale``
     (0-d fp32) dequantizes an FP8 cache; ``num_splits`` (CUDA only) overrides the KV split count.
     On CUDA: FlashInfer (``kernels.mla_flashinfer``) where the call fits it (bf16/fp16 cache, DeepSeek's
-    512 + 64 columns, no ``num_splits``) and ``kernels.backends`` chose it for this device and cache dtype
+    512 + 64 columns, no ``num_splits``; in a captured decode through its CUDA-graph-mode wrapper, planned by
+    ``kernels.decode_plan``) and ``kernels.backends`` chose it for this device and cache dtype
     (installed, self-test passed, or forced by ``EPSERVE_MLA_BACKEND``), else Triton: the many-head kernel
     for ``WIDE_MIN_HEADS`` heads or more, the split-K one for fewer. The reference ignores ``num_splits``."""
     return paged_mla_decode_ref(q_latent, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, kv_scale)

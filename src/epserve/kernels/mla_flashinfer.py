@@ -9,7 +9,8 @@ shapes of every call; anything else runs the Triton kernels). Our cache rows are
 (64)]`` in one tensor ``[blocks, block_size, 576]``; FlashInfer wants the ``ckv`` and ``kpe`` parts as
 two tensors and reads each through its page and token strides, so the two are plain strided views of the
 cache (no copy). The query is cast from fp32 to the cache dtype: scores then carry a bf16-rounded query
-(the precision vLLM and SGLang run it at); the Triton kernels keep ~16 mantissa bits of it. The output
+(the precision vLLM and SGLang run it at); the split-K Triton kernel keeps ~16 mantissa bits of it; the many-head one
+(``kernels/mla_decode_wide.py``) rounds it to bf16 once, as FlashInfer does. The output
 (the query dtype) comes back as fp32. FP8 caches stay on Triton: FlashInfer's FP8 MLA paths take their
 scales as host floats (a device-to-host read of ``kv_scale`` per layer) and differ between its versions.
 
