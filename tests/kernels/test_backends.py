@@ -222,6 +222,25 @@ def test_nothing_is_timed_on_the_cpu_nor_where_a_backend_is_forced(monkeypatch, 
     assert backends.select("mla_decode", CPU, BF16) == "triton" and timed == []
 
 
+def test_every_rank_runs_the_first_ranks_choice_where_it_passed_everywhere(monkeypatch, registry_lines):  # noqa: ANN001
+    """A timed choice may differ between ranks; ``agree`` makes them run one backend: the first rank's where
+    every rank passed it, else the first backend that passed on every rank."""
+    _speed_op(monkeypatch, TIMES)  # this rank: slow and triton pass, triton is faster
+    first = {"test_speed": ("slow", ["slow", "triton"])}
+    backends.agree(CPU, {"test_speed": BF16}, lambda mine: [first, mine])
+    assert backends.select("test_speed", CPU, BF16) == "slow"
+    assert registry_lines()[-1] == ("test_speed on cpu, bfloat16: slow, as on every rank (this rank had chosen "
+                                    "triton)")
+    backends.forget("test_speed")
+    _speed_op(monkeypatch, TIMES)
+    third = {"test_speed": ("triton", ["triton"])}  # a rank where slow failed its self-test
+    backends.agree(CPU, {"test_speed": BF16}, lambda mine: [first, mine, third])
+    assert backends.select("test_speed", CPU, BF16) == "triton"
+    lines = len(registry_lines())
+    backends.agree(CPU, {"test_speed": BF16}, lambda mine: [mine, mine])  # already agreed: nothing changes
+    assert backends.select("test_speed", CPU, BF16) == "triton" and len(registry_lines()) == lines
+
+
 def test_registry_refuses_bad_declarations():
     with pytest.raises(ValueError, match="the last backend must be the fallback"):
         backends.KernelOp("x", (backends.KernelBackend("triton", lambda d, t: None),))

@@ -37,7 +37,7 @@ from epserve.model.loader import load_model
 from epserve.model.quantization import resolve_fp8_weights
 from epserve.moe.dispatch.select import build_dispatcher
 from epserve.moe.placement import ExpertPlacement
-from epserve.parallel.comm import all_reduce_max
+from epserve.parallel.comm import all_reduce_max, gather_objects
 from epserve.parallel.context import ParallelContext
 from epserve.parallel.overlap import choose_overlap
 
@@ -81,9 +81,12 @@ class ModelRunner:
         self.weight_bytes = weight_bytes = model_bytes(self.model)
         self.block_size = config.cache.block_size
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
-        # kernel backends decided (self-tests run) now: before the KV pool is sized and any graph captured
-        logger.info("kernels: %s", kernel_backends.resolve(self.device, {
-            "mla_decode": self.kv_dtype, "fp8_gemm": self.dtype if self.fp8_weights else None}))
+        # kernel backends decided (self-tests run) now: before the KV pool is sized and any graph captured;
+        # on GPUs every rank then runs the same ones (a timed choice may differ between ranks)
+        kernel_dtypes = {"mla_decode": self.kv_dtype, "fp8_gemm": self.dtype if self.fp8_weights else None}
+        logger.info("kernels: %s", kernel_backends.resolve(self.device, kernel_dtypes))
+        if self.device.type == "cuda" and ctx.distributed:
+            kernel_backends.agree(self.device, kernel_dtypes, lambda mine: gather_objects(mine, ctx))
         max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.overlap = pc.overlap

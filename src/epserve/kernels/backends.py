@@ -321,6 +321,35 @@ def fall_back(op_name: str, device: torch.device | str, dtype: torch.dtype | Non
     return op.fallback
 
 
+def agree(device: torch.device | str, dtypes: Mapping[str, torch.dtype | None],
+          gather: Callable[[object], list[object]]) -> None:
+    """Make every rank run the same backend for each op of ``dtypes`` (a timed choice may differ between
+    ranks). ``gather(obj)`` returns every rank's ``obj`` in rank order. The first rank's choice where every rank
+    passed its self-test, else the first backend (in the op's order) that passed on every rank; one log line
+    where this rank's choice changes. Forced ops are left alone (the same variable on every rank)."""
+    device = torch.device(device)
+    mine = {}
+    for name, dtype in dtypes.items():
+        op = get_op(name)
+        if dtype is not None and op.forced() == "auto":
+            chosen = decide(name, device, dtype)
+            ok = [b.name for b in op.backends if _tested.get((op.name, b.name, device_key(device), dtype), "") is None]
+            mine[name] = (chosen, ok)
+    ranks = gather(mine)
+    for name, (chosen, _) in mine.items():
+        op, dtype = get_op(name), dtypes[name]
+        everywhere = [b.name for b in op.backends if all(b.name in theirs[name][1] for theirs in ranks)]
+        first = ranks[0][name][0]
+        agreed = first if first in everywhere else (everywhere[0] if everywhere else op.fallback)
+        if agreed != chosen:
+            key = (op.name, device_key(device), dtype)
+            with _lock:
+                _chosen[key] = agreed
+            _tell(op.name)
+            logger.info("%s on %s: %s, as on every rank (this rank had chosen %s)", op.name, _where(key), agreed,
+                        chosen)
+
+
 def decisions() -> dict[str, str]:
     """Every decision so far: ``"op[device, dtype]"`` -> backend name."""
     with _lock:
