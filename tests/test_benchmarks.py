@@ -4,6 +4,7 @@ holds: all_to_all moves about the uniform-routing theory, padded moves more."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -316,3 +317,14 @@ def test_vs_llamacpp_epserve_side_and_the_table(make_ckpt, tmp_path):
     written = doc.read_text()
     assert written.count(v.BEGIN) == 1 and "old table" not in written and written.count("batch-1 decode") == 1
     assert written.startswith("# B\n\nbefore\n\n") and written.endswith(f"{v.END}\n\nafter\n")
+
+
+def test_decode_inputs_stage_the_same_host_bytes_at_any_max_model_len(tmp_path):
+    """``decode_inputs.py``: a captured step's host bytes do not grow with ``max_model_len``."""
+    out = tmp_path / "inputs.json"
+    subprocess.run([sys.executable, "benchmarks/decode_inputs.py", "--buckets", "4", "--lengths", "256", "8192",
+                    "--context", "64", "--repeats", "3", "--json", str(out)], cwd=ROOT, check=True, timeout=120,
+                   capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["how"] for r in rows] == ["DecodeGraphs.stage"] * 2
+    assert rows[0]["host_bytes"] == rows[1]["host_bytes"] == 5 * 4 * 8
