@@ -43,7 +43,9 @@
 #                       bash benchmarks/gpu_check.sh --dry-run          here, on the CPU: the plan, checked
 #                       bash benchmarks/gpu_check.sh <part>             one of the older, longer checks:
 #   engine|kernels|decode|mtp|eplb|recovery|disagg|sampling (each < 10 min, one a call; see old_part below).
-# Carry the wheels: run(carry=[".whl"], command="bash benchmarks/gpu_check.sh", timeout_s=600).
+# First, here: bash benchmarks/gpu_wheels.sh (the wheels, .whl) and python benchmarks/gpu_tokens.py --build .gpu-ref
+# (the token stage's checkpoints, built on this CPU); then carry both:
+#   run(carry=[".whl", ".gpu-ref"], command="bash benchmarks/gpu_check.sh", timeout_s=600).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -265,7 +267,10 @@ lease_plan() {
   fi
   if has mtp; then pytest_stage mtp; fi
   if has tokens; then
-    run_stage tokens - "$WORK/tokens.json" "$PY" benchmarks/gpu_tokens.py --check "$REFERENCE" --json "$WORK/tokens.json"
+    local carried=()  # the checkpoints built on the CPU (gpu_tokens.py --build .gpu-ref), where the lease carried them
+    [ -f .gpu-ref/bf16/config.json ] && carried=(--workdir .gpu-ref)
+    run_stage tokens - "$WORK/tokens.json" "$PY" benchmarks/gpu_tokens.py --check "$REFERENCE" --json "$WORK/tokens.json" \
+      "${carried[@]}"
   fi
   if has kernels; then pytest_stage kernels "${xdist[@]}"; fi
   if has sanitizer; then
@@ -354,6 +359,12 @@ dry_run() {
   else
     echo "wheel bundle .whl: absent (bash benchmarks/gpu_wheels.sh makes it). Without it: the flashinfer stage runs"
     echo "  only the fallback tests and Triton's MLA timings, sampling leaves the structured-output tests out"
+  fi
+  if [ -f .gpu-ref/bf16/config.json ] && [ -f .gpu-ref/fp8/config.json ]; then
+    echo "token checkpoints .gpu-ref: present ($(du -sm .gpu-ref | cut -f1) MiB; carry it with the wheels)"
+  else
+    echo "token checkpoints .gpu-ref: absent (python benchmarks/gpu_tokens.py --build .gpu-ref; else the GPU machine"
+    echo "  builds them, and its torch must draw the same random weights for the reference to apply)"
   fi
   # every script the plan runs, with the flags it passes
   local f flag help

@@ -11,6 +11,8 @@ run greedy for 64 tokens with ``epserve.LLM`` in bfloat16.
                            C kernels build) with each checkpoint's SHA-256, so a changed generator is caught
   --check PATH             on CUDA: the captured decode (CUDA graphs) and eager, each prompt equal to the
                            reference or its first differing position; ``--json`` rewritten after every run
+  --build DIR              here: both checkpoints into DIR (``.gpu-ref``, which the lease carries: ``--check
+                           --workdir .gpu-ref`` then uses them instead of building them on the GPU machine)
 
 Exit status of ``--check``: 0 all equal, 1 a token differs, 3 a checkpoint's hash differs from the
 reference's (the generator changed: the tokens are not comparable), 2 no CUDA device.
@@ -46,9 +48,13 @@ REFERENCE = Path(__file__).resolve().parent / "gpu_reference" / "tokens.json"
 
 
 def build(variant: str, root: Path) -> Path:
-    """The variant's checkpoint under ``root`` (the same arguments: byte-identical files)."""
+    """The variant's checkpoint under ``root`` (the same arguments: byte-identical files); one already there
+    (``--build`` made it on this CPU, the lease carried it) is used as it is, so the GPU machine's torch
+    never has to draw the same random weights."""
     from epserve.presets import make_checkpoint
 
+    if (root / variant / "config.json").exists():
+        return root / variant
     spec = VARIANTS[variant]
     return make_checkpoint(root / variant, preset=spec["preset"], fp8=spec["fp8"], seed=SEED, dtype="bfloat16",
                            logit_margin=LOGIT_MARGIN)
@@ -192,6 +198,7 @@ def main() -> int:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--write-reference", type=Path, metavar="PATH")
     what.add_argument("--check", type=Path, metavar="PATH")
+    what.add_argument("--build", type=Path, metavar="DIR")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path, help="--check's result (rewritten after every run)")
     parser.add_argument("--workdir", type=Path, help="where the checkpoints are built (default: a temporary folder)")
@@ -199,6 +206,10 @@ def main() -> int:
     os.environ.setdefault("EPSERVE_NO_PROGRESS", "1")
     with tempfile.TemporaryDirectory(prefix="gpu_tokens.") as tmp:
         workdir = args.workdir or Path(tmp)
+        if args.build:
+            for variant in VARIANTS:
+                print(f"{variant}: {build(variant, args.build)} ({checkpoint_sha256(args.build / variant)[:16]})")
+            return 0
         if args.write_reference:
             write_reference(args.write_reference, workdir)
             return 0
