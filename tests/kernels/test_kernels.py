@@ -110,7 +110,9 @@ def test_a_few_rows_cost_about_one_row(dtype):
             linear(x, w)
         return time.perf_counter() - start
 
-    one, four = min(seconds(1) for _ in range(3)), min(seconds(4) for _ in range(3))
+    # interleaved, the best of seven each: a burst of load on the host slows both sizes' worst runs, not their best
+    runs = [(seconds(1), seconds(4)) for _ in range(7)]
+    one, four = min(r[0] for r in runs), min(r[1] for r in runs)
     assert four < 2.5 * one, (one, four)
 
 
