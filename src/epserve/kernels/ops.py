@@ -13,6 +13,7 @@ ask whether they are traced nor test for a kernel's absence.
 - ``kernels.gate``: ``grouped_topk``; ``kernels.mla_decode``: ``mla_decode`` (``paged_mla_decode``);
 - ``kernels.fp8``: ``act_quant``, ``silu_mul_quant``, ``block_fp8_gemm``, ``grouped_block_fp8_gemm``;
 - ``kernels.grouped``: ``grouped_swiglu``; ``kernels.dense``: ``linear``;
+- ``kernels.nvfp4``: ``nvfp4_linear``, ``nvfp4_moe_swiglu`` (NVFP4 weights, W4A16);
 - ``kernels.moe_ops``: ``group_by_expert``, ``local_dispatch``, ``weighted_combine``, ``index_add_counts``.
 """
 
@@ -34,11 +35,12 @@ from epserve.kernels.gate import grouped_topk
 from epserve.kernels.grouped import grouped_swiglu
 from epserve.kernels.mla_decode import paged_mla_decode
 from epserve.kernels.moe_ops import group_by_expert, index_add_counts, local_dispatch, weighted_combine
+from epserve.kernels.nvfp4 import nvfp4_linear, nvfp4_moe_swiglu
 from epserve.kernels.opdef import OpDef, defined
 
 mla_decode = paged_mla_decode
 
 __all__ = ["OpDef", "act_quant", "add", "append_latent", "block_fp8_gemm", "copy_", "defined", "gather_rows",
            "group_by_expert", "grouped_block_fp8_gemm", "grouped_swiglu", "grouped_topk", "head_matmul",
-           "index_add_counts", "linear", "local_dispatch", "mla_decode", "paged_mla_decode", "rms_norm", "rope_heads",
-           "silu_mul", "silu_mul_quant", "weighted_combine"]
+           "index_add_counts", "linear", "local_dispatch", "mla_decode", "nvfp4_linear", "nvfp4_moe_swiglu",
+           "paged_mla_decode", "rms_norm", "rope_heads", "silu_mul", "silu_mul_quant", "weighted_combine"]
