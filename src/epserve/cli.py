@@ -118,17 +118,21 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     if args.train:
         from epserve.training import TRAIN_PRESETS, train_checkpoint
 
-        if args.preset not in TRAIN_PRESETS or args.fp8:
-            raise ValueError(f"--train trains the {' or '.join(TRAIN_PRESETS)} shape in bfloat16/float32 (no --fp8); "
-                             f"got --preset {args.preset}{' --fp8' if args.fp8 else ''}")
+        if args.preset not in TRAIN_PRESETS or args.fp8 or args.quantization != "none":
+            quant = " --fp8" if args.fp8 else f" --quantization {args.quantization}" * (args.quantization != "none")
+            raise ValueError(f"--train trains the {' or '.join(TRAIN_PRESETS)} shape in bfloat16/float32 (no --fp8, "
+                             f"no --quantization); got --preset {args.preset}{quant}")
         path = train_checkpoint(args.dir, preset=args.preset, steps=args.train_steps, max_seconds=args.train_seconds,
                                 seed=args.seed, dtype=args.dtype, progress=not env.progress_disabled())
         print(f"wrote trained {args.preset} checkpoint (with its MTP layer) to {path}; summary in {path}/training.json")
         return 0
     from epserve.presets import make_checkpoint
 
-    path = make_checkpoint(args.dir, preset=args.preset, fp8=args.fp8, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {args.preset}{' fp8' if args.fp8 else ''} checkpoint to {path}")
+    quantization = "fp8" if args.fp8 else None if args.quantization == "none" else args.quantization
+    if args.fp8 and args.quantization not in ("none", "fp8"):
+        raise ValueError(f"--fp8 and --quantization {args.quantization} contradict each other")
+    path = make_checkpoint(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype, quantization=quantization)
+    print(f"wrote {args.preset}{f' {quantization}' if quantization else ''} checkpoint to {path}")
     return 0
 
 
@@ -182,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--train-seconds", type=float, default=540.0, help="--train: wall-clock budget (default 540)")
     mk.add_argument("--train-steps", type=int, default=None, help="--train: a fixed number of steps instead")
     mk.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights with 128x128 block scales")
+    mk.add_argument("--quantization", default="none", choices=["none", "fp8", "nvfp4"],
+                    help="fp8: as --fp8; nvfp4: MLP and expert weights in NVFP4 as NVIDIA's ModelOpt exports them")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     mk.set_defaults(func=_cmd_make_checkpoint)

@@ -1,7 +1,8 @@
 """Random-weight DeepSeek-V3 checkpoints in exactly the published Hugging Face format.
 
 ``make_checkpoint(dir, preset)`` writes ``config.json``, safetensors shards with the published tensor
-names (FP8 block-quantized like the release when ``fp8=True``), and tokenizer files. Weights are
+names (FP8 block-quantized like the release when ``fp8=True``; NVFP4 MLPs as NVIDIA's ModelOpt exports them
+when ``quantization="nvfp4"``), and tokenizer files. Weights are
 random but shaped so the model is not degenerate: activations stay O(1), logits have a std of a
 few units with clearly separated top-1, and routing spreads over the experts.
 
@@ -30,6 +31,7 @@ from epserve.checkpoint import (
     iter_with_progress,
     save_checkpoint,
 )
+from epserve.checkpoint.nvfp4_export import nvfp4_checkpoint
 from epserve.config import ModelConfig
 from epserve.env import builtin_model_dir
 from epserve.tokenizer import write_tokenizer_files
@@ -328,15 +330,23 @@ def make_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     logit_margin: float = 0.0,
     hot_experts: dict[int, float] | None = None,
+    quantization: str | None = None,
 ) -> Path:
     """Write a random-weight DeepSeek-V3 checkpoint plus tokenizer files into ``path``
-    (``logit_margin``, ``hot_experts``: see :func:`random_weights`).
+    (``logit_margin``, ``hot_experts``: see :func:`random_weights`). ``quantization="nvfp4"`` quantizes the
+    ``dtype`` weights' MLPs to NVFP4 (``checkpoint/nvfp4_export.py``, a stand-in ``input_scale``);
+    ``"fp8"`` is ``fp8=True``.
 
     Deterministic: the same arguments give byte-identical tensors and tokenizer files.
     """
-    config = build_config(preset, fp8=fp8, overrides=overrides, dtype=dtype)
+    if quantization not in (None, "fp8", "nvfp4") or (fp8 and quantization == "nvfp4"):
+        raise ValueError(f"quantization must be None, 'fp8' or 'nvfp4' (not with fp8=True), got {quantization!r}")
+    config = build_config(preset, fp8=fp8 or quantization == "fp8", overrides=overrides, dtype=dtype)
     tensors = random_weights(config, seed=seed, dtype=dtype, logit_margin=logit_margin, hot_experts=hot_experts)
-    path = save_checkpoint(path, config, tensors, max_shard_bytes=max_shard_bytes)
+    hf_quant = None
+    if quantization == "nvfp4":
+        config, tensors, hf_quant = nvfp4_checkpoint(config, tensors)
+    path = save_checkpoint(path, config, tensors, max_shard_bytes=max_shard_bytes, hf_quant_config=hf_quant)
     write_tokenizer_files(
         path, vocab_size=config["vocab_size"], model_max_length=config["max_position_embeddings"]
     )

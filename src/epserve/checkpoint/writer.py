@@ -1,4 +1,5 @@
-"""Writing a checkpoint directory in the Hugging Face layout: ``config.json``, shards and their index."""
+"""Writing a checkpoint directory in the Hugging Face layout: ``config.json``, shards and their index (and
+ModelOpt's ``hf_quant_config.json`` for an NVFP4 checkpoint)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from epserve.checkpoint.reader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, iter_with_progress
+from epserve.config.model import HF_QUANT_CONFIG
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
@@ -20,18 +22,21 @@ def save_checkpoint(
     config: Mapping[str, Any],
     tensors: Mapping[str, torch.Tensor],
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    hf_quant_config: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write ``config.json``, ``model-0000i-of-0000N.safetensors`` shards and their index.
+    """Write ``config.json``, ``model-0000i-of-0000N.safetensors`` shards and their index, and
+    ``hf_quant_config.json`` when ``hf_quant_config`` is given (indented by four, as ModelOpt writes it).
 
     Tensors fill shards in the given order (so a layer stays together) up to ``max_shard_bytes``; a
     tensor larger than that gets a shard of its own. Checkpoint files already in ``path``
-    (shards, ``model.safetensors``, the index) are removed first so none is left stale.
+    (shards, ``model.safetensors``, the index, ``hf_quant_config.json``) are removed first so none is left stale.
     """
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    for stale in [*path.glob("model-*-of-*.safetensors"), path / SINGLE_FILE, path / INDEX_FILE]:
+    stale_files = [path / SINGLE_FILE, path / INDEX_FILE, path / HF_QUANT_CONFIG]
+    for stale in [*path.glob("model-*-of-*.safetensors"), *stale_files]:
         stale.unlink(missing_ok=True)
 
     groups: list[list[str]] = []
@@ -58,4 +63,6 @@ def save_checkpoint(
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     (path / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n")
+    if hf_quant_config is not None:
+        (path / HF_QUANT_CONFIG).write_text(json.dumps(dict(hf_quant_config), indent=4) + "\n")
     return path

@@ -13,6 +13,9 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
 SUPPORTED_TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 SUPPORTED_SCORING = ("sigmoid", "softmax")
+SUPPORTED_QUANT_ALGOS = ("NVFP4",)  # ModelOpt checkpoints (``quant_method: "modelopt"``)
+NVFP4_GROUP_SIZE = 16
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's quantization file, beside config.json
 
 
 class ConfigError(ValueError):
@@ -81,6 +84,8 @@ class ModelConfig:
     torch_dtype: str
     fp8_block_size: tuple[int, int] | None = None
     fp8_scale_fmt: str | None = None  # quantization_config.scale_fmt (e.g. "ue8m0": power-of-two scales)
+    nvfp4_group_size: int | None = None  # ModelOpt NVFP4: values per e4m3 block scale (always 16)
+    nvfp4_exclude: tuple[str, ...] = ()  # ModelOpt's exclude_modules: wildcard patterns of unquantized modules
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -104,6 +109,12 @@ class ModelConfig:
     def is_fp8(self) -> bool:
         return self.fp8_block_size is not None
 
+    @property
+    def is_nvfp4(self) -> bool:
+        """A ModelOpt NVFP4 checkpoint: modules outside ``nvfp4_exclude`` (``checkpoint.nvfp4.is_excluded``)
+        store four-bit weights with their scales."""
+        return self.nvfp4_group_size is not None
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (
             self.n_routed_experts > 0
@@ -118,7 +129,8 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def from_hf(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        """Read ``config.json`` from a checkpoint directory (or the file itself), and ModelOpt's
+        ``hf_quant_config.json`` when it lies beside it."""
         path = Path(path)
         if not path.exists():
             raise ConfigError(f"model path does not exist: {path}")
@@ -129,10 +141,17 @@ class ModelConfig:
             raw = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cfg_file} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        hf_quant = None
+        if (quant_file := cfg_file.parent / HF_QUANT_CONFIG).is_file():
+            try:
+                hf_quant = json.loads(quant_file.read_text())
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{quant_file} is not valid JSON: {e}") from None
+        return cls.from_dict(raw, hf_quant)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], hf_quant_config: dict[str, Any] | None = None) -> ModelConfig:
+        """Build from a ``config.json`` dict (and the ``hf_quant_config.json`` dict of a ModelOpt export)."""
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -172,9 +191,11 @@ class ModelConfig:
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
-        block, scale_fmt = None, None
+        block, scale_fmt, nvfp4 = None, None, (None, ())
         quant = raw.get("quantization_config")
-        if quant:
+        if hf_quant_config is not None or (quant and quant.get("quant_method") == "modelopt"):
+            nvfp4 = _parse_modelopt(quant, hf_quant_config)
+        elif quant:
             method, fmt = quant.get("quant_method"), quant.get("fmt", "e4m3")
             if method != "fp8" or fmt != "e4m3":
                 raise ConfigError(f"unsupported quantization {method!r}/{fmt!r}; only fp8 e4m3 block scales")
@@ -219,7 +240,54 @@ class ModelConfig:
             torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             fp8_block_size=block,  # type: ignore[arg-type]
             fp8_scale_fmt=scale_fmt,
+            nvfp4_group_size=nvfp4[0],
+            nvfp4_exclude=nvfp4[1],
         )
+
+
+def _modelopt_fields(q: Any, where: str) -> tuple[Any, Any, Any]:
+    """(quant_algo, group_size, exclude_modules) of ModelOpt's nested form: ``{"quantization": {...}}``."""
+    if not isinstance(q, dict):
+        raise ConfigError(f"{where} lacks the 'quantization' section ModelOpt writes")
+    return q.get("quant_algo"), q.get("group_size", NVFP4_GROUP_SIZE), q.get("exclude_modules")
+
+
+def _parse_modelopt(quant: dict[str, Any] | None, hf_quant: dict[str, Any] | None) -> tuple[int, tuple[str, ...]]:
+    """ModelOpt's quantization, from ``hf_quant_config.json`` and/or config.json's ``quantization_config``
+    (nested like the file, or flat as ModelOpt restates it: ``quant_algo``, ``ignore``, ``config_groups``):
+    (group size, exclude patterns). Both present must agree; only NVFP4 with groups of 16 is served."""
+    sources = []
+    if hf_quant is not None:
+        sources.append((HF_QUANT_CONFIG, *_modelopt_fields(hf_quant.get("quantization"), HF_QUANT_CONFIG)))
+    if quant:
+        where = "config.json quantization_config"
+        if quant.get("quant_method", "modelopt") != "modelopt":
+            raise ConfigError(f"{HF_QUANT_CONFIG} (ModelOpt) disagrees with {where}.quant_method "
+                              f"{quant.get('quant_method')!r}")
+        if "quantization" in quant:
+            sources.append((where, *_modelopt_fields(quant["quantization"], where)))
+        else:
+            groups = quant.get("config_groups") or {}
+            sizes = {(g.get("weights") or {}).get("group_size", NVFP4_GROUP_SIZE) for g in groups.values()}
+            if len(sizes) > 1:
+                raise ConfigError(f"{where}.config_groups mix weight group_size values {sorted(sizes)}")
+            group = sizes.pop() if sizes else NVFP4_GROUP_SIZE
+            sources.append((where, quant.get("quant_algo"), group, quant.get("ignore")))
+    (where, algo, group, exclude), *others = sources
+    if algo not in SUPPORTED_QUANT_ALGOS:
+        raise ConfigError(f"unsupported quant_algo {algo!r} in {where}; supported: {', '.join(SUPPORTED_QUANT_ALGOS)}")
+    if group != NVFP4_GROUP_SIZE:
+        raise ConfigError(f"unsupported NVFP4 group_size {group!r} in {where}; NVFP4 scales groups of "
+                          f"{NVFP4_GROUP_SIZE} values")
+    exclude = exclude or []
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+        raise ConfigError(f"exclude_modules in {where} must be a list of module name patterns, got {exclude!r}")
+    for other, o_algo, o_group, o_exclude in others:
+        for field, mine, theirs in (("quant_algo", algo, o_algo), ("group_size", group, o_group),
+                                    ("exclude_modules", sorted(exclude), sorted(o_exclude or []))):
+            if mine != theirs:
+                raise ConfigError(f"{field} {mine!r} in {where} disagrees with {theirs!r} in {other}")
+    return int(group), tuple(exclude)
 
 
 def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
