@@ -8,8 +8,9 @@ one ``weight_scale_2``, from the larger of their two amaxes, and one ``input_sca
 
 ``input_scale`` is ``activation amax / (6 * 448)``; ModelOpt takes the amax from a calibration run. A
 random-weight checkpoint has no calibration data, so the writer uses one stand-in amax for every module
-(``STAND_IN_INPUT_AMAX``, about the largest activation the presets' initialisation gives an MLP). Only
-four-bit activations read it; four-bit weights with bf16 activations (W4A16) never do.
+(``STAND_IN_INPUT_AMAX``: 16, above the largest MLP input a random batch gives the tiny and small presets in
+fp32, about 5 into ``gate_proj``/``up_proj`` and 7 to 13 into ``down_proj``). Only four-bit activations read
+it; four-bit weights with bf16 activations (W4A16) never do.
 
 The module lists follow ModelOpt's export: ``exclude_modules`` names every unquantized linear and
 embedding by the shortest dot-boundary prefix wildcard that matches no quantized module (``X*``),
