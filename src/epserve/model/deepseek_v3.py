@@ -22,6 +22,7 @@ from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from epserve.model.mla import MLAttention
 from epserve.model.moe import MoE
+from epserve.model.quantization import nvfp4_quantized
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.moe.placement import ExpertPlacement
 from epserve.parallel.comm import TensorParallel
@@ -167,8 +168,9 @@ def _run_segment(layers: list[DecoderLayer], x: torch.Tensor, mb: MicroBatch, ov
 
 class DeepseekV3ForCausalLM(nn.Module):
     """``fp8``: the linear layers and routed experts hold FP8 block-scaled weights (embedding, LM head,
-    norms and the expert gate stay in higher precision, as published). Only a DP group's leader computes
-    logits, so other ranks hold an empty ``lm_head``."""
+    norms and the expert gate stay in higher precision, as published). An NVFP4 checkpoint's MLPs and experts
+    hold its four-bit weights where it stores them so (``model.quantization.nvfp4_quantized``). Only a DP
+    group's leader computes logits, so other ranks hold an empty ``lm_head``."""
 
     def __init__(
         self,
@@ -188,9 +190,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         layers = []
         for i in range(config.num_hidden_layers):
             if config.is_moe_layer(i):
-                mlp: nn.Module = MoE(config, dispatcher, placement, ctx.rank, fp8)
+                mlp: nn.Module = MoE(config, dispatcher, placement, ctx.rank, fp8, i)
             else:
-                mlp = GatedMLP(config.hidden_size, config.intermediate_size, fp8)
+                nvfp4 = nvfp4_quantized(config, f"model.layers.{i}.mlp.gate_proj")
+                mlp = GatedMLP(config.hidden_size, config.intermediate_size, fp8, nvfp4)
             layers.append(DecoderLayer(config, i, mlp, tp, fp8))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -200,8 +203,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList()
         if mtp:
             n = config.num_hidden_layers
-            mlp = (MoE(config, dispatcher, placement, ctx.rank, fp8) if config.n_routed_experts
-                   else GatedMLP(config.hidden_size, config.intermediate_size, fp8))
+            nvfp4 = nvfp4_quantized(config, f"model.layers.{n}.mlp.gate_proj")
+            mlp = (MoE(config, dispatcher, placement, ctx.rank, fp8, n) if config.n_routed_experts
+                   else GatedMLP(config.hidden_size, config.intermediate_size, fp8, nvfp4))
             self.mtp.append(MTPLayer(config, n, mlp, tp, fp8, head_rows))
         # Runs of consecutive layers of one kind: micro-batching applies to MoE runs only.
         self.segments: list[tuple[bool, list[DecoderLayer]]] = []

@@ -1,4 +1,4 @@
-"""Small building blocks: linear weights (model dtype or FP8 block-scaled), RMSNorm, rotary embedding
+"""Small building blocks: linear weights (model dtype, FP8 block-scaled or NVFP4), RMSNorm, rotary embedding
 with YaRN scaling, SwiGLU MLP."""
 
 from __future__ import annotations
@@ -14,33 +14,52 @@ from epserve.config import ModelConfig, RopeScaling, yarn_get_mscale
 from epserve.kernels import gather_rows, linear, rms_norm, rope_ref, silu_mul
 from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul_quant
 from epserve.kernels.fp8_layers import fp8_linear
+from epserve.kernels.nvfp4 import SCALE_DTYPE, dequantize_rows, nvfp4_linear, nvfp4_shapes
 
 
 class Linear(nn.Module):
     """``y = x W^T``, W ``[out, in]``: in the model dtype, or (``fp8``) float8 e4m3 with one fp32 scale per
     128x128 tile in ``weight_scale_inv``, run as a block-scaled FP8 GEMM (activations quantized per
-    token and 128 columns)."""
+    token and 128 columns), or (``nvfp4``) NVFP4 as ModelOpt stores it: ``weight`` uint8 ``[out, in/2]``,
+    ``weight_scale`` e4m3 ``[out, in/16]``, and per part (``parts`` linears fused along the output rows, each
+    with its own) the global ``weight_scale_2`` and the activations' ``input_scale``, fp32 ``[parts]``; run as
+    four-bit weights (``kernels.nvfp4.nvfp4_linear``, W4A16)."""
 
-    def __init__(self, in_features: int, out_features: int, fp8: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, fp8: bool = False, nvfp4: bool = False,
+                 parts: int = 1) -> None:
         super().__init__()
-        self.weight_scale_inv: nn.Parameter | None
-        if fp8:
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.weight_scale_2: nn.Parameter | None = None
+        if nvfp4:
+            packed, scales = nvfp4_shapes(out_features, in_features)
+            self.weight = _frozen(torch.empty(packed, dtype=torch.uint8))
+            self.weight_scale = _frozen(torch.empty(scales, dtype=SCALE_DTYPE))
+            self.weight_scale_2 = _frozen(torch.empty(parts, dtype=torch.float32))
+            self.input_scale = _frozen(torch.empty(parts, dtype=torch.float32))
+        elif fp8:
             self.weight, self.weight_scale_inv = fp8_weight_pair(out_features, in_features)
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features))
-            self.weight_scale_inv = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""
+        if self.weight_scale_2 is not None:
+            return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2)
         if self.weight_scale_inv is None:
             return linear(x, self.weight)
         return fp8_linear(x, self.weight, self.weight_scale_inv)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 ``[out, in]`` (after loading; for derived weights such as MLA's absorbed ones)."""
+        if self.weight_scale_2 is not None:
+            return dequantize_rows(self.weight, self.weight_scale, self.weight_scale_2)
         if self.weight_scale_inv is None:
             return self.weight.detach().float()
         return fp8_block_dequantize(self.weight, self.weight_scale_inv, (BLOCK, BLOCK))
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -130,13 +149,14 @@ class RopeTable:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM."""
+    """SwiGLU MLP ``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM (``nvfp4``: gate and up
+    keep their own global scales, the fused linear's two parts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, fp8: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, fp8: bool = False, nvfp4: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, fp8)
-        self.down_proj = Linear(intermediate_size, hidden_size, fp8)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, fp8, nvfp4, parts=2)
+        self.down_proj = Linear(intermediate_size, hidden_size, fp8, nvfp4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]"""

@@ -27,10 +27,14 @@ Span = tuple[int, int]  # [lo, hi)
 
 # Float tensors that stay fp32 whatever the runtime dtype: tile scales, the expert gate (its top-k must not
 # flip), the KV scale and the rotary tables. MLA's absorbed weights too, unless the weights are FP8.
-KEEP_FP32 = ("_scale_inv", "mlp.gate.weight", "e_score_correction_bias", "kv_scale", "rotary.cos", "rotary.sin")
+KEEP_FP32 = ("_scale_inv", "mlp.gate.weight", "e_score_correction_bias", "kv_scale", "rotary.cos", "rotary.sin",
+             "_scale_2", "input_scale")  # (the last two: NVFP4's global scales)
 ABSORBED = ("self_attn.w_uk", "self_attn.w_uv_t")
 DERIVED = (*ABSORBED, "rotary.cos", "rotary.sin", *ROUTING_BUFFERS)  # computed after loading
 OPTIONAL = ("kv_scale",)  # 1.0 unless the checkpoint has one
+NVFP4_SCALARS = ("weight_scale_2", "input_scale")  # an NVFP4 linear's per-tensor scales (fp32 scalars, stored 0-d)
+EXPERT_PARTS = {"": "weight", "_scale_inv": "weight_scale_inv", "_scale": "weight_scale", "_scale_2": "weight_scale_2",
+                "_input_scale": "input_scale"}  # stacked experts' tensor suffix -> the checkpoint's
 MTP_VOCAB = {"embed_tokens": "embed_tokens", "shared_head.head": "lm_head"}  # MTP tensor -> the main model's twin
 
 
@@ -87,18 +91,36 @@ def tensor_pieces(
         return [Piece(p + rest, rows=_shard(ctx, shape[0]))]
     if rest == "self_attn.o_proj.weight":
         return [Piece(p + rest, cols=_shard(ctx, shape[1]))]
-    if rest in ("mlp.gate_up_proj.weight", "mlp.shared_experts.gate_up_proj.weight"):
-        q, inter = p + rest.removesuffix("gate_up_proj.weight"), shape[0] // 2
-        return [Piece(q + "gate_proj.weight", dst_rows=(0, inter)),
-                Piece(q + "up_proj.weight", dst_rows=(inter, shape[0]))]
-    if rest == "mlp.experts.w13":
+    module, _, part = rest.rpartition(".")
+    if module in ("mlp.gate_up_proj", "mlp.shared_experts.gate_up_proj"):
+        q = p + module.removesuffix("gate_up_proj")
+        if part in NVFP4_SCALARS:  # one per part
+            return [Piece(f"{q}gate_proj.{part}", (0,)), Piece(f"{q}up_proj.{part}", (1,))]
+        inter = shape[0] // 2
+        return [Piece(f"{q}gate_proj.{part}", dst_rows=(0, inter)),
+                Piece(f"{q}up_proj.{part}", dst_rows=(inter, shape[0]))]
+    experts, _, stacked = rest.rpartition(".")
+    if experts == "mlp.experts" and stacked.startswith("w13"):
+        part = EXPERT_PARTS[stacked.removeprefix("w13")]
+        gate, up = (0,), (1,)  # the per-part scalars
         inter = shape[1] // 2
+        if part not in NVFP4_SCALARS:
+            gate, up = (0, inter), (inter, shape[1])
         return [piece for j, e in enumerate(local_experts) for piece in (
-            Piece(f"{p}mlp.experts.{e}.gate_proj.weight", (j,), (0, inter)),
-            Piece(f"{p}mlp.experts.{e}.up_proj.weight", (j,), (inter, shape[1])))]
-    if rest == "mlp.experts.w2":
-        return [Piece(f"{p}mlp.experts.{e}.down_proj.weight", (j,)) for j, e in enumerate(local_experts)]
+            _expert_piece(f"{p}mlp.experts.{e}.gate_proj.{part}", j, gate),
+            _expert_piece(f"{p}mlp.experts.{e}.up_proj.{part}", j, up))]
+    if experts == "mlp.experts" and stacked.startswith("w2"):
+        part = EXPERT_PARTS[stacked.removeprefix("w2")]
+        index = (0,) if part in NVFP4_SCALARS else ()
+        return [Piece(f"{p}mlp.experts.{e}.down_proj.{part}", (j, *index)) for j, e in enumerate(local_experts)]
+    if part in NVFP4_SCALARS:  # an unfused NVFP4 linear's global scales: [1]
+        return [Piece(p + rest, (0,))]
     return [Piece(p + rest)]  # norms, kv_a_proj_with_mqa, down_proj, kv_scale
+
+
+def _expert_piece(source: str, j: int, span: tuple[int, ...]) -> Piece:
+    """Expert ``j``'s piece of a stacked gate/up tensor: rows ``span`` (two values) or the scalar at ``span``."""
+    return Piece(source, (j, span[0])) if len(span) == 1 else Piece(source, (j,), span)
 
 
 # ---- building ----------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ Loading reads only what a rank keeps: its own routed experts (through the expert
 heads (a row range of the per-head projections, read directly; ``o_proj``'s columns through one
 temporary), and, on a DP group's leader only, the LM head. With FP8 weights kept, FP8 tensors and
 their tile scales are read as stored straight into the parameters; dequantized, each tensor passes
-through one fp32 temporary. Peak memory is about the weights kept plus one tensor.
+through one fp32 temporary. An NVFP4 checkpoint's four-bit modules (``model.quantization.nvfp4_quantized``)
+are read as stored too: packed uint8 weights, e4m3 block scales and the fp32 global and input scales, each
+part of a fused linear into its rows (or, for a scalar, its entry). Peak memory is about the weights kept plus
+one tensor.
 
 Our parameter layout differs from the checkpoint's in three places, all resolved by the per-rank plan
 (``model/load_plan.py``, which also builds the model on the meta device): q_a_proj and kv_a_proj_with_mqa
@@ -238,7 +241,7 @@ def load_model(
                 continue
         target = empty_like(meta, device)
         scale = None
-        if target.dtype == FP8_DTYPE:
+        if target.dtype == FP8_DTYPE and name + SCALE_SUFFIX in tensors:  # (not NVFP4's e4m3 block scales)
             _, s_attr, s_meta = tensors[name + SCALE_SUFFIX]
             scale = empty_like(s_meta, device)
             set_tensor(module, s_attr, scale)

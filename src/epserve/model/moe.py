@@ -14,6 +14,7 @@ from epserve.config import ModelConfig
 from epserve.kernels import add
 from epserve.kernels.ops import index_add_counts
 from epserve.model.layers import GatedMLP
+from epserve.model.quantization import nvfp4_quantized
 from epserve.model.streams import Forked, SideStream
 from epserve.moe.dispatch.base import Dispatcher, DispatchHandle, ExpertInput
 from epserve.moe.experts import GroupedExperts
@@ -43,13 +44,20 @@ class MoE(nn.Module):
         placement: ExpertPlacement,
         ep_rank: int = 0,
         fp8: bool = False,
+        layer_idx: int | None = None,
     ) -> None:
+        """``layer_idx``: the checkpoint's layer, which says whether an NVFP4 checkpoint stores the routed and the
+        shared experts in four bits (``model.quantization.nvfp4_quantized``; None: neither)."""
         super().__init__()
+        p = f"model.layers.{layer_idx}.mlp."
+        nvfp4_routed = layer_idx is not None and nvfp4_quantized(config, p + "experts.0.gate_proj")
+        nvfp4_shared = layer_idx is not None and nvfp4_quantized(config, p + "shared_experts.gate_proj")
         self.gate = ExpertGate(config)
         self.dispatcher = dispatcher
         self.ep_rank = ep_rank
         self.placement = placement
-        self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size, fp8)
+        self.experts = GroupedExperts(placement.num_local_slots, config.hidden_size, config.moe_intermediate_size, fp8,
+                                      nvfp4=nvfp4_routed)
         # Routing state, replaced in place by a rebalance (a captured graph keeps reading the same storage):
         # replica_table [E, max_replicas] candidate slots, replica_count [E] candidates to spread over,
         # slot_experts [local slots] the logical expert of each.
@@ -60,7 +68,7 @@ class MoE(nn.Module):
         self.expert_load = torch.zeros(placement.num_logical_experts, dtype=torch.long)
         self.side_stream = SideStream()  # the shared expert beside dispatch and routed experts, on CUDA
         self.shared_experts = (
-            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, fp8)
+            GatedMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts, fp8, nvfp4_shared)
             if config.n_shared_experts
             else None
         )

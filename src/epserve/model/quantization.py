@@ -4,12 +4,17 @@
 block-scaled FP8 GEMMs; ``None`` dequantizes at load; ``"auto"`` keeps FP8 on CUDA and dequantizes on
 the CPU (whose FP8 path is a correct but slow reference). The FP8 runtime fuses and shards weights
 along whole 128x128 tiles, so the dimensions it fuses or splits must be multiples of 128.
+
+An NVFP4 checkpoint (ModelOpt's, ``ModelConfig.is_nvfp4``) keeps its four-bit modules as stored under
+``"auto"`` on every device (:func:`nvfp4_quantized` says which: those not in ``exclude_modules``); asking it
+for ``"fp8"`` or ``None`` is refused (neither re-quantizing nor dequantizing it at load is built yet).
 """
 
 from __future__ import annotations
 
 import logging
 
+from epserve.checkpoint.nvfp4 import is_excluded
 from epserve.config import ConfigError, ModelConfig, Quantization
 from epserve.kernels.fp8 import BLOCK
 
@@ -39,7 +44,13 @@ def fp8_runtime_problems(model: ModelConfig, tp: int = 1) -> list[str]:
 
 
 def resolve_fp8_weights(quantization: Quantization, model: ModelConfig, tp: int, device_type: str) -> bool:
-    """Whether to keep (or make) FP8 weights; ConfigError when ``"fp8"`` is asked of a checkpoint it cannot run."""
+    """Whether to keep (or make) FP8 weights; ConfigError when ``"fp8"`` is asked of a checkpoint it cannot run,
+    and when an NVFP4 checkpoint is asked for anything but ``"auto"``."""
+    if model.is_nvfp4:
+        if quantization != "auto":
+            raise ConfigError(f"quantization={quantization!r} cannot run an NVFP4 checkpoint: its quantized modules "
+                              "are kept as four-bit weights (use quantization='auto', --quantization auto)")
+        return False
     if quantization is None:
         return False
     problems = fp8_runtime_problems(model, tp)
@@ -56,3 +67,9 @@ def resolve_fp8_weights(quantization: Quantization, model: ModelConfig, tp: int,
         logger.warning("FP8 checkpoint dequantized at load: %s", "; ".join(problems))
         return False
     return True
+
+
+def nvfp4_quantized(model: ModelConfig, module: str) -> bool:
+    """Whether the checkpoint stores the linear ``module`` (its checkpoint name, ``model.layers.3.mlp.gate_proj``)
+    in NVFP4: an NVFP4 checkpoint's module that ``exclude_modules`` does not name."""
+    return model.is_nvfp4 and not is_excluded(module, model.nvfp4_exclude)

@@ -8,9 +8,9 @@ one call where it cannot enter it.
 
 The dispatcher may hand over an FP8 payload (``ExpertInput.scales``): rows already quantized as
 ``kernels.fp8.act_quant`` quantizes them. FP8 experts run their GEMMs on it directly; experts in the
-model dtype dequantize it first. Every path takes the dispatcher's masked layout (``ExpertInput.masked``:
-the padding rows skipped by the GEMMs, and by the FP8 quantizers) and its row-tile hint
-(``ExpertInput.rows_per_expert``).
+model dtype, and NVFP4 experts (four-bit weights, activations in the model dtype), dequantize it first. Every
+path takes the dispatcher's masked layout (``ExpertInput.masked``: the padding rows skipped by the GEMMs, and by
+the FP8 quantizers) and its row-tile hint (``ExpertInput.rows_per_expert``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,21 @@ from torch import nn
 
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_weight_pair
 from epserve.kernels.fp8_layers import fp8_moe_swiglu, fp8_moe_swiglu_quantized
+from epserve.kernels.nvfp4 import SCALE_DTYPE, nvfp4_moe_swiglu, nvfp4_shapes
 from epserve.kernels.ops import grouped_swiglu
 from epserve.moe.dispatch.base import ExpertInput
+
+F32 = torch.float32
 
 
 def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An FP8 payload (q fp8 [N, H], fp32 scales [N, ceil(H/128)], one per row and 128 columns) -> [N, H]."""
     h = q.shape[1]
     return (q.float() * scales.float().repeat_interleave(BLOCK, dim=1)[:, :h]).to(dtype)
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
 
 
 class GroupedExperts(nn.Module):
@@ -37,11 +44,17 @@ class GroupedExperts(nn.Module):
 
     ``act_dtype``: the model's activation dtype, the dtype of the output when the input is an FP8 payload
     (the FP8 rows no longer tell it, and FP8 weights do not either); whoever knows the runtime dtype sets
-    it (at construction or as the attribute). Experts in the model dtype need not: their weights' dtype."""
+    it (at construction or as the attribute). Experts in the model dtype need not: their weights' dtype.
+
+    With ``nvfp4`` the weights are NVFP4 as ModelOpt stores each expert's linears: ``w13`` uint8 [E, 2I, H/2] with
+    e4m3 block scales ``w13_scale`` [E, 2I, H/16] and fp32 global scales ``w13_scale_2`` [E, 2] (gate's, up's;
+    ``w13_input_scale`` the activations'), ``w2`` uint8 [E, H, I/2] with ``w2_scale`` [E, H, I/16], ``w2_scale_2``
+    and ``w2_input_scale`` [E, 1]; run as four-bit weights (``kernels.nvfp4.nvfp4_moe_swiglu``, W4A16: an FP8
+    payload is dequantized to ``act_dtype`` first, which must then be set)."""
 
     def __init__(
         self, num_local_experts: int, hidden_size: int, intermediate_size: int, fp8: bool = False,
-        act_dtype: torch.dtype | None = None,
+        act_dtype: torch.dtype | None = None, nvfp4: bool = False,
     ) -> None:
         super().__init__()
         self.num_local_experts = num_local_experts
@@ -51,7 +64,15 @@ class GroupedExperts(nn.Module):
         w2_shape = (num_local_experts, hidden_size, intermediate_size)
         self.w13_scale_inv: nn.Parameter | None = None
         self.w2_scale_inv: nn.Parameter | None = None
-        if fp8:
+        self.nvfp4 = nvfp4
+        if nvfp4:
+            for name, (n, k), parts in (("w13", w13_shape[1:], 2), ("w2", w2_shape[1:], 1)):
+                packed, scales = nvfp4_shapes(n, k)
+                setattr(self, name, _frozen(torch.empty(num_local_experts, *packed, dtype=torch.uint8)))
+                setattr(self, f"{name}_scale", _frozen(torch.empty(num_local_experts, *scales, dtype=SCALE_DTYPE)))
+                for scalar in ("scale_2", "input_scale"):  # per expert and part
+                    setattr(self, f"{name}_{scalar}", _frozen(torch.empty(num_local_experts, parts, dtype=F32)))
+        elif fp8:
             self.w13, self.w13_scale_inv = fp8_weight_pair(*w13_shape)
             self.w2, self.w2_scale_inv = fp8_weight_pair(*w2_shape)
         else:
@@ -61,10 +82,10 @@ class GroupedExperts(nn.Module):
     def _out_dtype(self, expert_input: ExpertInput) -> torch.dtype:
         if expert_input.scales is None:
             return expert_input.hidden_states.dtype
-        if self.w13_scale_inv is None:
+        if self.w13_scale_inv is None and not self.nvfp4:
             return self.w13.dtype
         if self.act_dtype is None:
-            raise ValueError("an FP8 payload (ExpertInput.scales) reached FP8 experts whose act_dtype (the "
+            raise ValueError("an FP8 payload (ExpertInput.scales) reached FP8 or NVFP4 experts whose act_dtype (the "
                              "model's activation dtype, the output's) was not set")
         return self.act_dtype
 
@@ -88,6 +109,9 @@ class GroupedExperts(nn.Module):
             return fp8_moe_swiglu(x, counts, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, tile, masked)
         if scales is not None:
             x = dequantize_rows(x, scales, out_dtype)
+        if self.nvfp4:
+            return nvfp4_moe_swiglu(x, counts, self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale,
+                                    self.w2_scale_2, tile, masked)
         # CUDA: device counts (_grouped_mm on bf16 SM90+, or Triton), no host sync; CPU: the decode kernel reads
         # the counts, larger inputs read them on the host
         return grouped_swiglu(x, counts, self.w13, self.w2, tile, masked)
