@@ -246,3 +246,64 @@ def test_modelopt_export_runs_equal_to_transformers(tmp_path):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
+
+
+def test_expert_parallel_ranks_read_their_experts_as_stored(nvfp4_tiny):
+    """EP 2 (two DP ranks): each rank's stacked experts are its own experts' packed weights, block scales and
+    (gate's, up's) global scales as stored; the bytes held are the plan's."""
+    from epserve.model.load_plan import model_bytes, plan_weight_bytes
+    from epserve.model.loader import load_model
+    from epserve.moe.dispatch.local import LocalDispatcher
+    from epserve.moe.placement import ExpertPlacement
+    from epserve.parallel.context import ParallelContext
+
+    path = nvfp4_tiny[0]
+    mc = ModelConfig.from_hf(path)
+    placement = ExpertPlacement.build(mc.n_routed_experts, 2)
+    layer = next(i for i in range(mc.num_hidden_layers) if mc.is_moe_layer(i))
+    with CheckpointReader(path) as reader:
+        for rank in range(2):
+            ctx = ParallelContext(dp=2, tp=1, rank=rank, device=torch.device("cpu"))
+            model = load_model(mc, str(path), torch.float32, ctx.device,
+                               LocalDispatcher(placement.num_local_slots), placement, ctx)
+            experts = model.layers[layer].mlp.experts
+            for j, e in enumerate(placement.local_logical_experts(rank)):
+                p = f"model.layers.{layer}.mlp.experts.{e}."
+                gate, up, down = (reader.get_raw(f"{p}{m}.weight") for m in ("gate_proj", "up_proj", "down_proj"))
+                assert torch.equal(experts.w13[j], torch.cat([gate, up])) and torch.equal(experts.w2[j], down)
+                assert torch.equal(experts.w13_scale[j].view(torch.uint8), torch.cat(
+                    [reader.get_raw(f"{p}{m}.weight_scale") for m in ("gate_proj", "up_proj")]).view(torch.uint8))
+                assert torch.equal(experts.w13_scale_2[j], torch.stack(
+                    [reader.get_raw(f"{p}{m}.weight_scale_2") for m in ("gate_proj", "up_proj")]))
+                assert torch.equal(experts.w2_input_scale[j, 0], reader.get_raw(f"{p}down_proj.input_scale"))
+            assert model_bytes(model) == plan_weight_bytes(mc, ctx, fp8=False, dtype=torch.float32)
+
+
+def test_mtp_speculative_greedy_equals_transformers(nvfp4_tiny):
+    """With MTP drafting (the MTP layer's experts as the checkpoint stores them): the oracle's tokens."""
+    path, hf = nvfp4_tiny
+    llm = LLM(path, dtype="float32", num_blocks=256, device="cpu", speculative="mtp", num_speculative_tokens=2)
+    assert llm.engine.runner.model.mtp[0].mlp.experts.w13.dtype == torch.uint8
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompt, out in zip(PROMPTS[:3], llm.generate(PROMPTS[:3], params)):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
+    assert llm.speculative_stats()["num_draft_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
+def test_layouts_give_the_oracle_tokens(nvfp4_tiny, dp, tp):
+    """Expert-parallel ranks (each reading its own NVFP4 experts) and TP ranks: transformers' tokens on the
+    dequantized checkpoint."""
+    path, hf = nvfp4_tiny
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(path, dtype="float32", dp=dp, tp=tp, num_blocks=96, max_num_seqs=8) as llm:
+        outs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
