@@ -193,12 +193,15 @@ def test_nvfp4_checkpoint_refuses_other_quantizations(nvfp4_tiny):
             resolve_fp8_weights(asked, config, 1, "cpu")
 
 
-def _altered_copy(path: Path, out: Path, drop: str | None = None, reshape: str | None = None) -> Path:
-    """``path`` with tensor ``drop`` left out, or tensor ``reshape`` cut to half its rows."""
+def _altered_copy(path: Path, out: Path, drop: str | None = None, reshape: str | None = None,
+                  cast: str | None = None) -> Path:
+    """``path`` with tensor ``drop`` left out, tensor ``reshape`` cut to half its rows, or ``cast`` stored fp32."""
     with CheckpointReader(path) as reader:
         tensors = {n: reader.get_raw(n) for n in reader.raw_keys() if n != drop}
     if reshape is not None:
         tensors[reshape] = tensors[reshape][: tensors[reshape].shape[0] // 2].clone()
+    if cast is not None:
+        tensors[cast] = tensors[cast].float()
     save_checkpoint(out, json.loads((path / "config.json").read_text()), tensors)
     return _with_tokenizer(path, out)
 
@@ -210,9 +213,10 @@ def test_a_missing_scale_or_a_wrong_shape_is_refused_by_name(nvfp4_tiny, tmp_pat
     with CheckpointReader(path) as reader:
         scale = next(n for n in reader.raw_keys() if ".experts." in n and n.endswith(".weight_scale"))
         scalar = next(n for n in reader.raw_keys() if ".shared_experts." in n and n.endswith(".weight_scale_2"))
-    for i, (drop, reshape) in enumerate([(scale, None), (scalar, None), (None, scale)]):
-        bad = _altered_copy(path, tmp_path / str(i), drop, reshape)
-        with pytest.raises(CheckpointError, match=(drop or reshape).replace(".", r"\.")):
+    for i, (drop, reshape, cast) in enumerate([(scale, None, None), (scalar, None, None), (None, scale, None),
+                                               (None, None, scale)]):
+        bad = _altered_copy(path, tmp_path / str(i), drop, reshape, cast)
+        with pytest.raises(CheckpointError, match=(drop or reshape or cast).replace(".", r"\.")):
             LLM(bad, dtype="float32", num_blocks=16, device="cpu")
 
 

@@ -102,6 +102,13 @@ def _check(piece: Piece, got: tuple[int, ...], want: tuple[int, ...], name: str)
         raise CheckpointError(f"checkpoint tensor {piece.source!r} (for {name}) has shape {got}, expected {want}")
 
 
+def _check_stored_dtype(reader: CheckpointReader, piece: Piece, dtype: torch.dtype, name: str) -> None:
+    """Refuse a tensor stored in another dtype than ``dtype`` (its first row read to tell)."""
+    stored = reader.get_raw(piece.source, rows=(0, 1) if reader.shape(piece.source) else None).dtype
+    if stored != dtype:
+        raise CheckpointError(f"checkpoint tensor {piece.source!r} (for {name}) is stored {stored}, expected {dtype}")
+
+
 def _copy_stored(reader: CheckpointReader, part: Piece, out: torch.Tensor, name: str) -> None:
     """``part`` of a checkpoint tensor, as stored (cast to ``out``'s dtype if it differs), into ``out``:
     rows read straight into it where they can be (``CheckpointReader.read_into``), columns through one
@@ -128,6 +135,8 @@ def _fill(reader: CheckpointReader, name: str, target: torch.Tensor, scale: torc
             _copy_stored(reader, piece, dst, name)
             _copy_stored(reader, piece.scaled(), _scale_view(scale, piece), name)
         elif scale is None and not stored_fp8:  # as stored, cast to the runtime dtype
+            if dst.dtype in (torch.uint8, FP8_DTYPE):  # NVFP4's packed weights and block scales: never cast
+                _check_stored_dtype(reader, piece, dst.dtype, name)
             _copy_stored(reader, piece, dst, name)
         elif scale is None and _whole_tiles(reader, piece):  # FP8 dequantized straight into the target
             _dequantize_into(reader, piece, dst, name)
