@@ -8,6 +8,7 @@ import torch
 from epserve import LLM, SamplingParams
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.runner import BatchPlan
+from tests.oracle import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,11 +88,7 @@ def test_greedy_continuations_match_transformers(variant):
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, 32)
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
         assert out.finish_reason == "length"
 
@@ -104,9 +101,7 @@ def test_long_prompt_beyond_yarn_original_context_in_chunks(make_ckpt, device):
     llm = LLM(path, dtype="float32", num_blocks=128, max_num_batched_tokens=128, device=device)
     prompt = [(i * 37) % 500 + 2 for i in range(700)]
     out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = hf_greedy(hf, prompt, 16)
     assert out.token_ids == ref
 
 
@@ -118,8 +113,6 @@ def test_mtp_speculative_greedy_matches_transformers(variant, device, request):
     llm = LLM(path, dtype="float32", num_blocks=256, device=device, speculative="mtp", num_speculative_tokens=k)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(PROMPTS[:3], llm.generate(PROMPTS[:3], params)):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, 12)
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
     assert llm.speculative_stats()["num_draft_tokens"] > 0

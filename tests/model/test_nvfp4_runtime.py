@@ -24,6 +24,7 @@ from epserve.kernels.grouped import grouped_swiglu_ref
 from epserve.kernels.nvfp4 import CHUNK_ROWS, dequantize_rows, nvfp4_linear_ref
 from epserve.model.quantization import resolve_fp8_weights
 from epserve.moe.experts import GroupedExperts
+from tests.oracle import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,9 +180,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_checkpoint(nvfp4_ti
     assert any(".shared_experts." in n for n in uint8) and not any("self_attn" in n for n in uint8)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, 24)
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
 
 
@@ -250,9 +249,7 @@ def test_modelopt_export_runs_equal_to_transformers(tmp_path):
     prompts = [[5, 17, 99, 3], list(range(10, 40)), [200] * 9]
     for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
                                                                           ignore_eos=True))):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, 16)
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
 
 
@@ -294,9 +291,7 @@ def test_mtp_speculative_greedy_equals_transformers(nvfp4_tiny):
     assert llm.engine.runner.model.mtp[0].mlp.experts.w13.dtype == torch.uint8
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for prompt, out in zip(PROMPTS[:3], llm.generate(PROMPTS[:3], params)):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, 12)
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
     assert llm.speculative_stats()["num_draft_tokens"] > 0
 
@@ -311,7 +306,5 @@ def test_layouts_give_the_oracle_tokens(nvfp4_tiny, dp, tp):
     with LLM(path, dtype="float32", dp=dp, tp=tp, num_blocks=96, max_num_seqs=8) as llm:
         outs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf_greedy(hf, prompt, 12)
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
