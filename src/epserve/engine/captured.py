@@ -65,11 +65,9 @@ class CapturedDecode:
         return DecodeStep.pad((), (), (), (), (), bucket, self.sink_slot, hidden)
 
     def pad(self, plan: BatchPlan, bucket: int, hidden: torch.Tensor | None = None) -> DecodeStep:
-        """The plan's rows padded to ``bucket``: their table rows, or a plan's whole tables where it names none
-        (a plan built without the leader's ``TableRows``)."""
-        tables = () if plan.table_rows else plan.block_tables
+        """The plan's rows padded to ``bucket``, each reading its request's row of the device tables."""
         return DecodeStep.pad(plan.input_ids, plan.positions, plan.slot_mapping, plan.seq_lens, plan.table_rows,
-                              bucket, self.sink_slot, hidden, tables)
+                              bucket, self.sink_slot, hidden)
 
     def forward(self, plan: BatchPlan, bucket: int, overlap: OverlapMode) -> torch.Tensor:
         """The step's final hidden states, its real rows (the plan's appends already in the tables)."""

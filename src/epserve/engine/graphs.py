@@ -102,8 +102,7 @@ class DecodeInputs:
 class DecodeStep:
     """A decode step as it reaches the captured decode: its rows on the host, padded to the bucket (token 0 at
     position 0, context length 0, writing ``sink_slot``, reading the padding table row), each naming its row of
-    the device block tables; with ``hidden`` the MTP pass's input ([real rows, H] on the device). ``tables``:
-    the real rows' whole block tables instead (a plan built without device-table rows)."""
+    the device block tables; with ``hidden`` the MTP pass's input ([real rows, H] on the device)."""
 
     input_ids: tuple[int, ...]
     positions: tuple[int, ...]
@@ -111,7 +110,6 @@ class DecodeStep:
     seq_lens: tuple[int, ...]
     table_rows: tuple[int, ...]
     hidden: torch.Tensor | None = None
-    tables: tuple[tuple[int, ...], ...] = ()
 
     @property
     def bucket(self) -> int:
@@ -120,15 +118,16 @@ class DecodeStep:
     @classmethod
     def pad(cls, input_ids: tuple[int, ...], positions: tuple[int, ...], slot_mapping: tuple[int, ...],
             seq_lens: tuple[int, ...], table_rows: tuple[int, ...], bucket: int, sink_slot: int,
-            hidden: torch.Tensor | None = None, tables: tuple[tuple[int, ...], ...] = ()) -> DecodeStep:
-        """The ``n`` decode rows padded to ``bucket`` rows (``table_rows`` empty with ``tables``)."""
+            hidden: torch.Tensor | None = None) -> DecodeStep:
+        """The ``n`` decode rows padded to ``bucket`` rows."""
         n = len(input_ids)
         if n > bucket:
             raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
+        if len(table_rows) != n:
+            raise ValueError(f"{n} decode rows name {len(table_rows)} device-table rows")
         pad = (0,) * (bucket - n)
-        rows = table_rows or (PAD_ROW,) * n
         return cls((*input_ids, *pad), (*positions, *pad), (*slot_mapping, *(sink_slot,) * len(pad)),
-                   (*seq_lens, *pad), (*rows, *(PAD_ROW,) * len(pad)), hidden, tables)
+                   (*seq_lens, *pad), (*table_rows, *(PAD_ROW,) * len(pad)), hidden)
 
 
 class DecodeGraphs:
@@ -220,9 +219,6 @@ class DecodeGraphs:
         for dst, src in zip(static.tensors()[:4], staged):
             dst.copy_(src)
         self.tables.gather(staged[4], out=static.block_tables)
-        if step.tables:  # whole tables: the real rows' columns over the padding row's
-            tables = self.tables.stage(step.tables)
-            static.block_tables[: tables.shape[0], : tables.shape[1]] = tables
         if static.hidden is not None:
             n = step.hidden.shape[0]  # type: ignore[union-attr]
             static.hidden[:n].copy_(step.hidden)  # type: ignore[arg-type]

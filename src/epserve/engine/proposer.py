@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epserve.engine.batch_plan import BatchPlan, StepResult, block_tables
+from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.block_tables import DeviceTables
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.sampling import SamplingPipeline
@@ -54,7 +54,7 @@ class _Drafting:
     request: Request
     num_drafts: int
     next_position: int
-    table_row: int  # its row of the device block tables (0: the plan carries whole tables)
+    table_row: int  # its row of the device block tables
 
 
 class MTPProposer:
@@ -166,18 +166,17 @@ class MTPProposer:
                 n = min(self.num_spec, draft_room(request, self.max_model_len, len(got)))
                 if n > 0:
                     draft_rows.append(len(ids) - 1)
-                    row = plan.table_rows[seqs[-1]] if plan.table_rows else 0
-                    drafting.append(_Drafting(request, n, chunk.start + chunk.num_known + len(got) - 1, row))
+                    drafting.append(_Drafting(request, n, chunk.start + chunk.num_known + len(got) - 1,
+                                              plan.table_rows[seqs[-1]]))
         first = BatchPlan(
             input_ids=tuple(ids),
             positions=tuple(plan.positions[i] for i in keep),
             slot_mapping=tuple(plan.slot_mapping[i] for i in keep),
             seq_lens=tuple(plan.seq_lens[i] for i in seqs),
-            block_tables=tuple(plan.block_tables[i] for i in seqs) if plan.block_tables else (),
             logits_indices=tuple(draft_rows),
             query_start_loc=tuple(query_start),
             num_decode_seqs=sum(1 for i in seqs if i < plan.num_decode_seqs),
-            table_rows=tuple(plan.table_rows[i] for i in seqs) if plan.table_rows else (),
+            table_rows=tuple(plan.table_rows[i] for i in seqs),
         )
         return DraftPass(first, tuple(keep)), drafting
 
@@ -188,17 +187,15 @@ class MTPProposer:
         bs = self.block_size
         positions = [d.next_position - 1 + depth for d in active]
         seq_lens = [p + 1 for p in positions]
-        rows = tuple(d.table_row for d in active) if all(d.table_row for d in active) else ()
         plan = BatchPlan(
             input_ids=tuple(drafts[d.request.request_id][-1] for d in active),
             positions=tuple(positions),
             slot_mapping=tuple(d.request.block_ids[p // bs] * bs + p % bs for d, p in zip(active, positions)),
             seq_lens=tuple(seq_lens),
-            block_tables=() if rows else block_tables([d.request.block_ids for d in active], seq_lens, bs),
             logits_indices=tuple(range(len(active))),
             query_start_loc=tuple(range(len(active) + 1)),
             num_decode_seqs=len(active),
-            table_rows=rows,
+            table_rows=tuple(d.table_row for d in active),
         )
         return DraftPass(plan, tuple(hidden_rows))
 
