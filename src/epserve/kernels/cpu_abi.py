@@ -71,6 +71,13 @@ def experts_table(suffix: str) -> tuple[Signature, ...]:
     )
 
 
+NVFP4_TABLE: tuple[Signature, ...] = (  # cpu_nvfp4.c; the dequantize serves prefill's GEMMs, never recorded
+    fn("epserve_nvfp4_linear", "ptr int i64 ptr ptr ptr i64 i64 i64 ptr int"),
+    fn("epserve_nvfp4_dequantize", "ptr ptr ptr i64 i64 i64 i64 i64 ptr int", recorded=False),
+    fn("epserve_nvfp4_moe_swiglu", "ptr int i64 ptr i64 ptr ptr ptr i64 ptr ptr ptr i64 i64 i64 ptr int", INT),
+)
+
+
 def twins_source(table: tuple[Signature, ...]) -> str:
     """C source of the packed twins of ``table``'s recorded functions (``<name>_packed``), each calling its
     function through a prototype written from the table."""
