@@ -17,7 +17,8 @@ implementations): ``nvfp4_linear`` (x in bf16/fp16/fp32 stays in its dtype: W4A1
 dequantizes :data:`CHUNK_ROWS` output rows at a time into fp32 and multiplies (fp32 accumulation, the result
 cast to x's dtype), so its extra memory is one chunk whatever the weight's size; experts without rows are
 never read. The e2m1 decode is a 16-entry table here (``checkpoint.nvfp4`` writes the format; kernels stay
-below it). C and Triton kernels are listed with ``implement`` as they come.
+below it). On the CPU the C kernels of ``kernels.cpu_nvfp4`` run them where they take the call (W4A16, four
+bits a weight streamed, never expanded); Triton kernels are listed with ``implement`` as they come.
 """
 
 from __future__ import annotations
@@ -178,3 +179,11 @@ def nvfp4_moe_swiglu(
     [E, 1]) -> [R, H] in x's dtype, rows past sum(counts) zero (``masked``: undefined; the reference never reads
     them). ``rows_per_expert``: the GPU kernels' tile hint."""
     return nvfp4_moe_swiglu_ref(x, counts, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
+
+
+# ---- implementations ----------------------------------------------------------------------------
+
+from epserve.kernels import cpu_nvfp4  # noqa: E402  (imports nothing of this module)
+
+nvfp4_linear.implement("cpu", "epserve.kernels.cpu_nvfp4:linear", takes=cpu_nvfp4.linear_takes)
+nvfp4_moe_swiglu.implement("cpu", "epserve.kernels.cpu_nvfp4:moe_swiglu", takes=cpu_nvfp4.moe_swiglu_takes)
