@@ -46,7 +46,7 @@ OverlapMode = Literal["none", "dispatch", "microbatch"]  # a step's schedule (pa
 OverlapSetting = Literal["none", "dispatch", "microbatch", "auto"]  # auto: micro-batches above a threshold
 # auto: local for EP 1, else all_to_all; symm_mem: CUDA with NVSHMEM (moe/dispatch/symm_mem.py)
 DispatchBackend = Literal["auto", "local", "all_to_all", "padded", "symm_mem"]
-DispatchDtype = Literal["auto", "fp8", "model"]  # the dispatched rows: auto = model = the activation dtype
+DispatchDtype = Literal["auto", "fp8", "model", "nvfp4"]  # the dispatched rows: auto = model = the activation dtype
 OVERLAP_MODES: tuple[str, ...] = get_args(OverlapMode)
 OVERLAP_CHOICES: tuple[str, ...] = get_args(OverlapSetting)
 DISPATCH_BACKENDS: tuple[str, ...] = get_args(DispatchBackend)
@@ -109,7 +109,8 @@ class ParallelConfig:
 
     ``dispatch``: the MoE token exchange (``auto`` = ``local`` for EP 1, else ``all_to_all``; ``symm_mem``:
     exact and capturable, CUDA with NVSHMEM only). ``dispatch_dtype``: the rows it sends, ``auto``/``model``
-    in the activation dtype, ``fp8`` quantized as the FP8 expert GEMM would (needs FP8 expert weights).
+    in the activation dtype, ``fp8`` quantized as the FP8 expert GEMM would (needs FP8 expert weights),
+    ``nvfp4`` as NVFP4 with a scale per token (lossy; needs NVFP4 expert weights: an NVFP4 checkpoint).
     ``overlap``: ``none``, ``dispatch`` (shared expert while the dispatch is in flight),
     ``microbatch`` (two interleaved micro-batches) or ``auto`` (micro-batches once every rank's FFN
     half has at least ``microbatch_threshold`` tokens; default: 256 on CUDA, never on CPU, where the
@@ -238,7 +239,13 @@ class EngineConfig:
 
     def _check_dispatch_dtype(self) -> None:
         """``dispatch_dtype='fp8'`` sends what the FP8 expert GEMM takes: refused when the routed experts'
-        weights will not be FP8 (the runner checks the final word, ``moe/dispatch/payload.py``)."""
+        weights will not be FP8; ``'nvfp4'`` is refused for a checkpoint that is not NVFP4 (the runner checks
+        the final word, ``moe/dispatch/payload.py``)."""
+        if self.parallel.dispatch_dtype == "nvfp4" and not self.model.is_nvfp4:
+            kind = "an FP8" if self.model.is_fp8 else "a bf16/fp32"
+            raise ConfigError(f"dispatch_dtype='nvfp4' (--dispatch-dtype nvfp4) needs NVFP4 routed-expert weights; "
+                              f"this is {kind} checkpoint, not a ModelOpt NVFP4 one. Make one with epserve "
+                              "make-checkpoint --quantization nvfp4, or use --dispatch-dtype auto (or fp8)")
         if self.parallel.dispatch_dtype != "fp8":
             return
         why = None

@@ -8,7 +8,9 @@ one call where it cannot enter it.
 
 The dispatcher may hand over an FP8 payload (``ExpertInput.scales``): rows already quantized as
 ``kernels.fp8.act_quant`` quantizes them. FP8 experts run their GEMMs on it directly; experts in the
-model dtype, and NVFP4 experts (four-bit weights, activations in the model dtype), dequantize it first. Every
+model dtype, and NVFP4 experts (four-bit weights, activations in the model dtype), dequantize it first. An
+NVFP4 payload (``--dispatch-dtype nvfp4``: e2m1 codes, ``scales`` and ``ExpertInput.global_scale``) is
+dequantized to the model dtype by every kind of experts (NVFP4 experts run W4A16 on it). Every
 path takes the dispatcher's masked layout (``ExpertInput.masked``: the padding rows skipped by the GEMMs, and by
 the FP8 quantizers) and its row-tile hint (``ExpertInput.rows_per_expert``).
 """
@@ -21,6 +23,7 @@ from torch import nn
 from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_weight_pair
 from epserve.kernels.fp8_layers import fp8_moe_swiglu, fp8_moe_swiglu_quantized
 from epserve.kernels.nvfp4 import SCALE_DTYPE, nvfp4_moe_swiglu, nvfp4_shapes
+from epserve.kernels.nvfp4_act import nvfp4_act_dequant
 from epserve.kernels.ops import grouped_swiglu
 from epserve.moe.dispatch.base import ExpertInput
 
@@ -85,8 +88,8 @@ class GroupedExperts(nn.Module):
         if self.w13_scale_inv is None and not self.nvfp4:
             return self.w13.dtype
         if self.act_dtype is None:
-            raise ValueError("an FP8 payload (ExpertInput.scales) reached FP8 or NVFP4 experts whose act_dtype (the "
-                             "model's activation dtype, the output's) was not set")
+            raise ValueError("an FP8 or NVFP4 payload (ExpertInput.scales) reached FP8 or NVFP4 experts whose "
+                             "act_dtype (the model's activation dtype, the output's) was not set")
         return self.act_dtype
 
     def forward(self, expert_input: ExpertInput) -> torch.Tensor:
@@ -94,6 +97,11 @@ class GroupedExperts(nn.Module):
         activation dtype; rows past the counts' sum zero, or undefined for a ``masked`` input, whose padding
         rows the experts skip, FP8 or not; the GEMMs' row tile from ``rows_per_expert``)."""
         x, counts, scales = expert_input.hidden_states, expert_input.num_tokens_per_expert, expert_input.scales
+        if expert_input.global_scale is not None:  # an NVFP4 payload: its values in the model dtype (W4A16)
+            if scales is None:
+                raise ValueError("an NVFP4 payload (ExpertInput.global_scale) came without its block scales")
+            x = nvfp4_act_dequant(x, scales, expert_input.global_scale, self._out_dtype(expert_input))
+            scales = None
         want_scales = (x.shape[0], -(-x.shape[1] // BLOCK))
         if scales is not None and (x.dtype != FP8_DTYPE or tuple(scales.shape) != want_scales):
             raise ValueError(f"an FP8 payload is {FP8_DTYPE} rows [N, H] with fp32 scales [N, ceil(H/128)], got "

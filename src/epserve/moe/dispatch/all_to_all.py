@@ -9,7 +9,8 @@ combine reverses the regrouping and the exchange, then does the weighted scatter
 The count exchange is this backend's one host sync per layer (the split sizes must be known on the host),
 which is why a captured decode step (``engine/graphs.py``) wants the fixed-shape ``padded`` backend.
 With ``fp8`` (``--dispatch-dtype fp8``) the rows travel as packed FP8 bytes with their scales
-(``payload.py``) and reach the experts as ``ExpertInput.hidden_states`` fp8 plus ``scales``; the combine
+(``payload.py``) and reach the experts as ``ExpertInput.hidden_states`` fp8 plus ``scales``; with ``nvfp4``
+as packed NVFP4 bytes, reaching them as e2m1 codes, block ``scales`` and ``global_scale``; the combine
 returns expert outputs in their own dtype. ``comm_bytes`` counts the rows sent (not the small count
 exchange).
 """
@@ -39,7 +40,7 @@ class SenderRoute:
 @dataclass(frozen=True)
 class AllToAllInFlight(DispatchHandle):
     work: dist.Work
-    send: torch.Tensor  # [T*K, W] sent rows (W: H, or the packed FP8 width), kept alive until the transfer completes
+    send: torch.Tensor  # [T*K, W] sent rows (W: H, or the packed width), kept alive until the transfer completes
     recv: torch.Tensor  # [N, W], grouped by source rank, then local slot
     hidden: int  # H
     perm: torch.Tensor  # [N] row of ``recv`` for each ExpertInput row
@@ -96,8 +97,10 @@ class AllToAllDispatcher(GroupDispatcher):
     def dispatch_recv(self, handle: AllToAllInFlight) -> tuple[ExpertInput, AllToAllRoute]:
         handle.work.wait()
         host = handle.num_tokens_per_expert  # from the count exchange: this backend's one host sync
-        rows, scales = self.payload.expert_rows(handle.recv.index_select(0, handle.perm), handle.hidden)
-        expert_input = ExpertInput(rows, host.to(rows.device, non_blocking=True), tuple(host.tolist()), scales)
+        rows = self.payload.expert_rows(handle.recv.index_select(0, handle.perm), handle.hidden)
+        x = rows.hidden_states
+        expert_input = ExpertInput(x, host.to(x.device, non_blocking=True), tuple(host.tolist()), rows.scales,
+                                   global_scale=rows.global_scale)
         return expert_input, AllToAllRoute(handle.perm, handle.sender)
 
     def combine_send(self, y: torch.Tensor, handle: AllToAllRoute) -> AllToAllCombineInFlight:

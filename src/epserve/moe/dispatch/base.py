@@ -33,9 +33,12 @@ class ExpertInput:
     host_counts: tuple[int, ...] | None = None  # the same counts, when the backend has them on the host
     # With an FP8 payload (``--dispatch-dtype fp8``): ``hidden_states`` is float8 e4m3 and ``scales`` its
     # fp32 scale per row and 128 columns [N, H/128], the activation quantization of the FP8 expert GEMM.
+    # With an NVFP4 payload (``--dispatch-dtype nvfp4``): ``hidden_states`` is uint8 [N, H/2] (two e2m1 codes
+    # a byte), ``scales`` float8_e4m3fn [N, H/16] and ``global_scale`` fp32 [N], one per row (payload.py).
     scales: torch.Tensor | None = None
     masked: bool = False
     rows_per_expert: float | None = None
+    global_scale: torch.Tensor | None = None
 
     def counts_list(self) -> tuple[int, ...]:
         """Rows per local slot on the host (a device sync unless ``host_counts``)."""
@@ -96,11 +99,13 @@ class Dispatcher(ABC):
 
 class GroupDispatcher(Dispatcher):
     """A dispatcher over the ranks of an expert-parallel process group (``all_to_all``, ``padded``): this
-    rank's ``num_local_slots`` expert slots, its place in ``group``, and the row format it sends."""
+    rank's ``num_local_slots`` expert slots, its place in ``group``, and the row format it sends (``fp8``,
+    ``nvfp4``: ``payload.py``)."""
 
-    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False) -> None:
+    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False, *,
+                 nvfp4: bool = False) -> None:
         self.num_local_slots = num_local_slots
-        self.payload = Payload(fp8)
+        self.payload = Payload(fp8, nvfp4)
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)

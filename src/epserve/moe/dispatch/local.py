@@ -1,7 +1,8 @@
 """``local`` dispatcher (EP = 1): every expert is on this rank, so dispatch is a permutation that
 groups token copies by expert, and combine is the weighted scatter-add back. The reference the
 multi-rank backends are tested against. With ``fp8`` (``--dispatch-dtype fp8``) the ``T`` tokens are
-quantized once before the permutation (``payload.py``), not their ``T*K`` copies by the expert GEMM."""
+quantized once before the permutation (``payload.py``), not their ``T*K`` copies by the expert GEMM; with
+``nvfp4`` (``--dispatch-dtype nvfp4``) likewise, so its experts see the values a multi-rank backend's do."""
 
 from __future__ import annotations
 
@@ -39,19 +40,20 @@ class LocalCombined(DispatchHandle):
 class LocalDispatcher(Dispatcher):
     name = "local"
 
-    def __init__(self, num_local_experts: int, fp8: bool = False) -> None:
+    def __init__(self, num_local_experts: int, fp8: bool = False, *, nvfp4: bool = False) -> None:
         self.num_local_experts = num_local_experts
-        self.payload = Payload(fp8)
+        self.payload = Payload(fp8, nvfp4)
         self.reset_stats()  # stays zero: nothing leaves this rank
 
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LocalInFlight:
-        if not self.payload.fp8:  # one C call on the CPU: the grouping, the rows, their tokens and weights
+        if not self.payload.quantized:  # one C call on the CPU: the grouping, the rows, their tokens and weights
             rows, counts, token_idx, weights = local_dispatch(x, topk_ids, topk_weights, self.num_local_experts)
             return LocalInFlight(ExpertInput(rows, counts), LocalRoute(x.shape[0], token_idx, weights))
         order, counts = group_by_expert(topk_ids, self.num_local_experts)
         token_idx = order // topk_ids.shape[1]
-        rows, scales = self.payload.expert_rows(self.payload.rows(x).index_select(0, token_idx), x.shape[1])
-        expert_input = ExpertInput(rows, counts, scales=scales)  # no host sync
+        rows = self.payload.expert_rows(self.payload.rows(x).index_select(0, token_idx), x.shape[1])
+        expert_input = ExpertInput(rows.hidden_states, counts, scales=rows.scales,
+                                   global_scale=rows.global_scale)  # no host sync
         route = LocalRoute(x.shape[0], token_idx, topk_weights.reshape(-1).index_select(0, order))
         return LocalInFlight(expert_input, route)
 

@@ -6,8 +6,8 @@ int64 ``[ep_size, capacity]`` buffer holding each row's local slot at the destin
 Precondition: a token's top-k slots are distinct (the gate guarantees it), so no token sends more than
 ``min(K, num_local_slots)`` rows to one rank. Combine sends the same fixed shape back; each sender picks
 its rows at the positions it used. ``comm_bytes`` counts every row of both buffers sent to other ranks,
-padding included. With ``fp8`` (``--dispatch-dtype fp8``) the real rows are quantized before they are
-placed (the ``T`` tokens once, ``payload.py``) and travel as packed FP8 bytes; padding rows are zero bytes.
+padding included. With ``fp8`` or ``nvfp4`` (``--dispatch-dtype``) the real rows are quantized before they
+are placed (the ``T`` tokens once, ``payload.py``) and travel as packed bytes; padding rows are zero bytes.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class PaddedSenderRoute:
 
 @dataclass(frozen=True)
 class PaddedInFlight(DispatchHandle):
-    recv: torch.Tensor  # [ep_size*capacity, W] rows (W: H or the packed FP8 width), block s from rank s (in flight)
+    recv: torch.Tensor  # [ep_size*capacity, W] rows (W: H or the packed width), block s from rank s (in flight)
     recv_slots: torch.Tensor  # [ep_size*capacity] int64 local slot of each received row, -1 = padding
     hidden: int  # H
     capacity: int
@@ -58,8 +58,9 @@ class PaddedCombineInFlight(DispatchHandle):
 class PaddedDispatcher(GroupDispatcher):
     name = "padded"
 
-    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False) -> None:
-        super().__init__(num_local_slots, group, fp8)
+    def __init__(self, num_local_slots: int, group: dist.ProcessGroup, fp8: bool = False, *,
+                 nvfp4: bool = False) -> None:
+        super().__init__(num_local_slots, group, fp8, nvfp4=nvfp4)
         self.max_tokens_per_rank: int | None = None
 
     def begin_step(self, max_tokens_per_rank: int) -> None:
@@ -111,8 +112,9 @@ class PaddedDispatcher(GroupDispatcher):
         counts = count_per_expert(keys, slots + 1)[:slots]
         perm = torch.argsort(keys, stable=True)
         recv = funcol.wait_tensor(handle.recv)
-        rows, scales = self.payload.expert_rows(recv.index_select(0, perm), handle.hidden)
-        return ExpertInput(rows, counts, scales=scales), PaddedRoute(perm, handle.capacity, handle.sender)
+        rows = self.payload.expert_rows(recv.index_select(0, perm), handle.hidden)
+        expert_input = ExpertInput(rows.hidden_states, counts, scales=rows.scales, global_scale=rows.global_scale)
+        return expert_input, PaddedRoute(perm, handle.capacity, handle.sender)
 
     def combine_send(self, y: torch.Tensor, handle: PaddedRoute) -> PaddedCombineInFlight:
         """y [N, H] in ExpertInput order."""

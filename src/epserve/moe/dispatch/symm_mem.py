@@ -123,7 +123,7 @@ class SymmMemDispatcher(Dispatcher):
 
     def __init__(self, num_local_slots: int, group: dist.ProcessGroup, top_k: int, max_tokens_per_rank: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device, fp8: bool = False,
-                 exchange: Exchange | None = None) -> None:
+                 exchange: Exchange | None = None, *, nvfp4: bool = False) -> None:
         """Allocates the buffers: a collective, every EP rank at once. ``exchange``: the NVSHMEM one unless
         given (the CPU tests give its gloo twin)."""
         device = torch.device(device)
@@ -138,13 +138,13 @@ class SymmMemDispatcher(Dispatcher):
         self.ep_rank = dist.get_rank(group)
         self.top_k = top_k
         self.max_tokens_per_rank = max_tokens_per_rank
-        self.payload = Payload(fp8)
+        self.payload = Payload(fp8, nvfp4)
         self.shape = BufferShape(
             send_rows=max_tokens_per_rank * top_k, recv_rows=ep * max_tokens_per_rank * min(top_k, num_local_slots),
             width=self.payload.width(hidden_size), payload_dtype=self.payload.dtype(dtype), hidden=hidden_size,
             dtype=dtype, slots=num_local_slots, ep=ep)
         self.buffers = [BufferSet(self.shape, exchange, device) for _ in range(NUM_BUFFER_SETS)]
-        self.larger_steps = AllToAllDispatcher(num_local_slots, group, fp8)  # steps past the buffers (eager)
+        self.larger_steps = AllToAllDispatcher(num_local_slots, group, fp8, nvfp4=nvfp4)  # steps past the buffers
         self._next = 0
         self.step_tokens: int | None = None
         self._sent = torch.zeros(2, dtype=torch.int64, device=device)  # dispatch, combine bytes (on the device)
@@ -203,7 +203,7 @@ class SymmMemDispatcher(Dispatcher):
         b = self._acquire(num_tokens)
         order, counts = group_by_expert(topk_ids, ep * slots)  # rank-major, then local slot: the send order
         token_idx = order // top_k
-        rows = self.payload.rows(x)  # the T tokens, quantized once with an FP8 payload
+        rows = self.payload.rows(x)  # the T tokens, quantized once with an FP8 or NVFP4 payload
         n = num_tokens * top_k
         b.send[:n, : rows.shape[1]] = rows.index_select(0, token_idx)
         b.counts_send.copy_(counts)
@@ -223,9 +223,9 @@ class SymmMemDispatcher(Dispatcher):
         b = handle.buffers
         counts = b.counts_recv.view(self.ep_size, self.num_local_slots)
         index, position, per_slot, total = regroup_indices(counts, handle.num_rows, self.shape.recv_rows)
-        rows, scales = self.payload.gather_expert_rows(b.recv, index, total, handle.hidden)
-        expert_input = ExpertInput(rows, per_slot, scales=scales, masked=True,
-                                   rows_per_expert=handle.rows_per_expert)
+        rows = self.payload.gather_expert_rows(b.recv, index, total, handle.hidden)
+        expert_input = ExpertInput(rows.hidden_states, per_slot, scales=rows.scales, masked=True,
+                                   rows_per_expert=handle.rows_per_expert, global_scale=rows.global_scale)
         return expert_input, SymmMemRoute(b, position, total, handle.sender)
 
     def combine_send(self, y: torch.Tensor, handle: DispatchHandle) -> DispatchHandle:
