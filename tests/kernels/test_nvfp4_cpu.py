@@ -53,7 +53,7 @@ def _dense(packed: torch.Tensor, scales: torch.Tensor, global_scales: torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("n,k,parts", [(35, 48, 1), (38, 80, 2), (70, 96, 2), (33, 208, 1)])
+@pytest.mark.parametrize("n,k,parts", [(35, 48, 1), (38, 80, 2), (70, 96, 2), (33, 208, 1), (22, 259 * 16, 2)])
 def test_linear_matches_the_reference(dtype, n, k, parts):
     packed, scales, global_scales = _weight(n, k, parts=parts)
     dense = _dense(packed, scales, global_scales)
@@ -80,10 +80,15 @@ def test_linear_takes_leading_dimensions_and_declines_what_it_cannot_run():
 
 
 def test_the_dequantize_kernel_gives_the_references_values_bit_for_bit():
-    packed, scales, global_scales = _weight(38, 80, parts=2)
+    """Every e4m3 scale (subnormals, the largest, the NaN codes 0x7F and 0xFF, negatives) in rows of 259 blocks:
+    the kernel converts a row's scales 256 blocks at a time, 16 at a time, here the last three alone."""
+    packed, scales, global_scales = _weight(38, 259 * 16, parts=2)
+    scales.view(torch.uint8).view(-1)[:] = (torch.arange(38 * 259) % 256).to(torch.uint8)
     dense = _dense(packed, scales, global_scales)
-    assert torch.equal(cpu_nvfp4.dequantize(packed, scales, global_scales, 0, 38), dense)
-    assert torch.equal(cpu_nvfp4.dequantize(packed, scales, global_scales, 5, 21), dense[5:21])
+    assert dense.isnan().any() and (dense < 0).any()
+    for lo, hi in ((0, 38), (5, 21)):
+        torch.testing.assert_close(cpu_nvfp4.dequantize(packed, scales, global_scales, lo, hi), dense[lo:hi],
+                                   rtol=0, atol=0, equal_nan=True)
 
 
 def _experts(e: int, h: int, inter: int) -> tuple[torch.Tensor, ...]:

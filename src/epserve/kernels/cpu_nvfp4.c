@@ -1,15 +1,18 @@
-/* NVFP4 (W4A16) kernels for the CPU (x86-64 with AVX-512F and FMA): ModelOpt's four-bit weights run as stored.
+/* NVFP4 (W4A16) kernels for the CPU (x86-64 with AVX-512F, AVX-512 VBMI and FMA): ModelOpt's four-bit weights
+ * run as stored.
  *
  * A weight [N, K] is uint8 [N, K/2] (two e2m1 codes a byte, the even column in the low nibble), e4m3 block
  * scales [N, K/16] and fp32 global scales [S] (the rows split into S equal parts, a fused linear's parts). Its
  * value is e2m1 x (block scale x global scale) in fp32, the dequantized checkpoint's, bit for bit: a kernel
- * never expands a weight in memory but decodes 32 codes at a time in registers (nibbles widened to lanes, the
- * 16-entry e2m1 table by one permute, times the block's scale) and multiplies them into the fp32 rows of x
- * while they are there. A weight row and its scales are read once per call for up to TILE_M rows of x, one
- * row after another (one sequential stream per thread, as the bf16/fp32 decode GEMMs read theirs); more rows
- * of x pass over a block of weight rows held in L2. Activations are fp32 or bf16 (W4A16: never quantized),
- * accumulated in fp32; the result in x's dtype. Built and loaded at run time by kernels/cpu.py (front end:
- * kernels/cpu_nvfp4.py); the torch reference of kernels/nvfp4.py is the fallback.
+ * never expands a weight in memory but decodes a block of 16 codes at a time in registers (one multishift puts
+ * each code in its lane, one permute reads the 16-entry e2m1 table, one multiply applies the block's scale,
+ * converted 256 blocks at a time by bit arithmetic) and multiplies them into the fp32 rows of x while they are
+ * there. A weight row and its scales are read once per call for up to TILE_M rows of x: one row of x streams
+ * the weight rows one after another (one sequential stream per thread, as the bf16/fp32 decode GEMMs read
+ * theirs), more rows take four weight rows at a time, decoded a stretch at a time into L1; beyond TILE_M rows
+ * of x the next tiles read a block of weight rows again from L2. Activations are fp32 or bf16 (W4A16: never
+ * quantized), accumulated in fp32; the result in x's dtype. Built and loaded at run time by kernels/cpu.py
+ * (front end: kernels/cpu_nvfp4.py); the torch reference of kernels/nvfp4.py is the fallback.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,14 +27,22 @@
 #define GROUP 16
 #define ROW_BLOCK 32 /* weight rows a thread takes at a time: 32 rows of K = 7168 (115 KB) stay in L2 */
 
-static float E4M3[256]; /* e4m3fn -> fp32, every code */
+#define SCHUNK 256 /* blocks whose scales are converted at a time (a row's stretch of 4096 values) */
 
-__attribute__((constructor)) static void fill_e4m3(void) {
-  for (int b = 0; b < 256; b++) {
-    const int e = (b >> 3) & 15, m = b & 7;
-    float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
-    if (e == 15 && m == 7) v = NAN;
-    E4M3[b] = b & 0x80 ? -v : v;
+/* The scales of nb <= SCHUNK blocks as fp32, each e4m3 block scale times the global scale g (the reference's
+ * one rounding). An e4m3 code's bits moved into fp32's exponent and mantissa fields are its value times 2^-120,
+ * normal and subnormal alike (so times 2^120, exactly, gives the value); the codes 0x7F/0xFF are NaN. */
+static inline void block_scales(const uint8_t *s, int64_t nb, float g, float *out) {
+  const __m512 two120 = _mm512_set1_ps(0x1p120f), gv = _mm512_set1_ps(g), nan = _mm512_set1_ps(NAN);
+  const __m512i magnitude = _mm512_set1_epi32(0x7F), sign = _mm512_set1_epi32(0x80);
+  for (int64_t j = 0; j < nb; j += 16) {
+    uint8_t bytes[16] = {0};
+    if (nb - j < 16) memcpy(bytes, s + j, (size_t)(nb - j));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nb - j < 16 ? bytes : s + j)));
+    const __m512i m = _mm512_and_si512(v, magnitude);
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(m, 20), _mm512_slli_epi32(_mm512_and_si512(v, sign), 24));
+    const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), two120), gv);
+    _mm512_storeu_ps(out + j, _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(m, magnitude), f, nan));
   }
 }
 
@@ -41,21 +52,18 @@ static inline __m512 e2m1_table(void) {
                         -4.0f, -6.0f);
 }
 
-/* The 32 values of 16 packed bytes (two blocks), each times its block's scale. */
-static inline void decode32(const uint8_t *p, const uint8_t *s, float g, __m512 table, __m512 *w0, __m512 *w1) {
-  const __m128i b = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-  *w0 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table),
-                      _mm512_set1_ps(E4M3[s[0]] * g));
-  *w1 = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table),
-                      _mm512_set1_ps(E4M3[s[1]] * g));
+/* The multishift control that puts code i of a block (bits 4i..4i+3 of its 8 bytes, broadcast to every
+ * quadword) in the low bits of lane i: the permute's index reads only those four bits. */
+static inline __m512i nibble_lanes(void) {
+  return _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
 }
 
-/* The 16 values of 8 packed bytes (one block) times its scale. */
-static inline __m512 decode16(const uint8_t *p, const uint8_t *s, float g, __m512 table) {
-  const __m128i b = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(0x0F);
-  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-  return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), _mm512_set1_ps(E4M3[s[0]] * g));
+/* The 16 values of one block (8 packed bytes) times its scale: a broadcast, a multishift, a permute, a mul. */
+static inline __m512 decode16(const uint8_t *p, float scale, __m512 table, __m512i lanes) {
+  uint64_t q;
+  memcpy(&q, p, 8);
+  const __m512i codes = _mm512_multishift_epi64_epi8(lanes, _mm512_set1_epi64((long long)q));
+  return _mm512_mul_ps(_mm512_permutexvar_ps(codes, table), _mm512_set1_ps(scale));
 }
 
 /* Where a row's results go: fp32 (yf) or bf16 (yb), row-major with leading dimension ld. */
@@ -72,29 +80,37 @@ static inline void put(Out o, int64_t m, int64_t n, float v) {
 
 /* One weight row (packed w, block scales s, global scale g) against M rows of x (fp32, leading dimension ldx),
  * M a compile-time constant so the accumulators live in registers: y[m, n] = sum_k x[m, k] * W[n, k]. Up to
- * eight rows two accumulators each (the two blocks of a step), more one (the loads bound those). The next
- * stretch of the row is prefetched a few steps ahead (the row's stream crosses into the next row's). */
+ * eight rows two accumulators each (the two blocks of a step), more one (the loads bound those). The row's
+ * scales are converted SCHUNK blocks at a time; the packed row is prefetched a few steps ahead. */
 #define DEFINE_ROW(M, TWO)                                                                                     \
   static void row_##M(const float *x, int64_t ldx, const uint8_t *w, const uint8_t *s, float g, int64_t K,    \
                       Out o, int64_t n) {                                                                       \
     const __m512 table = e2m1_table();                                                                         \
+    const __m512i lanes = nibble_lanes();                                                                      \
+    float sb[SCHUNK];                                                                                          \
     __m512 a[M], b[TWO ? M : 1];                                                                               \
     for (int m = 0; m < M; m++) a[m] = _mm512_setzero_ps();                                                    \
     for (int m = 0; m < (TWO ? M : 1); m++) b[m] = _mm512_setzero_ps();                                        \
-    int64_t k = 0;                                                                                             \
-    for (; k + 32 <= K; k += 32) {                                                                             \
-      _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);                                              \
-      __m512 w0, w1;                                                                                           \
-      decode32(w + k / 2, s + k / GROUP, g, table, &w0, &w1);                                                  \
-      for (int m = 0; m < M; m++) {                                                                            \
-        a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), w0, a[m]);                                    \
-        if (TWO) b[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16), w1, b[m]);                      \
-        else a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k + 16), w1, a[m]);                          \
+    for (int64_t c = 0; c < K; c += SCHUNK * GROUP) {                                                          \
+      const int64_t kl = K - c < SCHUNK * GROUP ? K - c : SCHUNK * GROUP;                                      \
+      block_scales(s + c / GROUP, kl / GROUP, g, sb);                                                          \
+      const uint8_t *wc = w + c / 2;                                                                           \
+      const float *xc = x + c;                                                                                 \
+      int64_t k = 0;                                                                                           \
+      for (; k + 32 <= kl; k += 32) {                                                                          \
+        _mm_prefetch((const char *)(wc + k / 2 + 512), _MM_HINT_T0);                                           \
+        const __m512 w0 = decode16(wc + k / 2, sb[k / GROUP], table, lanes);                                   \
+        const __m512 w1 = decode16(wc + k / 2 + 8, sb[k / GROUP + 1], table, lanes);                           \
+        for (int m = 0; m < M; m++) {                                                                          \
+          a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * ldx + k), w0, a[m]);                                 \
+          if (TWO) b[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * ldx + k + 16), w1, b[m]);                   \
+          else a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * ldx + k + 16), w1, a[m]);                       \
+        }                                                                                                      \
       }                                                                                                        \
-    }                                                                                                          \
-    if (k < K) { /* K % 32 == 16: the last block */                                                            \
-      const __m512 w0 = decode16(w + k / 2, s + k / GROUP, g, table);                                          \
-      for (int m = 0; m < M; m++) a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * ldx + k), w0, a[m]);          \
+      if (k < kl) { /* kl % 32 == 16: the last block */                                                        \
+        const __m512 w0 = decode16(wc + k / 2, sb[k / GROUP], table, lanes);                                   \
+        for (int m = 0; m < M; m++) a[m] = _mm512_fmadd_ps(_mm512_loadu_ps(xc + m * ldx + k), w0, a[m]);      \
+      }                                                                                                        \
     }                                                                                                          \
     for (int m = 0; m < M; m++) put(o, m, n, _mm512_reduce_add_ps(TWO ? _mm512_add_ps(a[m], b[m]) : a[m]));   \
   }
@@ -106,9 +122,60 @@ typedef void (*row_fn)(const float *, int64_t, const uint8_t *, const uint8_t *,
 static const row_fn ROW[TILE_M + 1] = {0,      row_1,  row_2,  row_3,  row_4,  row_5,  row_6,  row_7, row_8,
                                        row_9, row_10, row_11, row_12, row_13, row_14, row_15, row_16};
 
+/* Two to TILE_M rows of x against four weight rows: a stretch of KC columns of the four rows decoded into wb
+ * (L1) once, then every tile of up to four rows of x (its KC columns in L1 too) multiplied into acc[4T] (the
+ * tile's sums per weight row, kept across stretches in accv). Decoding once per weight row whatever M is, and
+ * reading x from L1 rather than streaming whole rows of x past each weight row, keeps the arithmetic on FMAs. */
+#define KC 256
+#define DEFINE_TILE(T)                                                                                         \
+  static void tile_##T(const float *x, int64_t ldx, const float *wb, int64_t kl, __m512 *accv) {              \
+    __m512 acc[T][4];                                                                                          \
+    for (int t = 0; t < T; t++)                                                                                \
+      for (int r = 0; r < 4; r++) acc[t][r] = accv[t * 4 + r];                                                 \
+    for (int64_t k = 0; k < kl; k += GROUP) {                                                                  \
+      __m512 wv[4];                                                                                            \
+      for (int r = 0; r < 4; r++) wv[r] = _mm512_load_ps(wb + r * KC + k);                                     \
+      for (int t = 0; t < T; t++) {                                                                            \
+        const __m512 xv = _mm512_loadu_ps(x + t * ldx + k);                                                    \
+        for (int r = 0; r < 4; r++) acc[t][r] = _mm512_fmadd_ps(xv, wv[r], acc[t][r]);                         \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int t = 0; t < T; t++)                                                                                \
+      for (int r = 0; r < 4; r++) accv[t * 4 + r] = acc[t][r];                                                 \
+  }
+DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(3) DEFINE_TILE(4)
+
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, __m512 *);
+static const tile_fn TILE[5] = {0, tile_1, tile_2, tile_3, tile_4};
+
+/* Weight rows n..n+3 (global scales g[4]) against M <= TILE_M rows of x [M, K]. */
+static void panel4(const float *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *g, int64_t K, Out o,
+                   int64_t n) {
+  __m512 accv[TILE_M * 4];
+  float wb[4 * KC] __attribute__((aligned(64)));
+  float sb[KC / GROUP];
+  const __m512 table = e2m1_table();
+  const __m512i lanes = nibble_lanes();
+  for (int64_t i = 0; i < M * 4; i++) accv[i] = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < K; kc += KC) {
+    const int64_t kl = K - kc < KC ? K - kc : KC;
+    for (int r = 0; r < 4; r++) {
+      const uint8_t *wr = w + (n + r) * (K / 2) + kc / 2;
+      _mm_prefetch((const char *)(wr + KC / 2), _MM_HINT_T0);
+      block_scales(s + (n + r) * (K / GROUP) + kc / GROUP, kl / GROUP, g[r], sb);
+      for (int64_t k = 0; k < kl; k += GROUP)
+        _mm512_store_ps(wb + r * KC + k, decode16(wr + k / 2, sb[k / GROUP], table, lanes));
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += 4) TILE[M - m0 < 4 ? M - m0 : 4](x + m0 * K + kc, K, wb, kl, accv + m0 * 4);
+  }
+  for (int64_t m = 0; m < M; m++)
+    for (int r = 0; r < 4; r++) put(o, m, n + r, _mm512_reduce_add_ps(accv[m * 4 + r]));
+}
+
 /* Weight rows [n0, n1) against all M rows of x [M, K] (fp32), part rows to a global scale: each weight row
  * read from memory once, ROW_BLOCK rows at a time, the tiles of TILE_M rows of x after the first reading the
- * block again from cache. */
+ * block again from cache. One row of x: each weight row streamed past it (row_1); more: four weight rows at
+ * a time (panel4; the last n1 - n0 % 4 rows streamed). */
 static void rows(const float *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *gs, int64_t part,
                  int64_t n0, int64_t n1, int64_t K, Out o) {
   for (int64_t nb = n0; nb < n1; nb += ROW_BLOCK) {
@@ -116,8 +183,13 @@ static void rows(const float *x, int64_t M, const uint8_t *w, const uint8_t *s, 
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
       const int64_t T = M - m0 < TILE_M ? M - m0 : TILE_M;
       const Out ot = {o.yf ? o.yf + m0 * o.ld : 0, o.yb ? o.yb + m0 * o.ld : 0, o.ld};
-      for (int64_t n = nb; n < nend; n++)
-        ROW[T](x + m0 * K, K, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K, ot, n);
+      int64_t n = nb;
+      if (T > 1)
+        for (; n + 4 <= nend; n += 4) {
+          const float g[4] = {gs[n / part], gs[(n + 1) / part], gs[(n + 2) / part], gs[(n + 3) / part]};
+          panel4(x + m0 * K, T, w, s, g, K, ot, n);
+        }
+      for (; n < nend; n++) ROW[T](x + m0 * K, K, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K, ot, n);
     }
   }
 }
@@ -154,10 +226,17 @@ void epserve_nvfp4_dequantize(const uint8_t *w, const uint8_t *s, const float *g
   #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t n = lo; n < hi; n++) {
     const __m512 table = e2m1_table();
+    const __m512i lanes = nibble_lanes();
+    float sb[SCHUNK];
     const float g = gs[n / (N / S)];
     const uint8_t *wn = w + n * (K / 2), *sn = s + n * (K / GROUP);
     float *on = out + (n - lo) * K;
-    for (int64_t k = 0; k < K; k += GROUP) _mm512_storeu_ps(on + k, decode16(wn + k / 2, sn + k / GROUP, g, table));
+    for (int64_t c = 0; c < K; c += SCHUNK * GROUP) {
+      const int64_t kl = K - c < SCHUNK * GROUP ? K - c : SCHUNK * GROUP;
+      block_scales(sn + c / GROUP, kl / GROUP, g, sb);
+      for (int64_t k = 0; k < kl; k += GROUP)
+        _mm512_storeu_ps(on + c + k, decode16(wn + (c + k) / 2, sb[k / GROUP], table, lanes));
+    }
   }
 }
 
