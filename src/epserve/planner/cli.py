@@ -33,6 +33,7 @@ from epserve.planner.prefill import plan_prefill
 from epserve.planner.report import format_disaggregated, format_plan, format_sweep
 from epserve.planner.skew import ExpertLoadFile, load_expert_load
 from epserve.planner.step import DecodePlan, plan_decode
+from epserve.planner.stored import StoredWeights, checkpoint_dir, compare, format_compare, read_stored
 from epserve.planner.sweep import best_plan, default_eps, microbatch_crossover, sweep
 
 BUSY_FLOOR_US = 500.0  # a kernel floor above this is a measurement taken on a busy machine
@@ -87,7 +88,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--eplb", action="store_true",
                    help="with --expert-load: price the plan with EPLB's placement (experts + "
                         "--num-redundant-experts slots) instead of the engine's start-up placement")
-    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="fp8")
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES,
+                   help="the MLPs' and experts' weights (default: fp4 for an NVFP4 checkpoint, else fp8)")
+    p.add_argument("--attention-dtype", choices=WEIGHT_DTYPES,
+                   help="attention's weights (default: an NVFP4 checkpoint's stored dtype, else --weight-dtype)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
     p.add_argument("--prompt-len", type=int, help="prompt length for the prefill estimate (default 4096)")
     p.add_argument("--sweep", action="store_true", help="sweep EP x TP x batch 1..256 (given axes stay fixed)")
@@ -187,14 +191,27 @@ def _deployment(args: argparse.Namespace, model: Any, hw: Any) -> Deployment:
         raise PlanError("--eplb places experts by a measured load: give it with --expert-load FILE")
     kv_len = DEFAULT_KV_LEN if args.kv_len is None else args.kv_len
     base = Deployment(ep=1, kv_len=kv_len, mtp_draft=mtp, mtp_accept=accept, overlap=args.overlap,
-                      num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype,
-                      dispatch=args.dispatch, kv_dtype=args.kv_dtype,
+                      num_redundant_experts=args.num_redundant_experts, weight_dtype=args.weight_dtype or "fp8",
+                      attention_dtype=args.attention_dtype, dispatch=args.dispatch, kv_dtype=args.kv_dtype,
                       gpus_per_node=args.gpus_per_node or hw.gpus_per_node, eplb=args.eplb)
     tp = 1 if args.tp is None else args.tp
     batch: float = 32 if args.batch is None else args.batch
     if args.requests is not None:
         batch = batch_per_gpu(args.requests, tp)
     return replace(base, ep=default_eps(model, base)[0] if args.ep is None else args.ep, tp=tp, batch=batch)
+
+
+def _stored_weights(args: argparse.Namespace, model: Any) -> StoredWeights | None:
+    """An NVFP4 model's weight dtypes where the command line leaves them out: its MLPs and experts in the
+    format its checkpoint stores them (fp4), attention in its stored dtype (bf16 where only a config.json
+    is given: ModelOpt leaves it unquantized); the checkpoint's stored bytes, when ``--model`` is its directory."""
+    if not model.is_nvfp4:
+        return None
+    folder = checkpoint_dir(args.model)
+    stored = read_stored(folder, model) if folder is not None else None
+    args.weight_dtype = args.weight_dtype or (stored and stored.ffn_dtype) or "fp4"
+    args.attention_dtype = args.attention_dtype or (stored and stored.attention_dtype) or "bf16"
+    return stored
 
 
 def _emit(args: argparse.Namespace, text: str) -> None:
@@ -263,6 +280,7 @@ def _plan(args: argparse.Namespace) -> int:
     _check_disaggregated(args)
     name, model = resolve_model(args.model)
     hw = load_hardware(args.gpu)
+    stored = _stored_weights(args, model)
     if args.disaggregated:
         return _disaggregated(args, name, model, hw)
     d = _deployment(args, model, hw)
@@ -287,9 +305,13 @@ def _plan(args: argparse.Namespace) -> int:
                                       "tokens_per_s_per_gpu": prefill.tokens_per_s_per_gpu}
         if args.slo_speed is not None:
             out["meets_slo"] = plan.fits and plan.output_tokens_per_s_per_request >= args.slo_speed
+        if stored is not None:
+            out["checkpoint"] = compare(stored, model, d)
         print(json.dumps(out, indent=1))
     else:
         print(format_plan(plan, crossover, prefill, placements))
+        if stored is not None:
+            print(format_compare(compare(stored, model, d)))
     if args.plot:
         from epserve.planner.plots import plot_roofline
 
@@ -320,13 +342,13 @@ def _sweep(args: argparse.Namespace, name: str, model: Any, hw: Any, d: Deployme
 
         path = Path(args.plot)
         mtp = f"MTP {d.mtp_draft} @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
-        title = f"{name} on {hw.name}: KV {d.kv_len}, {mtp}, {d.weight_dtype} weights"
+        title = f"{name} on {hw.name}: KV {d.kv_len}, {mtp}, {d.weights_label} weights"
         eps = sorted({r.plan.deployment.ep for r in rows})
         written = [
             plot_pareto(rows, path, title, args.slo_speed),
             plot_roofline(model, hw, d, path.with_name(f"{path.stem}-roofline{path.suffix}"), eps),
             plot_prefill(model, hw, d, path.with_name(f"{path.stem}-prefill{path.suffix}"), eps,
-                         f"{name} prefill on {hw.name} (TP1, {d.weight_dtype} weights)"),
+                         f"{name} prefill on {hw.name} (TP1, {d.weights_label} weights)"),
         ]
         _emit(args, "wrote " + ", ".join(str(p) for p in written))
     return 0

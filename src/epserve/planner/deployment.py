@@ -15,7 +15,7 @@ DISPATCH_CHOICES = MULTI_RANK_DISPATCH  # the planner prices the engine's multi-
 
 # Bytes per element, block scales included: FP8 weights carry one fp32 scale per 128×128 tile and FP8
 # activations one per 1×128 vector (docs/architecture.md, "Precision"); NVFP4 carries one fp8 scale
-# per 16 values.
+# per 16 values (and each linear an fp32 global and input scale: ``memory.PART_BYTES``).
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / (128 * 128), "fp4": 0.5 + 1 / 16}
 ACT_BYTES = {"bf16": 2.0, "fp8": 1.0 + 4 / 128, "fp4": 0.5 + 1 / 16}
 KV_BYTES = {"bf16": 2, "fp8": 1}
@@ -26,7 +26,10 @@ class Deployment:
     """One point of the design space. ``batch`` is requests per GPU; a DP group of ``tp`` GPUs
     serves ``batch * tp`` requests, a whole number, so ``batch`` may be a fraction (one request on TP 8
     is ``batch=1/8``). ``overlap='auto'`` is resolved per batch by the step model. ``eplb``: with a
-    measured expert load, experts placed by EPLB instead of the engine's start-up placement."""
+    measured expert load, experts placed by EPLB instead of the engine's start-up placement.
+    ``weight_dtype`` is the MLPs' and experts' (routed and shared); ``attention_dtype`` that of the other
+    linear layers (attention's projections, the MTP layer's ``eh_proj``) where it differs: an NVFP4
+    checkpoint quantizes the MLPs and leaves attention in bf16 or FP8 (None: ``weight_dtype``)."""
 
     ep: int
     tp: int = 1
@@ -41,6 +44,19 @@ class Deployment:
     gpus_per_node: int = 8
     dispatch: str = "all_to_all"
     eplb: bool = False
+    attention_dtype: str | None = None
+
+    @property
+    def attn_dtype(self) -> str:
+        """The attention projections' weight dtype."""
+        return self.attention_dtype or self.weight_dtype
+
+    @property
+    def weights_label(self) -> str:
+        """The weight dtypes as reports name them: ``fp8``, or ``fp4 MLPs/experts, bf16 attention``."""
+        if self.attn_dtype == self.weight_dtype:
+            return self.weight_dtype
+        return f"{self.weight_dtype} MLPs/experts, {self.attn_dtype} attention"
 
     @property
     def dp(self) -> int:
@@ -113,8 +129,10 @@ def check_deployment(model: ModelConfig, hw: HardwareSpec, d: Deployment) -> Non
         raise PlanError(f"unknown dispatch {d.dispatch!r}; expected one of {', '.join(DISPATCH_CHOICES)}")
     if d.overlap not in OVERLAP_CHOICES:
         raise PlanError(f"unknown overlap {d.overlap!r}; expected one of {', '.join(OVERLAP_CHOICES)}")
-    if d.weight_dtype not in WEIGHT_DTYPES:
-        raise PlanError(f"unknown weight dtype {d.weight_dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
+    for what, dtype in (("weight", d.weight_dtype), ("attention weight", d.attn_dtype)):
+        if dtype not in WEIGHT_DTYPES:
+            raise PlanError(f"unknown {what} dtype {dtype!r}; expected one of {', '.join(WEIGHT_DTYPES)}")
     if d.kv_dtype not in KV_DTYPES:
         raise PlanError(f"unknown KV dtype {d.kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}")
     hw.flops_for(d.weight_dtype)
+    hw.flops_for(d.attn_dtype)

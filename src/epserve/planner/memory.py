@@ -5,7 +5,9 @@ the GPU that holds the most, a DP group's leader: the attention of its DP group 
 ``q_b``/``q_proj``, ``kv_b`` and ``o_proj`` split by TP, the fused latent ``q_a`` + ``kv_a``
 replicated) with MLA's absorbed decode weights, the dense MLPs and the shared expert whole,
 ``slots / EP`` routed experts, the expert gate, the full embedding (replicated, not vocabulary-parallel)
-and the full LM head (a DP group's leader only). ``tests/planner/test_planner_memory.py`` checks the figure
+and the full LM head (a DP group's leader only). The MLPs and experts are priced in the deployment's
+weight dtype, the other linears in its attention dtype (an NVFP4 checkpoint's: FP4 MLPs and experts,
+attention as stored). ``tests/planner/test_planner_memory.py`` and ``test_nvfp4_plan.py`` check the figure
 against the engine's plan byte for byte. The MTP layer (``mtp_draft > 0``) is an addition on top,
 laid out like the other layers: the engine does not load it yet.
 
@@ -24,23 +26,31 @@ from epserve.planner.hardware import HardwareSpec
 GIB = 2**30
 TILE = 128  # FP8 weights carry one fp32 scale per TILE x TILE tile of each matrix (edge tiles whole)
 RUNTIME_BYTES = 2  # the engine's runtime dtype (bf16): embedding, LM head, norms
-# Per element of a linear layer's weight, and per tile of its scales. FP4 (NVFP4; the engine has no
-# FP4 weights) is priced per element, its one fp8 scale per 16 values included.
+# Per element of a linear layer's weight, and per tile of its scales. FP4 (NVFP4, as ModelOpt stores it and
+# the engine holds it) is priced per element, its one e4m3 scale per 16 values included, and per part (each
+# of the linears a fused weight holds: gate and up) an fp32 global scale and an fp32 input scale. The engine
+# holds NVFP4 MLPs and experts only; FP4 attention (the whole model in FP4) is priced without part scales.
 LINEAR_BYTES = {"fp8": 1.0, "bf16": 2.0, "fp4": WEIGHT_BYTES["fp4"]}
 TILE_SCALE_BYTES = {"fp8": 4, "bf16": 0, "fp4": 0}
+PART_BYTES = {"fp8": 0, "bf16": 0, "fp4": 8}
 
 
 @dataclass(frozen=True)
 class WeightCounts:
-    """What one GPU holds, by how it is stored: elements, and tiles of FP8 scales."""
+    """What one GPU holds, by how it is stored: elements, and tiles of FP8 scales. The linear layers are two
+    groups, each in its own dtype (``Deployment.weight_dtype``, ``attention_dtype``): the MLPs' and experts'
+    (``ffn``) and the others (``linear``: attention's projections, MTP's ``eh_proj``)."""
 
-    linear: int = 0  # linear layers' weights, in the deployment's weight dtype
-    tiles: int = 0  # their TILE x TILE tiles, per matrix (per expert when stacked): one fp32 scale each if FP8
+    linear: int = 0  # attention's (and eh_proj's) linear weights, in the deployment's attention dtype
+    tiles: int = 0  # their TILE x TILE tiles, per matrix: one fp32 scale each if FP8
     runtime: int = 0  # embedding, LM head, norms: the runtime dtype (bf16)
     absorbed: int = 0  # MLA's absorbed w_uk and w_uv_t: bf16 next to quantized weights, fp32 next to bf16 ones
     gate: int = 0  # the expert gate's weight and correction bias: fp32
     fp32: int = 0  # derived fp32 tensors: the rotary cos/sin tables, each layer's KV scale
     int64: int = 0  # the MoE layers' routing tables (each expert's replica slots and count, each slot's expert)
+    ffn: int = 0  # the MLPs' and experts' linear weights (dense MLPs, shared and routed experts), weight dtype
+    ffn_tiles: int = 0  # their tiles, per matrix (per expert when stacked)
+    ffn_parts: int = 0  # their parts (gate and up of a fused weight are two; per expert): NVFP4's scalar scales
 
     def __add__(self, other: WeightCounts) -> WeightCounts:
         return WeightCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -53,13 +63,22 @@ class WeightCounts:
     @property
     def parameters(self) -> int:
         """Checkpoint parameters held (scales and derived tensors not counted)."""
-        return self.linear + self.runtime + self.gate
+        return self.linear + self.ffn + self.runtime + self.gate
 
-    def bytes(self, weight_dtype: str) -> int:
-        absorbed = 4 if weight_dtype == "bf16" else RUNTIME_BYTES
-        return int(self.linear * LINEAR_BYTES[weight_dtype] + self.tiles * TILE_SCALE_BYTES[weight_dtype]
-                   + self.runtime * RUNTIME_BYTES + self.absorbed * absorbed
-                   + (self.gate + self.fp32) * 4 + self.int64 * 8)
+    def ffn_bytes(self, weight_dtype: str) -> int:
+        """The MLPs' and experts' weights with their scales."""
+        return int(self.ffn * LINEAR_BYTES[weight_dtype] + self.ffn_tiles * TILE_SCALE_BYTES[weight_dtype]
+                   + self.ffn_parts * PART_BYTES[weight_dtype])
+
+    def linear_bytes(self, attention_dtype: str) -> int:
+        """The other linear layers' weights with their scales."""
+        return int(self.linear * LINEAR_BYTES[attention_dtype] + self.tiles * TILE_SCALE_BYTES[attention_dtype])
+
+    def bytes(self, weight_dtype: str, attention_dtype: str | None = None) -> int:
+        attention = attention_dtype or weight_dtype
+        absorbed = 4 if attention == "bf16" else RUNTIME_BYTES
+        return (self.ffn_bytes(weight_dtype) + self.linear_bytes(attention) + self.runtime * RUNTIME_BYTES
+                + self.absorbed * absorbed + (self.gate + self.fp32) * 4 + self.int64 * 8)
 
 
 @dataclass(frozen=True)
@@ -101,8 +120,9 @@ def linear_counts(in_features: int, out_features: int, count: int = 1) -> Weight
 
 
 def gated_mlp_counts(hidden: int, intermediate: int, count: int = 1) -> WeightCounts:
-    """SwiGLU with gate and up fused: ``gate_up [2I, H]`` and ``down [H, I]``."""
-    return linear_counts(hidden, 2 * intermediate, count) + linear_counts(intermediate, hidden, count)
+    """SwiGLU with gate and up fused: ``gate_up [2I, H]`` (two parts) and ``down [H, I]``, in the MLPs' dtype."""
+    gate_up, down = linear_counts(hidden, 2 * intermediate, count), linear_counts(intermediate, hidden, count)
+    return WeightCounts(ffn=gate_up.linear + down.linear, ffn_tiles=gate_up.tiles + down.tiles, ffn_parts=3 * count)
 
 
 def attention_counts(model: ModelConfig, tp: int) -> WeightCounts:
@@ -161,7 +181,7 @@ def planned_kv_bytes_per_token(model: ModelConfig, kv_dtype: str = "bf16", mtp_d
 
 
 def estimate_memory(model: ModelConfig, hw: HardwareSpec, d: Deployment) -> MemoryEstimate:
-    weights = weight_counts(model, d).bytes(d.weight_dtype)
+    weights = weight_counts(model, d).bytes(d.weight_dtype, d.attn_dtype)
     per_token = planned_kv_bytes_per_token(model, d.kv_dtype, d.mtp_draft)
     per_request_on_gpu = d.tp * d.kv_len * per_token  # TP ranks replicate the latent cache
     reserved = int(hw.memory_bytes * hw.reserved_memory_fraction)

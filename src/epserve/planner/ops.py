@@ -94,14 +94,18 @@ class _Ctx:
         self.global_tokens = self.t_attn * groups  # tokens of the whole EP group in the MoE layer
         self.recv_x = load.imbalance if load is not None else 1.0  # busiest rank's copies / mean, measured
         self.recv_pairs = self.global_tokens * k / d.ep * self.recv_x  # copies the busiest rank receives
-        self.compute_dtype = hw.compute_dtype(d.weight_dtype)
+        self.compute_dtype = hw.compute_dtype(d.weight_dtype)  # the MLPs' and experts'
         self.w = WEIGHT_BYTES[d.weight_dtype]
         self.a = ACT_BYTES[self.compute_dtype]
+        self.attn_compute_dtype = hw.compute_dtype(d.attn_dtype)  # attention's projections'
+        self.attn_w = WEIGHT_BYTES[d.attn_dtype]
         self.slots = num_expert_slots(model, d)
 
     def gemm(self, m: float, k: int, n: int, groups: float = 1) -> Kernel:
-        work = group_gemm_work(groups, m, k, n, in_bytes=self.a, weight_bytes=self.w, out_bytes=2)
-        return Kernel("gemm", work, self.compute_dtype, rows=m, matrix_bytes=k * n * self.w, depth=k)
+        """A GEMM of the attention projections' (and MTP's eh_proj's) weight dtype."""
+        w, compute = self.attn_w, self.attn_compute_dtype
+        work = group_gemm_work(groups, m, k, n, in_bytes=ACT_BYTES[compute], weight_bytes=w, out_bytes=2)
+        return Kernel("gemm", work, compute, rows=m, matrix_bytes=k * n * w, depth=k)
 
     def elementwise(self, bytes_moved: float) -> Kernel:
         return Kernel("other", Work(0.0, bytes_moved))

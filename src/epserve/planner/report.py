@@ -24,7 +24,7 @@ def _layout(plan: DecodePlan) -> str:
     mtp = f"MTP {d.mtp_draft} draft @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
     group = f" ({d.requests_per_dp_group} per DP group)" if d.tp > 1 else ""
     return (f"{plan.model_name} on {d.ep} x {plan.hardware} ({nodes}): EP{d.ep} = DP{d.dp} x TP{d.tp}, "
-            f"{d.batch:g} requests/GPU{group}, KV {d.kv_len} tokens ({d.kv_dtype}), weights {d.weight_dtype}, {mtp}")
+            f"{d.batch:g} requests/GPU{group}, KV {d.kv_len} tokens ({d.kv_dtype}), weights {d.weights_label}, {mtp}")
 
 
 def _placement_lines(placements: dict[str, DecodePlan], plan: DecodePlan) -> list[str]:
@@ -101,7 +101,7 @@ def format_sweep(rows: Sequence[SweepRow], slo_speed: float | None = None) -> st
     load = first.expert_load
     if load is not None:
         mtp += f", expert load {load.file} ({'EPLB' if load.eplb else 'start-up placement'})"
-    lines = [f"{first.model_name} on {first.hardware}, KV {d.kv_len} tokens, {mtp}, weights {d.weight_dtype}: "
+    lines = [f"{first.model_name} on {first.hardware}, KV {d.kv_len} tokens, {mtp}, weights {d.weights_label}: "
              f"{len(plans)} plans, {refused} beyond memory",
              "Pareto frontier of each EP:",
              f"  {'EP':>4}{'TP':>4}{'DP':>5}{'batch':>7}  {'overlap':<11}{'tok/s/req':>10}{'tok/s/GPU':>11}"
@@ -153,7 +153,7 @@ def format_disaggregated(plan: DisaggPlan, slo_speed: float | None = None) -> st
     p_count, d_count = plan.pair
     busy = plan.colocated_busy_fraction
     lines = [f"{plan.model_name} on {plan.hardware}, disaggregated: {plan.input_len}-token prompts, "
-             f"{plan.output_len} output tokens per request, {mtp}, weights {d.weight_dtype}, KV {d.kv_dtype}",
+             f"{plan.output_len} output tokens per request, {mtp}, weights {d.weights_label}, KV {d.kv_dtype}",
              *_prefill_lines(plan.prefill),
              f"decode instance: {_instance(d.ep, d.tp, d.num_nodes)}, {d.batch:g} requests/GPU, KV {d.kv_len} tokens "
              f"({kv_source}): step {dec.step.step_time_us / 1e3:.2f} ms ({dec.step.overlap}), "

@@ -114,6 +114,8 @@ class DecodePlan:
             "accepted_tokens_per_step": d.accepted_tokens_per_step,
             "expert_load": self.expert_load and self.expert_load.to_json(),
         }
+        if d.attn_dtype != d.weight_dtype:  # an NVFP4 checkpoint's attention, left unquantized
+            out["attention_dtype"] = d.attn_dtype
         out.update(self.timings())
         out["breakdown_us"] = dict(step.breakdown_us)
         out["exposed_comm_us"] = step.exposed_comm_us

@@ -78,7 +78,7 @@ def _title(p: WorkloadPlan) -> str:
     d = p.decode.deployment
     mtp = f"MTP {d.mtp_draft} @ {d.mtp_accept:.0%}" if d.mtp_draft else "no MTP"
     return (f"{p.model_name} on {p.hardware}, colocated: {p.input_len}-token prompts, {p.output_len} output tokens, "
-            f"budget {p.max_num_tokens} tokens/step, {mtp}, weights {d.weight_dtype}, KV {d.kv_dtype}")
+            f"budget {p.max_num_tokens} tokens/step, {mtp}, weights {d.weights_label}, KV {d.kv_dtype}")
 
 
 def format_workload(p: WorkloadPlan) -> str:
