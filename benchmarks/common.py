@@ -115,3 +115,17 @@ def median_step_ms(engine: LLMEngine, steps: int) -> float:
     while engine.has_unfinished_requests():
         engine.step()
     return 1e3 * statistics.median(times)
+
+
+def small_checkpoint(quantization: str | None) -> Path:
+    """The `small` preset's weights (bf16, seed 0) as written with ``quantization`` (None: bf16, the one
+    ``wide_vocab_checkpoint(0)`` makes; ``"fp8"``: DeepSeek's block FP8, ``fp8_engine.py``'s; ``"nvfp4"``:
+    ModelOpt's NVFP4), written once to the cache."""
+    if quantization is None:
+        return wide_vocab_checkpoint(0)
+    from epserve.presets import make_checkpoint
+
+    path = Path(os.path.expanduser(f"~/.cache/epserve/bench-small-{quantization}"))
+    if not (path / "config.json").exists():
+        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0, quantization=quantization)
+    return path

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/nvfp4_decode.py [--batches 1 16] [--rounds 8 --steps 10] [--json out.json]
     .venv/bin/python benchmarks/nvfp4_decode.py --quick        # the tiny128 preset: a check, not a figure
 
-Three checkpoints of the `small` preset's weights (seed 0), made once into ``--cache``: bf16 (the one the
+Three checkpoints of the `small` preset's weights (seed 0), made once into the cache: bf16 (the one the
 other CPU benchmarks use, ``common.wide_vocab_checkpoint``), FP8 as DeepSeek publishes it (e4m3, 128x128 block
 scales; ``fp8_engine.py``'s) and NVFP4 as ModelOpt exports it (``make-checkpoint --quantization nvfp4``: the
 routed experts, shared experts and the dense MLP in four bits, attention, gate and lm_head as stored). One
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import start_decode_batch, wide_vocab_checkpoint
+from common import small_checkpoint, start_decode_batch
 from cpu_decode import step_bytes, timed
 from offline_throughput import measure_bandwidth
 from tqdm import tqdm
@@ -50,16 +50,14 @@ _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I8": 1, "
 
 
 def checkpoints(cache: Path, quick: bool) -> dict[str, Path]:
-    """{variant: checkpoint directory}, each written once: `small` (bf16 from ``common``), or tiny128 (quick)."""
-    preset = "tiny128" if quick else "small"
-    paths = {v: cache / f"bench-{preset}-{v}" for v in VARIANTS}
+    """{variant: checkpoint directory}, each written once: `small` (``common.small_checkpoint``: the cache the
+    other benchmarks use), or tiny128 into ``cache`` (quick)."""
     if not quick:
-        paths["bf16"] = wide_vocab_checkpoint(0)
-        paths["fp8"] = cache / "bench-small-fp8"  # fp8_engine.py's
+        return {v: small_checkpoint(None if v == "bf16" else v) for v in VARIANTS}
+    paths = {v: cache / f"bench-tiny128-{v}" for v in VARIANTS}
     for variant, path in paths.items():
         if not (path / "config.json").exists():
-            print(f"writing the {preset} checkpoint ({variant}) to {path}", flush=True)
-            make_checkpoint(path, preset=preset, dtype="bfloat16", seed=0,
+            make_checkpoint(path, preset="tiny128", dtype="bfloat16", seed=0,
                             quantization=None if variant == "bf16" else variant)
     return paths
 
@@ -173,7 +171,7 @@ def markdown(result: dict, command: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "epserve"), help="where the checkpoints live")
+    ap.add_argument("--cache", default=str(Path.home() / ".cache" / "epserve"), help="the quick run's checkpoints")
     ap.add_argument("--quick", action="store_true", help="tiny128 preset, 1 round of 2 steps (a check)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=64)

@@ -1,10 +1,12 @@
 """epserve beside llama.cpp on the `small` preset, on this machine's CPU, in one run.
 
     .venv/bin/python benchmarks/vs_llamacpp.py [--repeats 2] [--threads 2] [--write-docs]
+    .venv/bin/python benchmarks/vs_llamacpp.py --quant q4_0 --batches 1 16 --served-repeats 0
 
 1. **llama.cpp** is built from the source that the ``llama-cpp-python`` sdist on PyPI carries
    (``--llama-cpp-python``; downloaded with pip, built with CMake, kept in ``--cache`` between runs):
-   ``llama-batched-bench`` and ``llama-server``, and ``vs_llamacpp_greedy.cpp`` linked against its libraries.
+   ``llama-batched-bench``, ``llama-server`` and ``llama-quantize``, and ``vs_llamacpp_greedy.cpp`` linked
+   against its libraries.
 2. The checkpoint is converted to GGUF (architecture ``deepseek2``, MLA) by the sdist's own
    ``convert_hf_to_gguf.py``: fp32 for the agreement check, bf16 for the timings. Our tiny tokenizer is
    not one the converter knows by hash; it is written with DeepSeek-V3's pre-tokenizer name, and both
@@ -16,6 +18,14 @@
    (tokens / time of the phase; epserve: the same decode steps and the same prefill, in one engine);
    served: ``epserve bench serve`` (64 requests, concurrency 16, 256 tokens in, 32 out) against
    ``epserve serve`` and ``llama-server --parallel 16``.
+
+``--quant q4_0``: the timings at four bits, each side in its own format of the same bf16 weights. llama.cpp
+runs the bf16 GGUF quantized by the build's ``llama-quantize ... Q4_0`` (its mix for that type: 32-value blocks
+with one f16 scale; the tensors it keeps in other types, such as the output matrix, as it chooses); epserve
+runs the NVFP4 checkpoint that ``make-checkpoint --quantization nvfp4`` writes from the same weights (routed,
+shared and dense MLPs in NVFP4; attention, gates, embedding and lm_head in bf16). The agreement check stays in
+fp32: the two four-bit formats round the weights differently, so their outputs are not compared; the table
+gives each side's bytes on disk.
 
 Prints the table, writes JSON (``--json``); ``--write-docs`` puts the table into docs/benchmarks.md
 between its ``vs_llamacpp`` markers.
@@ -38,7 +48,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from common import bench_serve, serving, wait_healthy, wide_vocab_checkpoint
+from common import bench_serve, serving, small_checkpoint, wait_healthy, wide_vocab_checkpoint
 from tqdm import tqdm
 
 from epserve import LLM, SamplingParams
@@ -47,8 +57,9 @@ from epserve.presets import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- vs_llamacpp:begin -->", "<!-- vs_llamacpp:end -->"
-TARGETS = ("llama-batched-bench", "llama-server")
+BEGIN, END = "<!-- vs_llamacpp:begin -->", "<!-- vs_llamacpp:end -->"  # the bf16 table's (markers("bf16"))
+TARGETS = ("llama-batched-bench", "llama-server", "llama-quantize")
+QUANTS = {"bf16": "bf16", "q4_0": "Q4_0"}  # --quant: llama.cpp's type (epserve: bf16, or NVFP4 beside Q4_0)
 GREEDY = "vs_llamacpp_greedy"  # our greedy decoder on llama.cpp's C API, linked against the build's libraries
 SERVED = ["--num-prompts", "64", "--max-concurrency", "16", "--random-input-len", "256", "--random-output-len", "32"]
 
@@ -112,6 +123,33 @@ def to_gguf(source: Path, checkpoint: Path, outtype: str) -> Path:
                         "--outfile", str(tmp)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         tmp.rename(out)
     return out
+
+
+def quantize_gguf(bin_dir: Path, gguf: Path, qtype: str, threads: int) -> Path:
+    """``gguf`` quantized to llama.cpp's ``qtype`` (``Q4_0``) by the build's ``llama-quantize``, beside it,
+    made once."""
+    out = gguf.with_name(f"{gguf.name.removesuffix('.gguf')}.{qtype.lower()}.gguf")
+    if not out.exists():
+        tmp = out.with_suffix(".partial")
+        subprocess.run([str(bin_dir / "llama-quantize"), str(gguf), str(tmp), qtype, str(threads)], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        tmp.rename(out)
+    return out
+
+
+def models(args: argparse.Namespace, source: Path, bin_dir: Path) -> tuple[Path, Path]:
+    """The timed pair for ``--quant``: epserve's checkpoint and llama.cpp's GGUF, both of the bf16 `small`
+    preset the other CPU benchmarks use (bf16: both as they are; q4_0: NVFP4 beside Q4_0)."""
+    bf16 = wide_vocab_checkpoint(0)
+    gguf = to_gguf(source, bf16, "bf16")
+    if args.quant == "bf16":
+        return bf16, gguf
+    return small_checkpoint("nvfp4"), quantize_gguf(bin_dir, gguf, QUANTS[args.quant], args.threads)
+
+
+def model_bytes(path: Path) -> int:
+    """Bytes on disk of a GGUF file, or of a checkpoint directory's safetensors files."""
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
 def fp32_checkpoint(cache: Path) -> Path:
@@ -234,8 +272,7 @@ def agreement(args: argparse.Namespace, source: Path, bin_dir: Path, work: Path)
 
 
 def timings(args: argparse.Namespace, source: Path, bin_dir: Path, work: Path) -> dict:
-    ckpt = wide_vocab_checkpoint(0)  # the bf16 `small` preset the other CPU benchmarks use, made once
-    gguf = to_gguf(source, ckpt, "bf16")
+    ckpt, gguf = models(args, source, bin_dir)  # the `small` preset the other CPU benchmarks use, made once
     runs: dict[str, list] = {"epserve": [], "llama.cpp": []}
     llm = LLM(ckpt, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
     # warm: every shape once (as llama-batched-bench warms)
@@ -262,7 +299,8 @@ def timings(args: argparse.Namespace, source: Path, bin_dir: Path, work: Path) -
         row["served_out_tok_s"] = med(s["output_token_throughput"] for s in served[name]) if served[name] else None
         row["served_median_itl_ms"] = med(s["median_itl_ms"] for s in served[name]) if served[name] else None
         table[name] = row
-    return {"table": table, "runs": runs, "served": served}
+    return {"table": table, "runs": runs, "served": served, "models": {"epserve": str(ckpt), "llama.cpp": str(gguf)},
+            "model_bytes": {"epserve": model_bytes(ckpt), "llama.cpp": model_bytes(gguf)}}
 
 
 def markdown(result: dict, command: str) -> str:
@@ -270,7 +308,9 @@ def markdown(result: dict, command: str) -> str:
     labels = {f"decode_b{b}": f"batch-{b} decode (tok/s)" for b in (1, 4, 16)}
     labels.update(prefill_b16="batch-16 prefill, 64 tokens (tok/s)",
                   served_out_tok_s="served: 64 requests, concurrency 16, 256 in / 32 out (output tok/s)")
-    lines = ["| | epserve | llama.cpp | epserve / llama.cpp |", "|---|---|---|---|"]
+    quant = result.get("quant", "bf16")
+    head = "| | epserve | llama.cpp |" if quant == "bf16" else "| | epserve (NVFP4) | llama.cpp (Q4_0) |"
+    lines = [f"{head} epserve / llama.cpp |", "|---|---|---|---|"]
     for key, label in labels.items():
         a, b = ours.get(key), theirs.get(key)
         if a is not None and b is not None:
@@ -278,19 +318,37 @@ def markdown(result: dict, command: str) -> str:
     agree = result["agreement"]
     lines += ["", f"fp32 agreement: {agree['equal']}/{agree['tokens']} greedy tokens equal, logprobs within "
               f"{agree['max_logprob_diff']:.1e} (llama.cpp's KV cache in fp32, flash attention off). "
-              f"{result['machine']}; "
+              f"{four_bits(result)}{result['machine']}; "
               f"llama.cpp from llama-cpp-python {result['llama_cpp_python']} (its defaults for the timings: "
               f"KV cache f16, flash attention as it chooses). `{command}`, {result['date']}."]
     return "\n".join(lines)
 
 
-def write_docs(text: str, path: Path = DOCS) -> None:
-    """``text`` in place of what ``path`` holds between its ``vs_llamacpp`` markers."""
+def four_bits(result: dict) -> str:
+    """The q4_0 table's formats and bytes ('' for bf16)."""
+    if result.get("quant", "bf16") == "bf16":
+        return ""
+    size = {k: v / 1e6 for k, v in result["timings"]["model_bytes"].items()}
+    return (f"Timings at four bits: epserve on the NVFP4 checkpoint of the same bf16 weights ({size['epserve']:.0f} "
+            f"MB; MLPs in NVFP4, attention and lm_head bf16), llama.cpp on the bf16 GGUF quantized by llama-quantize "
+            f"to Q4_0 ({size['llama.cpp']:.0f} MB, its mix for that type); outputs not compared (the formats round "
+            "differently). ")
+
+
+def markers(quant: str) -> tuple[str, str]:
+    """The document's markers of ``--quant``'s table: ``vs_llamacpp`` (bf16), ``vs_llamacpp_q4_0``."""
+    tag = "vs_llamacpp" if quant == "bf16" else f"vs_llamacpp_{quant}"
+    return f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+
+
+def write_docs(text: str, path: Path = DOCS, quant: str = "bf16") -> None:
+    """``text`` in place of what ``path`` holds between its markers for ``quant`` (``markers``)."""
+    begin, end = markers(quant)
     doc = path.read_text()
-    if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} section to fill")
-    head, rest = doc.split(BEGIN, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path} has no {begin} ... {end} section to fill")
+    head, rest = doc.split(begin, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
 
 
 def main() -> None:
@@ -300,6 +358,8 @@ def main() -> None:
                     help="sdist, build, the fp32 checkpoint and GGUF files, kept between runs")
     ap.add_argument("--work", default="/tmp/epserve-vs-llamacpp", help="server logs and bench JSON")
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 2))
+    ap.add_argument("--quant", choices=sorted(QUANTS), default="bf16",
+                    help="the timings' weights: bf16 both, or q4_0 (llama.cpp Q4_0 beside epserve NVFP4)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64, help="decode steps per batch")
@@ -319,7 +379,7 @@ def main() -> None:
     bin_dir = build_llamacpp(source, cache / f"build-{args.llama_cpp_python}")
     result = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads, torch "
                          f"{torch.__version__}", "llama_cpp_python": args.llama_cpp_python,
-              "date": time.strftime("%Y-%m-%d")}
+              "date": time.strftime("%Y-%m-%d"), "quant": args.quant}
     result["agreement"] = agreement(args, source, bin_dir, work)
     result["timings"] = timings(args, source, bin_dir, work)
     text = markdown(result, "python benchmarks/vs_llamacpp.py " + " ".join(sys.argv[1:]))
@@ -327,7 +387,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.write_docs:
-        write_docs(text)
+        write_docs(text, quant=args.quant)
 
 
 if __name__ == "__main__":

@@ -30,3 +30,29 @@ def test_nvfp4_decode_quick_times_three_checkpoints_alternated(tmp_path):
     assert 0.5 < sizes["expert_share_main_model"] < 1
     assert set(result["goals"]) == {"bytes_vs_bf16", "b1_vs_bf16", "b1_vs_fp8", "b1_over_floor"}
     assert result["goals"]["bytes_vs_bf16"]["met"]
+
+
+def test_vs_llamacpp_q4_0_table_and_its_own_markers(tmp_path):
+    """``vs_llamacpp.py --quant q4_0``: the table names both four-bit formats and their bytes, and fills its own
+    section of the document, leaving the bf16 table's alone."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import vs_llamacpp as v
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    table = {"epserve": {"decode_b1": 300.0, "decode_b16": 900.0},
+             "llama.cpp": {"decode_b1": 250.0, "decode_b16": 600.0}}
+    result = {"timings": {"table": table, "model_bytes": {"epserve": 260e6, "llama.cpp": 240e6}}, "quant": "q4_0",
+              "machine": "test machine", "llama_cpp_python": "0.3.36", "date": "2026-12-06",
+              "agreement": {"equal": 64, "tokens": 64, "max_logprob_diff": 8e-6}}
+    text = v.markdown(result, "python benchmarks/vs_llamacpp.py --quant q4_0")
+    assert text.startswith("| | epserve (NVFP4) | llama.cpp (Q4_0) | epserve / llama.cpp |")
+    assert "| batch-16 decode (tok/s) | 900 | 600 | **1.50×** |" in text and "batch-4" not in text
+    assert "(260 MB;" in text and "Q4_0 (240 MB" in text
+    assert v.markers("bf16") == (v.BEGIN, v.END) and v.markers("q4_0")[0] == "<!-- vs_llamacpp_q4_0:begin -->"
+    doc = tmp_path / "benchmarks.md"
+    begin, end = v.markers("q4_0")
+    doc.write_text(f"{v.BEGIN}\nbf16 table\n{v.END}\n\n{begin}\nold\n{end}\n")
+    v.write_docs(text, doc, quant="q4_0")
+    written = doc.read_text()
+    assert "bf16 table" in written and "old" not in written and written.count("epserve (NVFP4)") == 1
