@@ -8,7 +8,7 @@ optional package), cannot run (a compile or launch error) or answers wrong. The 
 ``(op, device, dtype)`` decides; a backend that fails logs one calm INFO line naming the error and the
 backend used instead (``mla_decode: flashinfer unavailable (ImportError: ...); using triton``), and the
 decision stands for the life of the process. ``dtype`` is what the backend's support depends on: the
-cache dtype of ``mla_decode``, the output dtype of ``fp8_gemm``.
+cache dtype of ``mla_decode``, the output dtype of ``fp8_gemm`` and ``nvfp4_gemm``.
 
 On speed as well. On a CUDA device every backend's self-test runs, and where more than one passed and each
 has a ``benchmark`` (a run at DeepSeek-V3-like shapes for the op), a short timed self-test picks the fastest
@@ -18,7 +18,8 @@ backend whose timing raises is not chosen. Elsewhere (the CPU, whose C kernels a
 first backend that passes is used, untimed.
 
 Each op module declares its op with :func:`register` when it is imported (``kernels.fp8``:
-``fp8_gemm``; ``kernels.mla_flashinfer``: ``mla_decode``); ``_DECLARED`` names that module, so
+``fp8_gemm``; ``kernels.mla_flashinfer``: ``mla_decode``; ``kernels.nvfp4_w4a4``: ``nvfp4_gemm``, the W4A4
+GEMM on FP4 tensor cores); ``_DECLARED`` names that module, so
 :func:`select` works whichever was imported first. An op's ``forced`` reads its environment variable
 (``env.py``): a backend named there is used without a self-test or timing, so its errors surface.
 
@@ -54,7 +55,8 @@ TIMED_DEVICES = ("cuda",)  # device types whose choice between passing backends 
 TIMING_REPEATS = 5  # timed runs per backend (the median is compared), after one untimed warm-up run
 
 # The module that registers each op (imported on the op's first use).
-_DECLARED = {"mla_decode": "epserve.kernels.mla_flashinfer", "fp8_gemm": "epserve.kernels.fp8_scaled_mm"}
+_DECLARED = {"mla_decode": "epserve.kernels.mla_flashinfer", "fp8_gemm": "epserve.kernels.fp8_scaled_mm",
+             "nvfp4_gemm": "epserve.kernels.nvfp4_w4a4"}
 
 
 class KernelMismatch(RuntimeError):

@@ -6,6 +6,8 @@ accumulator once, per output row. An e2m1 value times an e4m3 scale has at most 
 block-scaled weight is exact in bf16 and fp16 as in fp32: the only roundings are the GEMM's own.
 
 - ``_linear_kernel``: x [M, K] @ W^T, the 4.5 bits per weight read once per row tile.
+- ``nvfp4_w4a4_triton``: W4A4's arithmetic (``kernels.nvfp4_w4a4``) where FP4 tensor cores are not: the
+  activations quantized and dequantized, then the linear kernel in fp32.
 - ``_grouped_kernel``: the routed experts' GEMMs on rows grouped by expert, as ``grouped_triton``'s grouped
   GEMM runs them: a grid of ``cdiv(R, BM) + E`` row tiles mapped to (expert, rows) on the device from
   ``counts`` (``fp8_triton._tile_map``: no host read, so the experts can be captured in a CUDA graph); with
@@ -29,6 +31,8 @@ import triton.language as tl
 from epserve.kernels.fp8 import cdiv
 from epserve.kernels.fp8_triton import _tile_m, _tile_map, grouped_tile_m
 from epserve.kernels.nvfp4 import GROUP, check_nvfp4_experts, check_nvfp4_weight
+from epserve.kernels.nvfp4_act import nvfp4_act_dequant, nvfp4_act_quant
+from epserve.kernels.nvfp4_w4a4 import act_global_scale, check_w4a4
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BN = 64  # output columns (weight rows) per program
@@ -220,3 +224,14 @@ def nvfp4_moe_swiglu_triton(
     counts = counts.to(x.device, non_blocking=True)  # a no-op for counts already there
     hidden = _grouped_gemm(x, w13, w13_scale, w13_scale_2, counts, True, rows_per_expert, masked)
     return _grouped_gemm(hidden, w2, w2_scale, w2_scale_2, counts, False, rows_per_expert, masked)
+
+
+def nvfp4_w4a4_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_scale_2: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """W4A4 (``kernels.nvfp4_w4a4.nvfp4_w4a4_linear``) where the FP4 GEMM does not run: x quantized as that GEMM
+    quantizes it, dequantized to fp32 and multiplied by the W4A16 kernel in IEEE fp32 (the reference's
+    arithmetic, in another summation order) -> [..., N] in x's dtype."""
+    n, k = check_w4a4(x, weight, weight_scale, weight_scale_2, input_scale)
+    g = act_global_scale(input_scale)
+    values = nvfp4_act_dequant(*nvfp4_act_quant(x.reshape(-1, k), g), g, torch.float32)
+    return nvfp4_linear_triton(values, weight, weight_scale, weight_scale_2).to(x.dtype).view(*x.shape[:-1], n)
