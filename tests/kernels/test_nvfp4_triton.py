@@ -5,8 +5,9 @@ linear in fp32/fp16/bf16 (K not a multiple of the K tile, one and two global sca
 strided rows), the grouped experts (experts without rows, NaN padding rows left zero or, masked, untouched,
 the decode tile hint), and the experts' and the fused MLP's forward with the ops routed to these kernels,
 with no host read of a tensor's value (the property a CUDA graph capture needs). Without a GPU the kernels
-are also lowered to Hopper PTX; with one (``-m cuda``) the registered ops run them on the GPU, and the
-experts are captured in a CUDA graph and replayed with new counts.
+are also lowered to Hopper PTX; with one (``-m cuda``) the registered ops run them on the GPU, the experts are
+captured in a CUDA graph and replayed with new counts, and an NVFP4 checkpoint served on the GPU in fp32 gives
+transformers' greedy tokens on its dequantized copy.
 """
 
 from __future__ import annotations
@@ -301,6 +302,31 @@ def test_cuda_graph_captures_the_nvfp4_experts(masked):
         assert_close(out[:total].cpu(), ref[:total], MOE_TOLERANCE[torch.bfloat16])
         if not masked:
             assert not out[total:].any()
+
+
+@cuda
+def test_cuda_engine_greedy_tokens_equal_transformers(make_ckpt, tmp_path_factory):
+    """An NVFP4 checkpoint served on the GPU in fp32 (the Triton W4A16 kernels, IEEE fp32 dots): greedy tokens
+    equal transformers' on the dequantized checkpoint, as on the CPU (``tests/model/test_nvfp4_runtime.py``),
+    and the steps reached the Triton kernels."""
+    transformers = pytest.importorskip("transformers")
+    from epserve import LLM, SamplingParams
+    from epserve.kernels.opdef import record_calls
+    from tests.model.test_nvfp4_runtime import PROMPTS, dequantized_copy
+    from tests.oracle import hf_greedy
+
+    path = make_ckpt("tiny", dtype="float32", quantization="nvfp4")
+    oracle = dequantized_copy(path, tmp_path_factory.mktemp("nvfp4-oracle"))
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(oracle), dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", num_blocks=256, device="cuda")
+    prompts = PROMPTS[:3]
+    with record_calls() as calls:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, prompt, 12), f"prompt of {len(prompt)} tokens"
+    ran = {impl for _, impl in calls}
+    assert {"epserve.kernels.nvfp4_triton:nvfp4_linear_triton",
+            "epserve.kernels.nvfp4_triton:nvfp4_moe_swiglu_triton"} <= ran, ran
 
 
 def _interpreter_main() -> None:
