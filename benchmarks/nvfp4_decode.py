@@ -10,12 +10,13 @@ scales; ``fp8_engine.py``'s) and NVFP4 as ModelOpt exports it (``make-checkpoint
 routed experts, shared experts and the dense MLP in four bits, attention, gate and lm_head as stored). One
 engine each, in this process (bf16; ``quantization="fp8"`` keeps FP8 weights on the CPU; NVFP4 runs as
 stored), each brought to a steady decode batch of ``--batches`` sequences; every round times ``--steps`` steps
-of each engine, the engines' order rotating between rounds so that all see the same machine; medians of the
-rounds' medians. Each step's weight-streaming floor is the bytes it reads (every weight but the embedding,
-plus the routed experts the step's tokens chose, counted from the MoE layers' load counters, as
-``cpu_decode.py steps`` counts) at the measured read bandwidth. Whether each engine's decode replays a
+of each engine (fewer, at least one, where they would take more than ``--round-budget-s``: a torch reference's
+steps), the engines' order rotating between rounds so that all see the same machine; medians of the rounds'
+medians. Each step's weight-streaming floor is the bytes it reads (every weight but the embedding, plus the
+routed experts the step's tokens chose, counted from the MoE layers' load counters, as ``cpu_decode.py steps``
+counts) at the read bandwidth measured in each round (their median). Whether each engine's decode replays a
 recorded CPU graph (``cpu_graph``) or runs eagerly (a torch reference inside the step: FP8 on the CPU, NVFP4
-until its C kernels) is reported beside its time.
+without its C kernels) is reported beside its time.
 
 From the checkpoint files: the routed experts' share of the bf16 bytes, and the NVFP4 bytes (packed weights,
 e4m3 block scales, fp32 global and input scales) of the modules ModelOpt quantized over those modules' bf16
@@ -112,24 +113,32 @@ def recorded(llm: LLM, batch: int) -> bool:
     return any(b == bucket for b, _ in graphs._cpu_graphs)
 
 
-def measure(llms: dict[str, LLM], batch: int, args: argparse.Namespace, bandwidth: float) -> dict:
+def measure(llms: dict[str, LLM], batch: int, args: argparse.Namespace) -> dict:
     """One batch size: every engine at a steady decode batch, ``--rounds`` rounds of ``--steps`` steps each,
-    the engines' order rotating; medians, floors and the ratios."""
+    the engines' order rotating, the read bandwidth measured in each round too; medians, floors, ratios."""
     for v, llm in llms.items():
-        start_decode_batch(llm.engine, batch, args.prompt_len, args.rounds * args.steps + 4, batch, tag=f"{v}{batch}")
+        start_decode_batch(llm.engine, batch, args.prompt_len, args.rounds * args.steps + 6, batch, tag=f"{v}{batch}")
     nbytes = {v: step_bytes(llm.engine, batch) for v, llm in llms.items()}  # (also records each bucket's graph)
+    # steps a round: --steps, fewer for an engine whose step is slow (a torch reference: seconds at batch 16)
+    steps = {v: max(1, min(args.steps, int(args.round_budget_s * 1e3 / timed(llm.engine, 1))))
+             for v, llm in llms.items()}
     runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    bandwidths = []
     for r in tqdm(range(args.rounds), desc=f"batch {batch}, alternated", disable=args.quick):
+        bandwidths.append(measure_bandwidth("cpu", num_bytes=(64 << 20) if args.quick else 1 << 30, repeats=3))
         for v in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
-            runs[v].append(timed(llms[v].engine, args.steps))
+            runs[v].append(timed(llms[v].engine, steps[v]))
     rec = {v: recorded(llm, batch) for v, llm in llms.items()}
     for llm in llms.values():
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
     ms = {v: statistics.median(runs[v]) for v in VARIANTS}
+    bandwidth = statistics.median(bandwidths)
     floor = {v: 1e3 * nbytes[v] / bandwidth for v in VARIANTS}
-    return {"batch": batch, **{f"{v}_ms": ms[v] for v in VARIANTS}, **{f"{v}_floor_ms": floor[v] for v in VARIANTS},
+    return {"batch": batch, "read_bandwidth_GBps": bandwidth / 1e9, **{f"{v}_ms": ms[v] for v in VARIANTS},
+            **{f"{v}_floor_ms": floor[v] for v in VARIANTS},
             **{f"{v}_step_bytes": nbytes[v] for v in VARIANTS}, **{f"{v}_recorded": rec[v] for v in VARIANTS},
+            **{f"{v}_steps_a_round": steps[v] for v in VARIANTS},
             "nvfp4_vs_bf16": ms["nvfp4"] / ms["bf16"], "nvfp4_vs_fp8": ms["nvfp4"] / ms["fp8"],
             "nvfp4_over_floor": ms["nvfp4"] / floor["nvfp4"], "bytes_bound_vs_bf16": nbytes["nvfp4"] / nbytes["bf16"],
             **{f"rounds_{v}_ms": runs[v] for v in VARIANTS}}
@@ -157,6 +166,7 @@ def markdown(result: dict, command: str) -> str:
                      f"**{row['nvfp4_vs_bf16']:.2f}×** | **{row['nvfp4_vs_fp8']:.2f}×** | "
                      f"**{row['nvfp4_over_floor']:.2f}×** | {row['bytes_bound_vs_bf16']:.2f}× |")
     s = result["sizes"]
+    bandwidth = " and ".join(f"{row['read_bandwidth_GBps']:.1f}" for row in result["steps"])
     goals = ", ".join(f"{k} {g['value']:.2f} (goal ≤ {g['goal']}: {'met' if g['met'] else 'not met'})"
                       for k, g in result["goals"].items())
     lines += ["", "\\* eager steps (a torch reference in the step); the others replay the recorded CPU graph. "
@@ -164,8 +174,8 @@ def markdown(result: dict, command: str) -> str:
               f"({100 * s['expert_share_all']:.0f}% of the checkpoint's with the MTP layer and embedding). NVFP4 "
               f"weights + scales of the {s['quantized_modules']} quantized modules: "
               f"{s['quantized_nvfp4_bytes'] / 1e6:.0f} MB against {s['quantized_bf16_bytes'] / 1e6:.0f} MB in bf16 "
-              f"(**{s['bytes_vs_bf16']:.3f}×**). Goals: {goals}. {result['machine']}, read bandwidth "
-              f"{result['read_bandwidth_GBps']:.1f} GB/s; `{command}`, {result['date']}."]
+              f"(**{s['bytes_vs_bf16']:.3f}×**). Goals: {goals}. {result['machine']}, read bandwidth (median of the "
+              f"rounds') {bandwidth} GB/s; `{command}`, {result['date']}."]
     return "\n".join(lines)
 
 
@@ -177,6 +187,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10, help="steps timed per engine per round")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--round-budget-s", type=float, default=5.0,
+                    help="an engine whose step is slow times fewer steps a round (at least one): about this long")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -184,12 +196,11 @@ def main() -> None:
     paths = checkpoints(Path(args.cache), args.quick)
     config = json.loads((paths["bf16"] / "config.json").read_text())
     sizes = checkpoint_bytes(paths["bf16"], paths["nvfp4"], config["num_hidden_layers"])
-    bandwidth = measure_bandwidth("cpu", num_bytes=(64 << 20) if args.quick else 1 << 30)
     llms = engines(paths, num_blocks=64 if args.quick else 512)
-    rows = [measure(llms, batch, args, bandwidth) for batch in args.batches]
+    rows = [measure(llms, batch, args) for batch in args.batches]
     result = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
                          f"torch {torch.__version__}", "date": time.strftime("%Y-%m-%d"),
-              "read_bandwidth_GBps": bandwidth / 1e9, "checkpoints": {v: str(p) for v, p in paths.items()},
+              "checkpoints": {v: str(p) for v, p in paths.items()},
               "sizes": sizes, "steps": rows, "goals": verdicts(rows, sizes)}
     print(markdown(result, "python benchmarks/nvfp4_decode.py " + " ".join(__import__("sys").argv[1:])))
     if args.json:
