@@ -10,8 +10,9 @@ with few rows (decode); the experts return None for anything else, as where the 
 no C compiler is found, or ``EPSERVE_CPU_KERNELS=0``, and the op runs the next implementation or its torch
 reference. Results match torch's path up to summation order.
 
-``cpu_nvfp4.c`` (AVX-512F and VBMI + FMA, the library ``NVFP4``) runs NVFP4 weights as stored (W4A16, any
-number of rows; ``kernels.cpu_nvfp4`` is its front end, the CPU implementation of ``kernels.nvfp4``'s ops).
+``cpu_nvfp4.c`` and ``cpu_nvfp4_bf16.c`` (AVX-512F, BW, VBMI and BF16 + FMA: the library ``NVFP4``) run NVFP4
+weights as stored (W4A16, any number of rows; ``kernels.cpu_nvfp4`` is their front end, the CPU implementation
+of ``kernels.nvfp4``'s ops).
 
 ``cpu_ops.c``, ``cpu_ops_mla.c`` and ``cpu_ops_moe.c`` (AVX2 + FMA, one library: ``OPS``) hold the small
 ops of a decode step fused, each in place of a chain of eager torch ops that costs more in dispatch than in
@@ -69,8 +70,9 @@ _KINDS: dict[torch.dtype | str, _Build] = {  # per element type, or OPS, NVFP4
                           cpu_abi.experts_table("f32")),
     OPS: _Build("ops", (_DIR / "cpu_ops.c", _DIR / "cpu_ops_mla.c", _DIR / "cpu_ops_moe.c"),
                 ("-mavx2", "-mfma", "-ffp-contract=off"), ("avx2", "fma"), cpu_abi.OPS_TABLE),  # torch's roundings
-    NVFP4: _Build("nvfp4", (_DIR / "cpu_nvfp4.c",), ("-mavx512f", "-mavx512vbmi", "-mavx2", "-mfma"),
-                  ("avx512f", "avx512vbmi", "avx2", "fma"), cpu_abi.NVFP4_TABLE),
+    NVFP4: _Build("nvfp4", (_DIR / "cpu_nvfp4.c", _DIR / "cpu_nvfp4_bf16.c"),
+                  ("-mavx512f", "-mavx512bw", "-mavx512vbmi", "-mavx512bf16", "-mavx2", "-mfma"),
+                  ("avx512f", "avx512bw", "avx512vbmi", "avx512_bf16", "avx2", "fma"), cpu_abi.NVFP4_TABLE),
 }
 
 

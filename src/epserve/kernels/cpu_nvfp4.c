@@ -11,8 +11,9 @@
  * the weight rows one after another (one sequential stream per thread, as the bf16/fp32 decode GEMMs read
  * theirs), more rows take four weight rows at a time, decoded a stretch at a time into L1; beyond TILE_M rows
  * of x the next tiles read a block of weight rows again from L2. Activations are fp32 or bf16 (W4A16: never
- * quantized), accumulated in fp32; the result in x's dtype. Built and loaded at run time by kernels/cpu.py
- * (front end: kernels/cpu_nvfp4.py); the torch reference of kernels/nvfp4.py is the fallback.
+ * quantized; bf16 rows by the dot products of cpu_nvfp4_bf16.c), accumulated in fp32; the result in x's dtype.
+ * Built and loaded at run time by kernels/cpu.py (front end: kernels/cpu_nvfp4.py); the torch reference of
+ * kernels/nvfp4.py is the fallback.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -21,62 +22,9 @@
 #include <string.h>
 #include <omp.h>
 
-#include "cpu_bf16.h"
+#include "cpu_nvfp4.h"
 
-#define TILE_M 16
-#define GROUP 16
 #define ROW_BLOCK 32 /* weight rows a thread takes at a time: 32 rows of K = 7168 (115 KB) stay in L2 */
-
-#define SCHUNK 256 /* blocks whose scales are converted at a time (a row's stretch of 4096 values) */
-
-/* The scales of nb <= SCHUNK blocks as fp32, each e4m3 block scale times the global scale g (the reference's
- * one rounding). An e4m3 code's bits moved into fp32's exponent and mantissa fields are its value times 2^-120,
- * normal and subnormal alike (so times 2^120, exactly, gives the value); the codes 0x7F/0xFF are NaN. */
-static inline void block_scales(const uint8_t *s, int64_t nb, float g, float *out) {
-  const __m512 two120 = _mm512_set1_ps(0x1p120f), gv = _mm512_set1_ps(g), nan = _mm512_set1_ps(NAN);
-  const __m512i magnitude = _mm512_set1_epi32(0x7F), sign = _mm512_set1_epi32(0x80);
-  for (int64_t j = 0; j < nb; j += 16) {
-    uint8_t bytes[16] = {0};
-    if (nb - j < 16) memcpy(bytes, s + j, (size_t)(nb - j));
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(nb - j < 16 ? bytes : s + j)));
-    const __m512i m = _mm512_and_si512(v, magnitude);
-    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(m, 20), _mm512_slli_epi32(_mm512_and_si512(v, sign), 24));
-    const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), two120), gv);
-    _mm512_storeu_ps(out + j, _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(m, magnitude), f, nan));
-  }
-}
-
-/* e2m1 code -> value: bit 3 the sign, bits 0-2 index 0, 0.5, 1, 1.5, 2, 3, 4, 6 (code 8 is -0). */
-static inline __m512 e2m1_table(void) {
-  return _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f,
-                        -4.0f, -6.0f);
-}
-
-/* The multishift control that puts code i of a block (bits 4i..4i+3 of its 8 bytes, broadcast to every
- * quadword) in the low bits of lane i: the permute's index reads only those four bits. */
-static inline __m512i nibble_lanes(void) {
-  return _mm512_set_epi32(60, 56, 52, 48, 44, 40, 36, 32, 28, 24, 20, 16, 12, 8, 4, 0);
-}
-
-/* The 16 values of one block (8 packed bytes) times its scale: a broadcast, a multishift, a permute, a mul. */
-static inline __m512 decode16(const uint8_t *p, float scale, __m512 table, __m512i lanes) {
-  uint64_t q;
-  memcpy(&q, p, 8);
-  const __m512i codes = _mm512_multishift_epi64_epi8(lanes, _mm512_set1_epi64((long long)q));
-  return _mm512_mul_ps(_mm512_permutexvar_ps(codes, table), _mm512_set1_ps(scale));
-}
-
-/* Where a row's results go: fp32 (yf) or bf16 (yb), row-major with leading dimension ld. */
-typedef struct {
-  float *yf;
-  uint16_t *yb;
-  int64_t ld;
-} Out;
-
-static inline void put(Out o, int64_t m, int64_t n, float v) {
-  if (o.yb) o.yb[m * o.ld + n] = f32_to_bf16(v);
-  else o.yf[m * o.ld + n] = v;
-}
 
 /* One weight row (packed w, block scales s, global scale g) against M rows of x (fp32, leading dimension ldx),
  * M a compile-time constant so the accumulators live in registers: y[m, n] = sum_k x[m, k] * W[n, k]. Up to
@@ -126,7 +74,6 @@ static const row_fn ROW[TILE_M + 1] = {0,      row_1,  row_2,  row_3,  row_4,  r
  * (L1) once, then every tile of up to four rows of x (its KC columns in L1 too) multiplied into acc[4T] (the
  * tile's sums per weight row, kept across stretches in accv). Decoding once per weight row whatever M is, and
  * reading x from L1 rather than streaming whole rows of x past each weight row, keeps the arithmetic on FMAs. */
-#define KC 256
 #define DEFINE_TILE(T)                                                                                         \
   static void tile_##T(const float *x, int64_t ldx, const float *wb, int64_t kl, __m512 *accv) {              \
     __m512 acc[T][4];                                                                                          \
@@ -172,22 +119,27 @@ static void panel4(const float *x, int64_t M, const uint8_t *w, const uint8_t *s
     for (int r = 0; r < 4; r++) put(o, m, n + r, _mm512_reduce_add_ps(accv[m * 4 + r]));
 }
 
-/* Weight rows [n0, n1) against all M rows of x [M, K] (fp32), part rows to a global scale: each weight row
- * read from memory once, ROW_BLOCK rows at a time, the tiles of TILE_M rows of x after the first reading the
- * block again from cache. One row of x: each weight row streamed past it (row_1); more: four weight rows at
- * a time (panel4; the last n1 - n0 % 4 rows streamed). */
-static void rows(const float *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *gs, int64_t part,
-                 int64_t n0, int64_t n1, int64_t K, Out o) {
+/* Weight rows [n0, n1) against all M rows of x [M, K] (fp32 x; xb: the same rows in bf16, or NULL), part rows
+ * to a global scale: each weight row read from memory once, ROW_BLOCK rows at a time, the tiles of TILE_M rows
+ * of x after the first reading the block again from cache. One row of x: each weight row streamed past it
+ * (row_1); more: four weight rows at a time (panel4; the last n1 - n0 % 4 rows streamed). bf16 rows go through
+ * cpu_nvfp4_bf16.c's dot products. */
+static void rows(const float *x, const uint16_t *xb, int64_t M, const uint8_t *w, const uint8_t *s, const float *gs,
+                 int64_t part, int64_t n0, int64_t n1, int64_t K, Out o) {
   for (int64_t nb = n0; nb < n1; nb += ROW_BLOCK) {
     const int64_t nend = nb + ROW_BLOCK < n1 ? nb + ROW_BLOCK : n1;
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
       const int64_t T = M - m0 < TILE_M ? M - m0 : TILE_M;
       const Out ot = {o.yf ? o.yf + m0 * o.ld : 0, o.yb ? o.yb + m0 * o.ld : 0, o.ld};
       int64_t n = nb;
+      if (xb && T == 1)
+        for (; n < nend; n++) nvfp4_row1_bf16(xb + m0 * K, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K,
+                                              ot, n);
       if (T > 1)
         for (; n + 4 <= nend; n += 4) {
           const float g[4] = {gs[n / part], gs[(n + 1) / part], gs[(n + 2) / part], gs[(n + 3) / part]};
-          panel4(x + m0 * K, T, w, s, g, K, ot, n);
+          if (xb) nvfp4_panel4_bf16(xb + m0 * K, T, w, s, g, K, ot, n);
+          else panel4(x + m0 * K, T, w, s, g, K, ot, n);
         }
       for (; n < nend; n++) ROW[T](x + m0 * K, K, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K, ot, n);
     }
@@ -215,7 +167,7 @@ void epserve_nvfp4_linear(const void *x, int bf16, int64_t M, const uint8_t *w, 
   const Out o = {bf16 ? 0 : (float *)out, bf16 ? (uint16_t *)out : 0, N};
   #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t nb = 0; nb < N; nb += ROW_BLOCK)
-    rows(xf, M, w, s, gs, N / S, nb, nb + ROW_BLOCK < N ? nb + ROW_BLOCK : N, K, o);
+    rows(xf, bf16 ? (const uint16_t *)x : 0, M, w, s, gs, N / S, nb, nb + ROW_BLOCK < N ? nb + ROW_BLOCK : N, K, o);
   free(copy);
 }
 
@@ -281,12 +233,15 @@ int epserve_nvfp4_moe_swiglu(const void *x, int bf16, int64_t N, const int64_t *
     const int64_t r0 = offsets[e], M = offsets[e + 1] - offsets[e];
     if (M == 0) continue;
     float *h = (float *)malloc(sizeof(float) * M * 3 * I), *act = h + M * 2 * I;
+    uint16_t *act_bf16 = bf16 ? (uint16_t *)malloc(sizeof(uint16_t) * M * I) : 0;
     const Out oh = {h, 0, 2 * I};
-    rows(xf + r0 * H, M, w13 + e * 2 * I * (H / 2), s13 + e * 2 * I * (H / GROUP), g13 + e * S13, 2 * I / S13, 0,
-         2 * I, H, oh);
+    rows(xf + r0 * H, bf16 ? (const uint16_t *)x + r0 * H : 0, M, w13 + e * 2 * I * (H / 2),
+         s13 + e * 2 * I * (H / GROUP), g13 + e * S13, 2 * I / S13, 0, 2 * I, H, oh);
     swiglu(h, M, I, bf16, act);
+    for (int64_t i = 0; bf16 && i < M * I; i++) act_bf16[i] = f32_to_bf16(act[i]); /* exact: rounded already */
     const Out oo = {bf16 ? 0 : (float *)out + r0 * H, bf16 ? (uint16_t *)out + r0 * H : 0, H};
-    rows(act, M, w2 + e * H * (I / 2), s2 + e * H * (I / GROUP), g2 + e * S2, H / S2, 0, H, I, oo);
+    rows(act, act_bf16, M, w2 + e * H * (I / 2), s2 + e * H * (I / GROUP), g2 + e * S2, H / S2, 0, H, I, oo);
+    free(act_bf16);
     free(h);
   }
   const size_t elem = bf16 ? 2 : 4;

@@ -1,7 +1,7 @@
-"""The CPU implementations of ``kernels.nvfp4``'s ops: ``cpu_nvfp4.c`` (the ``kernels.cpu`` library ``NVFP4``,
-AVX-512F and VBMI + FMA), which runs NVFP4 weights as ModelOpt stores them, four bits and two scales a weight
-decoded in registers, never expanded in memory (W4A16: x stays fp32 or bf16, fp32 accumulation, the result in
-x's dtype).
+"""The CPU implementations of ``kernels.nvfp4``'s ops: ``cpu_nvfp4.c`` and ``cpu_nvfp4_bf16.c`` (the ``kernels.cpu``
+library ``NVFP4``, AVX-512F, BW, VBMI and BF16 + FMA), which run NVFP4 weights as ModelOpt stores them, four
+bits and two scales a weight decoded in registers, never expanded in memory (W4A16: x stays fp32 or bf16, fp32
+accumulation, bf16 rows by exact bf16 products; the result in x's dtype).
 
 ``linear`` streams the packed weight and its block scales once for up to ``TILE_M`` rows of x (more rows pass
 over each block of weight rows from cache); past :data:`PREFILL_ROWS` rows (prefill) the C kernel dequantizes
@@ -11,7 +11,7 @@ decode step, ``kernels/cpu_graph.py``, replays with the step's counts); rows pas
 
 Each ``*_takes`` answers from shapes and dtypes only (so it answers in a trace as well): CPU tensors of the
 format's dtypes, contiguous, K a multiple of 16, the library loaded (``EPSERVE_CPU_KERNELS=0``, a CPU without
-AVX-512F/VBMI or no C compiler: the op's torch reference runs), no gradients. Kernel calls go through
+those instructions or no C compiler: the op's torch reference runs), no gradients. Kernel calls go through
 ``kernels.cpu._lib``, so a decode step being recorded records them.
 """
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from epserve.kernels import cpu
 
 GROUP = 16  # values per e4m3 block scale (kernels.nvfp4.GROUP, which imports this module's checks)
-PREFILL_ROWS = 64  # more rows of x: dequantize a chunk of weight rows and let torch's GEMM multiply
+PREFILL_ROWS = 32  # more rows of x: dequantize a chunk of weight rows and let torch's GEMM multiply (measured)
 CHUNK_ROWS = 256  # weight rows dequantized at a time for the prefill GEMM (as the reference's chunks)
 _ACTIVATIONS = (torch.float32, torch.bfloat16)
 
