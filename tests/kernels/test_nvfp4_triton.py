@@ -93,11 +93,12 @@ def _case_interpreted(nt) -> None:
 
 
 def _case_e2m1_decode(nt) -> None:
-    """Every code and scale: a weight of one row holding the 16 codes twice, block scales from 2^-9 (the least
-    e4m3 subnormal) to 448, times an identity x: the dequantized weight exactly."""
+    """Every code, and scales of every kind: a weight of one row holding the 16 codes twice, block scales from
+    2^-9 (the least e4m3 subnormal) through the largest subnormal and the least normal to 448, times an identity
+    x: the dequantized weight exactly."""
     codes = torch.arange(16, dtype=torch.uint8).repeat(2)
     weight = (codes[0::2] | (codes[1::2] << 4)).view(1, 16)
-    for scale in (2.0**-9, 0.375, 1.0, 448.0):
+    for scale in (2.0**-9, 7 * 2.0**-9, 2.0**-6, 0.375, 1.0, 448.0):
         ws = torch.full((1, 2), scale).to(nvfp4.SCALE_DTYPE)
         for dtype in DTYPES:
             out = nt.nvfp4_linear_triton(torch.eye(32, dtype=dtype), weight, ws, torch.tensor([0.5]))
@@ -233,10 +234,11 @@ def test_triton_under_interpreter(case, interpreter_results):
     assert interpreter_results[case] is None, interpreter_results[case]
 
 
-@pytest.mark.parametrize("kernel,dtype", [("linear", "bf16"), ("grouped", "bf16"), ("grouped", "fp32")])
-def test_kernels_compile_for_sm90(kernel, dtype):
-    """The kernels lower to Hopper PTX without a GPU (Triton's own ptxas): the nibble unpacking (join and
-    reshape), the e4m3 scales' conversion, 16-bit and IEEE fp32 dots; wgmma for the experts' 64-row tiles."""
+@pytest.mark.parametrize("kernel,dtype,arch", [("linear", "bf16", 90), ("grouped", "bf16", 90), ("linear", "fp32", 80)])
+def test_kernels_compile_for_the_gpu(kernel, dtype, arch):
+    """The kernels lower to Hopper and Ampere PTX without a GPU (Triton's own ptxas): the nibble unpacking (join
+    and reshape), the e4m3 scales decoded from their bytes, 16-bit and IEEE fp32 dots; wgmma for the experts'
+    64-row tiles on Hopper."""
     if torch.cuda.is_available() or not HAS_TRITON:
         pytest.skip("no triton, or a GPU is here (the CUDA tests run the kernels)")
     from triton.backends.compiler import GPUTarget
@@ -247,7 +249,7 @@ def test_kernels_compile_for_sm90(kernel, dtype):
     grouped = kernel == "grouped"
     ints = ("R N K E part_rows stride_xm stride_we stride_wn stride_se stride_sn stride_ge stride_cm" if grouped
             else "M N K part_rows stride_xm stride_wn stride_sn stride_cm").split()
-    sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "c_ptr": f"*{dtype}",
+    sig = {"x_ptr": f"*{dtype}", "w_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*fp32", "c_ptr": f"*{dtype}",
            **({"tile_expert_ptr": "*i32", "tile_row_ptr": "*i32", "tile_end_ptr": "*i32"} if grouped else {}),
            **dict.fromkeys(ints, "i32")}
     consts = {"PRECISION": "ieee" if dtype == "fp32" else "tf32", "EMULATE": False, "BM": 64 if grouped else 16,
@@ -255,8 +257,8 @@ def test_kernels_compile_for_sm90(kernel, dtype):
               **({"SWIGLU": True} if grouped else {"GROUP_M": 8})}
     sig.update(dict.fromkeys(consts, "constexpr"))
     ptx = compile(ASTSource(nt._grouped_kernel if grouped else nt._linear_kernel, sig, consts),
-                  target=GPUTarget("cuda", 90, 32), options=nt._OPTS).asm["ptx"]
-    assert ".entry" in ptx and ("wgmma" in ptx) == (grouped and dtype == "bf16")
+                  target=GPUTarget("cuda", arch, 32), options=nt._OPTS).asm["ptx"]
+    assert ".entry" in ptx and ("wgmma" in ptx) == (grouped and arch == 90)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------

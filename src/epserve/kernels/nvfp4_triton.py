@@ -1,9 +1,10 @@
 """Triton kernels for NVFP4 weights with activations in the model dtype (W4A16; see ``kernels.nvfp4`` for the
 format and the torch reference). Hopper has no FP4 tensor cores: each program reads a tile of packed bytes,
-unpacks the low (even column) and high nibbles to e2m1 values, multiplies in the e4m3 block scales and runs
-``tl.dot`` on the result in x's dtype, accumulating in fp32; the per-part global scale multiplies the
-accumulator once, per output row. An e2m1 value times an e4m3 scale has at most 6 significant bits, so the
-block-scaled weight is exact in bf16 and fp16 as in fp32: the only roundings are the GEMM's own.
+unpacks the low (even column) and high nibbles to e2m1 values, multiplies in the e4m3 block scales (both decoded
+from their bits, exactly, so the kernels also lower for Ampere) and runs ``tl.dot`` on the result in x's dtype,
+accumulating in fp32; the per-part global scale multiplies the accumulator once, per output row. An e2m1 value
+times an e4m3 scale has at most 6 significant bits, so the block-scaled weight is exact in bf16 and fp16 as in
+fp32: the only roundings are the GEMM's own.
 
 - ``_linear_kernel``: x [M, K] @ W^T, the 4.5 bits per weight read once per row tile.
 - ``nvfp4_w4a4_triton``: W4A4's arithmetic (``kernels.nvfp4_w4a4``) where FP4 tensor cores are not: the
@@ -50,6 +51,18 @@ def _e2m1(code):
 
 
 @triton.jit
+def _e4m3(byte):
+    """float8_e4m3fn bytes (int32) -> fp32, exact: bit 7 the sign, bits 3-6 the exponent (bias 7; 0: subnormal,
+    ``m x 2^-9``), bits 0-2 the mantissa (block scales are never NaN). Decoded from the bits rather than by a
+    cast of a float8 pointer, which Triton lowers only from compute capability 8.9."""
+    e = (byte >> 3) & 15
+    m = byte & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e > 0, normal, m.to(tl.float32) * 0.001953125)
+    return tl.where((byte >> 7) != 0, -v, v)
+
+
+@triton.jit
 def _weight_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
                  BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr):
     """[BK, BN] fp32: columns ``k0 .. k0 + BK`` of the weight rows ``offs_n``, e2m1 x block scale."""
@@ -59,8 +72,8 @@ def _weight_tile(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_sn,
                      other=0).to(tl.int32)
     values = tl.reshape(tl.join(_e2m1(packed & 0xF), _e2m1(packed >> 4)), (BN, BK))  # even column: low nibble
     offs_g = k0 // GS + tl.arange(0, BK // GS)
-    scales = tl.load(s_ptr + rows * stride_sn + offs_g[None, :], mask=n_mask[:, None] & (offs_g < K // GS)[None, :],
-                     other=0.0).to(tl.float32)
+    scales = _e4m3(tl.load(s_ptr + rows * stride_sn + offs_g[None, :],
+                           mask=n_mask[:, None] & (offs_g < K // GS)[None, :], other=0).to(tl.int32))
     w = tl.reshape(tl.reshape(values, (BN, BK // GS, GS)) * scales[:, :, None], (BN, BK))
     return tl.trans(w)
 
@@ -173,7 +186,7 @@ def nvfp4_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     if m and n:
         bm = _tile_m(m)
         _linear_kernel[(cdiv(m, bm) * cdiv(n, BN),)](
-            a, weight, weight_scale, weight_scale_2, out, m, n, k, n // weight_scale_2.numel(),
+            a, weight, weight_scale.view(torch.uint8), weight_scale_2, out, m, n, k, n // weight_scale_2.numel(),
             a.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
             BM=bm, BN=BN, GS=GROUP, GROUP_M=8, num_warps=4, num_stages=3, **options, **_OPTS,
         )
@@ -198,7 +211,7 @@ def _grouped_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, w_sca
     tiles = cdiv(r, bm) + num_experts
     tile_expert, tile_row, tile_end = _tile_map(counts, r, tiles, bm, masked)
     _grouped_kernel[(tiles, cdiv(n, BN))](
-        x, w, w_scale, w_scale_2, out, tile_expert, tile_row, tile_end, r, n, k, num_experts,
+        x, w, w_scale.view(torch.uint8), w_scale_2, out, tile_expert, tile_row, tile_end, r, n, k, num_experts,
         n_all // w_scale_2.shape[1], x.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1),
         w_scale_2.stride(0), out.stride(0),
         SWIGLU=swiglu, BM=bm, BN=BN, GS=GROUP, num_warps=4, num_stages=3, **options, **_OPTS,
