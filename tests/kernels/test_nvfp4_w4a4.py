@@ -18,7 +18,7 @@ import importlib.util
 import pytest
 import torch
 import triton_harness
-from test_nvfp4_triton import make_linear
+from test_nvfp4_triton import _host_reads, make_linear
 
 from epserve.kernels import backends, nvfp4_w4a4
 from epserve.kernels.device import assume_capability
@@ -149,7 +149,8 @@ def test_fake_implementation_gives_the_shape():
 
 def _case_triton_emulation(nt) -> None:
     """Where FP4 tensor cores are not: the quantized activations through the W4A16 kernel in fp32, as the
-    reference computes them (fp32 to a summation order; bf16 to an output rounding)."""
+    reference computes them (fp32 to a summation order; bf16 to an output rounding), no value read on the
+    host."""
     for n, k, parts, m in [(48, 64, 2, 7), (130, 272, 1, 1), (64, 48, 1, 33)]:
         w, ws, ws2 = make_linear(n, k, parts, seed=k)
         for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
@@ -160,8 +161,8 @@ def _case_triton_emulation(nt) -> None:
             err, scale = (out.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
             assert out.dtype == dtype and out.shape == ref.shape and err <= tolerance * scale, (n, k, dtype, err)
     x = torch.randn(2, 3, 64)
-    out = nt.nvfp4_w4a4_triton(x, *make_linear(16, 64), torch.tensor([0.01]))
-    assert out.shape == (2, 3, 16)
+    out, reads = _host_reads(lambda: nt.nvfp4_w4a4_triton(x, *make_linear(16, 64), torch.tensor([0.01])))
+    assert out.shape == (2, 3, 16) and reads == [], reads  # capturable: no value read on the host
 
 
 INTERP_CASES = {"triton_emulation": _case_triton_emulation}
