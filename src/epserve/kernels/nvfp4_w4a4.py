@@ -112,8 +112,10 @@ def fp4_gemm(q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, weight: torch.Te
              weight_scale_2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """NVFP4 rows (q uint8 [M, K/2], e4m3 block scales s [M, K/16], global scale g fp32 [1]) times an NVFP4
     weight^T by ``scaled_mm`` on FP4 operands -> [M, N] out_dtype: one GEMM per part, each with its own weight
-    global scale, the block scales swizzled on the device."""
-    from torch.nn.functional import ScalingType, SwizzleType, scaled_mm  # (torch >= 2.10)
+    global scale, the block scales swizzled on the device. ``float4_e2m1fn_x2`` keeps the even column in the low
+    nibble, as ModelOpt packs it: the bytes are used as stored."""
+    # (a recent torch's; with an older one this raises, so the self-test fails and the Triton emulation runs)
+    from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
 
     recipe = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
     swizzle = [SwizzleType.SWIZZLE_32_4_4, SwizzleType.NO_SWIZZLE]
