@@ -151,7 +151,7 @@ def _case_triton_emulation(nt) -> None:
     """Where FP4 tensor cores are not: the quantized activations through the W4A16 kernel in fp32, as the
     reference computes them (fp32 to a summation order; bf16 to an output rounding), no value read on the
     host."""
-    for n, k, parts, m in [(48, 64, 2, 7), (130, 272, 1, 1), (64, 48, 1, 33)]:
+    for n, k, parts, m in [(48, 64, 2, 7), (70, 144, 1, 33)]:
         w, ws, ws2 = make_linear(n, k, parts, seed=k)
         for dtype, tolerance in ((torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
