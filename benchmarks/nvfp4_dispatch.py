@@ -15,13 +15,13 @@ between them is the dispatch's quantization of the activations alone.
   the tokens before the first difference over all tokens;
 - logprobs: the bf16 engine's continuation scored by both engines as a prompt (``prompt_logprobs``: each token
   given the same context); mean and max |difference| of those tokens' logprobs, and the share of positions
-  where the NVFP4 engine's most likely token is the bf16 engine's greedy one (teacher-forced agreement);
+  where both engines' most likely next token is the same (teacher-forced agreement);
 - bytes: ``llm.comm_bytes()`` of the dispatch over the decode steps (the bytes of the full generation minus
   those of its prefill alone, ``max_tokens=1``; prefix caching off, so both compute the same prefill), NVFP4
   over bf16, beside the per-row ratio ``(H/2 + H/16 + 4) / 2H`` (all_to_all moves only the rows that cross
   ranks, so the two runs' ratio differs from it by their routing's difference).
 
-Prompts are the opening words of the training corpus's held-out paragraphs.
+Prompts are ``--prompt-words`` words of the training corpus's held-out paragraphs (their openings first).
 """
 
 from __future__ import annotations
@@ -64,8 +64,14 @@ def nvfp4_model(model: Path) -> Path:
 
 
 def prompts(n: int, words: int) -> list[str]:
-    paragraphs = [p for p in load_corpus().heldout if len(p.split()) > words]
-    return [" ".join(paragraphs[i % len(paragraphs)].split()[:words]) for i in range(n)]
+    """``n`` distinct prompts of ``words`` words: each held-out paragraph's opening, then (past their number)
+    the next ``words`` words of each, and so on."""
+    paragraphs = [p.split() for p in load_corpus().heldout]
+    windows = [" ".join(p[at : at + words]) for at in range(0, max(map(len, paragraphs)), words)
+               for p in paragraphs if len(p) >= at + words]
+    if len(windows) < n:
+        raise SystemExit(f"the held-out paragraphs give {len(windows)} prompts of {words} words, not {n}")
+    return windows[:n]
 
 
 def run_engine(path: Path, dispatch_dtype: str, texts: list[str], args: argparse.Namespace,
@@ -102,15 +108,17 @@ def compare(bf16: dict, nvfp4: dict) -> dict:
         same += a == b
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         prefix, total = prefix + first, total + len(a)
-    diffs, forced = [], []
-    for ref_prompt, nv_prompt, tokens in zip(bf16["scored"], nvfp4["scored"], bf16["continuations"]):
-        for (ref_lp, _), (nv_lp, nv_top), token in zip(ref_prompt, nv_prompt, tokens):
+    diffs, forced, scale = [], [], []
+    for ref_prompt, nv_prompt in zip(bf16["scored"], nvfp4["scored"]):
+        for (ref_lp, ref_top), (nv_lp, nv_top) in zip(ref_prompt, nv_prompt):
             diffs.append(abs(nv_lp - ref_lp))
-            forced.append(nv_top == token)
+            scale.append(ref_lp)
+            forced.append(nv_top == ref_top)
     return {"identical_continuations": same, "prompts": len(bf16["continuations"]),
             "tokens_before_first_difference": prefix, "tokens": total,
             "greedy_prefix_agreement": prefix / total, "teacher_forced_agreement": sum(forced) / len(forced),
             "mean_abs_logprob_diff": statistics.fmean(diffs), "max_abs_logprob_diff": max(diffs),
+            "mean_logprob_bf16": statistics.fmean(scale),  # the scale the differences compare with
             "scored_tokens": len(diffs)}
 
 
