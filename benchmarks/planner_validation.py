@@ -1,13 +1,16 @@
 """The planner against our own engine: predicted vs measured decode step time on the `small` preset.
 
     .venv/bin/python benchmarks/planner_validation.py [--dp 1|2] [--hardware FILE | --quick-calibration]
-        [--batches 1 2 4 8 16 32 64] [--steps 24 --rounds 3] [--json out.json] [--markdown]
+        [--batches 1 2 4 8 16 32 64] [--steps 24 --rounds 3] [--json out.json] [--markdown] [--quantization nvfp4]
     .venv/bin/python benchmarks/planner_validation.py --public [--json out.json]   # published figures, seconds
 
 ``--public``: no engine; the planner against the published deployment and kernel figures
 (``epserve.planner.validation``; the table in docs/planner.md, "Validation against public figures").
 
-1. Builds (or reuses) the `small` checkpoint (bf16) at ``--checkpoint``.
+1. Builds (or reuses) the `small` checkpoint (bf16) at ``--checkpoint``; ``--quantization nvfp4``: the same
+   preset in ModelOpt's NVFP4 layout (``make-checkpoint --quantization nvfp4``: MLPs and experts four-bit,
+   attention bf16), run as stored (W4A16) and priced as ``epserve plan`` prices its directory: fp4 MLPs and
+   experts, bf16 attention.
 2. ``--rounds`` rounds, each: calibrate this machine as `epserve plan calibrate` does (unless
    ``--hardware`` gives a file), then per batch the engine's median decode step (as
    ``decode_step_profile`` in benchmarks/offline_throughput.py: ``batch`` requests of
@@ -121,9 +124,12 @@ def measure_decode_dp(llm: LLM, dp: int, batch: int, prompt_len: int, steps: int
             "over_tile_layers": float("nan")}
 
 
-def predict(model_name: str, model, hw, batch: int, kv_len: float, dp: int = 1) -> dict:
+def predict(model_name: str, model, hw, batch: int, kv_len: float, dp: int = 1,
+            quantization: str | None = None) -> dict:
+    nvfp4 = quantization == "nvfp4"
+    weights = {"weight_dtype": "fp4", "attention_dtype": "bf16"} if nvfp4 else {"weight_dtype": "bf16"}
     d = Deployment(ep=dp, tp=1, batch=batch, kv_len=round(kv_len), mtp_draft=0, overlap="dispatch",
-                   weight_dtype="bf16", kv_dtype="bf16", gpus_per_node=dp if dp > 1 else 8)
+                   kv_dtype="bf16", gpus_per_node=dp if dp > 1 else 8, **weights)
     plan = plan_decode(model, hw, d, model_name)
     if not plan.fits:
         raise SystemExit(f"the planner refuses batch {batch}: {plan.refusal}")
@@ -170,7 +176,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, default=1, choices=(1, 2),
                     help="1: one engine in this process; 2: two rank processes (EP 2, all_to_all, gloo)")
-    ap.add_argument("--checkpoint", default=os.path.expanduser("~/.cache/epserve/bench-small"))
+    ap.add_argument("--checkpoint", default=None,
+                    help="default ~/.cache/epserve/bench-small (-nvfp4 with --quantization nvfp4)")
+    ap.add_argument("--quantization", choices=("nvfp4",), default=None,
+                    help="nvfp4: the small preset's NVFP4 checkpoint (four-bit MLPs and experts), priced in fp4")
     ap.add_argument("--hardware", help="a calibration JSON (default: calibrate in every round)")
     ap.add_argument("--quick-calibration", action="store_true", help="calibrate with --quick (seconds)")
     ap.add_argument("--save-hardware", help="write the last calibration used here")
@@ -197,9 +206,10 @@ def main() -> None:
     if args.no_pin:
         os.environ[env.PIN] = "0"  # inherited by the spawned ranks
 
-    path = Path(args.checkpoint)
+    suffix = f"-{args.quantization}" if args.quantization else ""
+    path = Path(args.checkpoint or os.path.expanduser(f"~/.cache/epserve/bench-small{suffix}"))
     if not (path / "config.json").exists():
-        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0)
+        make_checkpoint(path, preset="small", dtype="bfloat16", seed=0, quantization=args.quantization)
     model_name, model = resolve_model(path)
     if args.dp == 1:
         llm = LLM(path, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
@@ -233,7 +243,7 @@ def main() -> None:
                     run = measure_decode(llm, b, args.prompt_len, args.steps, seed=1000 * rnd + b)
                 else:
                     run = measure_decode_dp(llm, args.dp, b, args.prompt_len, args.steps, seed=1000 * rnd + b)
-                run["predicted"] = predict(model_name, model, hw, b, run["kv_len"], args.dp)
+                run["predicted"] = predict(model_name, model, hw, b, run["kv_len"], args.dp, args.quantization)
                 runs[b].append(run)
                 bar.update()
     if args.save_hardware:
@@ -275,7 +285,8 @@ def main() -> None:
                    f"{torch.get_num_threads()} threads",
         "dp": args.dp, "threads_per_rank": (torch.get_num_threads() if args.dp == 1
                                             else max(1, (os.cpu_count() or 1) // args.dp)),
-        "checkpoint": str(path), "model": model_name, "prompt_len": args.prompt_len, "steps": args.steps,
+        "checkpoint": str(path), "model": model_name, "quantization": args.quantization,
+        "prompt_len": args.prompt_len, "steps": args.steps,
         "rounds": args.rounds, "hardware": [summary(hw) for hw in hardware], "rows": rows,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))

@@ -137,3 +137,21 @@ def test_attention_and_experts_are_priced_in_their_own_dtypes() -> None:
         priced(weight_dtype="bf16")
     assert mixed["experts"].bytes == both_fp4["experts"].bytes < 0.3 * bf16["experts"].bytes
     assert mixed["o_proj"].bytes == bf16["o_proj"].bytes > 3 * both_fp4["o_proj"].bytes
+
+
+def test_fp4_gemms_are_priced_by_the_four_bit_kernels_curves() -> None:
+    """A hardware file with the four-bit kernels' measured curves (``calibrate_fp4``) prices FP4 GEMMs with them;
+    without (a datasheet entry) or for bf16 weights, nothing changes."""
+    from dataclasses import replace
+
+    model = _nvfp4(DEEPSEEK_V3)
+    hw = load_hardware("h100")
+    shape = BatchShape(requests=4, query_len=1, kv_len=1000)
+    ops = [Op("experts", "group_gemm"), Op("o_proj", "gemm")]
+    slow = replace(hw, memory_by_rows={"group_gemm_fp4": ((1.0, 1e6, 0.05),), "gemm_fp4": ((1.0, 1e6, 0.05),)})
+    fp4, bf16 = Deployment(ep=8, weight_dtype="fp4", attention_dtype="bf16"), Deployment(ep=8, weight_dtype="bf16")
+    assert hw.kernel_class("group_gemm", "fp4") == "group_gemm" and slow.kernel_class("gemm", "fp4") == "gemm_fp4"
+    base, curved = price_ops(model, hw, fp4, shape, ops), price_ops(model, slow, fp4, shape, ops)
+    assert curved["experts"].compute_us > 3 * base["experts"].compute_us  # the four-bit experts' own curve
+    assert curved["o_proj"].compute_us == base["o_proj"].compute_us  # bf16 attention: the bf16 kernels'
+    assert price_ops(model, slow, bf16, shape, ops) == price_ops(model, hw, bf16, shape, ops)

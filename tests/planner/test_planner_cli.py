@@ -123,12 +123,12 @@ def test_calibrate_quick_writes_a_usable_hardware_file(tmp_path: Path, capsys: p
     spec = load_hardware(out)
     kinds = {p.kind for p in spec.points}
     assert {"floor", "stream", "gemm", "group_gemm", "attention", "other", "all_to_all", "engine_step",
-            "engine_stream"} <= kinds
+            "engine_stream", "gemm_fp4", "group_gemm_fp4"} <= kinds
     assert 0.25 <= spec.stream_efficiency <= 2.0
     assert all(0 < e.compute <= 1 and 0 < e.memory <= 1 for e in spec.efficiency.values())
     assert spec.kernel_latency_us > 0 and spec.nvlink_latency_us > 0
     # the engine's own kernels give the bandwidth curves; its own steps the host overhead
-    for kernel_class in ("gemm", "group_gemm"):
+    for kernel_class in ("gemm", "group_gemm", "gemm_fp4", "group_gemm_fp4"):  # the four-bit kernels' too
         curve = spec.memory_by_rows[kernel_class]
         assert min(r for r, _, _ in curve) == 1 and all(0 < f <= 1 for _, _, f in curve)
         assert len({size for _, size, _ in curve}) == 2  # two weight sizes

@@ -7,7 +7,8 @@ the CPU) and write a hardware file. The points:
 - ``gemm``: ``epserve.kernels.linear`` (the CPU's AVX512-BF16 kernel up to its tile of rows, torch
   beyond it and on CUDA) at 1 ... 1024 rows on 16 MiB and 1 MiB weights; ``group_gemm``: the engine's
   ``GroupedExperts`` at 1 ... 64 tokens per expert (spread as routing spreads them) on 12 MiB and
-  1.5 MiB experts; both cycling through weights that together exceed the caches;
+  1.5 MiB experts; both cycling through weights that together exceed the caches; ``gemm_fp4`` and
+  ``group_gemm_fp4``: the same with NVFP4 weights, the engine's four-bit kernels (``calibrate_fp4``);
 - ``attention``: the engine's MLA decode attention; ``other``: its RMSNorm;
 - ``all_to_all``: between ``world_size`` rank processes (``calibrate_ranks``);
 - ``engine_step`` and ``engine_stream``: decode steps of the engine itself (``calibrate_engine``).
@@ -15,17 +16,16 @@ the CPU) and write a hardware file. The points:
 The fit: the floor is ``kernel_latency_us``; per class the best attained FLOP/s and bytes/s (the
 floor taken off) become the achievable fractions of a datasheet entry (a recognised GPU) or, on an
 unknown device, of the best measured rates themselves; the GEMM and grouped-GEMM points become the
-achievable-bandwidth curves ``memory_by_rows`` by rows and weight size (the planner then reproduces
+achievable-bandwidth curves ``memory_by_rows`` by rows and weight size (their FP4 twins those of the
+four-bit kernels, which price FP4 weights: ``HardwareSpec.kernel_class``; the planner then reproduces
 every measured point); the engine steps give the host overheads and ``stream_efficiency``
 (``calibrate_engine``). Only these calibration modules import torch.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -33,6 +33,7 @@ import torch
 
 from epserve.parallel.launch import threads_per_rank
 from epserve.planner.calibrate_engine import fit_overhead, fit_stream_efficiency, measure_engine
+from epserve.planner.calibrate_fp4 import fp4_curve_point, measure_fp4_kernels
 from epserve.planner.calibrate_ranks import (
     CalibrationRank,
     MeasureLoaded,
@@ -42,76 +43,18 @@ from epserve.planner.calibrate_ranks import (
     resolve_pin,
     run_ranks,
 )
+from epserve.planner.calibrate_timing import (
+    BUDGET_S,
+    EXPERT_DIMS,
+    EXPERTS_PER_CALL,
+    GEMM_KN,
+    SIZES,
+    routed_counts,
+    time_calls,
+)
 from epserve.planner.errors import PlanError
 from epserve.planner.gpus import BUILTIN
-from epserve.planner.hardware import Efficiency, HardwareSpec, MeasuredPoint
-
-SIZES = {  # (quick, full)
-    "rows": ((1, 4, 64, 256), (1, 2, 4, 8, 12, 24, 32, 64, 128, 256, 1024)),  # + the CPU kernel's tile edge
-    "expert_rows": ((1, 4), (1, 2, 4, 6, 8, 12, 24, 32, 64)),  # + the tile edge
-    "pool_bytes": (96 << 20, 256 << 20),  # weights cycled through: 3-8x a 32 MiB last-level cache
-    "stream_bytes": (256 << 20, 1 << 30),
-    "attn": (((8, 16, 256), (64, 4, 256)),  # (heads, requests, KV length): few heads pin the bandwidth,
-             ((8, 64, 128), (8, 16, 512), (8, 1, 4096), (64, 16, 512), (64, 1, 4096))),  # many the FLOP/s
-    "norm_tokens": ((16, 256), (16, 256, 2048)),
-    "a2a": ((1 << 10, 1 << 16, 1 << 20), (1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22)),
-    "a2a_loaded": ((1 << 10, 1 << 18), (1 << 10, 1 << 16, 1 << 18, 1 << 20)),
-    "engine_layers": ((2, 6), (2, 5, 8)),  # tiny preset depths (1 dense + MoE layers)
-    "engine_batches": ((1, 32), (1, 16, 64)),
-    "engine_steps": (12, 30),
-    "stream_model": ((3, 32), (4, 64)),  # wide model: layers (1 dense + MoE), routed experts: 0.2 / 0.6 GiB
-    "stream_batches": ((1,), (1, 16)),
-}
-BUDGET_S = (0.03, 0.25)  # time spent measuring one shape
-GEMM_KN = ((2048, 4096), (1024, 512))  # K, N of the calibration GEMMs: 16 MiB and 1 MiB bf16 weights
-EXPERT_DIMS = ((2048, 1024), (1024, 256))  # hidden, intermediate: large (12 MiB) and small (1.5 MiB) experts
-EXPERTS_PER_CALL = (8, 16)  # quick, full
-
-
-def _time_calls(device: str, calls: Sequence[Callable[[], object]], budget_s: float) -> float:
-    """Median time of one call in µs, cycling through ``calls`` (each on its own weights, so nothing
-    stays cached) for about ``budget_s`` and at least one full cycle. CPU: each call timed alone;
-    CUDA: chunks of calls between synchronisations."""
-    cuda = device == "cuda"
-    chunk = max(4, len(calls)) if cuda else 1
-    calls[0]()
-    if cuda:
-        torch.cuda.synchronize()
-    samples: list[float] = []
-    start, i = time.perf_counter(), 0
-    while True:
-        t = time.perf_counter()
-        for _ in range(chunk):
-            calls[i % len(calls)]()
-            i += 1
-        if cuda:
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t) / chunk)
-        elapsed = time.perf_counter() - start
-        if len(samples) >= 3 and (i >= len(calls) and elapsed > budget_s or elapsed > 4 * budget_s or i >= 4000):
-            break
-    samples.sort()
-    return samples[len(samples) // 2] * 1e6
-
-
-def routed_counts(mean_rows: float, groups: int, seed: int = 0) -> tuple[int, ...]:
-    """Rows of ``groups`` active experts averaging about ``mean_rows``, as uniform random routing
-    spreads them: each expert's count is Poisson, conditioned on the expert being active (>= 1),
-    with the rate whose conditional mean is ``mean_rows``. A kernel that tiles rows or pads groups
-    (or, on the CPU, hands a layer to torch when one expert overflows its tile) pays for the spread,
-    not just the mean, so the curve is measured under the routing the planner assumes."""
-    if mean_rows <= 1:
-        return (1,) * groups
-    lo, hi = 0.0, float(mean_rows)  # lam / (1 - exp(-lam)) rises from 1 at 0 to mean_rows below mean_rows
-    for _ in range(60):
-        lam = (lo + hi) / 2
-        lo, hi = (lam, hi) if lam / -math.expm1(-lam) < mean_rows else (lo, lam)
-    gen = torch.Generator().manual_seed(seed)
-    counts: list[int] = []
-    while len(counts) < groups:
-        draw = torch.poisson(torch.full((2 * groups,), lam, dtype=torch.float64), generator=gen)
-        counts += [int(c) for c in draw.tolist() if c >= 1]
-    return tuple(counts[:groups])
+from epserve.planner.hardware import FP4_CLASSES, Efficiency, HardwareSpec, MeasuredPoint
 
 
 def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[MeasuredPoint]:
@@ -136,18 +79,18 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
 
     tiny_x, tiny_w = rand(1, 32), rand(32, 32)
     pts.append(MeasuredPoint("floor", "linear 1x32x32", 0.0, 0.0,
-                             _time_calls(device, [partial(linear, tiny_x, tiny_w)], budget)))
+                             time_calls(device, [partial(linear, tiny_x, tiny_w)], budget)))
     stream = SIZES["stream_bytes"][q]
     data = torch.ones(stream // 4, dtype=torch.float32, device=device)
     pts.append(MeasuredPoint("stream", f"sum {stream >> 20} MiB", 0.0, float(stream),
-                             _time_calls(device, [data.sum], budget)))
+                             time_calls(device, [data.sum], budget)))
     del data
 
     for k, n in GEMM_KN:  # two weight sizes: small matrices stream slower than large ones
         pool = [full(n, k) for _ in range(max(2, pool_bytes // (n * k * esize)))]
         for m in sorted({*SIZES["rows"][q], *tile}):
             x = rand(m, k)
-            t = _time_calls(device, [partial(linear, x, w) for w in pool], budget)
+            t = time_calls(device, [partial(linear, x, w) for w in pool], budget)
             pts.append(MeasuredPoint("gemm", f"{m}x{k}x{n}", 2 * m * k * n, (m * k + n * k + m * n) * esize, t))
         del pool
 
@@ -163,7 +106,7 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
             counts = routed_counts(m, per_call, seed=m)
             tokens = sum(counts)
             inp = ExpertInput(rand(tokens, h), torch.tensor(counts, dtype=torch.int64), tuple(counts))
-            t = _time_calls(device, [partial(e, inp) for e in modules], budget)
+            t = time_calls(device, [partial(e, inp) for e in modules], budget)
             weights = per_call * 3 * h * inter
             moved = weights + tokens * (h + 2 * inter + inter + h)  # per expert: its weights; per row: in and out
             pts.append(MeasuredPoint("group_gemm", f"{per_call}x{tokens / per_call:.4g}x{h}x{inter}",
@@ -174,7 +117,7 @@ def _measure_kernels(device: str, dtype: torch.dtype, quick: bool) -> list[Measu
     for tokens in SIZES["norm_tokens"][q]:
         norm = RMSNorm(4096).to(device=device, dtype=dtype)
         x = rand(tokens, 4096)
-        t = _time_calls(device, [partial(norm, x)], budget)
+        t = time_calls(device, [partial(norm, x)], budget)
         pts.append(MeasuredPoint("other", f"rmsnorm {tokens}x4096", 0.0, 2 * tokens * 4096 * esize, t))
     return pts
 
@@ -217,7 +160,7 @@ def _measure_attention(device: str, dtype: torch.dtype, quick: bool, budget: flo
             logits_indices=t(list(range(requests))), num_decode_seqs=requests, seq_lens_cpu=lens,
             query_start_loc_cpu=tuple(range(requests + 1)), block_size=block)
         query = torch.randn(requests, heads, cfg.qk_head_dim, device=device, dtype=dtype)
-        us = _time_calls(device, [partial(attn.decode_attention, query, batch, cache)], budget)
+        us = time_calls(device, [partial(attn.decode_attention, query, batch, cache)], budget)
         flops = 2 * requests * heads * length * (dim + cfg.kv_lora_rank)
         moved = requests * length * dim * 2 + requests * heads * (dim + cfg.kv_lora_rank) * 2
         pts.append(MeasuredPoint("attention", f"{requests}x{heads}x{length}", flops, moved, us))
@@ -261,7 +204,7 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
         world_size = min(world_size, torch.cuda.device_count())
     dtype = torch.bfloat16
     with torch.inference_mode():
-        points = _measure_kernels(device, dtype, quick)
+        points = _measure_kernels(device, dtype, quick) + measure_fp4_kernels(device, dtype, quick)
     if world_size > 1:
         points += measure_all_to_all(world_size, SIZES["a2a"][0 if quick else 1], 5 if quick else 20, device)
     floor = next(p.time_us for p in points if p.kind == "floor")
@@ -269,6 +212,8 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
     rates = {c: _fit(points, floor, c) for c in ("gemm", "group_gemm", "attention", "other")}
     other_bw = rates["other"][1] or stream.bytes / stream.time_us * 1e6
     rows_fit = {c: [_curve_point(p, floor, other_bw) for p in points if p.kind == c] for c in ("gemm", "group_gemm")}
+    rows_fit.update({c: [fp4_curve_point(p, floor, other_bw) for p in points if p.kind == c]
+                     for c in FP4_CLASSES.values()})
     name = torch.cuda.get_device_name(0) if device == "cuda" else "cpu"
     base = base or next((BUILTIN[k] for k in ("gb200", "b200", "h800", "h200", "h100") if k in name.lower()), None)
     if base is None:
@@ -283,6 +228,7 @@ def calibrate(quick: bool = False, device: str | None = None, world_size: int = 
                             memory_bandwidth=bw, nvlink_bandwidth=bw, ib_bandwidth=bw,
                             gpus_per_node=max(8, os.cpu_count() or 1), nvlink_efficiency=1.0, ib_efficiency=1.0)
     peak, bw = base.flops_for("bf16"), base.memory_bandwidth
+    rates.update({c: _fit(points, floor, c) for c in FP4_CLASSES.values()})  # (the curves above give the peak)
     efficiency = {c: Efficiency(compute=_fraction(f / peak) if f else base.eff(c).compute,
                                 memory=_fraction(b / bw) if b else base.eff(c).memory)
                   for c, (f, b) in rates.items()}

@@ -56,7 +56,10 @@ from epserve.planner.kernel_fits import AllToAllFit, CurvePoint, KernelFloor, cu
 GiB = 1 << 30
 KERNEL_CLASSES = ("gemm", "group_gemm", "attention", "attention_prefill", "other")
 CLASS_FALLBACK = {"attention_prefill": "attention"}  # a class a file lacks is priced as this one
-STREAM_CLASSES = ("gemm", "group_gemm")  # the weight-streaming classes ``stream_efficiency`` scales
+# The four-bit kernels' own classes, where a calibration measured them (``calibrate_fp4``; ``kernel_class``)
+FP4_CLASSES = {"gemm": "gemm_fp4", "group_gemm": "group_gemm_fp4"}
+# the weight-streaming classes ``stream_efficiency`` scales
+STREAM_CLASSES = ("gemm", "group_gemm", *FP4_CLASSES.values())
 DEFAULT_LOCAL_FILE = Path.home() / ".cache" / "epserve" / "hardware-local.json"
 
 
@@ -90,7 +93,7 @@ class HardwareSpec:
     nvlink_bandwidth: float  # per GPU, per direction
     ib_bandwidth: float  # per GPU, per direction (one NIC per GPU)
     gpus_per_node: int = 8  # the NVLink domain
-    efficiency: dict[str, Efficiency] = field(default_factory=dict)  # by KERNEL_CLASSES
+    efficiency: dict[str, Efficiency] = field(default_factory=dict)  # by KERNEL_CLASSES (FP4_CLASSES if measured)
     nvlink_efficiency: float = 0.75
     ib_efficiency: float = 0.78
     nvlink_latency_us: float = 40.0  # fixed cost of one dispatch or combine inside a node
@@ -122,6 +125,13 @@ class HardwareSpec:
     # Where each other parameter comes from ("efficiency.gemm", "ib_latency_us", ...); a calibrated file's
     # points are its sources.
     sources: dict[str, str] = field(default_factory=dict)
+
+    def kernel_class(self, base: str, weight_dtype: str) -> str:
+        """The class that prices a ``base`` GEMM (``gemm``, ``group_gemm``) on ``weight_dtype`` weights: the
+        four-bit kernels' own (``gemm_fp4``, ``group_gemm_fp4``) where this file has their measured curves, else
+        ``base`` (a datasheet entry prices FP4 by its bytes at the bf16 kernels' fractions)."""
+        fp4 = FP4_CLASSES.get(base)
+        return fp4 if weight_dtype == "fp4" and fp4 in self.memory_by_rows else base
 
     def compute_dtype(self, dtype: str) -> str:
         """The tensor-core dtype that runs ``dtype`` data: itself if native, else the next wider one."""

@@ -105,7 +105,8 @@ class _Ctx:
         """A GEMM of the attention projections' (and MTP's eh_proj's) weight dtype."""
         w, compute = self.attn_w, self.attn_compute_dtype
         work = group_gemm_work(groups, m, k, n, in_bytes=ACT_BYTES[compute], weight_bytes=w, out_bytes=2)
-        return Kernel("gemm", work, compute, rows=m, matrix_bytes=k * n * w, depth=k)
+        return Kernel(self.hw.kernel_class("gemm", self.d.attn_dtype), work, compute, rows=m, matrix_bytes=k * n * w,
+                      depth=k)
 
     def elementwise(self, bytes_moved: float) -> Kernel:
         return Kernel("other", Work(0.0, bytes_moved))
@@ -117,6 +118,7 @@ class _Ctx:
         up = group_gemm_work(groups, m, k, 2 * inter, **kw)
         down = group_gemm_work(groups, m, inter, k, **kw)
         act = self.elementwise(tokens * inter * (2 * 2 + self.a))
+        cls = self.hw.kernel_class(cls, self.d.weight_dtype)
         return (Kernel(cls, up, self.compute_dtype, rows=m, matrix_bytes=2 * inter * k * self.w, depth=k), act,
                 Kernel(cls, down, self.compute_dtype, rows=m, matrix_bytes=inter * k * self.w, depth=inter))
 
