@@ -14,6 +14,7 @@ may use it.
 | ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests: ``aot_eager``) | ``inductor`` |
 | ``EPSERVE_FP8_BACKEND`` | FP8 kernels on CUDA: ``auto``, ``triton``, ``scaled_mm`` or ``torch`` | ``auto`` |
 | ``EPSERVE_MLA_BACKEND`` | paged MLA decode on CUDA: ``auto``, ``flashinfer`` or ``triton`` | ``auto`` |
+| ``EPSERVE_NVFP4_BACKEND`` | NVFP4 linears on CUDA: ``auto``, ``triton`` (W4A16), ``scaled_mm`` (W4A4) | ``auto`` |
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ ENGINE_TOKEN = "EPSERVE_ENGINE_TOKEN"
 FP8_BACKENDS = ("auto", "triton", "scaled_mm", "torch")
 MLA_BACKEND = "EPSERVE_MLA_BACKEND"
 MLA_BACKENDS = ("auto", "flashinfer", "triton")
+NVFP4_BACKEND = "EPSERVE_NVFP4_BACKEND"
+NVFP4_BACKENDS = ("auto", "triton", "scaled_mm")
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -94,6 +97,17 @@ def mla_backend() -> str:
     value = os.environ.get(MLA_BACKEND, "").strip().lower() or "auto"
     if value not in MLA_BACKENDS:
         raise ValueError(f"{MLA_BACKEND}={value!r}: expected one of {', '.join(MLA_BACKENDS)}")
+    return value
+
+
+def nvfp4_backend() -> str:
+    """``$EPSERVE_NVFP4_BACKEND`` (one of ``NVFP4_BACKENDS``), else ``"auto"``: ``auto`` runs an NVFP4
+    checkpoint's linears W4A4 (FP4 activations, ``torch._scaled_mm``) where its self-test passes (compute
+    capability 10.0 and up) and W4A16 (the Triton kernels) elsewhere; ``triton`` keeps W4A16 everywhere (exact
+    against the dequantized checkpoint); ``scaled_mm`` forces W4A4 without the self-test."""
+    value = os.environ.get(NVFP4_BACKEND, "").strip().lower() or "auto"
+    if value not in NVFP4_BACKENDS:
+        raise ValueError(f"{NVFP4_BACKEND}={value!r}: expected one of {', '.join(NVFP4_BACKENDS)}")
     return value
 
 

@@ -30,8 +30,10 @@ from epserve.engine.request import ScheduledChunk
 from epserve.engine.sampling import SamplingPipeline
 from epserve.kernels import backends as kernel_backends
 from epserve.kernels import cpu as cpu_kernels
+from epserve.kernels.nvfp4_w4a4 import w4a4_supported
 from epserve.messages.kv import KVLayout
 from epserve.model.batch import ForwardBatch
+from epserve.model.layers import use_w4a4
 from epserve.model.load_plan import model_bytes
 from epserve.model.loader import load_model
 from epserve.model.quantization import resolve_fp8_weights
@@ -83,10 +85,14 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config.cache, self.dtype)
         # kernel backends decided (self-tests run) now: before the KV pool is sized and any graph captured;
         # on GPUs every rank then runs the same ones (a timed choice may differ between ranks)
-        kernel_dtypes = {"mla_decode": self.kv_dtype, "fp8_gemm": self.dtype if self.fp8_weights else None}
+        nvfp4_cuda = mc.is_nvfp4 and self.device.type == "cuda"
+        kernel_dtypes = {"mla_decode": self.kv_dtype, "fp8_gemm": self.dtype if self.fp8_weights else None,
+                         "nvfp4_gemm": self.dtype if nvfp4_cuda else None}
         logger.info("kernels: %s", kernel_backends.resolve(self.device, kernel_dtypes))
         if self.device.type == "cuda" and ctx.distributed:
             kernel_backends.agree(self.device, kernel_dtypes, lambda mine: gather_objects(mine, ctx))
+        if nvfp4_cuda and w4a4_supported(self.device, self.dtype):  # FP4 tensor cores (sm100): W4A4 linears
+            logger.info("NVFP4 linears run W4A4 (%d; EPSERVE_NVFP4_BACKEND=triton keeps W4A16)", use_w4a4(self.model))
         max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.overlap = pc.overlap

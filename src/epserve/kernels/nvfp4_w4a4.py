@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from epserve import env
 from epserve.kernels import backends
 from epserve.kernels.device import capability
 from epserve.kernels.nvfp4 import GROUP, SCALE_DTYPE, check_nvfp4_weight, nvfp4_linear_ref
@@ -172,6 +173,8 @@ def _probe_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> None:
 # the same arithmetic by the Triton W4A16 kernel on the dequantized activations.
 NVFP4_GEMM = backends.register(backends.KernelOp(
     "nvfp4_gemm", (backends.KernelBackend("scaled_mm", _probe_scaled_mm), backends.KernelBackend("triton")),
+    forced=env.nvfp4_backend,
+    env_var=env.NVFP4_BACKEND,
 ))
 
 

@@ -15,6 +15,7 @@ from epserve.kernels import gather_rows, linear, rms_norm, rope_ref, silu_mul
 from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul_quant
 from epserve.kernels.fp8_layers import fp8_linear
 from epserve.kernels.nvfp4 import SCALE_DTYPE, dequantize_rows, nvfp4_linear, nvfp4_shapes
+from epserve.kernels.nvfp4_w4a4 import nvfp4_w4a4_linear
 
 
 class Linear(nn.Module):
@@ -23,7 +24,8 @@ class Linear(nn.Module):
     token and 128 columns), or (``nvfp4``) NVFP4 as ModelOpt stores it: ``weight`` uint8 ``[out, in/2]``,
     ``weight_scale`` e4m3 ``[out, in/16]``, and per part (``parts`` linears fused along the output rows, each
     with its own) the global ``weight_scale_2`` and the activations' ``input_scale``, fp32 ``[parts]``; run as
-    four-bit weights (``kernels.nvfp4.nvfp4_linear``, W4A16)."""
+    four-bit weights (``kernels.nvfp4.nvfp4_linear``, W4A16), or with ``w4a4`` set (:func:`use_w4a4`) with the
+    activations quantized to NVFP4 by their input scale (``kernels.nvfp4_w4a4``, W4A4 on FP4 tensor cores)."""
 
     def __init__(self, in_features: int, out_features: int, fp8: bool = False, nvfp4: bool = False,
                  parts: int = 1) -> None:
@@ -36,6 +38,7 @@ class Linear(nn.Module):
             self.weight_scale = _frozen(torch.empty(scales, dtype=SCALE_DTYPE))
             self.weight_scale_2 = _frozen(torch.empty(parts, dtype=torch.float32))
             self.input_scale = _frozen(torch.empty(parts, dtype=torch.float32))
+            self.w4a4 = False
         elif fp8:
             self.weight, self.weight_scale_inv = fp8_weight_pair(out_features, in_features)
         else:
@@ -44,6 +47,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""
         if self.weight_scale_2 is not None:
+            if self.w4a4:
+                return nvfp4_w4a4_linear(x, self.weight, self.weight_scale, self.weight_scale_2, self.input_scale)
             return nvfp4_linear(x, self.weight, self.weight_scale, self.weight_scale_2)
         if self.weight_scale_inv is None:
             return linear(x, self.weight)
@@ -56,6 +61,15 @@ class Linear(nn.Module):
         if self.weight_scale_inv is None:
             return self.weight.detach().float()
         return fp8_block_dequantize(self.weight, self.weight_scale_inv, (BLOCK, BLOCK))
+
+
+def use_w4a4(model: nn.Module) -> int:
+    """Run every NVFP4 :class:`Linear` of ``model`` W4A4 (its activations quantized to NVFP4 by the checkpoint's
+    input scale); the routed experts stay W4A16. Returns how many linears switched."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight_scale_2 is not None]
+    for m in linears:
+        m.w4a4 = True
+    return len(linears)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
