@@ -8,9 +8,11 @@ body or as Server-Sent Events ending with ``data: [DONE]``. A client that goes a
 401 without the API key (told from the request head: served by uvicorn, ``http_connections.http_protocol``
 answers it before reading any of the body; in-process, the outermost middleware does), 404 for an
 unknown model, 408/413 for a body too slow or too large (``http_limits``), 503 when no engine instance
-can take the request (or past ``--max-connections``). vLLM's ``/tokenize`` and ``/detokenize``
-(``tokenize``) go through the same tokenizer and chat-template path; a template that fails on a
-conversation is a 400 ``chat_template_error``.
+can take the request (or past ``--max-connections``). ``/v1/responses`` (OpenAI's Responses API,
+``responses``) runs as the chat completion it stands for. vLLM's ``/tokenize``, ``/detokenize`` and
+``/tokenizer_info`` (``tokenizer_endpoints``) go through the same tokenizer and chat-template path; a
+template that fails on a conversation is a 400 ``chat_template_error``. The endpoints that describe
+the server (models, health, ``/ping``, metrics) are ``info_endpoints``'.
 
 One request cannot stall the others: a large body is parsed and a long text tokenized on a worker
 thread, a text that cannot fit the context is refused by its length before tokenizing (no token stands
@@ -23,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import importlib.metadata
 import logging
 import time
 import uuid
@@ -61,11 +62,21 @@ from epserve.router.errors import (
 from epserve.router.generation import Generation, GenerationContext
 from epserve.router.generation_defaults import GenerationDefaults
 from epserve.router.http_limits import APIKeyMiddleware, HTTPLimits, RequestGate, RequestLimitsMiddleware
+from epserve.router.info_endpoints import InfoEndpoints
 from epserve.router.instances import Router
 from epserve.router.json_body import load_json_body
-from epserve.router.metrics import CONTENT_TYPE, RouterMetrics
+from epserve.router.metrics import RouterMetrics
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 from epserve.router.reasoning import starts_in_reasoning
+from epserve.router.responses import (
+    ResponsesRequest,
+    chat_error,
+    chat_request,
+    check_responses_request,
+    new_ids,
+    response_body,
+)
+from epserve.router.responses_stream import ResponseEvents
 from epserve.router.streaming import until_disconnect
 from epserve.router.tokenize import (
     REQUEST_MODELS,
@@ -75,13 +86,13 @@ from epserve.router.tokenize import (
     check_tokenize_request,
     tokenize_request_model,
 )
+from epserve.router.tokenizer_endpoints import INLINE_TOKENIZE_CHARS, TokenizerEndpoints
 from epserve.router.tools import chat_constraint
 from epserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 _INLINE_PARSE_BYTES = 64 << 10  # larger bodies are parsed on a worker thread
-_INLINE_TOKENIZE_CHARS = 8 << 10  # longer texts are tokenized on a worker thread
 _T = TypeVar("_T")
 _Req = TypeVar("_Req", CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, DetokenizeRequest)
 
@@ -93,7 +104,7 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int:
     return max(len(decode([i], skip_special_tokens=False).encode()) for i in range(tokenizer.vocab_size))
 
 
-class OpenAIServer:
+class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
     def __init__(self, router: Router, tokenizer: Tokenizer | None, model_name: str,
                  api_key: str | None = None, limits: HTTPLimits | None = None,
                  generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None,
@@ -158,6 +169,10 @@ class OpenAIServer:
         app.add_api_route("/detokenize", self.detokenize, **openapi_doc.DETOKENIZE_ROUTE)
         app.get("/version", **openapi_doc.VERSION_ROUTE)(self.version)
         app.get("/health", **openapi_doc.HEALTH_ROUTE)(self.health)
+        app.get("/ping", operation_id="ping")(self.ping)  # (SageMaker's: GET, and POST as vLLM takes it)
+        app.post("/ping", operation_id="ping_post", include_in_schema=False)(self.ping)
+        app.get("/tokenizer_info")(self.tokenizer_info)
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         app.get("/metrics", **openapi_doc.METRICS_ROUTE)(self.metrics_endpoint)
         app.get("/expert_load")(self.expert_load)
         return app
@@ -165,43 +180,6 @@ class OpenAIServer:
     def _error(self, exc: APIError) -> JSONResponse:
         self.metrics.error(exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
-
-    # ---- simple endpoints ---------------------------------------------------------------------
-    async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._card()]}
-
-    async def model_card(self, model_id: str) -> dict[str, Any]:
-        """``GET /v1/models/{model}``: the served model's card; 404 for any other id."""
-        if model_id != self.model_name:
-            raise not_found_model(model_id)
-        return self._card()
-
-    def _card(self) -> dict[str, Any]:
-        card: dict[str, Any] = {"id": self.model_name, "object": "model", "created": self.created,
-                                "owned_by": "epserve", "root": self.model_name}
-        info = self.router.info
-        if info is not None:
-            card.update(max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-        return card
-
-    async def version(self) -> dict[str, str]:
-        """The installed package's version (its metadata: the package root would reach the engine)."""
-        return {"version": importlib.metadata.version("epserve")}
-
-    async def health(self) -> JSONResponse:
-        """Whether the router can serve, and how many of its engine instances can (not where they are)."""
-        num_healthy, serving = len(self.router.healthy), self.router.serving
-        body = {"status": "ok" if serving else "unavailable", "num_engines": len(self.router.instances),
-                "num_healthy_engines": num_healthy}
-        return JSONResponse(body, status_code=200 if serving else 503)
-
-    async def metrics_endpoint(self) -> Response:
-        await self.router.refresh()
-        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
-
-    async def expert_load(self) -> dict[str, Any]:
-        """Each engine world's expert load since start-up (``epserve plan --expert-load`` reads it)."""
-        return {"instances": [load.summary() for load in await self.router.expert_loads()]}
 
     # ---- generation endpoints -------------------------------------------------------------------
     async def completions(self, raw: Request) -> Response:
@@ -225,7 +203,7 @@ class OpenAIServer:
             def encode() -> list[list[int]]:
                 return [tokenizer.encode(p, req.add_special_tokens) if isinstance(p, str) else p for p in prompts]
 
-            prompts = await self._offload(sum(map(len, texts)) > _INLINE_TOKENIZE_CHARS, encode)
+            prompts = await self._offload(sum(map(len, texts)) > INLINE_TOKENIZE_CHARS, encode)
         return await self._generate(raw, req, prompts, max_model_len, vocab, chat=False, prompt_texts=originals)
 
     async def chat_completions(self, raw: Request) -> Response:
@@ -235,6 +213,33 @@ class OpenAIServer:
         self._check_fan_out(req.n, "n")
         prompt = await self._encode_chat(tokenizer, req, max_model_len, req.add_special_tokens)
         return await self._generate(raw, req, [prompt], max_model_len, vocab, chat=True)
+
+    async def responses(self, raw: Request) -> Response:
+        """``POST /v1/responses``: OpenAI's Responses API, as the chat completion it stands for (``responses``)."""
+        body = await raw.body()
+        rreq, req = await self._offload(len(body) > _INLINE_PARSE_BYTES, self._validate_responses, body)
+        max_model_len, vocab = self._limits()
+        try:
+            prompt = await self._encode_chat(self._need_tokenizer("responses"), req, max_model_len)
+            run = self._generation(req, [prompt], max_model_len, vocab, chat=True, id_prefix="resp")
+        except APIError as e:
+            raise chat_error(e) from None
+        response_id, created = new_ids()
+        if req.stream:
+            return await run.stream(raw, True, ResponseEvents(rreq, run, response_id, created).events)
+        await until_disconnect(raw, run.complete())
+        return JSONResponse(response_body(rreq, run, response_id, created))
+
+    def _validate_responses(self, body: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest]:
+        try:
+            rreq = ResponsesRequest.model_validate(load_json_body(body))
+        except ValidationError as e:
+            raise validation_error(e) from None
+        check_responses_request(rreq)
+        try:
+            return rreq, self._checked(chat_request(rreq), ChatCompletionRequest)
+        except APIError as e:
+            raise chat_error(e) from None
 
     async def _encode_chat(self, tokenizer: Tokenizer, req: ChatCompletionRequest | TokenizeChatRequest,
                            max_model_len: int | None, add_special_tokens: bool = False) -> list[int]:
@@ -249,43 +254,11 @@ class OpenAIServer:
         heavy = num_chars + (len(repr(options["chat_template_kwargs"])) if options["chat_template_kwargs"] else 0)
         encode = functools.partial(tokenizer.encode_chat, messages, add_special_tokens=add_special_tokens, **options)
         try:
-            return await self._offload(heavy > _INLINE_TOKENIZE_CHARS, encode)
+            return await self._offload(heavy > INLINE_TOKENIZE_CHARS, encode)
         except ChatTemplateError as e:
             raise bad_request(str(e), "messages", "chat_template_error") from None
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-
-    # ---- tokenizer endpoints (vLLM's) -------------------------------------------------------------
-    async def tokenize(self, raw: Request) -> JSONResponse:
-        """``POST /tokenize``: a text (``prompt``) or a conversation (``messages``, through the chat
-        template as chat completions are) to token ids."""
-        req = await self._parse(raw, TokenizeCompletionRequest)  # (a body with messages: TokenizeChatRequest)
-        tokenizer = self._need_tokenizer("/tokenize and /detokenize")
-        max_model_len, _ = self._limits()
-        if isinstance(req, TokenizeChatRequest):
-            tokens = await self._encode_chat(tokenizer, req, None, req.add_special_tokens)
-        else:
-            tokens = await self._offload(len(req.prompt) > _INLINE_TOKENIZE_CHARS, tokenizer.encode, req.prompt,
-                                         req.add_special_tokens)
-        body: dict[str, Any] = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
-        if req.return_token_strs:
-            body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
-        return JSONResponse(body)
-
-    async def detokenize(self, raw: Request) -> JSONResponse:
-        """``POST /detokenize``: token ids to their text (special tokens included, as vLLM's); 400 for an
-        id outside the tokenizer's vocabulary."""
-        req = await self._parse(raw, DetokenizeRequest)
-        tokenizer = self._need_tokenizer("/tokenize and /detokenize")
-
-        def decode() -> str:
-            vocab = tokenizer.vocab_size
-            bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-            return tokenizer.decode(req.tokens, skip_special_tokens=False)
-
-        return JSONResponse({"prompt": await self._offload(len(req.tokens) > _INLINE_TOKENIZE_CHARS, decode)})
 
     async def _offload(self, heavy: bool, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)``, on a worker thread when ``heavy`` (the event loop keeps serving meanwhile)."""
@@ -298,7 +271,9 @@ class OpenAIServer:
         return await self._offload(len(body) > _INLINE_PARSE_BYTES, self._validate, body, model)
 
     def _validate(self, body: bytes, model: type[_Req]) -> _Req:
-        data = load_json_body(body)
+        return self._checked(load_json_body(body), model)
+
+    def _checked(self, data: Any, model: type[_Req]) -> _Req:
         if model is TokenizeCompletionRequest:
             model = tokenize_request_model(data)  # type: ignore[assignment]
         try:
@@ -340,6 +315,16 @@ class OpenAIServer:
     async def _generate(self, raw: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                         max_model_len: int, vocab: int, chat: bool,
                         prompt_texts: list[str | None] | None = None) -> Response:
+        run = self._generation(req, prompts, max_model_len, vocab, chat, prompt_texts)
+        if req.stream:
+            return await run.stream(raw, chat)
+        await until_disconnect(raw, run.complete())
+        return JSONResponse(run.response(chat))
+
+    def _generation(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
+                    max_model_len: int, vocab: int, chat: bool, prompt_texts: list[str | None] | None = None,
+                    id_prefix: str | None = None) -> Generation:
+        """The request's generation: its choices (``n`` per prompt) with their engine parameters, checked."""
         choices: list[Choice] = []
         bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
         if bad_bias is not None:
@@ -360,7 +345,7 @@ class OpenAIServer:
             # check_request already refused negative ids; the vocabulary's size is known only now
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise APIError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+                raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
             for j in range(req.n):
                 params = to_sampling_params(req, max_tokens, index=j, defaults=self.generation_defaults,
                                             bad_words=bad_words, structured=constraint)
@@ -368,10 +353,6 @@ class OpenAIServer:
                                       prompt_text=prompt_texts[i] if prompt_texts else None))
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
-        run = Generation(self.generation_context, req, choices, request_id, mode.parser, thinking)
-        if req.stream:
-            return await run.stream(raw, chat)
-        await until_disconnect(raw, run.complete())
-        return JSONResponse(run.response(chat))
+        request_id = f"{id_prefix or ('chatcmpl' if chat else 'cmpl')}-{req.request_id or uuid.uuid4().hex}"
+        return Generation(self.generation_context, req, choices, request_id, mode.parser, thinking)
 

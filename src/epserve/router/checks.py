@@ -25,7 +25,8 @@ from epserve.messages.sampling import (
 )
 from epserve.router.errors import bad_request, context_length_exceeded
 from epserve.router.generation_defaults import GenerationDefaults
-from epserve.router.protocol import (
+from epserve.router.protocol import AnyRequest, ChatCompletionRequest, ChatFields, CompletionRequest
+from epserve.router.request_model import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
@@ -33,10 +34,6 @@ from epserve.router.protocol import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     UINT32_MAX,
-    AnyRequest,
-    ChatCompletionRequest,
-    ChatFields,
-    CompletionRequest,
 )
 from epserve.router.tools import check_tools, structured_output
 
@@ -134,11 +131,20 @@ UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "mm_processor_kwargs": ((None, {}), "text only"),
     "prompt_embeds": ((None,), "prompts are text or token ids"),
 }
+# Chat fields OpenAI and vLLM added since, refused the same way (kept apart: UNSUPPORTED's test lists its own).
+UNSUPPORTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "moderation": ((None,), "no moderation"),
+    "prompt_cache_options": ((None, {}), "the prefix cache is automatic: prompts sharing a prefix reuse its KV "
+                             "blocks, with no options"),
+    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes stay in memory while there is room "
+                               "(in_memory); none is kept for 24h"),
+    "media_io_kwargs": ((None, {}), "text only"),
+}
 MAX_REQUEST_ID_CHARS = 256
 
 
 def _check_unsupported(req: AnyRequest) -> None:
-    for name, (off, why) in UNSUPPORTED.items():
+    for name, (off, why) in (*UNSUPPORTED.items(), *UNSUPPORTED_CHAT.items()):
         if name in type(req).model_fields and not any(_same(getattr(req, name), v) for v in off):
             raise bad_request(f"{name} is not supported by this server ({why})", name, "unsupported_parameter")
 
@@ -164,9 +170,10 @@ def _check_completion(req: CompletionRequest) -> None:
     _check_max_tokens(req.max_tokens, "max_tokens", least=0)  # 0: the prompt only (with echo, its logprobs)
     if req.logprobs is not None:
         _check_range(req.logprobs, 0, MAX_LOGPROBS, "logprobs")
-    if req.best_of is not None and req.best_of != req.n:
-        raise bad_request(f"best_of must equal n ({req.n}) when given: this server returns every choice it "
-                          f"generates, got best_of={req.best_of}", "best_of", "unsupported_value")
+    _check_best_of(req)
+    if req.top_logprobs is not None:
+        raise bad_request("top_logprobs is chat completions' field: completions take logprobs (a count: that many "
+                          "most likely tokens at each position)", "top_logprobs", "unsupported_parameter")
     prompt = req.prompt
     if isinstance(prompt, str) or not prompt:
         prompts: list[Any] = [prompt]
@@ -190,10 +197,32 @@ def _check_chat(req: ChatCompletionRequest) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         _check_range(req.top_logprobs, 0, MAX_LOGPROBS, "top_logprobs")
     check_tools(req.tools, req.tool_choice)
+    _check_strict_tools(req)
+    _check_best_of(req)
     if req.documents is not None and not (isinstance(req.documents, list)
                                           and all(isinstance(d, dict) for d in req.documents)):
         raise bad_request("documents must be a list of objects (the chat template's documents)", "documents")
     check_chat_fields(req)
+
+
+def _check_best_of(req: AnyRequest) -> None:
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request(f"best_of must equal n ({req.n}) when given: this server returns every choice it "
+                          f"generates, got best_of={req.best_of}", "best_of", "unsupported_value")
+
+
+def _check_strict_tools(req: ChatCompletionRequest) -> None:
+    """``strict`` holds for a forced call (its grammar is the schema); under ``tool_choice`` auto nothing
+    constrains the model's arguments, so ``strict: true`` there is refused rather than left unenforced."""
+    if req.tool_choice not in (None, "auto") or not isinstance(req.tools, list):
+        return
+    for i, tool in enumerate(req.tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict) and function.get("strict") is True:
+            raise bad_request(f"tools[{i}].function.strict: under tool_choice auto the arguments the model writes "
+                              "are not constrained; strict schemas hold for forced calls (tool_choice required or "
+                              "a named function): force the call or drop strict", f"tools[{i}].function.strict",
+                              "unsupported_value")
 
 
 def check_chat_fields(req: ChatFields) -> None:

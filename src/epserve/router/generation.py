@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +43,9 @@ if TYPE_CHECKING:
     from epserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# A stream's Server-Sent Events from its choices' events (queue, their tasks): see ``Generation.stream``.
+EventsShape = Callable[[asyncio.Queue[ChoiceEvent], list[asyncio.Task]], AsyncIterator[str]]
 
 ABORTED = "abort"  # the engine's finish reason for a request it stopped; never sent to the client
 
@@ -221,9 +226,10 @@ class Generation:
         return {"prompt_logprobs": prompt_logprobs(self.ctx.tokenizer, choice.prompt_ids, choice.prompt_logprobs)}
 
     # ---- streaming -----------------------------------------------------------------------------
-    async def stream(self, raw: Request, chat: bool) -> Response:
+    async def stream(self, raw: Request, chat: bool, events: EventsShape | None = None) -> Response:
         """Start every choice; answer with an error status if one fails before its first message,
-        else stream Server-Sent Events."""
+        else stream Server-Sent Events (``events``: their shape, instead of completion chunks; it cancels
+        the choices' tasks when it ends)."""
         queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
         first: list[asyncio.Future] = [asyncio.get_running_loop().create_future() for _ in self.choices]
 
@@ -249,7 +255,8 @@ class Generation:
             for t in tasks:
                 t.cancel()
             raise
-        return StreamingResponse(self._events(queue, tasks, chat), media_type="text/event-stream")
+        shape = events or functools.partial(self._events, chat=chat)
+        return StreamingResponse(shape(queue, tasks), media_type="text/event-stream")
 
     async def _events(
         self, queue: asyncio.Queue[ChoiceEvent], tasks: list[asyncio.Task], chat: bool
@@ -314,6 +321,8 @@ class Generation:
         self._started.add(choice.index)
         self._sent[choice.index] = max(self._sent[choice.index], delta.num_output)
         offsets[choice.index] += len(delta.text)
+        options = self.req.stream_options
+        padding = {"obfuscation": _padding()} if options is not None and options.include_obfuscation else {}
         if chat:
             content: dict[str, Any] = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
             if delta.text:
@@ -329,9 +338,14 @@ class Generation:
                     "finish_reason": delta.finish_reason, **(self._prompt_logprobs(choice) if first else {})}
         usage: dict[str, Any] = {}
         if include_usage:  # with continuous_usage_stats (vLLM), the usage so far in every chunk
-            options = self.req.stream_options
             usage["usage"] = self.usage(self._sent) if options is not None and options.continuous_usage_stats else None
-        return sse({**head, "choices": [body], **usage})
+        return sse({**head, "choices": [body], **usage, **padding})
+
+
+def _padding() -> str:
+    """OpenAI's ``obfuscation`` field: random characters of random length, so that a chunk's size does not
+    tell its text's."""
+    return secrets.token_urlsafe(secrets.randbelow(24) + 1)
 
 
 def _logprob(lp: TokenLogprobs) -> tuple[float, list[tuple[int, float]]]:
