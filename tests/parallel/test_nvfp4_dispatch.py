@@ -18,6 +18,7 @@ import torch.distributed as dist
 from dist_harness import run_ranks
 from test_dispatch import Scenario, expected_rows
 
+from epserve import LLM
 from epserve.checkpoint.nvfp4 import nvfp4_dequantize, nvfp4_quantize
 from epserve.config import ConfigError, ModelConfig
 from epserve.engine.options import build_engine_config
@@ -213,7 +214,7 @@ def test_engine_nvfp4_dispatch_same_tokens_at_any_ep_under_0_3x_the_bytes(make_c
     """An NVFP4 checkpoint (tiny, H = 512) in bf16: ``--dispatch-dtype nvfp4`` gives the same greedy tokens at
     EP 1 (local) and dp 2 (padded), and the dispatch of the same steps moves at most 0.3x the bytes of the
     bf16 dispatch (``llm.comm_bytes()``; padded's bytes depend on the step's shape only, not on the tokens)."""
-    from epserve import LLM, SamplingParams
+    from epserve import SamplingParams
 
     ckpt = make_ckpt("tiny", dtype="bfloat16", quantization="nvfp4", overrides={"hidden_size": HIDDEN},
                      logit_margin=4.0)
@@ -230,3 +231,30 @@ def test_engine_nvfp4_dispatch_same_tokens_at_any_ep_under_0_3x_the_bytes(make_c
                 assert tokens == want
             sent[dtype] = sum(r["dispatch"] for r in llm.comm_bytes())
     assert 0 < sent["nvfp4"] <= 0.3 * sent["auto"], sent
+
+
+@pytest.mark.parametrize("backend", ["local", "padded"])
+def test_cuda_decode_trace_with_the_nvfp4_payload_has_no_host_syncs(backend, make_ckpt, request) -> None:
+    """The decode forward CUDA graphs capture, traced as CUDA without a GPU (``tests/engine/test_cuda_trace.py``)
+    with the NVFP4 payload (``local``, and ``padded`` on a one-rank gloo group, its collectives in the trace):
+    the quantization, the exchange and the experts' dequantization read nothing on the host and copy nothing
+    from it."""
+    from tests.engine.test_cuda_trace import BATCH, trace_decode
+
+    llm = LLM(make_ckpt("tiny", quantization="nvfp4"), dtype="bfloat16", num_blocks=32,
+              max_num_seqs=BATCH, dispatch_dtype="nvfp4")
+    runner = llm.engine.runner
+    if backend == "padded":
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        request.addfinalizer(dist.destroy_process_group)
+        padded = PaddedDispatcher(runner.placement.num_local_slots, dist.group.WORLD, nvfp4=True)
+        padded.begin_step(BATCH)
+        for layer in runner.model.layers:
+            if layer.is_moe:
+                layer.mlp.dispatcher = padded
+    assert all(layer.mlp.dispatcher.payload.nvfp4 for layer in runner.model.layers if layer.is_moe)
+    log = trace_decode(llm, (9, 0))
+    assert not log.host_to_device, log.host_to_device
+    assert {"aten.exp2", "epserve.nvfp4_moe_swiglu"} <= log.ops  # exp2: the experts' e2m1 decode of the payload
+    if backend == "padded":
+        assert "_c10d_functional.all_to_all_single" in log.ops
