@@ -132,8 +132,8 @@ static void rows(const float *x, const uint16_t *xb, int64_t M, const uint8_t *w
       const int64_t T = M - m0 < TILE_M ? M - m0 : TILE_M;
       const Out ot = {o.yf ? o.yf + m0 * o.ld : 0, o.yb ? o.yb + m0 * o.ld : 0, o.ld};
       int64_t n = nb;
-      if (xb && T == 1)
-        for (; n < nend; n++) nvfp4_row1_bf16(xb + m0 * K, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K,
+      if (xb && T <= STREAM_M)
+        for (; n < nend; n++) nvfp4_rows_bf16(xb + m0 * K, T, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K,
                                               ot, n);
       if (T > 1)
         for (; n + 4 <= nend; n += 4) {

@@ -39,20 +39,42 @@ static inline __m512bh load_x(const uint16_t *p, int last) {
   return (__m512bh)(last ? _mm512_maskz_loadu_epi16(0xFFFF, p) : _mm512_loadu_si512(p));
 }
 
-void nvfp4_row1_bf16(const uint16_t *x, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o, int64_t n) {
-  const __m512i lanes = nibble_lanes();
-  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);
-    a = _mm512_dpbf16_ps(a, load_x(x + k, 0), decode32_bf16(w + k / 2, s + k / GROUP, 0, lanes));
-    b = _mm512_dpbf16_ps(b, load_x(x + k + 32, 0), decode32_bf16(w + k / 2 + 16, s + k / GROUP + 2, 0, lanes));
+/* One weight row against M (compile-time) bf16 rows of x, streamed: each 32 weights decoded once in registers
+ * and multiplied into every row of x, two accumulators a row. */
+#define DEFINE_STREAM(M)                                                                                       \
+  static void stream_##M(const uint16_t *x, int64_t ldx, const uint8_t *w, const uint8_t *s, float g, int64_t K, \
+                         Out o, int64_t n) {                                                                    \
+    const __m512i lanes = nibble_lanes();                                                                      \
+    __m512 a[M], b[M];                                                                                         \
+    for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();                                             \
+    int64_t k = 0;                                                                                             \
+    for (; k + 64 <= K; k += 64) {                                                                             \
+      _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);                                              \
+      const __m512bh w0 = decode32_bf16(w + k / 2, s + k / GROUP, 0, lanes);                                   \
+      const __m512bh w1 = decode32_bf16(w + k / 2 + 16, s + k / GROUP + 2, 0, lanes);                          \
+      for (int m = 0; m < M; m++) {                                                                            \
+        a[m] = _mm512_dpbf16_ps(a[m], load_x(x + m * ldx + k, 0), w0);                                         \
+        b[m] = _mm512_dpbf16_ps(b[m], load_x(x + m * ldx + k + 32, 0), w1);                                    \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (; k + 32 <= K; k += 32) {                                                                             \
+      const __m512bh w0 = decode32_bf16(w + k / 2, s + k / GROUP, 0, lanes);                                   \
+      for (int m = 0; m < M; m++) a[m] = _mm512_dpbf16_ps(a[m], load_x(x + m * ldx + k, 0), w0);               \
+    }                                                                                                          \
+    if (k < K) { /* the last block */                                                                          \
+      const __m512bh w0 = decode32_bf16(w + k / 2, s + k / GROUP, 1, lanes);                                   \
+      for (int m = 0; m < M; m++) a[m] = _mm512_dpbf16_ps(a[m], load_x(x + m * ldx + k, 1), w0);               \
+    }                                                                                                          \
+    for (int m = 0; m < M; m++) put(o, m, n, g * _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m])));             \
   }
-  for (; k < K; k += 32) {
-    const int last = K - k == GROUP;
-    a = _mm512_dpbf16_ps(a, load_x(x + k, last), decode32_bf16(w + k / 2, s + k / GROUP, last, lanes));
-  }
-  put(o, 0, n, g * _mm512_reduce_add_ps(_mm512_add_ps(a, b)));
+DEFINE_STREAM(1) DEFINE_STREAM(2) DEFINE_STREAM(3) DEFINE_STREAM(4)
+
+typedef void (*stream_fn)(const uint16_t *, int64_t, const uint8_t *, const uint8_t *, float, int64_t, Out, int64_t);
+static const stream_fn STREAM[5] = {0, stream_1, stream_2, stream_3, stream_4};
+
+void nvfp4_rows_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
+                     int64_t n) {
+  STREAM[M](x, K, w, s, g, K, o, n);
 }
 
 /* T (compile-time) rows of x against the four decoded weight rows in wb (bf16, KC a row), kl columns (a
