@@ -222,14 +222,14 @@ def test_a_missing_scale_or_a_wrong_shape_is_refused_by_name(nvfp4_tiny, tmp_pat
 def test_cuda_decode_trace_reaches_the_nvfp4_ops(nvfp4_tiny):
     """The decode forward CUDA graphs capture, traced as CUDA on a machine without a GPU
     (``tests/engine/test_cuda_trace.py``): the NVFP4 ops appear as their custom ops, with no host sync in the
-    trace. (Their eager reference reads the experts' counts on the host: CUDA runs NVFP4 without graphs for now.)"""
+    trace; on CUDA the Triton kernels read the experts' counts on the device, so its decode is captured."""
 
     from tests.engine.test_cuda_trace import BATCH, trace_decode
 
     llm = LLM(nvfp4_tiny[0], dtype="bfloat16", num_blocks=32, max_num_seqs=BATCH)
     log = trace_decode(llm, (9, 0))
     assert {"epserve.nvfp4_linear", "epserve.nvfp4_moe_swiglu"} <= log.ops and not log.host_to_device
-    assert llm.config.model.is_nvfp4 and dataclasses.replace(llm.config, device="cuda").capture_mode is None
+    assert llm.config.model.is_nvfp4 and dataclasses.replace(llm.config, device="cuda").capture_mode == "cuda_graph"
 
 
 def test_modelopt_export_runs_equal_to_transformers(tmp_path):

@@ -261,12 +261,12 @@ class EngineConfig:
     @property
     def capture_mode(self) -> str | None:
         """``cuda_graph``, ``compile``, ``cpu_graph`` (the CPU's default on one rank) or None (every step eager;
-        also with the all_to_all dispatcher, with ``cuda_graph=False``: ``--enforce-eager``, and for an NVFP4
-        checkpoint on CUDA, whose experts' reference reads their counts on the host until a CUDA kernel comes)."""
+        also with the all_to_all dispatcher and with ``cuda_graph=False``: ``--enforce-eager``). An NVFP4 checkpoint
+        is captured too: its CUDA kernels read the experts' counts on the device."""
         if not self.parallel.fixed_shape_dispatch:
             return None
         if self.device.startswith("cuda"):
-            return None if self.cuda_graph is False or self.model.is_nvfp4 else "cuda_graph"
+            return None if self.cuda_graph is False else "cuda_graph"
         if self.compile:
             return "compile"
         # one rank: its forward has no collective, so its C kernel calls record as one step (engine/graphs.py)
