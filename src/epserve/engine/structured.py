@@ -41,11 +41,29 @@ logger = logging.getLogger(__name__)
 
 
 def _choice_grammar(spec: str) -> str:
-    """One of the strings of the JSON list ``spec``, as an EBNF grammar of literals."""
+    """One of the strings of the JSON list ``spec``, as an EBNF grammar of literals. Characters beyond
+    ASCII are written as themselves (UTF-8): xgrammar reads an escaped surrogate pair, JSON's spelling
+    of a character past U+FFFF, as two characters, whose bytes (CESU-8) are not UTF-8."""
     choices = json.loads(spec)
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError("choice must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _resolve_tokens(node: Any, added: dict[str, int], vocab_size: int) -> Any:
+    """A structural tag with each ``{"type": "token", "token": TEXT}`` made the id of the added token
+    spelled ``TEXT`` (DeepSeek's tool-call markers: the model writes each as one token), or, where the
+    vocabulary has no such token below ``vocab_size``, the string ``TEXT`` (spelled by any tokens)."""
+    if isinstance(node, list):
+        return [_resolve_tokens(n, added, vocab_size) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "token" and isinstance(node.get("token"), str):
+        token_id = added.get(node["token"])
+        if token_id is not None and token_id < vocab_size:
+            return {"type": "token", "token": token_id}
+        return {"type": "const_string", "value": node["token"]}
+    return {k: _resolve_tokens(v, added, vocab_size) for k, v in node.items()}
 
 
 # xgrammar's rule for the characters of a length-bounded JSON string admits control characters, which
@@ -83,6 +101,7 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self.num_compiled = 0  # constraints compiled (not taken from the cache)
         self._compiler: Any = None
+        self._added: dict[str, int] = {}  # the tokenizer's added tokens (their text: their id)
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()  # (the compiler's thread and callers of ``compile``)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-grammar")
@@ -127,7 +146,7 @@ class GrammarCompiler:
             if kind == "structural_tag":
                 import xgrammar as xgr
 
-                tag = json.dumps(prepare_tag(json.loads(spec)))
+                tag = json.dumps(_resolve_tokens(prepare_tag(json.loads(spec)), self._added, self.vocab_size))
                 return compiler.compile_grammar(_tidy(str(xgr.Grammar.from_structural_tag(tag))))
             return compiler.compile_grammar(spec)
         except UnsupportedSchema as e:
@@ -147,6 +166,7 @@ class GrammarCompiler:
                                                           stop_token_ids=list(self.eos_token_ids))
                 # (no cache of xgrammar's own, unbounded by default: this one's, bounded, is kept instead)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._added = dict(tokenizer.get_added_vocab())
                 logger.info("structured outputs: xgrammar compiler ready (%s vocabulary, %d entries)",
                             info.vocab_type.name.lower(), self.vocab_size)
             return self._compiler

@@ -36,6 +36,11 @@ one, vLLM's ``chatcmpl-tool-<32 hex>``). The choices, where the formats leave ro
 - Missing end markers (output cut by ``max_tokens``): a call whose name is complete is kept, with the
   arguments generated so far, since a stream has already sent them, less the tail a stream holds back
   (what may begin the call's end: a partial marker, V3's closing fence; no fence is stripped there).
+  A marker spelled in bytes and cut inside a character ends in U+FFFD: that counts as the marker's next
+  character (``held_len``), so no piece of a marker, nor the replacement character, reaches the
+  arguments; before the block, a tail that may begin ``<｜tool▁calls▁begin｜>`` is dropped when the output
+  was cut (``flush(cut=True)``, ``extract(text, cut=True)``) or the tail ends in a cut character, and
+  is content when the model ended there itself.
   A call cut before its name is complete is dropped, as is a partial marker between calls.
 - A block that breaks the format (text other than whitespace where a call or the block's end should
   be; a marker inside a call's name; an empty name) is not guessed at: the calls before stand, and
@@ -54,6 +59,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 
+from epserve.router.detokenize import REPLACEMENT_CHAR
 from epserve.router.reasoning import partial_suffix_len
 from epserve.router.tool_call_events import ContentDelta, ToolCall, ToolCallDelta, ToolCallEvent
 
@@ -89,9 +95,33 @@ def _first(text: str, patterns: Iterable[str], start: int = 0) -> tuple[int, str
     return best, which
 
 
+def held_len(text: str, patterns: Iterable[str]) -> int:
+    """Length of the tail of ``text`` that may begin one of ``patterns`` (a proper prefix of one: a stream
+    holds it back; a cut output drops it). A trailing run of U+FFFD, the detokenizer's spelling of a
+    character whose bytes were cut off, counts as the pattern's next character when that one is not ASCII
+    (``<｜tool▁call`` + U+FFFD: a marker spelled in bytes, cut inside ``▁``)."""
+    stem = text.rstrip(REPLACEMENT_CHAR)
+    if len(stem) == len(text):
+        return partial_suffix_len(text, patterns)
+    best = -1
+    for p in patterns:
+        for k in range(min(len(p) - 1, len(stem)), best, -1):
+            if ord(p[k]) >= 0x80 and stem.endswith(p[:k]):
+                best = k
+                break
+    return best + len(text) - len(stem) if best >= 0 else 0
+
+
 def _cut_marker(rest: str) -> bool:
     """Whether ``rest`` (between calls, whitespace stripped) may still become a call or the block's end."""
-    return CALL_BEGIN.startswith(rest) or CALLS_END.startswith(rest)
+    return not rest or held_len(rest, (CALL_BEGIN, CALLS_END)) == len(rest)
+
+
+def _dropped_at_end(held: str, cut: bool) -> bool:
+    """Whether a held tail before the block (the beginning of ``<｜tool▁calls▁begin｜>``) is left out when
+    the output ends there: when the output was cut (``max_tokens``), or the tail ends in a character cut
+    short (a marker spelled in bytes, cut inside one); else it is text the model ended with."""
+    return bool(held) and (cut or held.endswith(REPLACEMENT_CHAR))
 
 
 class DeepSeekToolParser:
@@ -138,10 +168,13 @@ class DeepSeekToolParser:
         return args
 
     # -- whole responses -------------------------------------------------------------------------
-    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """``(content, calls)`` of a whole output; content is ``None`` when empty."""
+    def extract(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """``(content, calls)`` of a whole output; content is ``None`` when empty. ``cut``: the output
+        ended at ``max_tokens`` (as ``flush``)."""
         start = text.find(CALLS_BEGIN)
-        if start < 0:
+        if start < 0:  # (less a cut marker at the end, as a stream leaves it out)
+            held = held_len(text, (CALLS_BEGIN,))
+            text = text[: len(text) - held] if _dropped_at_end(text[len(text) - held :], cut) else text
             return text or None, []
         content, calls = text[:start], []
         pos = start + len(CALLS_BEGIN)
@@ -171,7 +204,7 @@ class DeepSeekToolParser:
                 args = self._strip_fence(text[pos:at])
             else:  # cut in the arguments: what a stream sent, less a tail that may begin the call's end
                 args = text[pos:]
-                args = args[: len(args) - partial_suffix_len(args, self._hold)]
+                args = args[: len(args) - held_len(args, self._hold)]
             calls.append(ToolCall(self.make_id(), name, args))
             if at < 0 or which == CALLS_END:
                 break
@@ -197,11 +230,12 @@ class DeepSeekToolParser:
             pass
         return events
 
-    def flush(self) -> list[ToolCallEvent]:
-        """Once, at the end of the output: held text that is content (a partial marker before the
-        block); a partial marker or an unfinished name inside the block is dropped."""
+    def flush(self, cut: bool = False) -> list[ToolCallEvent]:
+        """Once, at the end of the output: held text before the block is content, unless the output was
+        ``cut`` (``max_tokens``) or it ends in a character cut short (a piece of a marker, then); a partial
+        marker or an unfinished name inside the block is dropped."""
         events: list[ToolCallEvent] = []
-        if self._state == _TEXT and self._buf:
+        if self._state == _TEXT and self._buf and not _dropped_at_end(self._buf, cut):
             events.append(ContentDelta(self._buf))
         self._buf, self._mark, self._scan = "", 0, 0
         self._state = _DONE
@@ -217,7 +251,7 @@ class DeepSeekToolParser:
         if state == _TEXT:
             at = buf.find(CALLS_BEGIN)
             if at < 0:
-                keep = partial_suffix_len(buf, (CALLS_BEGIN,))
+                keep = held_len(buf, (CALLS_BEGIN,))
                 self._content(events, buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 return False
@@ -260,7 +294,7 @@ class DeepSeekToolParser:
         if state == _ARGS:
             at, which = _first(buf, _ARGS_ENDS)
             if at < 0:
-                keep = partial_suffix_len(buf, self._hold)
+                keep = held_len(buf, self._hold)
                 self._args(events, buf[: len(buf) - keep])
                 self._buf = buf[len(buf) - keep :]
                 return False

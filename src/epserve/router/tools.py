@@ -8,13 +8,15 @@ what the server does with them (``ToolMode``: the parser that reads calls out of
 ``auto`` lets the model choose; the output is parsed for calls in the checkpoint's format
 (``tool_calls``). ``required`` and a named function constrain the output to one call block, in that
 format, whose arguments follow the function's parameter schema (an xgrammar structural tag, compiled by
-the engine), so the arguments always parse. ``none`` (and no tools) leaves the output alone; the tools
+the engine), so the arguments always parse; DeepSeek's markers in it are tokens, the single added tokens
+the model writes (``literal``). ``none`` (and no tools) leaves the output alone; the tools
 still reach the chat template.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from epserve.messages.sampling import StructuredOutput
 from epserve.router.errors import bad_request
 from epserve.router.protocol import AnyRequest, ChatCompletionRequest
 from epserve.router.reasoning import THINK_END
-from epserve.router.tool_calls import TOOL_CALL_PARSERS
+from epserve.router.tool_calls import MARKERS, TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -104,20 +106,33 @@ def tool_mode(tools: Any, tool_choice: Any, parser: str | None, auto_enabled: bo
                                              json.dumps(forced_call(parser, names, functions, most))))
 
 
+_MARKER_SPLIT = re.compile("(" + "|".join(map(re.escape, MARKERS)) + ")")
+
+
+def literal(text: str) -> list[dict[str, Any]]:
+    """``text`` as structural-tag elements: each of DeepSeek's markers a token (the engine makes it the
+    vocabulary's single added token for it, as the model writes it, not a spelling of its bytes), the
+    text between them strings."""
+    return [{"type": "token", "token": part} if part in MARKERS else {"type": "const_string", "value": part}
+            for part in _MARKER_SPLIT.split(text) if part]
+
+
 def forced_call(parser: str, names: list[str], functions: dict[str, dict[str, Any]], most: int = 1) -> dict[str, Any]:
     """An xgrammar structural tag for one call block in ``parser``'s format: 1 to ``most`` calls, each of
-    one of ``names``, its arguments following the function's parameter schema."""
+    one of ``names``, its arguments following the function's parameter schema; the markers as tokens
+    (``literal``)."""
     layout = TOOL_CALL_PARSERS[parser]()
-    calls = [{"type": "tag", "begin": layout.call_prefix(name),
-              "content": {"type": "json_schema", "json_schema": functions[name]}, "end": layout.call_suffix()}
+    calls = [{"type": "sequence", "elements": [*literal(layout.call_prefix(name)),
+                                               {"type": "json_schema", "json_schema": functions[name]},
+                                               *literal(layout.call_suffix())]}
              for name in names]
     call = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
-    separator = [{"type": "const_string", "value": layout.call_separator}] if layout.call_separator else []
+    separator = literal(layout.call_separator)
     blocks = []
     for n in range(1, most + 1):
         body = [call] + [e for _ in range(n - 1) for e in (*separator, call)]
-        blocks.append({"type": "sequence", "elements": [{"type": "const_string", "value": layout.block_begin}, *body,
-                                                        {"type": "const_string", "value": layout.block_end}]})
+        blocks.append({"type": "sequence", "elements": [*literal(layout.block_begin), *body,
+                                                        *literal(layout.block_end)]})
     return {"type": "structural_tag", "format": blocks[0] if most == 1 else {"type": "or", "elements": blocks}}
 
 
@@ -131,8 +146,8 @@ def after_reasoning(constraint: StructuredOutput, think_end: str) -> StructuredO
         answer = {"type": "json_schema", "json_schema": json.loads(spec) if spec else {"type": "object"}}
     elif kind == "regex":
         answer = {"type": "regex", "pattern": spec}
-    elif kind == "choice":
-        answer = {"type": "grammar", "grammar": "root ::= " + " | ".join(json.dumps(c) for c in json.loads(spec))}
+    elif kind == "choice":  # (strings, not an EBNF grammar: no escaping to get wrong)
+        answer = {"type": "or", "elements": [{"type": "const_string", "value": c} for c in json.loads(spec)]}
     else:
         answer = {"type": "grammar", "grammar": spec}
     thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": think_end}
