@@ -1,5 +1,5 @@
-/* NVFP4 (W4A16) kernels for the CPU (x86-64 with AVX-512F, AVX-512 VBMI and FMA): ModelOpt's four-bit weights
- * run as stored.
+/* NVFP4 (W4A16) kernels for the CPU (x86-64 with AVX-512F, BW, VBMI, BF16 and FMA): ModelOpt's four-bit
+ * weights run as stored.
  *
  * A weight [N, K] is uint8 [N, K/2] (two e2m1 codes a byte, the even column in the low nibble), e4m3 block
  * scales [N, K/16] and fp32 global scales [S] (the rows split into S equal parts, a fused linear's parts). Its
@@ -11,9 +11,10 @@
  * the weight rows one after another (one sequential stream per thread, as the bf16/fp32 decode GEMMs read
  * theirs), more rows take four weight rows at a time, decoded a stretch at a time into L1; beyond TILE_M rows
  * of x the next tiles read a block of weight rows again from L2. Activations are fp32 or bf16 (W4A16: never
- * quantized; bf16 rows by the dot products of cpu_nvfp4_bf16.c), accumulated in fp32; the result in x's dtype.
- * Built and loaded at run time by kernels/cpu.py (front end: kernels/cpu_nvfp4.py); the torch reference of
- * kernels/nvfp4.py is the fallback.
+ * quantized), accumulated in fp32; the result in x's dtype. bf16 rows go through cpu_nvfp4_bf16.c's dot
+ * products instead (up to STREAM_M rows streamed, more in panels of four weight rows). Built and loaded at run
+ * time by kernels/cpu.py (front end: kernels/cpu_nvfp4.py); the torch reference of kernels/nvfp4.py is the
+ * fallback.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -123,7 +124,7 @@ static void panel4(const float *x, int64_t M, const uint8_t *w, const uint8_t *s
  * to a global scale: each weight row read from memory once, ROW_BLOCK rows at a time, the tiles of TILE_M rows
  * of x after the first reading the block again from cache. One row of x: each weight row streamed past it
  * (row_1); more: four weight rows at a time (panel4; the last n1 - n0 % 4 rows streamed). bf16 rows go through
- * cpu_nvfp4_bf16.c's dot products. */
+ * cpu_nvfp4_bf16.c's dot products: up to STREAM_M rows streamed, more in panels (the last rows as fp32). */
 static void rows(const float *x, const uint16_t *xb, int64_t M, const uint8_t *w, const uint8_t *s, const float *gs,
                  int64_t part, int64_t n0, int64_t n1, int64_t K, Out o) {
   for (int64_t nb = n0; nb < n1; nb += ROW_BLOCK) {
