@@ -129,7 +129,9 @@ def measure(llms: dict[str, LLM], batch: int, args: argparse.Namespace) -> dict:
         for v in VARIANTS[r % 3:] + VARIANTS[: r % 3]:
             runs[v].append(timed(llms[v].engine, steps[v]))
     rec = {v: recorded(llm, batch) for v, llm in llms.items()}
-    for llm in llms.values():
+    for v, llm in llms.items():  # the rest of the requests aborted (a slow engine timed fewer of their steps)
+        for i in range(batch):
+            llm.engine.abort_request(f"{v}{batch}-{i}")
         while llm.engine.has_unfinished_requests():
             llm.engine.step()
     ms = {v: statistics.median(runs[v]) for v in VARIANTS}
