@@ -12,11 +12,20 @@ template (``messages``, ``add_generation_prompt``, the special tokens, ``raise_e
 ``tojson`` filter, ``strftime_now``, loop controls) plus the request's ``chat_template_kwargs``;
 ``continue_final_message`` leaves the last (assistant) message open. A template that fails while
 rendering raises ``ChatTemplateError``, a ValueError.
+
+DeepSeek-V3's and R1's own templates leave ``tools`` out of the prompt, so a model asked to choose a
+tool (``tool_choice: auto``) never sees one. ``tool_aware_template`` finds that out once, by rendering
+with and without tools, and offers the project's tool-aware template for the same format
+(``templates/deepseek_v3_tools.jinja``, ``deepseek_r1_tools.jinja``: the same text as the checkpoint's
+for every probe conversation, the tools described after the system prompt), as vLLM users pass
+``--chat-template tool_chat_template_deepseekv3.jinja``; the router uses it under
+``--enable-auto-tool-choice`` unless ``--chat-template`` chooses a template.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -32,6 +41,11 @@ ROLES = ("system", "user", "assistant", "developer", "tool")  # developer: OpenA
 # Variables the renderer sets itself; chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
 _FINAL_MARKER = "\ue000epserve:end-of-final-message\ue000"  # private-use characters: in no real message
+
+
+logger = logging.getLogger(__name__)
+TOOL_TEMPLATES_DIR = Path(__file__).parent / "templates"
+TOOL_AWARE_TEMPLATES = ("deepseek_v3_tools.jinja", "deepseek_r1_tools.jinja")
 
 
 class ChatTemplateError(ValueError):
@@ -191,3 +205,49 @@ class ChatTemplate:
                 return rendered[: i + len(needle)]
         raise ChatTemplateError("continue_final_message: the chat template does not render the final message's "
                                 "content, so there is nothing to continue")
+
+
+# Conversations rendered to compare templates: the roles, a system prompt, several calls with content
+# and without, several tool outputs, a second turn, generation prompts open and closed.
+_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+_PROBES: tuple[tuple[list[dict[str, Any]], bool], ...] = (
+    ([{"role": "user", "content": "Hi"}], True),
+    ([{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Be kind."},
+      {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>x</think>Hello"},
+      {"role": "user", "content": "2+2?"}], True),
+    ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [_CALL, _CALL]},
+      {"role": "tool", "content": "20"}, {"role": "tool", "content": "21"}], True),
+    ([{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Looking.", "tool_calls": [_CALL]},
+      {"role": "tool", "content": "20"}, {"role": "assistant", "content": "It is 20."},
+      {"role": "user", "content": "Thanks"}], False),
+)
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                                  "parameters": {"type": "object", "properties": {
+                                                      "city": {"type": "string"}}}}}]
+
+
+def tool_aware_template(template: ChatTemplate) -> str | None:
+    """For ``--enable-auto-tool-choice``: the text of the project's tool-aware template to use instead of
+    ``template`` when ``template`` leaves ``tools`` out of the prompt and renders every probe conversation
+    as that one does without tools (DeepSeek-V3's or R1's format), else None. Says what it found in the
+    log (one line: it is called once, as the router starts)."""
+    def renders(t: ChatTemplate, tools: list[dict[str, Any]] | None) -> list[str] | None:
+        try:
+            return [t.render(m, gen, chat_template_kwargs={"tools": tools} if tools else None) for m, gen in _PROBES]
+        except ValueError:  # (a template that cannot render a probe is not the one looked for)
+            return None
+
+    plain = renders(template, None)
+    if plain is None or renders(template, _PROBE_TOOLS) != plain:
+        return None  # it describes the tools itself (or cannot be compared)
+    for name in TOOL_AWARE_TEMPLATES:
+        text = (TOOL_TEMPLATES_DIR / name).read_text(encoding="utf-8")
+        if renders(ChatTemplate(text, template.special_tokens), None) == plain:
+            logger.info("the checkpoint's chat template leaves tools out of the prompt; --enable-auto-tool-choice "
+                        "uses epserve's %s, the same format with the tools described (--chat-template to choose "
+                        "another)", name)
+            return text
+    logger.warning("the checkpoint's chat template leaves tools out of the prompt, and it is not DeepSeek-V3's or "
+                   "R1's: with tool_choice auto the model is not told which tools it has; give a template that "
+                   "renders them with --chat-template")
+    return None

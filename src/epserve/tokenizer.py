@@ -20,7 +20,7 @@ from typing import Any
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from epserve.chat_template import ChatTemplate, configured_templates, read_chat_templates
+from epserve.chat_template import ChatTemplate, configured_templates, read_chat_templates, tool_aware_template
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -298,12 +298,20 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=add_special_tokens)
 
 
-def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Tokenizer | None:
+def load_tokenizer(path: str | Path, chat_template: str | None = None,
+                   auto_tool_choice: bool = False) -> Tokenizer | None:
     """The tokenizer of a checkpoint directory (``chat_template``: text replacing its template), or None
-    if it has no ``tokenizer.json``."""
+    if it has no ``tokenizer.json``. ``auto_tool_choice`` (``--enable-auto-tool-choice``) without a
+    ``chat_template``: a checkpoint template that leaves the tools out of the prompt gives way to the
+    project's tool-aware one for its format (``chat_template.tool_aware_template``)."""
     if not (Path(path) / TOKENIZER_FILE).is_file():
         return None
-    return Tokenizer.from_dir(path, chat_template)
+    tokenizer = Tokenizer.from_dir(path, chat_template)
+    if auto_tool_choice and chat_template is None and tokenizer._template is not None:
+        text = tool_aware_template(tokenizer._template)
+        if text is not None:
+            return Tokenizer.from_dir(path, text)
+    return tokenizer
 
 
 def _token_str(token: Any) -> str | None:
