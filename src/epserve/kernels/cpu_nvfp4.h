@@ -80,7 +80,7 @@ static inline __m512 decode_scaled(const uint8_t *p, uint8_t sc, __m512i lanes) 
 
 /* cpu_nvfp4_bf16.c: bf16 rows of x [M, K] against one weight row streamed (M <= STREAM_M: row n, global scale
  * g) or four decoded into L1 (M <= TILE_M: rows n..n+3, global scales g[4]). */
-#define STREAM_M 4
+#define STREAM_M 8
 void nvfp4_rows_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
                      int64_t n);
 void nvfp4_panel4_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *g, int64_t K,

@@ -39,8 +39,9 @@ static inline __m512bh load_x(const uint16_t *p, int last) {
   return (__m512bh)(last ? _mm512_maskz_loadu_epi16(0xFFFF, p) : _mm512_loadu_si512(p));
 }
 
-/* One weight row against M (compile-time) bf16 rows of x, streamed: each 32 weights decoded once in registers
- * and multiplied into every row of x, two accumulators a row. */
+/* One weight row against M (compile-time, up to STREAM_M: 2M accumulators and the two decoded vectors fill the
+ * registers) bf16 rows of x, streamed: each 32 weights decoded once in registers and multiplied into every row
+ * of x, two accumulators a row. Up to eight rows this beats decoding four weight rows into L1 (panel4). */
 #define DEFINE_STREAM(M)                                                                                       \
   static void stream_##M(const uint16_t *x, int64_t ldx, const uint8_t *w, const uint8_t *s, float g, int64_t K, \
                          Out o, int64_t n) {                                                                    \
@@ -67,10 +68,12 @@ static inline __m512bh load_x(const uint16_t *p, int last) {
     }                                                                                                          \
     for (int m = 0; m < M; m++) put(o, m, n, g * _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m])));             \
   }
-DEFINE_STREAM(1) DEFINE_STREAM(2) DEFINE_STREAM(3) DEFINE_STREAM(4)
+DEFINE_STREAM(1) DEFINE_STREAM(2) DEFINE_STREAM(3) DEFINE_STREAM(4) DEFINE_STREAM(5) DEFINE_STREAM(6)
+DEFINE_STREAM(7) DEFINE_STREAM(8)
 
 typedef void (*stream_fn)(const uint16_t *, int64_t, const uint8_t *, const uint8_t *, float, int64_t, Out, int64_t);
-static const stream_fn STREAM[5] = {0, stream_1, stream_2, stream_3, stream_4};
+static const stream_fn STREAM[STREAM_M + 1] = {0,        stream_1, stream_2, stream_3, stream_4,
+                                              stream_5, stream_6, stream_7, stream_8};
 
 void nvfp4_rows_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
                      int64_t n) {
