@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(
     not all(cpu.available(kind) for kind in (cpu.OPS, cpu.NVFP4, torch.float32)),
     reason="the CPU graph records the C kernels: AVX-512F, AVX2, a compiler")
 
-PROMPTS = [[5, 17, 99, 3], list(range(10, 40)), [7], [300, 200, 100, 50, 25, 12]]
-TOKENS = 10
+PROMPTS = [[5, 17, 99, 3], list(range(10, 40)), [7]]
+TOKENS = 8
 
 
 def test_nvfp4_decode_is_recorded_and_replays_the_eager_and_transformers_tokens(make_ckpt, tmp_path, monkeypatch,
