@@ -27,6 +27,7 @@ from epserve.launcher.args import (
     serve_options,
     set_api_key,
 )
+from epserve.launcher.vllm_flags import judge_vllm_flags
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -114,7 +115,60 @@ def _generate(llm, args: argparse.Namespace) -> int:
     return 0
 
 
+# make-checkpoint's shape flags: the config.json key each overrides (make_checkpoint's ``overrides``), and the
+# least value it takes.
+SHAPE_FLAGS: dict[str, tuple[str, int]] = {
+    "--vocab-size": ("vocab_size", 2), "--hidden-size": ("hidden_size", 1),
+    "--intermediate-size": ("intermediate_size", 1), "--moe-intermediate-size": ("moe_intermediate_size", 1),
+    "--num-hidden-layers": ("num_hidden_layers", 1), "--first-k-dense-replace": ("first_k_dense_replace", 0),
+    "--num-attention-heads": ("num_attention_heads", 1), "--n-routed-experts": ("n_routed_experts", 1),
+    "--num-experts-per-tok": ("num_experts_per_tok", 1), "--n-group": ("n_group", 1), "--topk-group": ("topk_group", 1),
+    "--q-lora-rank": ("q_lora_rank", 1), "--kv-lora-rank": ("kv_lora_rank", 1),
+    "--max-position-embeddings": ("max_position_embeddings", 1),
+    "--num-nextn-predict-layers": ("num_nextn_predict_layers", 0),
+}
+
+
+def _shape_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The config.json keys the shape flags and ``--override KEY=VALUE`` set; ValueError naming the flag for a
+    value out of range, and for a shape the model's config refuses (``ModelConfig``'s own checks)."""
+    import json
+
+    overrides: dict[str, object] = {}
+    for flag, (key, least) in SHAPE_FLAGS.items():
+        value = getattr(args, key)
+        if value is not None:
+            if value < least:
+                raise ValueError(f"{flag} must be an integer >= {least}, got {value}")
+            overrides[key] = value
+    if "num_attention_heads" in overrides:  # MLA: as many KV heads as query heads
+        overrides["num_key_value_heads"] = overrides["num_attention_heads"]
+    for item in args.override or ():
+        key, sep, text = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ValueError(f"--override {item}: write KEY=VALUE (a config.json key; VALUE as JSON, else a string)")
+        try:
+            overrides[key] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[key] = text
+    if overrides:
+        from epserve.config import ModelConfig
+        from epserve.presets import build_config
+
+        try:
+            ModelConfig.from_dict(build_config(args.preset, overrides=overrides))
+        except ValueError as e:
+            raise ValueError(f"the shape flags make a config the model refuses: {e}") from None
+    return overrides
+
+
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    overrides = _shape_overrides(args)
+    if args.train and (overrides or args.max_shard_bytes is not None):
+        raise ValueError("--train trains its preset's shape: the shape flags, --override and --max-shard-bytes are "
+                         "for random weights")
+    if args.max_shard_bytes is not None and args.max_shard_bytes < 1:
+        raise ValueError(f"--max-shard-bytes must be >= 1, got {args.max_shard_bytes}")
     if args.train:
         from epserve.training import TRAIN_PRESETS, train_checkpoint
 
@@ -131,8 +185,12 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
     quantization = "fp8" if args.fp8 else None if args.quantization == "none" else args.quantization
     if args.fp8 and args.quantization not in ("none", "fp8"):
         raise ValueError(f"--fp8 and --quantization {args.quantization} contradict each other")
-    path = make_checkpoint(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype, quantization=quantization)
-    print(f"wrote {args.preset}{f' {quantization}' if quantization else ''} checkpoint to {path}")
+    shards = {} if args.max_shard_bytes is None else {"max_shard_bytes": args.max_shard_bytes}
+    path = make_checkpoint(args.dir, preset=args.preset, seed=args.seed, dtype=args.dtype, quantization=quantization,
+                           overrides=overrides or None, **shards)
+    shape = "".join(f" {k}={v}" for k, v in overrides.items())
+    print(f"wrote {args.preset}{f' {quantization}' if quantization else ''} checkpoint{shape and ' with' + shape} "
+          f"to {path}")
     return 0
 
 
@@ -190,6 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fp8: as --fp8; nvfp4: MLP and expert weights in NVFP4 as NVIDIA's ModelOpt exports them")
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    shape = mk.add_argument_group("shape (random weights)", "override the preset's config.json fields, as "
+                                  "make_checkpoint(overrides=...) does; e.g. --vocab-size 129280 fits DeepSeek's "
+                                  "tokenizer files, copied into the directory afterwards")
+    for flag, (key, _) in SHAPE_FLAGS.items():
+        shape.add_argument(flag, type=int, default=None, dest=key, metavar="N")
+    shape.add_argument("--override", action="append", metavar="KEY=VALUE",
+                       help="any other config.json field (VALUE as JSON, else a string); repeatable")
+    shape.add_argument("--max-shard-bytes", type=int, default=None, metavar="N",
+                       help="the largest safetensors shard (default: make_checkpoint's)")
     mk.set_defaults(func=_cmd_make_checkpoint)
 
     from epserve.bench.cli import add_parser as add_bench_parser
@@ -213,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         apply_model_path(args)
-        for note in foreign_flags(args):  # (the ones with no equivalent raise ValueError: one line)
+        for note in (*foreign_flags(args), *judge_vllm_flags(args)):  # (refused ones raise ValueError: one line)
             logging.getLogger("epserve").warning("%s", note)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, OutOfMemoryError) as e:  # ConfigError, CheckpointError: ValueError

@@ -76,6 +76,19 @@ def _fraction(flag: str, value: float) -> float:
     return value
 
 
+# vLLM's --kv-cache-dtype values: what each is here (None: refused, with why).
+VLLM_KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": None, "fp8_ds_mla": None, "fp8_inc": None}
+
+
+def _kv_cache_dtype(flag: str, value: str) -> str:
+    kind = VLLM_KV_CACHE_DTYPES[value]
+    if kind is None:
+        raise ValueError(f"{flag} {value}: the FP8 latent cache here is e4m3 with a per-layer scale: use {flag} fp8 "
+                         "(or fp8_e4m3, vLLM's name for it), or auto")
+    return kind
+
+
 def _speculative_config(flag: str, text: str) -> dict[str, Any]:
     """vLLM's ``--speculative-config`` JSON as ``speculative`` and ``num_speculative_tokens``."""
     try:
@@ -104,7 +117,10 @@ class EngineOptions:
     """Every engine option, in the order ``--help`` shows them (the checkpoint itself is ``build_engine_config``'s
     first argument and the command's MODEL)."""
 
-    dtype: str = option("engine.dtype", "--dtype", choices=("bfloat16", "float32", "float16"))
+    dtype: str = option(
+        "engine.dtype", "--dtype", choices=("auto", "bfloat16", "float32", "float16"),
+        help="the activations' and unquantized weights' dtype; auto (vLLM's): the checkpoint's own torch_dtype "
+        "(bfloat16 for DeepSeek's bf16 and FP8 checkpoints)")
     device: str = option("engine.device", "--device", help="cpu or cuda[:N]")
     quantization: Quantization = option(
         "engine.quantization", "--quantization", choices=("auto", "fp8", "none"),
@@ -112,8 +128,9 @@ class EngineOptions:
         help="weights: fp8 keeps FP8 block-scaled weights (quantizes a bf16 checkpoint at load), none dequantizes at "
         "load, auto = fp8 for an FP8 checkpoint on CUDA, none on CPU")
     kv_cache_dtype: KvCacheDtype = option(
-        "cache.kv_cache_dtype", "--kv-cache-dtype",
-        help="latent KV cache: auto (the model dtype) or fp8 (e4m3, twice the blocks)")
+        "cache.kv_cache_dtype", "--kv-cache-dtype", choices=tuple(VLLM_KV_CACHE_DTYPES), parse=_kv_cache_dtype,
+        help="latent KV cache: auto (the model dtype) or fp8 (e4m3 with a per-layer scale, twice the blocks; "
+        "vLLM's fp8_e4m3 is the same)")
     cuda_graph: bool | None = option(
         "engine.cuda_graph", "--no-cuda-graph", "--enforce-eager", "--disable-cuda-graph", given=False,
         help="run decode steps eagerly, not as CUDA graphs (on one CPU rank: not as recorded kernel calls) "
@@ -153,13 +170,19 @@ class EngineOptions:
         help="running requests at most (default %(default)s; --max-running-requests: SGLang's name)")
     max_num_batched_tokens: int = option(
         "scheduler.max_num_batched_tokens", "--max-num-batched-tokens",
-        help="tokens per step at most, prefill chunks and decodes (default %(default)s)")
+        help="tokens per step at most, prefill chunks and decodes (default %(default)s)",
+        also=(Flag(("--enable-chunked-prefill",), given=True, sets=(),
+                   help="accepted for vLLM's command lines, changes nothing: a prompt longer than "
+                   "--max-num-batched-tokens is always prefilled in chunks"),))
     max_model_len: int | None = option(
         "scheduler.max_model_len", "--max-model-len", "--context-length",
         help="the context: prompt + completion tokens (--context-length: SGLang's name)")
     enable_prefix_caching: bool = option(
         "cache.enable_prefix_caching", "--no-prefix-caching", "--no-enable-prefix-caching", "--disable-radix-cache",
-        help="no prefix caching (vLLM: --no-enable-prefix-caching, SGLang: --disable-radix-cache)")
+        help="no prefix caching (vLLM: --no-enable-prefix-caching, SGLang: --disable-radix-cache)",
+        also=(Flag(("--enable-prefix-caching",), given=True, sets=(),
+                   help="accepted for vLLM's command lines, changes nothing: prefix caching is on unless "
+                   "--no-prefix-caching"),))
     dp: int = option(
         "parallel.dp", "--dp", "--data-parallel-size", "-dp", "--dp-size", group=PARALLEL,
         help="data-parallel attention groups (engine instances); --data-parallel-size and -dp (vLLM), --dp-size "
@@ -240,8 +263,9 @@ def build_engine_config(
     checkpoint); the keywords are ``EngineOptions``' fields (TypeError for any other), ValueError for an
     inconsistent configuration. ``quantization``: ``"fp8"`` keeps FP8 block-scaled weights (quantizing a
     higher-precision checkpoint at load), ``None`` dequantizes at load, ``"auto"`` keeps an FP8 checkpoint's
-    weights on CUDA and dequantizes on the CPU. ``memory_fraction``: the share of the device's total memory for
-    weights, KV cache and activations (vLLM's ``gpu_memory_utilization``; ``CacheConfig``). ``kv_cache_dtype``:
+    weights on CUDA and dequantizes on the CPU. ``dtype="auto"``: the checkpoint's ``torch_dtype`` (vLLM's).
+    ``memory_fraction``: the share of the device's total memory for weights, KV cache and activations (vLLM's
+    ``gpu_memory_utilization``; ``CacheConfig``). ``kv_cache_dtype``:
     ``"auto"`` (the model dtype) or ``"fp8"`` (e4m3, per-layer scale: twice the blocks in the same memory).
     ``cuda_graph`` (default on for CUDA) / ``compile`` (CPU): pure-decode steps run one captured CUDA graph / one
     ``torch.compile(fullgraph=True)`` forward per batch bucket up to ``cuda_graph_max_bs`` (default:
@@ -257,6 +281,9 @@ def build_engine_config(
         model = default_model_path()
     path = str(model)
     model_config = ModelConfig.from_hf(path)
+    if placed["engine"]["dtype"] == "auto":  # vLLM's: the checkpoint's own (FP8 checkpoints keep bf16 beside)
+        stored = model_config.torch_dtype
+        placed["engine"]["dtype"] = stored if stored in ("bfloat16", "float32", "float16") else "bfloat16"
     max_model_len = placed["scheduler"]["max_model_len"]
     if max_model_len is not None and max_model_len > model_config.max_position_embeddings:
         raise ValueError(

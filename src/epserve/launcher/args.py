@@ -10,6 +10,12 @@ from epserve import env
 from epserve.chat_template import load_chat_template
 from epserve.config import ENGINE_ROLES
 from epserve.engine_server.options import ServeOptions
+from epserve.launcher.vllm_flags import (
+    add_seed_flag,
+    add_vllm_router_flags,
+    tool_call_parser,
+    uvicorn_log_level,
+)
 from epserve.router.server import RouterOptions
 
 
@@ -31,6 +37,7 @@ def add_engine_serving_args(p: argparse.ArgumentParser) -> None:
                    help="prefill/decode disaggregation: a decode instance gives up a request's prefill and KV "
                    "transfer after this many seconds (the router retries it on another prefill instance)")
     add_engine_token_arg(g)
+    add_seed_flag(g)
 
 
 def add_role_arg(p: argparse.ArgumentParser) -> None:
@@ -109,16 +116,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1"], type=lambda s: s.replace("-", "_"),
                    help="chat completions: the model's reasoning (DeepSeek-R1's and V3.1's <think>...</think>) as "
                    "reasoning_content beside content, whole and streamed (vLLM's and SGLang's flag)")
-    g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"],
+    g.add_argument("--tool-call-parser", default=None, metavar="deepseek_v3|deepseek_v31",
                    help="chat completions with tools: the checkpoint's tool-call format, parsed into tool_calls "
-                   "(DeepSeek-V3/R1: deepseek_v3, V3.1: deepseek_v31); tool_choice required or a named function "
-                   "is then forced by a grammar (vLLM's flag)")
+                   "(DeepSeek-V3/R1: deepseek_v3, V3.1: deepseek_v31; SGLang's deepseekv3, deepseekv31 too); "
+                   "tool_choice required or a named function is then forced by a grammar (vLLM's flag)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice auto (the model decides whether to call a tool; needs --tool-call-parser)")
     g.add_argument("--generation-config", default=RouterOptions.generation_config, metavar="auto|vllm|DIR",
                    help="default sampling for requests that do not set it: auto = the checkpoint's "
                    "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, extra EOS ids), "
                    "vllm = none (OpenAI's defaults), or a directory holding a generation_config.json")
+    add_vllm_router_flags(p.add_argument_group("vLLM's router flags", "accepted where they mean something here, "
+                                               "else refused with what to use"))
     lim = p.add_argument_group("router limits (per HTTP request)")
     lim.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes,
                      help="larger bodies get 413 (default 4 MiB)")
@@ -142,7 +151,7 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         policy=args.policy,
         served_model_name=args.served_model_name, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
-        max_tree_tokens=args.max_tree_tokens, engine_wait_s=args.engine_wait_timeout, log_level=args.log_level.upper(),
+        max_tree_tokens=args.max_tree_tokens, engine_wait_s=args.engine_wait_timeout, log_level=uvicorn_log_level(args),
         max_request_bytes=args.max_request_bytes, max_choices_per_request=args.max_choices_per_request,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
@@ -150,7 +159,7 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         generation_config=args.generation_config,
         reasoning_parser=args.reasoning_parser,
-        tool_call_parser=args.tool_call_parser,
+        tool_call_parser=tool_call_parser(args.tool_call_parser),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
 

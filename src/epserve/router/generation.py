@@ -272,10 +272,12 @@ class Generation:
                 usage = {"usage": self.usage(self._sent) if continuous else None} if include_usage else {}
                 for c in self.choices:
                     yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}], **usage})
+                                                     "logprobs": None, "finish_reason": None}], **usage,
+                               **self._padding()})
                     if self.echo:
                         yield sse({**head, "choices": [{"index": c.index, "delta": {"content": self.echo},
-                                                         "logprobs": None, "finish_reason": None}], **usage})
+                                                         "logprobs": None, "finish_reason": None}], **usage,
+                                   **self._padding()})
             remaining = len(self.choices)
             while remaining:
                 event = await queue.get()
@@ -321,8 +323,6 @@ class Generation:
         self._started.add(choice.index)
         self._sent[choice.index] = max(self._sent[choice.index], delta.num_output)
         offsets[choice.index] += len(delta.text)
-        options = self.req.stream_options
-        padding = {"obfuscation": _padding()} if options is not None and options.include_obfuscation else {}
         if chat:
             content: dict[str, Any] = {"reasoning_content": delta.reasoning} if delta.reasoning else {}
             if delta.text:
@@ -337,15 +337,18 @@ class Generation:
             body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                     "finish_reason": delta.finish_reason, **(self._prompt_logprobs(choice) if first else {})}
         usage: dict[str, Any] = {}
+        options = self.req.stream_options
         if include_usage:  # with continuous_usage_stats (vLLM), the usage so far in every chunk
             usage["usage"] = self.usage(self._sent) if options is not None and options.continuous_usage_stats else None
-        return sse({**head, "choices": [body], **usage, **padding})
+        return sse({**head, "choices": [body], **usage, **self._padding()})
 
-
-def _padding() -> str:
-    """OpenAI's ``obfuscation`` field: random characters of random length, so that a chunk's size does not
-    tell its text's."""
-    return secrets.token_urlsafe(secrets.randbelow(24) + 1)
+    def _padding(self) -> dict[str, str]:
+        """With ``stream_options.include_obfuscation`` (OpenAI's), a chunk's ``obfuscation`` field: random
+        characters of random length, so that a chunk's size does not tell its text's."""
+        options = self.req.stream_options
+        if options is None or not options.include_obfuscation:
+            return {}
+        return {"obfuscation": secrets.token_urlsafe(secrets.randbelow(24) + 1)}
 
 
 def _logprob(lp: TokenLogprobs) -> tuple[float, list[tuple[int, float]]]:

@@ -6,9 +6,10 @@ deltas.
 item (``response.reasoning_text.delta``), a ``message`` item (``output_item.added``,
 ``content_part.added``, ``output_text.delta``..., ``output_text.done``, ``content_part.done``,
 ``output_item.done``), a ``function_call`` item per call (``function_call_arguments.delta``...,
-``.done``); last ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it) with
-the whole output and the usage. Every event carries its ``sequence_number``; a choice that fails is an
-``error`` event followed by ``response.failed``."""
+``.done``); last ``response.completed`` with the whole output and the usage (its status ``incomplete``
+when ``max_output_tokens`` cut it: the clients and agent loops wait for that event, as vLLM sends it).
+Every event carries its ``sequence_number``; a choice that fails is an ``error`` event followed by
+``response.failed``."""
 
 from __future__ import annotations
 
@@ -87,9 +88,8 @@ class ResponseEvents:
                 finish = delta.finish_reason or finish
             for text in self._close():
                 yield text
-            done = finished(self.head, finish if finish != "tool_calls" else "stop")
-            kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
-            yield self._event(kind, response={**done, "output": self.output, "usage": usage(self.run)})
+            done = finished(self.head, finish)  # (an incomplete one too: what the clients wait for, as vLLM's)
+            yield self._event("response.completed", response={**done, "output": self.output, "usage": usage(self.run)})
         finally:  # also when the client went away: cancel the engine request
             for t in tasks:
                 t.cancel()
