@@ -207,3 +207,12 @@ def test_the_last_ignored_fields_work_or_are_refused_by_name(server):
     assert padded and all(isinstance(c.to_dict().get("obfuscation"), str) for c in padded)
     plain = list(client.chat.completions.create(**chat, stream=True))
     assert not any("obfuscation" in c.to_dict() for c in plain)
+
+
+def test_a_json_schema_text_format_is_a_structured_output(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    _, client, _ = server
+    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=200, temperature=1.0, text={
+        "format": {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), WEATHER)
