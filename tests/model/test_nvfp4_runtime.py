@@ -47,8 +47,10 @@ def test_linear_equals_dequantize_then_matmul():
     x = torch.randn(3, 5, 96)
     out = ops.nvfp4_linear(x, weight, scale, scale_2)
     assert out.shape == (3, 5, 600) and out.dtype == torch.float32
-    torch.testing.assert_close(out, F.linear(x, dense), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(nvfp4_linear_ref(x, weight, scale, scale_2, chunk_rows=7), out, rtol=1e-5, atol=1e-5)
+    # the CPU runs the C kernel (kernels.cpu_nvfp4): its own summation order, on sums of |x w| up to ~400
+    torch.testing.assert_close(out, F.linear(x, dense), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(nvfp4_linear_ref(x, weight, scale, scale_2, chunk_rows=7), F.linear(x, dense),
+                               rtol=1e-5, atol=1e-5)
     bf16 = ops.nvfp4_linear(x.bfloat16(), weight, scale, scale_2)  # W4A16: the activations stay bf16
     assert bf16.dtype == torch.bfloat16
     torch.testing.assert_close(bf16.float(), F.linear(x.bfloat16().float(), dense), rtol=1e-2, atol=1e-2)
@@ -67,7 +69,7 @@ def test_experts_equal_dequantized_grouped_swiglu():
     counts = torch.tensor([2, 0, 4])  # and one padding row
     out = ops.nvfp4_moe_swiglu(x, counts, *stack[:3], *stack2[:3])
     ref = grouped_swiglu_ref(x, counts, stack[3], stack2[3])
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())  # summation order (C)
     assert torch.equal(out[6], torch.zeros(h))
     experts = GroupedExperts(e, h, inter, nvfp4=True)  # the module holds the format as stored and calls the op
     assert experts.w13.dtype == torch.uint8 and tuple(experts.w13_scale_2.shape) == (e, 2)
@@ -76,7 +78,7 @@ def test_experts_equal_dequantized_grouped_swiglu():
     from epserve.moe.dispatch.base import ExpertInput
 
     got = experts(ExpertInput(hidden_states=x, num_tokens_per_expert=counts))
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 class _PeakBytes(TorchDispatchMode):
