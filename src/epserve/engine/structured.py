@@ -7,7 +7,9 @@ grammars are cached by their constraint), so a request waits for its grammar wit
 back: the loop queues it once it compiled (``engine/loop.py``), and a constraint that does not compile
 fails its request as invalid, naming the problem. So does a JSON schema that uses what xgrammar would
 silently ignore (``engine/json_schema.py``: the keyword and its JSON pointer), and the string formats xgrammar
-gets wrong are replaced by exact patterns there. A request whose constraint and
+gets wrong are replaced by exact patterns there. A structural tag's tokens given by their text (a forced tool
+call's DeepSeek markers, ``router/tools.py``) become the ids of the tokenizer's added tokens, so the model
+writes each marker as the one token it was trained on (``_resolve_tokens``). A request whose constraint and
 sampling parameters leave a row no token, or whose grammar refuses a sampled token, fails alone
 (``GrammarMasks.accept``; the engine aborts it, the loop reports why), never the step; where the grammar
 can only end, it ends whatever ``min_tokens`` says. The matcher allows EOS only where the grammar can end, and
