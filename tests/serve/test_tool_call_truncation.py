@@ -56,9 +56,9 @@ def test_a_call_cut_anywhere_shows_no_marker(served) -> None:
     tok, client = served
     output = TEXT + TOOL_CALL_PARSERS["deepseek_v3"]().render(CALLS)
     tokens = tok.encode(output, add_special_tokens=False)
-    assert len(tokens) > 60 and tok.decode(tokens) == output
+    assert len(tokens) > 200 and tok.decode(tokens) == output
     cut_inside_a_char = 0
-    for n in range(1, len(tokens)):
+    for n in range(1, len(tokens), 3):  # (every third of the 241 cuts: a marker is 12 to 24 tokens)
         CutEngine.tokens = tokens[:n]
         text = tok.decode(tokens[:n])
         cut_inside_a_char += text.endswith("\ufffd")
