@@ -141,6 +141,7 @@ def measure(llms: dict[str, LLM], batch: int, args: argparse.Namespace) -> dict:
             **{f"{v}_floor_ms": floor[v] for v in VARIANTS},
             **{f"{v}_step_bytes": nbytes[v] for v in VARIANTS}, **{f"{v}_recorded": rec[v] for v in VARIANTS},
             **{f"{v}_steps_a_round": steps[v] for v in VARIANTS},
+            **{f"{v}_best_round_ms": min(runs[v]) for v in VARIANTS},
             "nvfp4_vs_bf16": ms["nvfp4"] / ms["bf16"], "nvfp4_vs_fp8": ms["nvfp4"] / ms["fp8"],
             "nvfp4_over_floor": ms["nvfp4"] / floor["nvfp4"], "bytes_bound_vs_bf16": nbytes["nvfp4"] / nbytes["bf16"],
             **{f"rounds_{v}_ms": runs[v] for v in VARIANTS}}
@@ -171,7 +172,11 @@ def markdown(result: dict, command: str) -> str:
     bandwidth = " and ".join(f"{row['read_bandwidth_GBps']:.1f}" for row in result["steps"])
     goals = ", ".join(f"{k} {g['value']:.2f} (goal ≤ {g['goal']}: {'met' if g['met'] else 'not met'})"
                       for k, g in result["goals"].items())
-    lines += ["", "\\* eager steps (a torch reference in the step); the others replay the recorded CPU graph. "
+    best = "; ".join(f"batch {row['batch']}: " + ", ".join(f"{v} {row[f'{v}_best_round_ms']:.2f}" for v in VARIANTS)
+                     + f" ms (NVFP4 / bf16 {row['nvfp4_best_round_ms'] / row['bf16_best_round_ms']:.2f}×)"
+                     for row in result["steps"])
+    lines += ["", f"Best round (the least of the rounds' medians, the least disturbed by other load): {best}.",
+              "", "\\* eager steps (a torch reference in the step); the others replay the recorded CPU graph. "
               f"Routed experts hold {100 * s['expert_share_main_model']:.0f}% of the main model's bf16 bytes "
               f"({100 * s['expert_share_all']:.0f}% of the checkpoint's with the MTP layer and embedding). NVFP4 "
               f"weights + scales of the {s['quantized_modules']} quantized modules: "
