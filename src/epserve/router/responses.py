@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Chat fields' errors as the Responses fields they came from.
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "logprobs": "top_logprobs"}
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "logprobs": "top_logprobs",
+           "response_format": "text.format"}
 _ROLES = {"developer": "system"}  # (the chat templates know system, user, assistant, tool)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -210,6 +211,7 @@ def chat_error(err: APIError) -> APIError:
             message = message.replace(head, _PARAMS[head], 1) if message.startswith(head) else message
         elif head == "tools":
             param = param.replace(".function", "")
+            message = message.replace(err.param, param)  # type: ignore[arg-type]
     return APIError(message, err.status, err.type, err.code, param)
 
 
