@@ -96,7 +96,7 @@ def router_parts(options: RouterOptions):
         path = Path(options.model)
         if not path.is_dir():
             raise ValueError(f"model directory {options.model} does not exist (the router reads its tokenizer)")
-    tokenizer = load_tokenizer(path, options.chat_template)
+    tokenizer = load_tokenizer(path, options.chat_template, auto_tool_choice=options.enable_auto_tool_choice)
     if tokenizer is None and options.chat_template is not None:
         raise ValueError(f"--chat-template needs a tokenizer; the model directory {path} has no tokenizer.json")
     return policy, tokenizer, GenerationDefaults.resolve(options.generation_config, path)

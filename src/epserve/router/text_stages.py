@@ -76,8 +76,8 @@ class ExtractToolCalls:
 
     def __call__(self, piece: TextPiece) -> TextPiece:
         events = self.parser.feed(piece.text)
-        if piece.finish_reason:
-            events += self.parser.flush()
+        if piece.finish_reason:  # cut by max_tokens: a marker's unfinished start is dropped, not shown
+            events += self.parser.flush(cut=piece.finish_reason == "length")
         out = openai_delta(events) or {}
         calls = out.get("tool_calls", [])
         if self.single:
