@@ -352,3 +352,14 @@ def test_kernel_ops_decide_in_one_place():
         "kernels/opdef.py"]
     assert sorted(str(p.relative_to(PACKAGE)) for p in _sources(PACKAGE) if uses({"select", "decide"}, p)
                   and "backends" in p.read_text() and p.name != "backends.py") == ["kernels/opdef.py"]
+
+
+def test_tool_calls_and_quantized_rows_have_one_home():
+    """The Responses API reaches tool calls only through the chat path (their parsing exists once); in the
+    dispatchers only the payload quantizes rows (FP8 or NVFP4): a dispatcher moves bytes."""
+    for path in (PACKAGE / "router").glob("responses*.py"):
+        imported = _imported_modules(ast.parse(path.read_text()))
+        assert not imported & {"epserve.router.tool_calls", "epserve.router.tools"}, path.name
+    quantizers = {"epserve.kernels.nvfp4_act", "epserve.kernels.fp8"}
+    assert sorted(p.name for p in (PACKAGE / "moe" / "dispatch").glob("*.py")
+                  if _imported_modules(ast.parse(p.read_text())) & quantizers) == ["payload.py"]
