@@ -1,6 +1,7 @@
 """vLLM's (and SGLang's) flags as their users type them, at the command line's level: each accepted with its
 meaning here (the options and configs it makes), or refused in one line naming what to use instead, never
-argparse's bare error. (``test_responses_api`` serves the accepted ones.)"""
+argparse's bare error. (``test_responses_api`` serves the accepted ones, ``test_router_output_flags`` the output
+flags.)"""
 
 from __future__ import annotations
 
@@ -39,21 +40,29 @@ def test_router_flags_mean_what_vllm_users_expect():
         assert router_options(parse([*command, "--tool-call-parser", "deepseekv31"])).tool_call_parser == "deepseek_v31"
         assert router_options(parse(["--log-level", "debug", *command])).log_level == "DEBUG"  # (the default)
         assert router_options(parse(command)).tool_call_parser is None
+        options = router_options(parse([*command, "--max-logprobs", "5", "--response-role", "model",
+                                        "--return-tokens-as-token-ids"]))
+        assert (options.max_logprobs, options.response_role, options.return_tokens_as_token_ids) == (5, "model", True)
+        options = router_options(parse(command))  # vLLM's defaults
+        assert (options.max_logprobs, options.response_role, options.return_tokens_as_token_ids) == (
+            20, "assistant", False)
     args = parse(["serve", "--seed", "0", "--disable-log-requests", "--max-logprobs", "20", "--response-role",
                   "assistant"])
     assert judge_vllm_flags(args) == ["--seed 0 changes nothing: it is the engine's own",
                                       "--disable-log-requests changes nothing: the router logs no line per request",
-                                      "--max-logprobs 20 changes nothing: it is the cap here"]
+                                      "--max-logprobs 20 changes nothing: it is the default"]
     assert judge_vllm_flags(parse(["generate", "--seed", "7"])) == []  # generate's --seed: its sampling seed
+    assert judge_vllm_flags(parse(["serve", "--max-logprobs", "0", "--response-role", "model",
+                                   "--return-tokens-as-token-ids"])) == []  # (their meaning: test_router_output_flags)
 
 
 def test_flags_without_a_meaning_here_are_one_line_errors(capsys):
     cases = [
         (["serve", "--seed", "3"], "--seed 3: the engine's random state for unseeded requests always starts at 0"),
         (["engine", "--seed", "1"], "give each request a seed"),
-        (["serve", "--max-logprobs", "5"], "--max-logprobs 5: a request's logprobs are capped at 20 here"),
-        (["router", "--engine", "h:1", "--response-role", "bot"], "--response-role bot: chat responses here are"),
-        (["serve", "--return-tokens-as-token-ids"], '"return_tokens_as_token_ids": true'),
+        (["serve", "--max-logprobs", "21"], "--max-logprobs 21: the engine gives at most 20 logprobs a token"),
+        (["router", "--engine", "h:1", "--max-logprobs", "-1"], "choose one in [0, 20]"),
+        (["router", "--engine", "h:1", "--response-role", " "], "--response-role: give a role"),
         (["serve", "--tool-call-parser", "hermes"], "--tool-call-parser hermes: no such parser here; DeepSeek-V3/R1"),
         (["serve", "--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2: the FP8 latent cache here is e4m3"),
         (["generate", "--kv-cache-dtype", "fp8_ds_mla"], "use --kv-cache-dtype fp8 (or fp8_e4m3"),

@@ -161,6 +161,8 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=tool_call_parser(args.tool_call_parser),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        response_role=args.response_role, return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        max_logprobs=RouterOptions.max_logprobs if args.max_logprobs is None else args.max_logprobs,
     )
 
 

@@ -1,6 +1,8 @@
 """vLLM's (and SGLang's) serving flags as their users type them, on ``epserve serve``, ``engine`` and
-``router``: each accepted with its meaning here, or refused in one line naming what to use instead
-(:func:`judge_vllm_flags`, after parsing: never a bare argparse error). The engine's own spellings
+``router``: each accepted with its meaning here (``--max-logprobs``, ``--response-role`` and
+``--return-tokens-as-token-ids`` become the router's ``OutputOptions``), accepted changing nothing, or
+refused in one line naming what to use instead (:func:`judge_vllm_flags`, after parsing: never a bare
+argparse error). The engine's own spellings
 (``--dtype auto``, ``--kv-cache-dtype fp8_e4m3``, ``--enable-prefix-caching``, ``--enable-chunked-prefill``)
 are declared with the engine's options (``engine/options.py``)."""
 
@@ -28,12 +30,13 @@ def add_vllm_router_flags(g) -> None:  # noqa: ANN001 (an argument group)
     g.add_argument("--disable-log-requests", action="store_true",
                    help="accepted for vLLM's command lines, changes nothing: the router logs no line per request")
     g.add_argument("--max-logprobs", type=int, default=None, metavar="N",
-                   help=f"vLLM's cap on a request's logprobs; here fixed at {MAX_LOGPROBS} (vLLM's default), so "
-                   f"only {MAX_LOGPROBS} is accepted")
-    g.add_argument("--response-role", default=None, metavar="ROLE",
-                   help="vLLM's role of chat responses; here always assistant (only assistant is accepted)")
+                   help="the most logprobs a request may ask for (logprobs, top_logprobs, prompt_logprobs); more is "
+                   f"a 400 naming the field (default and most: {MAX_LOGPROBS}, vLLM's default)")
+    g.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role of chat responses' messages (default: assistant)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="vLLM's server-wide default; refused: a request sets return_tokens_as_token_ids itself")
+                   help="logprobs' tokens written token_id:<id> (for tokens that are not valid UTF-8 alone) in "
+                   "requests that do not set return_tokens_as_token_ids themselves")
 
 
 def tool_call_parser(value: str | None) -> str | None:
@@ -71,18 +74,13 @@ def judge_vllm_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "disable_log_requests", False):
         notes.append("--disable-log-requests changes nothing: the router logs no line per request")
     max_logprobs = getattr(args, "max_logprobs", None)
-    if max_logprobs is not None:
-        if max_logprobs != MAX_LOGPROBS:
-            raise ValueError(f"--max-logprobs {max_logprobs}: a request's logprobs are capped at {MAX_LOGPROBS} here "
-                             f"(vLLM's default), not settable; leave the flag out")
-        notes.append(f"--max-logprobs {MAX_LOGPROBS} changes nothing: it is the cap here")
-    role = getattr(args, "response_role", None)
-    if role is not None and role != "assistant":
-        raise ValueError(f"--response-role {role}: chat responses here are always the assistant's; leave the flag "
-                         "out")
-    if getattr(args, "return_tokens_as_token_ids", False):
-        raise ValueError("--return-tokens-as-token-ids: no server-wide default here; a request asks for it with "
-                         "\"return_tokens_as_token_ids\": true")
+    if max_logprobs is not None and not 0 <= max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs {max_logprobs}: the engine gives at most {MAX_LOGPROBS} logprobs a token "
+                         f"(vLLM's default); choose one in [0, {MAX_LOGPROBS}]")
+    if max_logprobs == MAX_LOGPROBS:
+        notes.append(f"--max-logprobs {MAX_LOGPROBS} changes nothing: it is the default")
+    if not getattr(args, "response_role", "assistant").strip():
+        raise ValueError("--response-role: give a role (vLLM's default: assistant)")
     if getattr(args, "enable_prefix_caching", False) and getattr(args, "no_prefix_caching", False):
         raise ValueError("--enable-prefix-caching and --no-prefix-caching contradict each other; give one")
     return notes

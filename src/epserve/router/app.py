@@ -66,6 +66,7 @@ from epserve.router.info_endpoints import InfoEndpoints
 from epserve.router.instances import Router
 from epserve.router.json_body import load_json_body
 from epserve.router.metrics import RouterMetrics
+from epserve.router.output_options import OutputOptions
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 from epserve.router.reasoning import starts_in_reasoning
 from epserve.router.responses import (
@@ -108,7 +109,7 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
     def __init__(self, router: Router, tokenizer: Tokenizer | None, model_name: str,
                  api_key: str | None = None, limits: HTTPLimits | None = None,
                  generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None,
-                 tool_calls: tuple[str | None, bool] = (None, False)) -> None:
+                 tool_calls: tuple[str | None, bool] = (None, False), output: OutputOptions | None = None) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -116,11 +117,12 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
         self.limits = limits or HTTPLimits()
         self.generation_defaults = generation_defaults  # the checkpoint's generation_config.json
         self.tool_calls = tool_calls  # --tool-call-parser, --enable-auto-tool-choice
+        self.output = output or OutputOptions()  # --response-role, --return-tokens-as-token-ids, --max-logprobs
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         self.metrics = RouterMetrics(router, model_name)
         self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_connections.http_protocol
         self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name,
-                                                    reasoning_parser)
+                                                    reasoning_parser, self.output)
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-parse")  # GIL-bound work
         self.created = int(time.time())
         self.app = self._build_app()
@@ -284,6 +286,7 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
             raise not_found_model(req.model)
         if isinstance(req, (CompletionRequest, ChatCompletionRequest)):
             check_request(req)
+            self.output.check(req)
         else:
             check_tokenize_request(req)
         return req

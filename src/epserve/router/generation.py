@@ -34,6 +34,7 @@ from epserve.router.choices import Choice, ChoiceDelta, ChoiceDone, ChoiceEvent,
 from epserve.router.detokenize import OutputText
 from epserve.router.errors import ENGINE_ABORTED, unavailable
 from epserve.router.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from epserve.router.output_options import OutputOptions
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 from epserve.router.streaming import gather_or_raise, sse, stream_error, until_disconnect
 from epserve.router.text_stages import ExtractToolCalls, TextPiece, TextStage, run_stages, text_stages
@@ -61,6 +62,7 @@ class GenerationContext:
     metrics: RouterMetrics
     model_name: str
     reasoning_parser: str | None = None  # ``--reasoning-parser`` (chat): reasoning_content apart from content
+    output: OutputOptions = OutputOptions()  # vLLM's --response-role, --return-tokens-as-token-ids, --max-logprobs
 
 
 class Generation:
@@ -79,6 +81,7 @@ class Generation:
         chat = isinstance(req, ChatCompletionRequest)
         self.include_reasoning = not chat or req.include_reasoning  # type: ignore[union-attr]
         self.echo = req.echoed() if chat else ""  # type: ignore[union-attr]  # (vLLM's chat echo)
+        self.as_ids = ctx.output.as_ids(req)  # logprobs' tokens as token_id:<id>
         self.created = int(time.time())
         self.arrival = time.monotonic()
         self._started: set[int] = set()  # choices whose first chunk was streamed
@@ -196,13 +199,13 @@ class Generation:
         out = []
         for c in self.choices:
             text = self.echo + "".join(c.text)
-            logprobs, as_ids = None, self.req.return_tokens_as_token_ids
+            logprobs, as_ids = None, self.as_ids
             if c.params.logprobs is not None and tokenizer is not None:
                 skip = self.req.skip_special_tokens
                 logprobs = ({"content": chat_logprobs(tokenizer, c.token_ids, c.logprobs, as_ids)} if chat else
                             completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0, skip, as_ids))
             if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": self.ctx.output.response_role, "content": text}
                 if self.ctx.reasoning_parser is not None:
                     message["reasoning_content"] = "".join(c.reasoning) or None
                     message["content"] = text or None
@@ -270,8 +273,9 @@ class Generation:
         try:
             if chat:  # (with continuous_usage_stats, vLLM's: the usage so far in every chunk)
                 usage = {"usage": self.usage(self._sent) if continuous else None} if include_usage else {}
+                role = self.ctx.output.response_role
                 for c in self.choices:
-                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    yield sse({**head, "choices": [{"index": c.index, "delta": {"role": role, "content": ""},
                                                      "logprobs": None, "finish_reason": None}], **usage,
                                **self._padding()})
                     if self.echo:
@@ -314,11 +318,10 @@ class Generation:
         logprobs = None
         if choice.params.logprobs is not None and tokenizer is not None and delta.token_ids:
             if chat:
-                logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs,
-                                                     self.req.return_tokens_as_token_ids)}
+                logprobs = {"content": chat_logprobs(tokenizer, delta.token_ids, delta.logprobs, self.as_ids)}
             else:
                 logprobs = completion_logprobs(tokenizer, delta.token_ids, delta.logprobs, offsets[choice.index],
-                                               self.req.skip_special_tokens, self.req.return_tokens_as_token_ids)
+                                               self.req.skip_special_tokens, self.as_ids)
         first = choice.index not in self._started
         self._started.add(choice.index)
         self._sent[choice.index] = max(self._sent[choice.index], delta.num_output)

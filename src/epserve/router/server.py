@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from epserve import env
+from epserve.messages.sampling import MAX_LOGPROBS
 from epserve.parallel.process import die_with_parent, name_process
 
 logger = logging.getLogger(__name__)
@@ -49,9 +50,12 @@ class RouterOptions:
     reasoning_parser: str | None = None  # chat: the model's reasoning as reasoning_content (deepseek_r1)
     tool_call_parser: str | None = None  # chat: the checkpoint's tool-call format (deepseek_v3, deepseek_v31)
     enable_auto_tool_choice: bool = False  # tool_choice auto: the model decides whether to call
+    response_role: str = "assistant"  # vLLM's --response-role: the chat response's role
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs' tokens as token_id:<id> unless a request says
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's: a request asking for more logprobs is refused (at most this)
 
     def __post_init__(self) -> None:
-        _ = self.limits  # ValueError for bad limits, as soon as the options are made
+        _ = self.limits, self.output  # ValueError for bad limits or output flags, as soon as the options are made
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (deepseek_v3 or deepseek_v31)")
         if self.chat_template is not None:
@@ -62,6 +66,13 @@ class RouterOptions:
     @property
     def model_name(self) -> str:
         return self.served_model_name or (self.model if self.model is not None else BUILTIN_MODEL_NAME)
+
+    @property
+    def output(self):
+        """vLLM's output flags (an ``OutputOptions``); ValueError for bad values."""
+        from epserve.router.output_options import OutputOptions
+
+        return OutputOptions(self.response_role, self.return_tokens_as_token_ids, self.max_logprobs)
 
     @property
     def limits(self):
@@ -112,7 +123,8 @@ def build_router(options: RouterOptions, api_key: str | None = None):
     router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token or api_key,
                     engine_wait_s=options.engine_wait_s, prefill=options.prefill, decode=options.decode)
     return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits, defaults,
-                        options.reasoning_parser, (options.tool_call_parser, options.enable_auto_tool_choice))
+                        options.reasoning_parser, (options.tool_call_parser, options.enable_auto_tool_choice),
+                        options.output)
 
 
 def check_port_free(host: str, port: int) -> None:
