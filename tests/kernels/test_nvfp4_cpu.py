@@ -92,6 +92,25 @@ def test_the_dequantize_kernel_gives_the_references_values_bit_for_bit():
                                    rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_linear_takes_every_scale_code(dtype):
+    """Rows of 259 blocks (bf16 rows of x streamed 128 columns at a time, the last three blocks alone) whose block
+    scales run through every finite e4m3 code (negatives, subnormals, the largest) match the reference; a NaN
+    code (0x7F inside a stretch, 0xFF in the last block) makes its row NaN, as the reference's."""
+    packed, scales, global_scales = _weight(6, 259 * 16, parts=2)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = scales.view(torch.uint8)
+    codes[:] = finite[torch.arange(6 * 259).view(6, 259) % len(finite)]
+    codes[4, 130], codes[5, 258] = 0x7F, 0xFF
+    dense = _dense(packed, scales, global_scales)
+    for m in (1, 2, 5, 8):
+        x = torch.randn(m, 259 * 16, generator=torch.Generator().manual_seed(m)).to(dtype)
+        out = nvfp4_linear(x, packed, scales, global_scales)
+        ref = nvfp4_linear_ref(x, packed, scales, global_scales)
+        assert out[:, 4:].isnan().all() and ref[:, 4:].isnan().all()
+        _close(out[:, :4], ref[:, :4], _bound(x, dense[:4]))
+
+
 def _experts(e: int, h: int, inter: int) -> tuple[torch.Tensor, ...]:
     w13, s13, g13 = _weight(e, 2 * inter, h, parts=2, seed=1)
     w2, s2, g2 = _weight(e, h, inter, parts=1, seed=2)
@@ -100,11 +119,13 @@ def _experts(e: int, h: int, inter: int) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("counts", [[1, 0, 2, 0], [0, 0, 0, 1], [5, 17, 0, 3], [0, 0, 0, 0], [40, 0, 60, 2]])
-def test_experts_match_the_reference(dtype, counts):
+@pytest.mark.parametrize("h,inter", [(48, 32), (144, 128)])
+def test_experts_match_the_reference(dtype, counts, h, inter):
     """Experts without rows, one expert's rows in two tiles (17), counts summing to fewer rows than x (the rest
-    zero), many rows; H = 48 and I = 32 (K % 64 != 0 both ways)."""
-    weights = _experts(4, 48, 32)
-    x = torch.randn(sum(counts) + 3, 48, generator=torch.Generator().manual_seed(len(counts) + sum(counts))).to(dtype)
+    zero), many rows; H = 48 and I = 32 (K % 64 != 0 both ways), or H = 144 and I = 128 (bf16 rows streamed
+    128 columns at a time, H with a rest)."""
+    weights = _experts(4, h, inter)
+    x = torch.randn(sum(counts) + 3, h, generator=torch.Generator().manual_seed(len(counts) + sum(counts))).to(dtype)
     device_counts = torch.tensor(counts)
     with record_calls() as calls:
         out = nvfp4_moe_swiglu(x, device_counts, *weights)
@@ -112,7 +133,7 @@ def test_experts_match_the_reference(dtype, counts):
     ref = nvfp4_moe_swiglu_ref(x, counts, *weights)
     hidden = _reference_hidden(x, counts, weights)
     w13, s13, g13, w2, s2, g2 = weights
-    bounds = torch.zeros(x.shape[0], 48)
+    bounds = torch.zeros(x.shape[0], h)
     start = 0
     for e, n in enumerate(counts):
         rows = slice(start, start + n)

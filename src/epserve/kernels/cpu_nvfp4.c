@@ -12,7 +12,8 @@
  * theirs), more rows take four weight rows at a time, decoded a stretch at a time into L1; beyond TILE_M rows
  * of x the next tiles read a block of weight rows again from L2. Activations are fp32 or bf16 (W4A16: never
  * quantized), accumulated in fp32; the result in x's dtype. bf16 rows go through cpu_nvfp4_bf16.c's dot
- * products instead (up to STREAM_M rows streamed, more in panels of four weight rows). Built and loaded at run
+ * products instead (up to STREAM_M rows streamed, their columns permuted once a call to match the decoding,
+ * more in panels of four weight rows). Built and loaded at run
  * time by kernels/cpu.py (front end: kernels/cpu_nvfp4.py); the torch reference of kernels/nvfp4.py is the
  * fallback.
  */
@@ -120,13 +121,14 @@ static void panel4(const float *x, int64_t M, const uint8_t *w, const uint8_t *s
     for (int r = 0; r < 4; r++) put(o, m, n + r, _mm512_reduce_add_ps(accv[m * 4 + r]));
 }
 
-/* Weight rows [n0, n1) against all M rows of x [M, K] (fp32 x; xb: the same rows in bf16, or NULL), part rows
- * to a global scale: each weight row read from memory once, ROW_BLOCK rows at a time, the tiles of TILE_M rows
- * of x after the first reading the block again from cache. One row of x: each weight row streamed past it
- * (row_1); more: four weight rows at a time (panel4; the last n1 - n0 % 4 rows streamed). bf16 rows go through
- * cpu_nvfp4_bf16.c's dot products: up to STREAM_M rows streamed, more in panels (the last rows as fp32). */
-static void rows(const float *x, const uint16_t *xb, int64_t M, const uint8_t *w, const uint8_t *s, const float *gs,
-                 int64_t part, int64_t n0, int64_t n1, int64_t K, Out o) {
+/* Weight rows [n0, n1) against all M rows of x [M, K] (fp32 x; xb: the same rows in bf16, or NULL, and xp
+ * those permuted by nvfp4_permute_x), part rows to a global scale: each weight row read from memory once,
+ * ROW_BLOCK rows at a time, the tiles of TILE_M rows of x after the first reading the block again from cache.
+ * One row of x: each weight row streamed past it (row_1); more: four weight rows at a time (panel4; the last
+ * n1 - n0 % 4 rows streamed). bf16 rows go through cpu_nvfp4_bf16.c's dot products: up to STREAM_M rows
+ * streamed, more in panels (the last rows as fp32). */
+static void rows(const float *x, const uint16_t *xb, const uint16_t *xp, int64_t M, const uint8_t *w, const uint8_t *s,
+                 const float *gs, int64_t part, int64_t n0, int64_t n1, int64_t K, Out o) {
   for (int64_t nb = n0; nb < n1; nb += ROW_BLOCK) {
     const int64_t nend = nb + ROW_BLOCK < n1 ? nb + ROW_BLOCK : n1;
     for (int64_t m0 = 0; m0 < M; m0 += TILE_M) {
@@ -134,7 +136,7 @@ static void rows(const float *x, const uint16_t *xb, int64_t M, const uint8_t *w
       const Out ot = {o.yf ? o.yf + m0 * o.ld : 0, o.yb ? o.yb + m0 * o.ld : 0, o.ld};
       int64_t n = nb;
       if (xb && T <= STREAM_M)
-        for (; n < nend; n++) nvfp4_rows_bf16(xb + m0 * K, T, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K,
+        for (; n < nend; n++) nvfp4_rows_bf16(xp + m0 * K, T, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K,
                                               ot, n);
       if (T > 1)
         for (; n + 4 <= nend; n += 4) {
@@ -166,10 +168,13 @@ void epserve_nvfp4_linear(const void *x, int bf16, int64_t M, const uint8_t *w, 
   float *copy;
   const float *xf = as_f32(x, bf16, M, K, &copy);
   const Out o = {bf16 ? 0 : (float *)out, bf16 ? (uint16_t *)out : 0, N};
+  uint16_t *xp = bf16 ? (uint16_t *)malloc(sizeof(uint16_t) * M * K) : 0;
+  if (xp) nvfp4_permute_x((const uint16_t *)x, M, K, xp);
   #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t nb = 0; nb < N; nb += ROW_BLOCK)
-    rows(xf, bf16 ? (const uint16_t *)x : 0, M, w, s, gs, N / S, nb, nb + ROW_BLOCK < N ? nb + ROW_BLOCK : N, K, o);
+    rows(xf, bf16 ? (const uint16_t *)x : 0, xp, M, w, s, gs, N / S, nb, nb + ROW_BLOCK < N ? nb + ROW_BLOCK : N, K, o);
   free(copy);
+  free(xp);
 }
 
 /* Rows [lo, hi) of W as fp32 [hi - lo, K] (the values kernels/nvfp4.py's dequantize_rows gives): for a GEMM
@@ -229,25 +234,30 @@ int epserve_nvfp4_moe_swiglu(const void *x, int bf16, int64_t N, const int64_t *
   if (!offsets) return -1;
   float *copy;
   const float *xf = as_f32(x, bf16, offsets[E], H, &copy); /* the real rows only */
+  uint16_t *xp = bf16 ? (uint16_t *)malloc(sizeof(uint16_t) * (offsets[E] ? offsets[E] : 1) * H) : 0;
+  if (xp) nvfp4_permute_x((const uint16_t *)x, offsets[E], H, xp);
   #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t e = 0; e < E; e++) {
     const int64_t r0 = offsets[e], M = offsets[e + 1] - offsets[e];
     if (M == 0) continue;
     float *h = (float *)malloc(sizeof(float) * M * 3 * I), *act = h + M * 2 * I;
-    uint16_t *act_bf16 = bf16 ? (uint16_t *)malloc(sizeof(uint16_t) * M * I) : 0;
+    uint16_t *act_bf16 = bf16 ? (uint16_t *)malloc(sizeof(uint16_t) * M * I * 2) : 0; /* and permuted */
     const Out oh = {h, 0, 2 * I};
-    rows(xf + r0 * H, bf16 ? (const uint16_t *)x + r0 * H : 0, M, w13 + e * 2 * I * (H / 2),
+    rows(xf + r0 * H, bf16 ? (const uint16_t *)x + r0 * H : 0, xp ? xp + r0 * H : 0, M, w13 + e * 2 * I * (H / 2),
          s13 + e * 2 * I * (H / GROUP), g13 + e * S13, 2 * I / S13, 0, 2 * I, H, oh);
     swiglu(h, M, I, bf16, act);
     for (int64_t i = 0; bf16 && i < M * I; i++) act_bf16[i] = f32_to_bf16(act[i]); /* exact: rounded already */
     const Out oo = {bf16 ? 0 : (float *)out + r0 * H, bf16 ? (uint16_t *)out + r0 * H : 0, H};
-    rows(act, act_bf16, M, w2 + e * H * (I / 2), s2 + e * H * (I / GROUP), g2 + e * S2, H / S2, 0, H, I, oo);
+    if (bf16) nvfp4_permute_x(act_bf16, M, I, act_bf16 + M * I);
+    rows(act, act_bf16, bf16 ? act_bf16 + M * I : 0, M, w2 + e * H * (I / 2), s2 + e * H * (I / GROUP), g2 + e * S2,
+         H / S2, 0, H, I, oo);
     free(act_bf16);
     free(h);
   }
   const size_t elem = bf16 ? 2 : 4;
   memset((char *)out + offsets[E] * H * elem, 0, elem * (N - offsets[E]) * H); /* rows past the counts: zero */
   free(copy);
+  free(xp);
   free(offsets);
   return 0;
 }

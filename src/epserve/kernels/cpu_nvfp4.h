@@ -78,9 +78,22 @@ static inline __m512 decode_scaled(const uint8_t *p, uint8_t sc, __m512i lanes) 
   return _mm512_permutexvar_ps(codes, _mm512_load_ps(NVFP4_SCALED[sc]));
 }
 
+/* Whether any of nb e4m3 codes is NaN (0x7F or 0xFF). */
+static inline int nan_scales(const uint8_t *s, int64_t nb) {
+  const __m512i magnitude = _mm512_set1_epi8(0x7F);
+  int64_t j = 0;
+  for (; j + 64 <= nb; j += 64)
+    if (_mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512(s + j), magnitude), magnitude)) return 1;
+  for (; j < nb; j++)
+    if ((s[j] & 0x7F) == 0x7F) return 1;
+  return 0;
+}
+
 /* cpu_nvfp4_bf16.c: bf16 rows of x [M, K] against one weight row streamed (M <= STREAM_M: row n, global scale
- * g) or four decoded into L1 (M <= TILE_M: rows n..n+3, global scales g[4]). */
+ * g; x permuted by nvfp4_permute_x, once a call) or four decoded into L1 (M <= TILE_M: rows n..n+3, global
+ * scales g[4]; x as it is). */
 #define STREAM_M 8
+void nvfp4_permute_x(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp);
 void nvfp4_rows_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
                      int64_t n);
 void nvfp4_panel4_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *g, int64_t K,

@@ -1,12 +1,15 @@
 /* NVFP4 weights against bf16 rows of x by AVX512-BF16 dot products (x86-64 with AVX-512F, BW, VBMI and BF16),
  * for kernels/cpu_nvfp4.c.
  *
- * A block's values times its block scale are exact in bf16 (an e2m1 value has two significant bits, an e4m3
- * scale four), so a block decodes by one permute of its scale's row of NVFP4_SCALED, two blocks convert to
- * bf16 exactly, and _mm512_dpbf16_ps multiplies 32 weights into bf16 x at once with exact products and fp32
- * accumulation: half the arithmetic of the fp32 kernels, which a few rows of x make the bound. The global scale
- * multiplies a row's sum (the reference multiplies each weight by block scale x global scale: the sums agree up
- * to rounding). */
+ * _mm512_dpbf16_ps multiplies 32 bf16 weights into bf16 x at once with exact products and fp32 accumulation:
+ * half the arithmetic of the fp32 kernels, which a few rows of x make the bound. Up to STREAM_M rows of x stream
+ * each weight row past them, 64 packed bytes (eight blocks) at a time: the e2m1 codes decode straight into bf16
+ * lanes (three shifts and four permutes of a 16-entry table, no scale), x's columns permuted once a call to
+ * match (nvfp4_permute_x), and a lane of the dot products sums one block's products, so the eight block scales
+ * (e4m3 -> fp16 by bit moves) apply by one multiply-add. More rows take four weight rows decoded into L1 with
+ * their block scales (a block's values times its block scale are exact in bf16: one permute of its scale's row
+ * of NVFP4_SCALED). The global scale multiplies a row's sum (the reference multiplies each weight by block scale
+ * x global scale: the sums agree up to rounding). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -39,32 +42,75 @@ static inline __m512bh load_x(const uint16_t *p, int last) {
   return (__m512bh)(last ? _mm512_maskz_loadu_epi16(0xFFFF, p) : _mm512_loadu_si512(p));
 }
 
-/* One weight row against M (compile-time, up to STREAM_M: 2M accumulators and the two decoded vectors fill the
- * registers) bf16 rows of x, streamed: each 32 weights decoded once in registers and multiplied into every row
- * of x, two accumulators a row. Up to eight rows this beats decoding four weight rows into L1 (panel4). */
+/* The e2m1 codes as bf16, twice: a permutexvar_epi16 index reads five bits, the fifth the next code's (any). */
+static inline __m512i e2m1_bf16(void) {
+  return _mm512_set_epi16(-16192, -16256, -16320, -16384, -16448, -16512, -16640, -32768, 0x40C0, 0x4080, 0x4040,
+                          0x4000, 0x3FC0, 0x3F80, 0x3F00, 0, -16192, -16256, -16320, -16384, -16448, -16512, -16640,
+                          -32768, 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0);
+}
+
+/* x's columns in the order the streaming kernels decode 128 weights (64 packed bytes) in: vector j (0..3) of a
+ * stretch holds, in dot-product lane i, columns 8i + j and 8i + 4 + j (word u of the packed bytes holds columns
+ * 4u..4u+3, its code j shifted down by 4j is the index of vector j). Columns past the last whole stretch as
+ * they are. */
+void nvfp4_permute_x(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp) {
+  const int64_t K128 = K & ~(int64_t)127;
+  for (int64_t m = 0; m < M; m++) {
+    const uint16_t *xm = x + m * K;
+    uint16_t *pm = xp + m * K;
+    for (int64_t c = 0; c < K128; c += 128)
+      for (int j = 0; j < 4; j++)
+        for (int i = 0; i < 16; i++) {
+          pm[c + 32 * j + 2 * i] = xm[c + 8 * i + j];
+          pm[c + 32 * j + 2 * i + 1] = xm[c + 8 * i + 4 + j];
+        }
+    memcpy(pm + K128, xm + K128, sizeof(uint16_t) * (size_t)(K - K128));
+  }
+}
+
+/* One weight row against M (compile-time, up to STREAM_M) bf16 rows of x permuted by nvfp4_permute_x, streamed:
+ * 128 weights at a time decoded by three shifts and four permutes of the e2m1 table into bf16, multiplied into
+ * every row by four dot products whose lanes 2b, 2b + 1 sum block b's products, then scaled by one multiply-add
+ * (the eight blocks' e4m3 scales as fp16 by bit moves: the value times 2^-8, undone at the end). The last
+ * K % 128 columns by scaled-table decoding. A row with a NaN scale code takes the scaled-table path throughout. */
 #define DEFINE_STREAM(M)                                                                                       \
   static void stream_##M(const uint16_t *x, int64_t ldx, const uint8_t *w, const uint8_t *s, float g, int64_t K, \
                          Out o, int64_t n) {                                                                    \
-    const __m512i lanes = nibble_lanes();                                                                      \
+    const __m512i lanes = nibble_lanes(), table = e2m1_bf16();                                                 \
+    const __m256i spread = _mm256_set_epi8(7, -1, 7, -1, 6, -1, 6, -1, 5, -1, 5, -1, 4, -1, 4, -1, 3, -1, 3, -1, \
+                                           2, -1, 2, -1, 1, -1, 1, -1, 0, -1, 0, -1);                          \
+    const __m256i fp16 = _mm256_set1_epi16((short)0xBF80);                                                     \
     __m512 a[M], b[M];                                                                                         \
     for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();                                             \
     int64_t k = 0;                                                                                             \
-    for (; k + 64 <= K; k += 64) {                                                                             \
-      _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);                                              \
-      const __m512bh w0 = decode32_bf16(w + k / 2, s + k / GROUP, 0, lanes);                                   \
-      const __m512bh w1 = decode32_bf16(w + k / 2 + 16, s + k / GROUP + 2, 0, lanes);                          \
-      for (int m = 0; m < M; m++) {                                                                            \
-        a[m] = _mm512_dpbf16_ps(a[m], load_x(x + m * ldx + k, 0), w0);                                         \
-        b[m] = _mm512_dpbf16_ps(b[m], load_x(x + m * ldx + k + 32, 0), w1);                                    \
+    if (!nan_scales(s, K / GROUP))                                                                             \
+      for (; k + 128 <= K; k += 128) {                                                                         \
+        _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);                                            \
+        const __m512i v = _mm512_loadu_si512(w + k / 2);                                                       \
+        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, table);                                      \
+        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);                \
+        const __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);                \
+        const __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);               \
+        const __m256i sc8 = _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)(s + k / GROUP)));   \
+        const __m256i h = _mm256_shuffle_epi8(sc8, spread);                                                    \
+        const __m512 sc = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), fp16));                    \
+        for (int m = 0; m < M; m++) {                                                                          \
+          const uint16_t *xm = x + m * ldx + k;                                                                \
+          __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), load_x(xm, 0), w0);                                 \
+          t = _mm512_dpbf16_ps(t, load_x(xm + 32, 0), w1);                                                     \
+          t = _mm512_dpbf16_ps(t, load_x(xm + 64, 0), w2);                                                     \
+          t = _mm512_dpbf16_ps(t, load_x(xm + 96, 0), w3);                                                     \
+          a[m] = _mm512_fmadd_ps(t, sc, a[m]);                                                                 \
+        }                                                                                                      \
       }                                                                                                        \
-    }                                                                                                          \
+    for (int m = 0; m < M; m++) a[m] = _mm512_mul_ps(a[m], _mm512_set1_ps(256.0f));                            \
     for (; k + 32 <= K; k += 32) {                                                                             \
       const __m512bh w0 = decode32_bf16(w + k / 2, s + k / GROUP, 0, lanes);                                   \
-      for (int m = 0; m < M; m++) a[m] = _mm512_dpbf16_ps(a[m], load_x(x + m * ldx + k, 0), w0);               \
+      for (int m = 0; m < M; m++) b[m] = _mm512_dpbf16_ps(b[m], load_x(x + m * ldx + k, 0), w0);               \
     }                                                                                                          \
     if (k < K) { /* the last block */                                                                          \
       const __m512bh w0 = decode32_bf16(w + k / 2, s + k / GROUP, 1, lanes);                                   \
-      for (int m = 0; m < M; m++) a[m] = _mm512_dpbf16_ps(a[m], load_x(x + m * ldx + k, 1), w0);               \
+      for (int m = 0; m < M; m++) b[m] = _mm512_dpbf16_ps(b[m], load_x(x + m * ldx + k, 1), w0);               \
     }                                                                                                          \
     for (int m = 0; m < M; m++) put(o, m, n, g * _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m])));             \
   }
@@ -75,9 +121,9 @@ typedef void (*stream_fn)(const uint16_t *, int64_t, const uint8_t *, const uint
 static const stream_fn STREAM[STREAM_M + 1] = {0,        stream_1, stream_2, stream_3, stream_4,
                                               stream_5, stream_6, stream_7, stream_8};
 
-void nvfp4_rows_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
+void nvfp4_rows_bf16(const uint16_t *xp, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
                      int64_t n) {
-  STREAM[M](x, K, w, s, g, K, o, n);
+  STREAM[M](xp, K, w, s, g, K, o, n);
 }
 
 /* T (compile-time) rows of x against the four decoded weight rows in wb (bf16, KC a row), kl columns (a
