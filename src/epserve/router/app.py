@@ -138,7 +138,7 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
             self.workers.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="epserve", description="OpenAI-compatible API of the epserve router", lifespan=lifespan)
-        openapi_doc.install(app, (CompletionRequest, ChatCompletionRequest, *REQUEST_MODELS))
+        openapi_doc.install(app, (CompletionRequest, ChatCompletionRequest, ResponsesRequest, *REQUEST_MODELS))
         app.add_middleware(RequestLimitsMiddleware, limits=self.limits, reject=self._error,
                            on_disconnect=lambda: self.metrics.error(499))
         if self.api_key:  # outermost: before any body is read
@@ -171,10 +171,10 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
         app.add_api_route("/detokenize", self.detokenize, **openapi_doc.DETOKENIZE_ROUTE)
         app.get("/version", **openapi_doc.VERSION_ROUTE)(self.version)
         app.get("/health", **openapi_doc.HEALTH_ROUTE)(self.health)
-        app.get("/ping", operation_id="ping")(self.ping)  # (SageMaker's: GET, and POST as vLLM takes it)
+        app.get("/ping", operation_id="ping", **openapi_doc.PING_ROUTE)(self.ping)  # (SageMaker's; POST as vLLM's)
         app.post("/ping", operation_id="ping_post", include_in_schema=False)(self.ping)
-        app.get("/tokenizer_info")(self.tokenizer_info)
-        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
+        app.get("/tokenizer_info", **openapi_doc.TOKENIZER_INFO_ROUTE)(self.tokenizer_info)
+        app.add_api_route("/v1/responses", self.responses, **openapi_doc.RESPONSES_ROUTE)
         app.get("/metrics", **openapi_doc.METRICS_ROUTE)(self.metrics_endpoint)
         app.get("/expert_load")(self.expert_load)
         return app

@@ -3,8 +3,9 @@
 The generation endpoints parse their bodies by hand (for the OpenAI-style error messages), so FastAPI
 cannot see their request models: the request bodies are declared here (``CompletionRequest`` and
 ``ChatCompletionRequest``, whose JSON schemas carry the ranges ``check_request`` enforces; vLLM's
-``/tokenize`` and ``/detokenize`` bodies likewise), with every answer they give: 200 as JSON or
-Server-Sent Events, and the errors, each with the OpenAI error body.
+``/tokenize`` and ``/detokenize`` bodies likewise, and ``/v1/responses``' ``ResponsesRequest``), with every
+answer they give: 200 as JSON or Server-Sent Events, and the errors, each with the OpenAI error body.
+``/tokenizer_info`` and ``/ping`` are described with their answers too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from epserve.router.errors import ErrorResponse
@@ -50,7 +52,7 @@ def _response(kind: str, choice: dict[str, Any]) -> dict[str, Any]:
 
 _COMPLETION = _response("text_completion", _object({"index": _INT, "text": _STR, "finish_reason": _FINISHED}))
 _CHAT = _response("chat.completion", _object({
-    "index": _INT, "message": _object({"role": {"const": "assistant"}, "content": _STR}),
+    "index": _INT, "message": _object({"role": _STR, "content": _STR}),  # (role: --response-role)
     "finish_reason": _FINISHED}))
 
 
@@ -111,6 +113,28 @@ DETOKENIZE_ROUTE: dict[str, Any] = {
     "responses": {200: _json("The text of the token ids, special tokens included", _object({"prompt": _STR})),
                   **_errors(400, 401, 404, 408, 413)},
 }
+_OUTPUT_ITEM = _object({"type": {"enum": ["message", "reasoning", "function_call"]}, "id": _STR, "status": _STR})
+_RESPONSE = _object({
+    "id": _STR, "object": {"const": "response"}, "created_at": {"type": "number"}, "model": _STR,
+    "status": {"enum": ["completed", "incomplete"]}, "output": {"type": "array", "items": _OUTPUT_ITEM},
+    "usage": _object({"input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT})})
+RESPONSES_ROUTE: dict[str, Any] = {
+    "methods": ["POST"], "openapi_extra": _body("ResponsesRequest"),
+    "responses": {200: {
+        "description": "The Response (status `incomplete` when cut by `max_output_tokens`), or with `stream: true` "
+                       "its events (`event: response.created` ... `response.completed`, or `response.failed`)",
+        "content": {"application/json": {"schema": _RESPONSE}, "text/event-stream": {"schema": _SSE}}},
+        **_errors(400, 401, 404, 408, 413, 503)},
+}
+TOKENIZER_INFO_ROUTE: dict[str, Any] = {"responses": {
+    200: _json("vLLM's: the tokenizer's configuration as transformers reads it (special tokens, chat template, "
+               "`model_max_length`: the served context)", _object(
+                   {"tokenizer_class": _STR, "vocab_size": _INT},
+                   eos_token={"type": ["string", "null"]}, chat_template={"type": ["string", "null"]})),
+    404: {"model": ErrorResponse, "description": "The model directory has no tokenizer"}}}
+PING_ROUTE: dict[str, Any] = {"response_class": Response, "responses": {
+    200: {"description": "The router can serve (an empty body; SageMaker's health check, as `/health`)"},
+    503: {"description": "No engine instance is healthy (an empty body)"}}}
 METRICS_ROUTE: dict[str, Any] = {"responses": {200: {"description": "Prometheus text format",
                                                      "content": {"text/plain": {"schema": _STR}}}}}
 
