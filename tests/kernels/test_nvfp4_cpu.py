@@ -93,18 +93,20 @@ def test_the_dequantize_kernel_gives_the_references_values_bit_for_bit():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_linear_takes_every_scale_code(dtype):
-    """Rows of 259 blocks (bf16 rows of x streamed 128 columns at a time, the last three blocks alone) whose block
-    scales run through every finite e4m3 code (negatives, subnormals, the largest) match the reference; a NaN
-    code (0x7F inside a stretch, 0xFF in the last block) makes its row NaN, as the reference's."""
-    packed, scales, global_scales = _weight(6, 259 * 16, parts=2)
+@pytest.mark.parametrize("blocks", [259, 256])
+def test_linear_takes_every_scale_code(dtype, blocks):
+    """Rows of 259 blocks (bf16 rows of x streamed 128 columns at a time, the last three blocks alone) or 256
+    (one row of x: two weight rows side by side) whose block scales run through every finite e4m3 code
+    (negatives, subnormals, the largest) match the reference; a NaN code (0x7F inside a stretch, 0xFF in the
+    last block) makes its row NaN, as the reference's."""
+    packed, scales, global_scales = _weight(6, blocks * 16, parts=2)
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     codes = scales.view(torch.uint8)
-    codes[:] = finite[torch.arange(6 * 259).view(6, 259) % len(finite)]
-    codes[4, 130], codes[5, 258] = 0x7F, 0xFF
+    codes[:] = finite[torch.arange(6 * blocks).view(6, blocks) % len(finite)]
+    codes[4, 130], codes[5, blocks - 1] = 0x7F, 0xFF
     dense = _dense(packed, scales, global_scales)
     for m in (1, 2, 5, 8):
-        x = torch.randn(m, 259 * 16, generator=torch.Generator().manual_seed(m)).to(dtype)
+        x = torch.randn(m, blocks * 16, generator=torch.Generator().manual_seed(m)).to(dtype)
         out = nvfp4_linear(x, packed, scales, global_scales)
         ref = nvfp4_linear_ref(x, packed, scales, global_scales)
         assert out[:, 4:].isnan().all() and ref[:, 4:].isnan().all()

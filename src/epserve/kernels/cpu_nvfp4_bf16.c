@@ -68,39 +68,54 @@ void nvfp4_permute_x(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp) {
   }
 }
 
-/* One weight row against M (compile-time, up to STREAM_M) bf16 rows of x permuted by nvfp4_permute_x, streamed:
- * 128 weights at a time decoded by three shifts and four permutes of the e2m1 table into bf16, multiplied into
- * every row by four dot products whose lanes 2b, 2b + 1 sum block b's products, then scaled by one multiply-add
- * (the eight blocks' e4m3 scales as fp16 by bit moves: the value times 2^-8, undone at the end). The last
- * K % 128 columns by scaled-table decoding. A row with a NaN scale code takes the scaled-table path throughout. */
+/* 128 weights (64 packed bytes from w, eight blocks with scale codes s[0..7]) as four vectors of bf16 e2m1
+ * values (three shifts, four permutes of the e2m1 table; vector j pairs the columns nvfp4_permute_x puts in
+ * its lane i, block i / 2's), and the eight block scales spread to those lanes (lanes 2b, 2b + 1: block b's)
+ * as fp32 times 2^-8 (an e4m3 code moved into fp16's sign, exponent and mantissa fields, normal and subnormal
+ * alike, is its value times 2^-8). */
+static inline void decode128(const uint8_t *w, const uint8_t *s, __m512i table, __m512bh wv[4], __m512 *sc) {
+  const __m256i spread = _mm256_set_epi8(7, -1, 7, -1, 6, -1, 6, -1, 5, -1, 5, -1, 4, -1, 4, -1, 3, -1, 3, -1, 2,
+                                         -1, 2, -1, 1, -1, 1, -1, 0, -1, 0, -1); /* code b to the high byte */
+  const __m512i v = _mm512_loadu_si512(w);
+  for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4 * j), table);
+  int64_t codes;
+  memcpy(&codes, s, 8);
+  const __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi64x(codes), spread);
+  *sc = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), _mm256_set1_epi16((short)0xBF80)));
+}
+
+/* One stretch of 128 weights (wv, scales sc) into the sums a of one row of permuted x (its 128 columns in xv):
+ * four dot products whose lanes each sum one block's products, scaled by one multiply-add. */
+static inline __m512 dot128(const __m512bh xv[4], const __m512bh wv[4], __m512 sc, __m512 a) {
+  __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), xv[0], wv[0]);
+  for (int j = 1; j < 4; j++) t = _mm512_dpbf16_ps(t, xv[j], wv[j]);
+  return _mm512_fmadd_ps(t, sc, a);
+}
+
+static inline void load128(const uint16_t *xm, __m512bh xv[4]) {
+  for (int j = 0; j < 4; j++) xv[j] = load_x(xm + 32 * j, 0);
+}
+
+/* One weight row against M (compile-time, up to STREAM_M) bf16 rows of x permuted by nvfp4_permute_x, streamed
+ * 128 weights at a time (decode128, dot128); the last K % 128 columns by scaled-table decoding, two blocks at a
+ * time. A row with a NaN scale code takes the scaled-table path throughout. */
 #define DEFINE_STREAM(M)                                                                                       \
   static void stream_##M(const uint16_t *x, int64_t ldx, const uint8_t *w, const uint8_t *s, float g, int64_t K, \
                          Out o, int64_t n) {                                                                    \
     const __m512i lanes = nibble_lanes(), table = e2m1_bf16();                                                 \
-    const __m256i spread = _mm256_set_epi8(7, -1, 7, -1, 6, -1, 6, -1, 5, -1, 5, -1, 4, -1, 4, -1, 3, -1, 3, -1, \
-                                           2, -1, 2, -1, 1, -1, 1, -1, 0, -1, 0, -1);                          \
-    const __m256i fp16 = _mm256_set1_epi16((short)0xBF80);                                                     \
     __m512 a[M], b[M];                                                                                         \
     for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();                                             \
     int64_t k = 0;                                                                                             \
     if (!nan_scales(s, K / GROUP))                                                                             \
       for (; k + 128 <= K; k += 128) {                                                                         \
         _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);                                            \
-        const __m512i v = _mm512_loadu_si512(w + k / 2);                                                       \
-        const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(v, table);                                      \
-        const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);                \
-        const __m512bh w2 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table);                \
-        const __m512bh w3 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table);               \
-        const __m256i sc8 = _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *)(s + k / GROUP)));   \
-        const __m256i h = _mm256_shuffle_epi8(sc8, spread);                                                    \
-        const __m512 sc = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(h, 1), fp16));                    \
+        __m512bh wv[4];                                                                                        \
+        __m512 sc;                                                                                             \
+        decode128(w + k / 2, s + k / GROUP, table, wv, &sc);                                                   \
         for (int m = 0; m < M; m++) {                                                                          \
-          const uint16_t *xm = x + m * ldx + k;                                                                \
-          __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), load_x(xm, 0), w0);                                 \
-          t = _mm512_dpbf16_ps(t, load_x(xm + 32, 0), w1);                                                     \
-          t = _mm512_dpbf16_ps(t, load_x(xm + 64, 0), w2);                                                     \
-          t = _mm512_dpbf16_ps(t, load_x(xm + 96, 0), w3);                                                     \
-          a[m] = _mm512_fmadd_ps(t, sc, a[m]);                                                                 \
+          __m512bh xv[4];                                                                                      \
+          load128(x + m * ldx + k, xv);                                                                        \
+          a[m] = dot128(xv, wv, sc, a[m]);                                                                     \
         }                                                                                                      \
       }                                                                                                        \
     for (int m = 0; m < M; m++) a[m] = _mm512_mul_ps(a[m], _mm512_set1_ps(256.0f));                            \
@@ -124,6 +139,33 @@ static const stream_fn STREAM[STREAM_M + 1] = {0,        stream_1, stream_2, str
 void nvfp4_rows_bf16(const uint16_t *xp, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
                      int64_t n) {
   STREAM[M](xp, K, w, s, g, K, o, n);
+}
+
+/* One row of x (permuted) against weight rows n and n + 1 (w, s: row n's; global scales g0, g1), streamed side
+ * by side: twice the independent work a step (7-18% faster than one row at a time on one core). K a multiple
+ * of 128 and no NaN scale code among the two rows', else one row at a time. */
+void nvfp4_pair_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, float g0, float g1, int64_t K, Out o,
+                     int64_t n) {
+  if (K % 128 || nan_scales(s, 2 * (K / GROUP))) {
+    stream_1(xp, K, w, s, g0, K, o, n);
+    stream_1(xp, K, w + K / 2, s + K / GROUP, g1, K, o, n + 1);
+    return;
+  }
+  const __m512i table = e2m1_bf16();
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 128) {
+    _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);
+    _mm_prefetch((const char *)(w + K / 2 + k / 2 + 512), _MM_HINT_T0);
+    __m512bh xv[4], w0[4], w1[4];
+    __m512 s0, s1;
+    load128(xp + k, xv);
+    decode128(w + k / 2, s + k / GROUP, table, w0, &s0);
+    decode128(w + K / 2 + k / 2, s + K / GROUP + k / GROUP, table, w1, &s1);
+    a0 = dot128(xv, w0, s0, a0);
+    a1 = dot128(xv, w1, s1, a1);
+  }
+  put(o, 0, n, g0 * 256.0f * _mm512_reduce_add_ps(a0));
+  put(o, 0, n + 1, g1 * 256.0f * _mm512_reduce_add_ps(a1));
 }
 
 /* T (compile-time) rows of x against the four decoded weight rows in wb (bf16, KC a row), kl columns (a
