@@ -21,6 +21,7 @@ def test_nvfp4_decode_quick_times_three_checkpoints_alternated(tmp_path):
     assert row["batch"] == 1
     for v in ("bf16", "fp8", "nvfp4"):
         assert row[f"{v}_ms"] > 0 and len(row[f"rounds_{v}_ms"]) == 1 and row[f"{v}_floor_ms"] > 0
+        assert row[f"{v}_best_round_ms"] == row[f"{v}_ms"] and row[f"{v}_steps_a_round"] >= 1
     assert row["nvfp4_vs_bf16"] == row["nvfp4_ms"] / row["bf16_ms"]
     # a step reads fewer bytes in four bits (attention and lm_head stay bf16), fewer than in FP8
     assert row["nvfp4_step_bytes"] < row["fp8_step_bytes"] < row["bf16_step_bytes"]
