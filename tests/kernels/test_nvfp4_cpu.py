@@ -95,10 +95,10 @@ def test_the_dequantize_kernel_gives_the_references_values_bit_for_bit():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("blocks", [259, 256])
 def test_linear_takes_every_scale_code(dtype, blocks):
-    """Rows of 259 blocks (bf16 rows of x streamed 128 columns at a time, the last three blocks alone) or 256
-    (one row of x: two weight rows side by side) whose block scales run through every finite e4m3 code
-    (negatives, subnormals, the largest) match the reference; a NaN code (0x7F inside a stretch, 0xFF in the
-    last block) makes its row NaN, as the reference's."""
+    """Rows of 259 blocks (bf16 rows of x streamed 128 columns at a time, the last three blocks alone) or 256 (no
+    rest) whose block scales run through every finite e4m3 code (negatives, subnormals, the largest) match the
+    reference; a NaN code (0x7F inside a stretch, 0xFF in the last block) makes its row NaN, as the
+    reference's."""
     packed, scales, global_scales = _weight(6, blocks * 16, parts=2)
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     codes = scales.view(torch.uint8)

@@ -135,10 +135,6 @@ static void rows(const float *x, const uint16_t *xb, const uint16_t *xp, int64_t
       const int64_t T = M - m0 < TILE_M ? M - m0 : TILE_M;
       const Out ot = {o.yf ? o.yf + m0 * o.ld : 0, o.yb ? o.yb + m0 * o.ld : 0, o.ld};
       int64_t n = nb;
-      if (xb && T == 1)
-        for (; n + 2 <= nend; n += 2)
-          nvfp4_pair_bf16(xp + m0 * K, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], gs[(n + 1) / part], K, ot,
-                          n);
       if (xb && T <= STREAM_M)
         for (; n < nend; n++) nvfp4_rows_bf16(xp + m0 * K, T, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K,
                                               ot, n);

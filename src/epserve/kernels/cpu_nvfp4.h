@@ -90,13 +90,11 @@ static inline int nan_scales(const uint8_t *s, int64_t nb) {
 }
 
 /* cpu_nvfp4_bf16.c: bf16 rows of x [M, K] against one weight row streamed (M <= STREAM_M: row n, global scale
- * g; x permuted by nvfp4_permute_x, once a call; one row of x: two weight rows side by side, rows n, n + 1)
- * or four decoded into L1 (M <= TILE_M: rows n..n+3, global scales g[4]; x as it is). */
+ * g; x permuted by nvfp4_permute_x, once a call) or four decoded into L1 (M <= TILE_M: rows n..n+3, global
+ * scales g[4]; x as it is). */
 #define STREAM_M 8
 void nvfp4_permute_x(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp);
 void nvfp4_rows_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
-                     int64_t n);
-void nvfp4_pair_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, float g0, float g1, int64_t K, Out o,
                      int64_t n);
 void nvfp4_panel4_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *g, int64_t K,
                        Out o, int64_t n);

@@ -141,33 +141,6 @@ void nvfp4_rows_bf16(const uint16_t *xp, int64_t M, const uint8_t *w, const uint
   STREAM[M](xp, K, w, s, g, K, o, n);
 }
 
-/* One row of x (permuted) against weight rows n and n + 1 (w, s: row n's; global scales g0, g1), streamed side
- * by side: twice the independent work a step (7-18% faster than one row at a time on one core). K a multiple
- * of 128 and no NaN scale code among the two rows', else one row at a time. */
-void nvfp4_pair_bf16(const uint16_t *xp, const uint8_t *w, const uint8_t *s, float g0, float g1, int64_t K, Out o,
-                     int64_t n) {
-  if (K % 128 || nan_scales(s, 2 * (K / GROUP))) {
-    stream_1(xp, K, w, s, g0, K, o, n);
-    stream_1(xp, K, w + K / 2, s + K / GROUP, g1, K, o, n + 1);
-    return;
-  }
-  const __m512i table = e2m1_bf16();
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 128) {
-    _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);
-    _mm_prefetch((const char *)(w + K / 2 + k / 2 + 512), _MM_HINT_T0);
-    __m512bh xv[4], w0[4], w1[4];
-    __m512 s0, s1;
-    load128(xp + k, xv);
-    decode128(w + k / 2, s + k / GROUP, table, w0, &s0);
-    decode128(w + K / 2 + k / 2, s + K / GROUP + k / GROUP, table, w1, &s1);
-    a0 = dot128(xv, w0, s0, a0);
-    a1 = dot128(xv, w1, s1, a1);
-  }
-  put(o, 0, n, g0 * 256.0f * _mm512_reduce_add_ps(a0));
-  put(o, 0, n + 1, g1 * 256.0f * _mm512_reduce_add_ps(a1));
-}
-
 /* T (compile-time) rows of x against the four decoded weight rows in wb (bf16, KC a row), kl columns (a
  * multiple of 16: the rows of wb are zero past it), sums kept in accv across stretches. */
 #define TILE_STEP(T, LAST)                                                                                     \
