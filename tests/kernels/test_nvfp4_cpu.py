@@ -58,7 +58,7 @@ def _dense(packed: torch.Tensor, scales: torch.Tensor, global_scales: torch.Tens
 def test_linear_matches_the_reference(dtype, n, k, parts):
     packed, scales, global_scales = _weight(n, k, parts=parts)
     dense = _dense(packed, scales, global_scales)
-    for m in (1, 3, 6, 16, 17, 100):  # (bf16: up to 8 rows streamed, more in panels; fp32 past 32: torch GEMM)
+    for m in (1, 3, 6, 16, 17, 100):  # (bf16: in groups of up to 8 streamed rows; fp32 past 32: torch GEMM)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
         with record_calls() as calls:
             out = nvfp4_linear(x, packed, scales, global_scales)
@@ -96,16 +96,16 @@ def test_the_dequantize_kernel_gives_the_references_values_bit_for_bit():
 @pytest.mark.parametrize("blocks", [259, 256])
 def test_linear_takes_every_scale_code(dtype, blocks):
     """Rows of 259 blocks (bf16 rows of x streamed 128 columns at a time, the last three blocks alone) or 256 (no
-    rest) whose block scales run through every finite e4m3 code (negatives, subnormals, the largest) match the
-    reference; a NaN code (0x7F inside a stretch, 0xFF in the last block) makes its row NaN, as the
-    reference's."""
+    rest: two weight rows side by side, 13 rows of x in two groups) whose block scales run through every finite
+    e4m3 code (negatives, subnormals, the largest) match the reference; a NaN code (0x7F inside a stretch, 0xFF in
+    the last block) makes its row NaN, as the reference's."""
     packed, scales, global_scales = _weight(6, blocks * 16, parts=2)
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     codes = scales.view(torch.uint8)
     codes[:] = finite[torch.arange(6 * blocks).view(6, blocks) % len(finite)]
     codes[4, 130], codes[5, blocks - 1] = 0x7F, 0xFF
     dense = _dense(packed, scales, global_scales)
-    for m in (1, 2, 5, 8):
+    for m in (1, 2, 5, 8, 13):
         x = torch.randn(m, blocks * 16, generator=torch.Generator().manual_seed(m)).to(dtype)
         out = nvfp4_linear(x, packed, scales, global_scales)
         ref = nvfp4_linear_ref(x, packed, scales, global_scales)

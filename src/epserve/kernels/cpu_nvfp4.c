@@ -12,8 +12,8 @@
  * theirs), more rows take four weight rows at a time, decoded a stretch at a time into L1; beyond TILE_M rows
  * of x the next tiles read a block of weight rows again from L2. Activations are fp32 or bf16 (W4A16: never
  * quantized), accumulated in fp32; the result in x's dtype. bf16 rows go through cpu_nvfp4_bf16.c's dot
- * products instead (up to STREAM_M rows streamed, their columns permuted once a call to match the decoding,
- * more in panels of four weight rows). Built and loaded at run
+ * products instead (two weight rows streamed side by side past groups of up to STREAM_M rows, their columns
+ * permuted once a call to match the decoding). Built and loaded at run
  * time by kernels/cpu.py (front end: kernels/cpu_nvfp4.py); the torch reference of kernels/nvfp4.py is the
  * fallback.
  */
@@ -125,8 +125,8 @@ static void panel4(const float *x, int64_t M, const uint8_t *w, const uint8_t *s
  * those permuted by nvfp4_permute_x), part rows to a global scale: each weight row read from memory once,
  * ROW_BLOCK rows at a time, the tiles of TILE_M rows of x after the first reading the block again from cache.
  * One row of x: each weight row streamed past it (row_1); more: four weight rows at a time (panel4; the last
- * n1 - n0 % 4 rows streamed). bf16 rows go through cpu_nvfp4_bf16.c's dot products: up to STREAM_M rows
- * streamed, more in panels (the last rows as fp32). */
+ * n1 - n0 % 4 rows streamed). bf16 rows go through cpu_nvfp4_bf16.c's dot products: one row of x streams each
+ * weight row (two side by side were slower from memory), more stream two at a time (an odd last one alone). */
 static void rows(const float *x, const uint16_t *xb, const uint16_t *xp, int64_t M, const uint8_t *w, const uint8_t *s,
                  const float *gs, int64_t part, int64_t n0, int64_t n1, int64_t K, Out o) {
   for (int64_t nb = n0; nb < n1; nb += ROW_BLOCK) {
@@ -135,15 +135,17 @@ static void rows(const float *x, const uint16_t *xb, const uint16_t *xp, int64_t
       const int64_t T = M - m0 < TILE_M ? M - m0 : TILE_M;
       const Out ot = {o.yf ? o.yf + m0 * o.ld : 0, o.yb ? o.yb + m0 * o.ld : 0, o.ld};
       int64_t n = nb;
-      if (xb && T <= STREAM_M)
-        for (; n < nend; n++) nvfp4_rows_bf16(xp + m0 * K, T, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K,
-                                              ot, n);
-      if (T > 1)
-        for (; n + 4 <= nend; n += 4) {
-          const float g[4] = {gs[n / part], gs[(n + 1) / part], gs[(n + 2) / part], gs[(n + 3) / part]};
-          if (xb) nvfp4_panel4_bf16(xb + m0 * K, T, w, s, g, K, ot, n);
-          else panel4(x + m0 * K, T, w, s, g, K, ot, n);
-        }
+      if (xb) {
+        for (; T > 1 && n + 2 <= nend; n += 2)
+          nvfp4_pair_bf16(xp + m0 * K, T, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], gs[(n + 1) / part],
+                          K, ot, n);
+        for (; n < nend; n++)
+          nvfp4_rows_bf16(xp + m0 * K, T, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K, ot, n);
+      }
+      for (; T > 1 && n + 4 <= nend; n += 4) {
+        const float g[4] = {gs[n / part], gs[(n + 1) / part], gs[(n + 2) / part], gs[(n + 3) / part]};
+        panel4(x + m0 * K, T, w, s, g, K, ot, n);
+      }
       for (; n < nend; n++) ROW[T](x + m0 * K, K, w + n * (K / 2), s + n * (K / GROUP), gs[n / part], K, ot, n);
     }
   }

@@ -63,7 +63,7 @@ static inline void put(Out o, int64_t m, int64_t n, float v) {
   else o.yf[m * o.ld + n] = v;
 }
 
-#define KC 256 /* columns of a stretch of weight rows decoded into L1 at a time (panels of four rows) */
+#define KC 256 /* columns of a stretch of weight rows decoded into L1 at a time (cpu_nvfp4.c's panels of four rows) */
 
 /* NVFP4_SCALED[b][c] = e4m3 code b's value x e2m1 code c's: exact in fp32 (at most six significant bits, so in
  * bf16 too; NaN for the NaN codes). The bf16 kernels decode a block by a permute of its scale's row, apply the
@@ -89,14 +89,14 @@ static inline int nan_scales(const uint8_t *s, int64_t nb) {
   return 0;
 }
 
-/* cpu_nvfp4_bf16.c: bf16 rows of x [M, K] against one weight row streamed (M <= STREAM_M: row n, global scale
- * g; x permuted by nvfp4_permute_x, once a call) or four decoded into L1 (M <= TILE_M: rows n..n+3, global
- * scales g[4]; x as it is). */
+/* cpu_nvfp4_bf16.c: bf16 rows of x [M, K] (M <= TILE_M; permuted by nvfp4_permute_x, once a call) against one
+ * weight row streamed (row n, global scale g) or two side by side (rows n, n + 1, global scales g0, g1), in
+ * groups of at most STREAM_M rows of x. */
 #define STREAM_M 8
 void nvfp4_permute_x(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp);
 void nvfp4_rows_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
                      int64_t n);
-void nvfp4_panel4_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *g, int64_t K,
-                       Out o, int64_t n);
+void nvfp4_pair_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, float g0, float g1,
+                     int64_t K, Out o, int64_t n);
 
 #endif

@@ -3,13 +3,15 @@
  *
  * _mm512_dpbf16_ps multiplies 32 bf16 weights into bf16 x at once with exact products and fp32 accumulation:
  * half the arithmetic of the fp32 kernels, which a few rows of x make the bound. Up to STREAM_M rows of x stream
- * each weight row past them, 64 packed bytes (eight blocks) at a time: the e2m1 codes decode straight into bf16
- * lanes (three shifts and four permutes of a 16-entry table, no scale), x's columns permuted once a call to
- * match (nvfp4_permute_x), and a lane of the dot products sums one block's products, so the eight block scales
- * (e4m3 -> fp16 by bit moves) apply by one multiply-add. More rows take four weight rows decoded into L1 with
- * their block scales (a block's values times its block scale are exact in bf16: one permute of its scale's row
- * of NVFP4_SCALED). The global scale multiplies a row's sum (the reference multiplies each weight by block scale
- * x global scale: the sums agree up to rounding). */
+ * one weight row, or two side by side (x read once for both; more rows of x in two groups, the second reading
+ * the weight rows from L1), past them 64 packed bytes (eight blocks) at a time: the e2m1 codes decode straight
+ * into bf16 lanes (three shifts and four permutes of a 16-entry table, no scale), once for every row of x, x's
+ * columns permuted once a call to match (nvfp4_permute_x), and a lane of the dot products sums one block's
+ * products, so the eight block scales (e4m3 -> fp16 by bit moves) apply by one multiply-add. The last K % 128
+ * columns, and rows with a NaN scale code, decode a block with its block scale (a block's values times its
+ * block scale are exact in bf16: one permute of its scale's row of NVFP4_SCALED). The global scale multiplies a
+ * row's sum (the reference multiplies each weight by block scale x global scale: the sums agree up to
+ * rounding). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -138,55 +140,67 @@ static const stream_fn STREAM[STREAM_M + 1] = {0,        stream_1, stream_2, str
 
 void nvfp4_rows_bf16(const uint16_t *xp, int64_t M, const uint8_t *w, const uint8_t *s, float g, int64_t K, Out o,
                      int64_t n) {
-  STREAM[M](xp, K, w, s, g, K, o, n);
+  const int64_t h = M > STREAM_M ? (M + 1) / 2 : M; /* past STREAM_M rows: two halves, the second from L1 */
+  STREAM[h](xp, K, w, s, g, K, o, n);
+  if (M > h) STREAM[M - h](xp + h * K, K, w, s, g, K, (Out){o.yf ? o.yf + h * o.ld : 0, o.yb ? o.yb + h * o.ld : 0,
+                                                              o.ld}, n);
 }
 
-/* T (compile-time) rows of x against the four decoded weight rows in wb (bf16, KC a row), kl columns (a
- * multiple of 16: the rows of wb are zero past it), sums kept in accv across stretches. */
-#define TILE_STEP(T, LAST)                                                                                     \
-  {                                                                                                            \
-    __m512bh wv[4];                                                                                            \
-    for (int r = 0; r < 4; r++) wv[r] = (__m512bh)_mm512_load_si512(wb + r * KC + k);                          \
-    for (int t = 0; t < T; t++) {                                                                              \
-      const __m512bh xv = load_x(x + t * ldx + k, LAST);                                                       \
-      for (int r = 0; r < 4; r++) acc[t][r] = _mm512_dpbf16_ps(acc[t][r], xv, wv[r]);                          \
+/* Weight rows n and n + 1 (w, s: row n's, row n + 1's next to them; global scales g0, g1) against M (up to
+ * STREAM_M) rows of permuted x, K a multiple of 128 and no NaN scale code: each stretch of 128 weights of both
+ * rows decoded once into registers (decode128) for every row of x, x read once for both (2 x M sums, eight
+ * decoded vectors, two scale vectors: within the 32 registers). */
+#define DEFINE_PAIR(M)                                                                                         \
+  static void pair_##M(const uint16_t *x, int64_t ldx, const uint8_t *w, const uint8_t *s, float g0, float g1,  \
+                       int64_t K, Out o, int64_t n) {                                                           \
+    const __m512i table = e2m1_bf16();                                                                         \
+    __m512 a[M], b[M];                                                                                         \
+    for (int m = 0; m < M; m++) a[m] = b[m] = _mm512_setzero_ps();                                             \
+    for (int64_t k = 0; k < K; k += 128) {                                                                     \
+      _mm_prefetch((const char *)(w + k / 2 + 512), _MM_HINT_T0);                                              \
+      _mm_prefetch((const char *)(w + K / 2 + k / 2 + 512), _MM_HINT_T0);                                      \
+      __m512bh wv[4], wu[4];                                                                                   \
+      __m512 sc, su;                                                                                           \
+      decode128(w + k / 2, s + k / GROUP, table, wv, &sc);                                                     \
+      decode128(w + K / 2 + k / 2, s + K / GROUP + k / GROUP, table, wu, &su);                                 \
+      for (int m = 0; m < M; m++) {                                                                            \
+        const uint16_t *xm = x + m * ldx + k;                                                                  \
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), wv[0], load_x(xm, 0));                                \
+        __m512 u = _mm512_dpbf16_ps(_mm512_setzero_ps(), wu[0], load_x(xm, 0));                                \
+        for (int j = 1; j < 4; j++) {                                                                          \
+          t = _mm512_dpbf16_ps(t, wv[j], load_x(xm + 32 * j, 0));                                              \
+          u = _mm512_dpbf16_ps(u, wu[j], load_x(xm + 32 * j, 0));                                              \
+        }                                                                                                      \
+        a[m] = _mm512_fmadd_ps(t, sc, a[m]);                                                                   \
+        b[m] = _mm512_fmadd_ps(u, su, b[m]);                                                                   \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int m = 0; m < M; m++) {                                                                              \
+      put(o, m, n, g0 * 256.0f * _mm512_reduce_add_ps(a[m]));                                                  \
+      put(o, m, n + 1, g1 * 256.0f * _mm512_reduce_add_ps(b[m]));                                              \
     }                                                                                                          \
   }
-#define DEFINE_TILE(T)                                                                                         \
-  static void tile_##T(const uint16_t *x, int64_t ldx, const uint16_t *wb, int64_t kl, __m512 *accv) {       \
-    __m512 acc[T][4];                                                                                          \
-    for (int t = 0; t < T; t++)                                                                                \
-      for (int r = 0; r < 4; r++) acc[t][r] = accv[t * 4 + r];                                                 \
-    int64_t k = 0;                                                                                             \
-    for (; k + 32 <= kl; k += 32) TILE_STEP(T, 0)                                                              \
-    if (k < kl) TILE_STEP(T, 1) /* the last block */                                                           \
-    for (int t = 0; t < T; t++)                                                                                \
-      for (int r = 0; r < 4; r++) accv[t * 4 + r] = acc[t][r];                                                 \
-  }
-DEFINE_TILE(1) DEFINE_TILE(2) DEFINE_TILE(3) DEFINE_TILE(4)
+DEFINE_PAIR(1) DEFINE_PAIR(2) DEFINE_PAIR(3) DEFINE_PAIR(4) DEFINE_PAIR(5) DEFINE_PAIR(6) DEFINE_PAIR(7)
+DEFINE_PAIR(8)
 
-typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int64_t, __m512 *);
-static const tile_fn TILE[5] = {0, tile_1, tile_2, tile_3, tile_4};
+typedef void (*pair_fn)(const uint16_t *, int64_t, const uint8_t *, const uint8_t *, float, float, int64_t, Out,
+                        int64_t);
+static const pair_fn PAIR[STREAM_M + 1] = {0, pair_1, pair_2, pair_3, pair_4, pair_5, pair_6, pair_7, pair_8};
 
-/* Weight rows n..n+3 against M <= TILE_M bf16 rows of x [M, K]: as cpu_nvfp4.c's panel4, the stretch decoded
- * to bf16 (zero past K), the x tiles multiplied by dot products. */
-void nvfp4_panel4_bf16(const uint16_t *x, int64_t M, const uint8_t *w, const uint8_t *s, const float *g, int64_t K,
-                       Out o, int64_t n) {
-  __m512 accv[TILE_M * 4];
-  uint16_t wb[4 * KC] __attribute__((aligned(64)));
-  const __m512i lanes = nibble_lanes();
-  for (int64_t i = 0; i < M * 4; i++) accv[i] = _mm512_setzero_ps();
-  for (int64_t kc = 0; kc < K; kc += KC) {
-    const int64_t kl = K - kc < KC ? K - kc : KC;
-    for (int r = 0; r < 4; r++) {
-      const uint8_t *wr = w + (n + r) * (K / 2) + kc / 2, *sr = s + (n + r) * (K / GROUP) + kc / GROUP;
-      _mm_prefetch((const char *)(wr + KC / 2), _MM_HINT_T0);
-      for (int64_t k = 0; k < kl; k += 32)
-        _mm512_store_si512(wb + r * KC + k, (__m512i)decode32_bf16(wr + k / 2, sr + k / GROUP, kl - k == GROUP,
-                                                                     lanes));
+/* Weight rows n and n + 1 against M <= TILE_M rows of permuted x: in groups of at most STREAM_M rows (past it,
+ * two halves, the second reading the two weight rows from L1), each paired (pair_M) where K is a multiple of 128
+ * and no scale code is NaN, else each weight row streamed alone. */
+void nvfp4_pair_bf16(const uint16_t *xp, int64_t M, const uint8_t *w, const uint8_t *s, float g0, float g1,
+                     int64_t K, Out o, int64_t n) {
+  const int paired = K % 128 == 0 && !nan_scales(s, 2 * (K / GROUP));
+  const int64_t h = M > STREAM_M ? (M + 1) / 2 : M;
+  for (int64_t m0 = 0; m0 < M; m0 += h) {
+    const int64_t T = M - m0 < h ? M - m0 : h;
+    const Out ot = {o.yf ? o.yf + m0 * o.ld : 0, o.yb ? o.yb + m0 * o.ld : 0, o.ld};
+    if (paired) PAIR[T](xp + m0 * K, K, w, s, g0, g1, K, ot, n);
+    else {
+      STREAM[T](xp + m0 * K, K, w, s, g0, K, ot, n);
+      STREAM[T](xp + m0 * K, K, w + K / 2, s + K / GROUP, g1, K, ot, n + 1);
     }
-    for (int64_t m0 = 0; m0 < M; m0 += 4) TILE[M - m0 < 4 ? M - m0 : 4](x + m0 * K + kc, K, wb, kl, accv + m0 * 4);
   }
-  for (int64_t m = 0; m < M; m++)
-    for (int r = 0; r < 4; r++) put(o, m, n + r, g[r] * _mm512_reduce_add_ps(accv[m * 4 + r]));
 }
