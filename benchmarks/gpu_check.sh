@@ -367,16 +367,29 @@ dry_run() {
     echo "  builds them, and its torch must draw the same random weights for the reference to apply)"
   fi
   # every script the plan runs, with the flags it passes
-  local f flag help
+  local f flag help i=0
   for f in "${!FLAGS[@]}" benchmarks/gpu_report.py benchmarks/gpu_wheels.sh "$REFERENCE"; do
     [ -f "$f" ] || { echo "  FAIL: $f is missing"; bad=1; }
   done
+  # each script's --help and each stage's collection in the background, read back in order (the checks are
+  # independent; together they cost a minute one after another)
+  local pending
+  pending=$(mktemp -d /tmp/gpu_check_help.XXXXXX)
   for f in "${!FLAGS[@]}"; do
-    help=$(cd "$(dirname "$f")" && PYTHONPATH=$ROOT/src "$PY" "$(basename "$f")" --help 2>&1) || { echo "  FAIL: $f --help: ${help: -300}"; bad=1; continue; }
+    i=$((i + 1))
+    (cd "$(dirname "$f")" && PYTHONPATH=$ROOT/src "$PY" "$(basename "$f")" --help >"$pending/$i.out" 2>&1; echo $? >"$pending/$i.rc") &
+  done
+  wait
+  i=0
+  for f in "${!FLAGS[@]}"; do
+    i=$((i + 1))
+    help=$(cat "$pending/$i.out")
+    [ "$(cat "$pending/$i.rc")" = 0 ] || { echo "  FAIL: $f --help: ${help: -300}"; bad=1; continue; }
     for flag in ${FLAGS[$f]}; do
       grep -q -- "$flag\b" <<<"$help" || { echo "  FAIL: $f takes no $flag (the plan passes it)"; bad=1; }
     done
   done
+  rm -rf "$pending"
   # the token reference: shipped, for the generator gpu_tokens.py has now
   PYTHONPATH=$ROOT/src "$PY" - "$REFERENCE" <<'EOF' || bad=1
 import json, sys
@@ -402,7 +415,12 @@ EOF
   for s in "${ALL_STAGES[@]}"; do
     [ -n "${SELECT[$s]:-}" ] || continue
     pytest_args "$s"
-    line=$("${ARGS[@]}" --collect-only 2>&1 | grep -E "tests? collected|no tests collected|error" | tail -1)
+    ("${ARGS[@]}" --collect-only >"$WORK/$s.collect" 2>&1) &
+  done
+  wait
+  for s in "${ALL_STAGES[@]}"; do
+    [ -n "${SELECT[$s]:-}" ] || continue
+    line=$(grep -E "tests? collected|no tests collected|error" "$WORK/$s.collect" | tail -1)
     n=$(sed -nE 's/^([0-9]+)(\/[0-9]+)? tests? collected.*/\1/p' <<<"$line")
     if grep -q error <<<"$line" || [ -z "$line" ]; then
       echo "  FAIL: $s: collecting ${SELECT[$s]} fails here (${line:-no output})"
