@@ -310,3 +310,19 @@ def test_layouts_give_the_oracle_tokens(nvfp4_tiny, dp, tp):
     for prompt, out in zip(PROMPTS, outs):
         ref = hf_greedy(hf, prompt, 12)
         assert out.token_ids == ref, f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.slow
+def test_eplb_replicas_and_a_rebalance_keep_the_oracle_tokens(nvfp4_tiny):
+    """EPLB over NVFP4 experts: redundant slots hold replicas of the packed weights, scales and global scales as
+    stored, and a rebalance moves all of them (every stacked expert tensor, as bytes) — transformers' tokens
+    before and after."""
+    path, hf = nvfp4_tiny
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    refs = [hf_greedy(hf, prompt, 8) for prompt in PROMPTS]
+    with LLM(path, dtype="float32", dp=2, num_redundant_experts=2, dispatch="padded", num_blocks=96,
+             max_num_seqs=8, enable_prefix_caching=False) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == refs
+        report = llm.rebalance_experts()
+        assert report.experts_moved > 0 and report.bytes_moved > 0
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == refs
