@@ -85,3 +85,48 @@ SKEWED_HOT_EXPERTS = {4: 1.0, 5: 1.0}
 def skewed_ckpt(make_ckpt: CkptFactory) -> Path:
     """``tiny`` with a large correction bias on experts 4 and 5 (a skewed expert load), clear logit margins."""
     return make_ckpt("tiny", hot_experts=SKEWED_HOT_EXPERTS, logit_margin=4.0)
+
+
+# ---- tests that time the machine run alone, also on pytest-xdist's workers -----------------------------------
+# Every test holds a shared lock while it runs (setup, call, teardown); a test marked ``timing`` holds it
+# exclusively, so the other worker's tests wait and its timings see a quiet machine. A turnstile taken first by
+# every test keeps the other worker's next tests from starving an exclusive taker.
+_LOCKS: tuple[Any, Any] | None = None
+
+
+def _locks() -> tuple[Any, Any] | None:
+    global _LOCKS
+    import os
+    import tempfile
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:  # one process: nothing runs beside a test
+        return None
+    if _LOCKS is None:
+        base = Path(tempfile.gettempdir()) / f"epserve-pytest-{run}"
+        _LOCKS = (open(f"{base}.turnstile", "a+"), open(f"{base}.lock", "a+"))  # noqa: SIM115 (held all session)
+    return _LOCKS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    import fcntl
+
+    locks = _locks()
+    if locks is None:
+        yield
+        return
+    turnstile, lock = locks
+    alone = item.get_closest_marker("timing") is not None
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    finally:
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -95,6 +95,7 @@ def test_moe_swiglu_matches_per_expert_torch(dtype):
     assert cpu.moe_swiglu(xs, [24], w13[:1], w2[:1]) is None  # mostly large groups: the grouped GEMM
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 def test_a_few_rows_cost_about_one_row(dtype):
     """The point of the kernel: the weight is streamed once, so four rows take well under four times

@@ -116,6 +116,7 @@ def test_plots_are_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_calibrate_quick_writes_a_usable_hardware_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "local.json"
     assert main(["plan", "calibrate", "--quick", "--out", str(out)]) == 0
