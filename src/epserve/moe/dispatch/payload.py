@@ -146,8 +146,18 @@ class Payload:
         if fp8 and nvfp4:
             raise ValueError("a dispatcher sends FP8 or NVFP4 rows, not both")
         self.kind = "fp8" if fp8 else "nvfp4" if nvfp4 else "model"
-        self.fp8, self.nvfp4 = fp8, nvfp4
-        self.quantized = fp8 or nvfp4
+
+    @property
+    def fp8(self) -> bool:
+        return self.kind == "fp8"
+
+    @property
+    def nvfp4(self) -> bool:
+        return self.kind == "nvfp4"
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "model"
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         if self.nvfp4:
@@ -169,11 +179,13 @@ class Payload:
         """The masked form of ``expert_rows(received[index])`` (``received``'s rows may be wider than the
         payload's, the payload first): only the ``total`` real rows (a count on the device) are gathered; the
         rows past them are left unwritten (an FP8 payload's scales excepted, which are put in the GEMM's
-        layout as a whole, and an NVFP4 payload's parts, unpacked as a whole)."""
+        layout as a whole); an NVFP4 payload's three parts are gathered each into its own rows."""
         if self.nvfp4:
-            rows = received.new_empty(index.shape[0], nvfp4_width(hidden))
-            gather_real_rows(rows, received, index, total, 0)
-            return ExpertRows(*unpack_nvfp4(rows, hidden))
+            n, half, blocks = index.shape[0], hidden // 2, hidden // GROUP
+            values, scales, global_scale = (received.new_empty(n, w) for w in (half, blocks, SCALE_BYTES))
+            for part, col0 in ((values, 0), (scales, half), (global_scale, half + blocks)):
+                gather_real_rows(part, received, index, total, col0)
+            return ExpertRows(values, scales.view(SCALE_DTYPE), global_scale.view(torch.float32).view(-1))
         rows = received.new_empty(index.shape[0], hidden)
         gather_real_rows(rows, received, index, total, 0)
         if not self.fp8:
