@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from epserve.kernels.nvfp4 import GROUP, SCALE_DTYPE
 from epserve.kernels.opdef import declare
 
-GROUP = 16  # values per block scale
 E2M1_MAX = 6.0  # largest e2m1 magnitude
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-SCALE_DTYPE = torch.float8_e4m3fn
 MIN_AMAX = 1e-10  # an all-zero row's amax in nvfp4_token_scale: a positive global scale, never a division by 0
 # Midpoints between neighbouring e2m1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6), each with how it breaks a tie:
 # toward the even code, which is the lower one at 0.25, 1.25, 2.5, 5 and the upper one at 0.75, 1.75, 3.5.
