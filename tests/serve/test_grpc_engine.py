@@ -101,12 +101,20 @@ class StepGate:
             self._cond.notify_all()
             assert self._cond.wait_for(lambda: self._waiting, timeout), "the loop did not come back"
 
-    def wait_queued_abort(self, request_id: str, timeout: float = 30.0) -> None:
-        """Until an abort of ``request_id`` (a cancelled call's) waits in the held loop's inbox."""
+    def wait_held(self, timeout: float = 30.0) -> None:
+        """Until the loop waits at the gate: it has taken its inbox for the held step, so whatever
+        arrives from now on stays queued until the gate opens."""
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._waiting, timeout), "the loop is not held"
+
+    async def wait_queued_abort(self, request_id: str, timeout: float = 30.0) -> None:
+        """Until an abort of ``request_id`` (a cancelled call's) waits in the held loop's inbox (call
+        :meth:`wait_held` before the cancel: a loop between two steps would take the abort at once).
+        It sleeps in the event loop, which may still be sending the cancel."""
         deadline = time.monotonic() + timeout
         while not any(isinstance(m, AbortRequest) and m.request_id == request_id for m in list(self.loop.inbox)):
             assert time.monotonic() < deadline, f"no abort of {request_id} was queued"
-            time.sleep(0.005)
+            await asyncio.sleep(0.005)
 
 
 def run(coro):
@@ -223,8 +231,9 @@ def test_abort_and_cancel_free_the_blocks(engine):
             stream = client.generate("to-cancel", list(range(100, 140)), LONG)
             await stream.__anext__()
             busy = await client.get_load()
+            gate.wait_held()  # (a slow loop may still be taking its inbox after the first token went out)
             await stream.aclose()
-            gate.wait_queued_abort("to-cancel")
+            await gate.wait_queued_abort("to-cancel")
         for _ in range(100):
             load = await client.get_load()
             if load.num_running == 0 and load.kv_blocks_used == 0:
