@@ -160,6 +160,23 @@ def test_cost_per_token_is_bounded(tok: Tokenizer) -> None:
     assert len(counting.lengths) <= 2 * len(ids) + 2
 
 
+@pytest.mark.parametrize("case", ["continuation byte", "lead byte", "lead byte, then skipped special tokens"])
+def test_cost_per_token_is_bounded_while_the_text_ends_in_an_incomplete_character(tok: Tokenizer, case: str) -> None:
+    """Issue 45: a text that keeps ending in U+FFFD (a byte token forced again and again, or a lead byte
+    followed by tokens with no text) re-decoded the whole output at every token: quadratic."""
+    lone = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"]
+    lead = next(i for i in lone if tok.decode([i, *tok.encode("a", add_special_tokens=False)]) == "\ufffda")
+    follow = next(i for i in lone if tok.decode([i, i]) == "\ufffd\ufffd" and i != lead)
+    n = 2000
+    ids = {"continuation byte": [follow] * n, "lead byte": [lead] * n,
+           "lead byte, then skipped special tokens": [lead] + [2] * (n - 1)}[case]
+    counting = CountingTokenizer(tok)
+    det = IncrementalDetokenizer(counting)
+    pieces = [*stream(det, ids), det.flush()]
+    assert "".join(pieces) == tok.decode(ids)
+    assert max(counting.lengths) <= 8 and len(counting.lengths) <= 2 * n + 2  # as for any text
+
+
 def test_empty_add(tok: Tokenizer) -> None:
     det = IncrementalDetokenizer(tok)
     assert det.add([]) == ""

@@ -5,7 +5,8 @@ byte-level BPE one token may hold only part of a multi-byte UTF-8 character (it 
 ``'\\ufffd'``), so text is only emitted once it can no longer change: the pieces never contain a
 half-decoded character, and their concatenation (plus ``flush()``) equals
 ``tokenizer.decode(all_ids)``. Each step decodes a short window of recent tokens, not the whole
-sequence, so the cost per token does not grow with the output length.
+sequence, so the cost per token does not grow with the output length, also while the text keeps
+ending in an incomplete character (what precedes it is cut off as soon as no later byte can change it).
 
 ``StopStringMatcher`` scans that streamed text for stop strings, holding back just the tail that
 could still turn out to be the beginning of one, in time linear in the text (one KMP automaton per
@@ -31,11 +32,20 @@ class IncrementalDetokenizer:
     """Turns a growing list of output token ids into text pieces, never emitting a broken UTF-8 char; the
     concatenation of all pieces equals ``tokenizer.decode(all_ids)`` (with the same skip_special_tokens).
 
-    Bookkeeping (indices into ``_ids``, which is the prompt context followed by the outputs):
-    ``_prefix_text = decode(_ids[_prefix:_read])`` is text already emitted, used only to find where
-    new text starts in ``decode(_ids[_prefix:])``; ``_read`` always sits on a character boundary.
-    ``_held`` counts characters after ``_prefix_text`` already emitted while the text still ended in
-    an incomplete character (the part before the trailing replacement characters cannot change).
+    It decodes a window of recent tokens, one added token at a time: ``_window[:_read]`` are tokens whose
+    text is already emitted (kept as context, so that the next ones decode as they would in the whole
+    sequence), ``_prefix_text`` their text, ``_window_text`` the text of the whole window. The window
+    starts on a cut that no later token can change: before it, the text is final. ``_held`` counts the
+    characters after ``_prefix_text`` already emitted while the text still ends in an incomplete
+    character (the part before the trailing replacement characters cannot change).
+
+    While the text ends in U+FFFD the window cannot simply move on: the bytes of an incomplete character
+    may still be completed. It moves to the last token as soon as that token's text is its own, that
+    is when ``decode(window before it) + decode([it]) == decode(window)`` (a byte-level text cut there
+    cannot change: the token's first byte does not continue what came before, or what came before was
+    already whole); a token with no text of its own that leaves the text as it was (a skipped special
+    token) is left out of the window. An incomplete character holds at most three bytes, so the window
+    stays short and each token costs two short decodes, whatever the output's length or bytes.
     Call ``flush()`` once, at the end; adding tokens after it is allowed but may split a character.
     """
 
@@ -49,24 +59,21 @@ class IncrementalDetokenizer:
         if context_text.endswith(REPLACEMENT_CHAR):
             # The prompt ends inside a character: its bytes would merge with the output's.
             context, context_text = [], ""
-        self._ids: list[int] = context
-        self._num_context = len(context)
-        self._prefix = 0
+        self._outputs: list[int] = []
+        self._window: list[int] = context
         self._read = len(context)
-        self._prefix_text = context_text
+        self._prefix_text = self._window_text = context_text
         self._held = 0
         self._pieces: list[str] = []
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
-    def _pending(self) -> str:
-        """Text of the tokens after ``_read`` (plus any held part), decoded in the current window."""
-        return self._decode(self._ids[self._prefix :])[len(self._prefix_text) :]
-
     def _settle(self) -> None:
-        self._prefix, self._read = self._read, len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+        """Everything in the window is emitted: its tokens after the context become the next context."""
+        del self._window[: self._read]
+        self._read = len(self._window)
+        self._prefix_text = self._window_text = self._decode(self._window) if self._read else ""
         self._held = 0
 
     def _emit(self, piece: str) -> str:
@@ -76,15 +83,31 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append generated tokens; return the text that became final."""
-        if not len(token_ids):
-            return ""
-        self._ids.extend(int(t) for t in token_ids)
-        new = self._pending()
+        return "".join([self._add(int(t)) for t in token_ids])
+
+    def _add(self, token: int) -> str:
+        self._outputs.append(token)
+        before = self._window_text
+        self._window.append(token)
+        text = self._decode(self._window)
+        new = text[len(self._prefix_text) :]
         if not new.endswith(REPLACEMENT_CHAR):
             piece = new[self._held :]
             self._settle()
             return self._emit(piece)
+        own = self._decode([token])
+        if own and before + own == text:
+            # A cut before ``token`` can no longer change: what precedes it is final, the window restarts.
+            piece = before[len(self._prefix_text) + self._held :]
+            self._window, self._read, self._prefix_text, self._window_text = [token], 0, "", own
+            stable = own.rstrip(REPLACEMENT_CHAR)
+            self._held = len(stable)
+            return self._emit(piece + stable)
+        if not own and text == before:
+            self._window.pop()  # no text of its own, none in context: it changes nothing
+            return ""
         # Ends in an incomplete character: emit what precedes it, keep the rest for later.
+        self._window_text = text
         stable = new.rstrip(REPLACEMENT_CHAR)
         piece = stable[self._held :]
         self._held = max(self._held, len(stable))
@@ -92,9 +115,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of generation: whatever was held back (may contain ``'\\ufffd'``)."""
-        if self._read == len(self._ids) and not self._held:
+        if self._read == len(self._window) and not self._held:
             return ""
-        piece = self._pending()[self._held :]
+        piece = self._window_text[len(self._prefix_text) + self._held :]
         self._settle()
         return self._emit(piece)
 
@@ -108,7 +131,7 @@ class IncrementalDetokenizer:
     @property
     def token_ids(self) -> list[int]:
         """The output token ids added so far (a copy)."""
-        return self._ids[self._num_context :]
+        return list(self._outputs)
 
 
 class StopStringMatcher:
