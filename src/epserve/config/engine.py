@@ -262,7 +262,9 @@ class EngineConfig:
     def capture_mode(self) -> str | None:
         """``cuda_graph``, ``compile``, ``cpu_graph`` (the CPU's default on one rank) or None (every step eager;
         also with the all_to_all dispatcher and with ``cuda_graph=False``: ``--enforce-eager``). An NVFP4 checkpoint
-        is captured too: its CUDA kernels read the experts' counts on the device."""
+        is captured too: its Triton kernels read the experts' counts on the device. The engine's runner has the
+        last word, once its kernels are decided: eager where NVFP4 runs the torch reference instead (the Triton
+        kernels failed their start-up self-test), which reads the counts on the host (``engine.runner``)."""
         if not self.parallel.fixed_shape_dispatch:
             return None
         if self.device.startswith("cuda"):

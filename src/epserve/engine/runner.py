@@ -5,6 +5,7 @@ drawn by the engine's sampling pipeline (``engine/sampling.py``)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -31,6 +32,7 @@ from epserve.engine.sampling import SamplingPipeline
 from epserve.kernels import backends as kernel_backends
 from epserve.kernels import cpu as cpu_kernels
 from epserve.kernels.nvfp4_w4a4 import w4a4_supported
+from epserve.kernels.nvfp4_w4a16 import capturable as nvfp4_capturable
 from epserve.messages.kv import KVLayout
 from epserve.model.batch import ForwardBatch
 from epserve.model.layers import use_w4a4
@@ -62,6 +64,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def capture_mode(config: EngineConfig, device: torch.device,
+                 kernel_dtypes: Mapping[str, torch.dtype | None]) -> str | None:
+    """``config.capture_mode``, but every step eager where a kernel op decided at start-up (``kernel_dtypes``,
+    after ``kernels.backends.resolve``) cannot be captured in a CUDA graph: the NVFP4 W4A16 ops on their torch
+    reference, whose experts read their counts on the host (the Triton kernels failed their self-test). The
+    same on every rank: the decision read is the one the ranks agreed on. Logged in one line."""
+    mode = config.capture_mode
+    w4a16 = kernel_dtypes.get("nvfp4_w4a16")
+    if mode == "cuda_graph" and w4a16 is not None and not nvfp4_capturable(device, w4a16):
+        logger.info("decode steps: eager (not cuda_graph), since the NVFP4 W4A16 ops run their torch reference, "
+                    "which reads the experts' counts on the host")
+        return None
+    return mode
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, ctx: ParallelContext) -> None:
         self.config = config
@@ -87,7 +104,8 @@ class ModelRunner:
         # on GPUs every rank then runs the same ones (a timed choice may differ between ranks)
         nvfp4_cuda = mc.is_nvfp4 and self.device.type == "cuda"
         kernel_dtypes = {"mla_decode": self.kv_dtype, "fp8_gemm": self.dtype if self.fp8_weights else None,
-                         "nvfp4_gemm": self.dtype if nvfp4_cuda else None}
+                         "nvfp4_gemm": self.dtype if nvfp4_cuda else None,
+                         "nvfp4_w4a16": self.dtype if nvfp4_cuda else None}
         logger.info("kernels: %s", kernel_backends.resolve(self.device, kernel_dtypes))
         if self.device.type == "cuda" and ctx.distributed:
             kernel_backends.agree(self.device, kernel_dtypes, lambda mine: gather_objects(mine, ctx))
@@ -97,7 +115,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.overlap = pc.overlap
         self.microbatch_threshold = pc.microbatch_threshold or (256 if self.device.type == "cuda" else None)
-        mode = config.capture_mode  # None with all_to_all: its count exchange syncs with the host
+        mode = capture_mode(config, self.device, kernel_dtypes)  # None with all_to_all: it syncs with the host
         if mode == "cpu_graph" and not self._cpu_graph_applies():
             mode = None  # its decode steps would make torch ops, which the recording refuses: eager
         # rows: one per decode, 1 + k with speculative decoding (each verified draft is a decode row)

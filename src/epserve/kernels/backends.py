@@ -8,7 +8,7 @@ optional package), cannot run (a compile or launch error) or answers wrong. The 
 ``(op, device, dtype)`` decides; a backend that fails logs one calm INFO line naming the error and the
 backend used instead (``mla_decode: flashinfer unavailable (ImportError: ...); using triton``), and the
 decision stands for the life of the process. ``dtype`` is what the backend's support depends on: the
-cache dtype of ``mla_decode``, the output dtype of ``fp8_gemm`` and ``nvfp4_gemm``.
+cache dtype of ``mla_decode``, the output dtype of ``fp8_gemm``, ``nvfp4_gemm`` and ``nvfp4_w4a16``.
 
 On speed as well. On a CUDA device every backend's self-test runs, and where more than one passed and each
 has a ``benchmark`` (a run at DeepSeek-V3-like shapes for the op), a short timed self-test picks the fastest
@@ -17,9 +17,9 @@ line with the times (``mla_decode on cuda:0, bfloat16: flashinfer 41 us, triton 
 backend whose timing raises is not chosen. Elsewhere (the CPU, whose C kernels are no backends' here) the
 first backend that passes is used, untimed.
 
-Each op module declares its op with :func:`register` when it is imported (``kernels.fp8``:
-``fp8_gemm``; ``kernels.mla_flashinfer``: ``mla_decode``; ``kernels.nvfp4_w4a4``: ``nvfp4_gemm``, the W4A4
-GEMM on FP4 tensor cores); ``_DECLARED`` names that module, so
+Each op module declares its op with :func:`register` when it is imported (``kernels.fp8_scaled_mm``: ``fp8_gemm``;
+``kernels.mla_flashinfer``: ``mla_decode``; ``kernels.nvfp4_w4a4``: ``nvfp4_gemm``, the W4A4 GEMM on FP4 tensor
+cores; ``kernels.nvfp4_w4a16``: ``nvfp4_w4a16``, the Triton W4A16 kernels); ``_DECLARED`` names that module, so
 :func:`select` works whichever was imported first. An op's ``forced`` reads its environment variable
 (``env.py``): a backend named there is used without a self-test or timing, so its errors surface.
 
@@ -56,7 +56,7 @@ TIMING_REPEATS = 5  # timed runs per backend (the median is compared), after one
 
 # The module that registers each op (imported on the op's first use).
 _DECLARED = {"mla_decode": "epserve.kernels.mla_flashinfer", "fp8_gemm": "epserve.kernels.fp8_scaled_mm",
-             "nvfp4_gemm": "epserve.kernels.nvfp4_w4a4"}
+             "nvfp4_gemm": "epserve.kernels.nvfp4_w4a4", "nvfp4_w4a16": "epserve.kernels.nvfp4_w4a16"}
 
 
 class KernelMismatch(RuntimeError):
@@ -350,6 +350,13 @@ def agree(device: torch.device | str, dtypes: Mapping[str, torch.dtype | None],
             _tell(op.name)
             logger.info("%s on %s: %s, as on every rank (this rank had chosen %s)", op.name, _where(key), agreed,
                         chosen)
+
+
+def decided(op_name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str | None:
+    """The backend ``op_name`` runs on ``device`` for ``dtype`` as decided so far (forced, or chosen and agreed
+    between ranks), None while undecided: read, never decided, by what depends on a start-up decision."""
+    forced = get_op(op_name).forced()
+    return forced if forced != "auto" else _chosen.get((op_name, device_key(device), dtype))
 
 
 def decisions() -> dict[str, str]:

@@ -19,7 +19,8 @@ cast to x's dtype), so its extra memory is one chunk whatever the weight's size;
 never read. The e2m1 decode is a 16-entry table here (``checkpoint.nvfp4`` writes the format; kernels stay
 below it). On the CPU the C kernels of ``kernels.cpu_nvfp4`` run them where they take the call (W4A16, four
 bits a weight streamed, never expanded); on CUDA the Triton W4A16 kernels of ``kernels.nvfp4_triton`` (the
-experts' counts read on the device, so a decode step can be captured).
+experts' counts read on the device, so a decode step can be captured) where their self-test passed for the device
+and x's dtype (the ``nvfp4_w4a16`` op of ``kernels.backends``, ``kernels.nvfp4_w4a16``), else the references.
 """
 
 from __future__ import annotations
@@ -188,5 +189,10 @@ from epserve.kernels import cpu_nvfp4  # noqa: E402  (imports nothing of this mo
 
 nvfp4_linear.implement("cpu", "epserve.kernels.cpu_nvfp4:linear", takes=cpu_nvfp4.linear_takes)
 nvfp4_moe_swiglu.implement("cpu", "epserve.kernels.cpu_nvfp4:moe_swiglu", takes=cpu_nvfp4.moe_swiglu_takes)
-nvfp4_linear.implement("cuda", "epserve.kernels.nvfp4_triton:nvfp4_linear_triton", traced="op")
-nvfp4_moe_swiglu.implement("cuda", "epserve.kernels.nvfp4_triton:nvfp4_moe_swiglu_triton", traced="op")
+# CUDA: the Triton kernels where the nvfp4_w4a16 op chose them (their self-test passed), else its torch backend
+nvfp4_linear.implement("cuda", "epserve.kernels.nvfp4_triton:nvfp4_linear_triton", traced="op",
+                       backend=("nvfp4_w4a16", "triton"))
+nvfp4_linear.implement("cuda", "epserve.kernels.nvfp4_w4a16:linear_torch", traced="op")
+nvfp4_moe_swiglu.implement("cuda", "epserve.kernels.nvfp4_triton:nvfp4_moe_swiglu_triton", traced="op",
+                           backend=("nvfp4_w4a16", "triton"))
+nvfp4_moe_swiglu.implement("cuda", "epserve.kernels.nvfp4_w4a16:moe_swiglu_torch", traced="op")
