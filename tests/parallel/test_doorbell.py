@@ -13,7 +13,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from epserve.parallel.bell import FRAME, HELLO, MAC, MAX_UNPROVEN, mac, secret_key
+from epserve.parallel.bell import MAX_UNPROVEN
+from epserve.parallel.bell_wire import ADDRESS_KEY, FRAME, HELLO, MAC, NONCE, RANK, Handshake, endpoint, secret_key
 from epserve.parallel.context import store_client
 from epserve.parallel.doorbell import Doorbell, LocalDoorbell, PeerLost
 from tests.dist_harness import free_port
@@ -84,13 +85,13 @@ def test_ring_wakes_every_rank_and_is_never_lost(store):
 
 def test_an_impostor_can_neither_ring_nor_crowd_the_bell(store):
     bells = two_ranks(store)
-    host, _, port = store_client("127.0.0.1", store).get("doorbell/address").decode().rpartition(":")
+    host, _, port = store_client("127.0.0.1", store).get(ADDRESS_KEY).decode().rpartition(":")
     sleeping = [sleeper(b) for b in bells]
     # A forged proof followed by a ring: the bell closes the connection and nothing is rung.
     with socket.create_connection((host, int(port)), timeout=10) as s:
         hello = s.recv(64)
         assert hello.startswith(HELLO)
-        s.sendall(os.urandom(16) + os.urandom(32) + b"R" + (0).to_bytes(8, "big"))
+        s.sendall(os.urandom(NONCE) + RANK.pack(1) + os.urandom(MAC) + FRAME.pack(b"R", 0))
         assert s.recv(64) == b""  # closed: no proof of the secret
     bell = bells[0]._bell
     assert bell is not None and bell.rung == -1 and bell.refused >= 1
@@ -125,13 +126,13 @@ def test_a_false_bell_is_found_out(store):
     def answer() -> None:
         conn, _ = fake.accept()
         conn.sendall(HELLO + os.urandom(16))
-        conn.recv(48)
-        conn.sendall(os.urandom(32))  # a proof it cannot make
+        conn.recv(64)
+        conn.sendall(os.urandom(MAC))  # a proof it cannot make
         time.sleep(1)
         conn.close()
 
     threading.Thread(target=answer, daemon=True).start()
-    store_client("127.0.0.1", store).set("doorbell/address", f"127.0.0.1:{fake.getsockname()[1]}".encode())
+    store_client("127.0.0.1", store).set(ADDRESS_KEY, f"127.0.0.1:{fake.getsockname()[1]}".encode())
     with pytest.raises(RuntimeError, match="does not hold the world's secret"):
         Doorbell("127.0.0.1", store, 1, SECRET, timeout_s=10)
     fake.close()
@@ -157,7 +158,7 @@ def test_a_rank_that_goes_away_wakes_the_others_with_the_news(store):
     assert "rank 1" in str(errors[0]) and "died" in str(errors[0])
     bells[0].close()
 
-    store_client("127.0.0.1", store).delete_key("doorbell/address")  # (a new world would have a new store)
+    store_client("127.0.0.1", store).delete_key(ADDRESS_KEY)  # (a new world would have a new store)
     bells = two_ranks(store)
     bells[1].close()  # leaving with a goodbye
     bells[0].ring()
@@ -174,12 +175,12 @@ def test_a_rank_that_stops_answering_is_lost_within_the_heartbeat_timeout(store)
         Doorbell("127.0.0.1", store, 0, SECRET, timeout_s=10, heartbeat_timeout_s=0.8)), daemon=True)
     rank0.start()
     rank0.join(10)
-    host, _, port = store_client("127.0.0.1", store).get("doorbell/address").decode().rpartition(":")
-    hung = socket.create_connection((host, int(port)), timeout=10)  # proves, says who it is, then is silent
-    hello = hung.recv(len(HELLO) + 16)
-    mine = os.urandom(16)
-    hung.sendall(mine + mac(secret_key(SECRET), b"rank", hello[len(HELLO):], mine) + FRAME.pack(b"I", 1))
-    assert len(hung.recv(MAC)) == MAC
+    port = int(store_client("127.0.0.1", store).get(ADDRESS_KEY).decode().rpartition(":")[2])
+    hung = socket.create_connection(("127.0.0.1", port), timeout=10)  # proves as rank 1, then is silent
+    hello = hung.recv(len(HELLO) + NONCE)
+    shake = Handshake(hello[len(HELLO):], os.urandom(NONCE), 1, endpoint(hung.getpeername()), store)
+    hung.sendall(shake.rank_nonce + RANK.pack(1) + shake.proof(secret_key(SECRET), b"rank"))
+    assert hung.recv(MAC) == shake.proof(secret_key(SECRET), b"bell")
     start = time.monotonic()
     with pytest.raises(PeerLost, match="rank 1 .*stopped answering"):
         bells[0].wait()

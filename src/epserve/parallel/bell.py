@@ -1,12 +1,15 @@
-"""The doorbell's wire protocol and its bell, the small server on rank 0 that ranks sleeping in
-``parallel/doorbell.py`` connect to: framing, the proof of the world's secret, and the heartbeat.
+"""Rank 0's bell, the small server that ranks sleeping in ``parallel/doorbell.py`` connect to: it proves
+each connection, relays rings as wakes, and keeps the heartbeat (``parallel/bell_wire.py`` has the
+handshake and the frames).
 
 Only ranks of the world talk to the bell: a connection first proves, both ways, that it holds the
-world's secret (the engine token; an HMAC over nonces of both sides, so the secret never travels),
-and the bell drops any connection that does not within a few seconds. A local process can neither
-wake the ranks nor keep them from waking (the rendezvous store, open to anyone local, only tells
-where the bell listens: a false address fails the proof and the world's start). Without a token the
-proof is keyed by nothing and stops nobody; serving worlds always have one.
+world's key, bound to this connection (both nonces, the rank, the bell's endpoint, the world), and the
+bell drops any connection that does not within a few seconds. Every frame after the proof carries a
+MAC under a key of the connection and its count: one that fails it (injected, modified, replayed)
+drops the connection, and the rank behind it is lost. A local process can neither wake the ranks nor
+keep them from waking, nor relay a rank's connection: the rendezvous store, open to anyone local,
+only tells which port the bell listens on, and a rank that dials a relay instead proves itself for
+the relay's address, which the bell refuses.
 
 The bell relays the first ring of each epoch to every proven connection, and pings each of them every
 second (at most): a rank that goes away without saying so (its process or host died) or misses the
@@ -16,38 +19,32 @@ is counted in pings the bell sent, not wall time, so a bell that was itself stop
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import math
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
 
+from epserve.parallel.bell_wire import (
+    HELLO,
+    NONCE,
+    PROOF,
+    RANK,
+    UNKNOWN,
+    Channel,
+    Handshake,
+    Tampered,
+    endpoint,
+)
+
 logger = logging.getLogger(__name__)
 
-HELLO = b"EPB1"
-NONCE = 16
-MAC = 32
-# Frames (kind, number): rank -> bell: b"I" rank (who it is, once), b"R" epoch (ring), b"A" seq (a ping's
-# answer), b"B" (leaving); bell -> ranks: b"W" epoch (wake), b"P" seq (ping), b"X" rank (the world is lost).
-FRAME = struct.Struct(">cQ")
 PROOF_TIMEOUT_S = 5.0
 MAX_UNPROVEN = 64  # connections still owing their proof; more are closed at once
-ADDRESS_KEY = "doorbell/address"
-UNKNOWN = (1 << 64) - 1
-
-
-def mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
-    return hmac.new(key, label + b"".join(parts), hashlib.sha256).digest()
-
-
-def secret_key(secret: str | None) -> bytes:
-    return hashlib.sha256(b"epserve doorbell\0" + (secret or "").encode()).digest()
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -67,9 +64,20 @@ def heartbeat(timeout_s: float) -> tuple[float, int]:
 
 
 @dataclass
+class Unproven:
+    """A connection still owing its proof: the nonce the bell sent, by when, and its bytes so far."""
+
+    nonce: bytes
+    deadline: float
+    endpoint: str  # the bell's address on this connection, as the rank dialled it
+    got: bytearray
+
+
+@dataclass
 class BellPeer:
+    channel: Channel
+    rank: int
     buf: bytearray
-    rank: int = UNKNOWN
     missed: int = 0  # pings since its last frame
 
 
@@ -77,17 +85,20 @@ class Bell:
     """Rank 0's bell: proves each connection, relays the first ring of each epoch to every proven
     connection, and pings them: a rank that leaves without saying so, or misses the pings of
     ``timeout_s`` (counted in pings the bell sent, so a bell that was itself stopped misjudges no one),
-    is lost, and every rank is told. One thread, one selector."""
+    or whose connection carries a frame that fails its check, is lost, and every rank is told.
+    ``world``: the rendezvous store's port, which the proofs are bound to. One thread, one selector."""
 
-    def __init__(self, host: str, key: bytes, timeout_s: float) -> None:
+    def __init__(self, host: str, key: bytes, timeout_s: float, world: int) -> None:
         self.key = key
+        self.world = world
         self.interval, self.max_missed = heartbeat(timeout_s)
         self.listener = socket.create_server((host, 0))
         self.listener.setblocking(False)
-        self.address = f"{host}:{self.listener.getsockname()[1]}"
+        self.port: int = self.listener.getsockname()[1]
+        self.address = f"{host}:{self.port}"
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, None)
-        self.unproven: dict[socket.socket, tuple[bytes, float, bytearray]] = {}  # nonce, deadline, bytes so far
+        self.unproven: dict[socket.socket, Unproven] = {}
         self.proven: dict[socket.socket, BellPeer] = {}
         self.rung = -1
         self.refused = 0
@@ -110,7 +121,7 @@ class Bell:
                 else:
                     self._read(key.fileobj)  # type: ignore[arg-type]
             now = time.monotonic()
-            for conn in [c for c, (_, deadline, _) in self.unproven.items() if deadline < now]:
+            for conn in [c for c, owed in self.unproven.items() if owed.deadline < now]:
                 self._refuse(conn)
             if now >= next_ping:
                 next_ping = now + self.interval
@@ -125,7 +136,7 @@ class Bell:
             if peer.missed > self.max_missed:
                 self._lose(peer.rank, "stopped answering the doorbell's heartbeat (it or its host hung)")
                 return
-            self._send(conn, FRAME.pack(b"P", self._seq))
+            self._send(conn, b"P", self._seq)
 
     def _lose(self, rank: int, why: str) -> None:
         if self.lost is not None or self.closed:
@@ -133,7 +144,7 @@ class Bell:
         self.lost = rank
         logger.error("doorbell: rank %s %s; telling every rank", "?" if rank == UNKNOWN else rank, why)
         for conn in list(self.proven):
-            self._send(conn, FRAME.pack(b"X", rank))
+            self._send(conn, b"X", rank)
 
     def _accept(self) -> None:
         try:
@@ -148,11 +159,12 @@ class Bell:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = os.urandom(NONCE)
         try:
+            where = endpoint(conn.getsockname())
             conn.send(HELLO + nonce)
         except OSError:
             conn.close()
             return
-        self.unproven[conn] = (nonce, time.monotonic() + PROOF_TIMEOUT_S, bytearray())
+        self.unproven[conn] = Unproven(nonce, time.monotonic() + PROOF_TIMEOUT_S, where, bytearray())
         self.selector.register(conn, selectors.EVENT_READ, None)
 
     def _read(self, conn: socket.socket) -> None:
@@ -169,39 +181,55 @@ class Bell:
                 self._lose(peer.rank, "went away (its process or host died)")
             return
         if conn in self.unproven:
-            nonce, deadline, got = self.unproven[conn]
-            got += data
-            if len(got) < NONCE + MAC:
-                return
-            theirs, proof, rest = bytes(got[:NONCE]), bytes(got[NONCE:NONCE + MAC]), got[NONCE + MAC:]
-            if not hmac.compare_digest(proof, mac(self.key, b"rank", nonce, theirs)):
-                self._refuse(conn)
-                return
-            del self.unproven[conn]
-            self.proven[conn] = BellPeer(bytearray(rest))
-            self._send(conn, mac(self.key, b"bell", theirs, nonce)
-                       + (FRAME.pack(b"W", self.rung) if self.rung >= 0 else b"")
-                       + (FRAME.pack(b"X", self.lost) if self.lost is not None else b""))
-            data = b""
+            data = self._prove(conn, data)
         peer = self.proven.get(conn)
         if peer is None:
             return
         peer.buf += data
         peer.missed = 0
-        while len(peer.buf) >= FRAME.size:
-            kind, number = FRAME.unpack_from(peer.buf)
-            del peer.buf[:FRAME.size]
-            if kind == b"I":
-                peer.rank = number
-            elif kind == b"B":  # leaving on purpose (the world is stopping)
+        try:
+            frames = peer.channel.open(peer.buf)
+        except Tampered as e:
+            self._drop(conn)
+            self._lose(peer.rank, f"is cut off: its doorbell connection carried a frame that failed its check ({e}: "
+                       "injected, modified or replayed on the way); the bell dropped it")
+            return
+        for kind, number in frames:
+            if kind == b"B":  # leaving on purpose (the world is stopping)
                 self._drop(conn)
                 return
-            elif kind == b"R" and number > self.rung:
+            if kind == b"R" and number > self.rung:
                 self.rung = number
                 for other in list(self.proven):
-                    self._send(other, FRAME.pack(b"W", number))
+                    self._send(other, b"W", number)
 
-    def _send(self, conn: socket.socket, data: bytes) -> None:
+    def _prove(self, conn: socket.socket, data: bytes) -> bytes:
+        """Take ``data`` towards the connection's proof; once whole, prove it (or refuse the connection).
+        What follows the proof is returned (frames)."""
+        owed = self.unproven[conn]
+        owed.got += data
+        if len(owed.got) < PROOF:
+            return b""
+        theirs, rest = bytes(owed.got[:PROOF]), bytes(owed.got[PROOF:])
+        (rank,) = RANK.unpack_from(theirs, NONCE)
+        shake = Handshake(owed.nonce, theirs[:NONCE], rank, owed.endpoint, self.world)
+        proven = hmac.compare_digest(theirs[NONCE + RANK.size:], shake.proof(self.key, b"rank"))
+        if not proven or any(peer.rank == rank for peer in self.proven.values()):
+            self._refuse(conn)
+            return b""
+        del self.unproven[conn]
+        peer = self.proven[conn] = BellPeer(shake.channel(self.key, b"bell"), rank, bytearray())
+        with_news = [(b"W", self.rung)] if self.rung >= 0 else []
+        with_news += [(b"X", self.lost)] if self.lost is not None else []
+        self._send_raw(conn, shake.proof(self.key, b"bell") + b"".join(peer.channel.seal(*n) for n in with_news))
+        return rest
+
+    def _send(self, conn: socket.socket, kind: bytes, number: int) -> None:
+        peer = self.proven.get(conn)
+        if peer is not None:
+            self._send_raw(conn, peer.channel.seal(kind, number))
+
+    def _send_raw(self, conn: socket.socket, data: bytes) -> None:
         try:
             conn.setblocking(True)
             conn.sendall(data)
@@ -216,7 +244,7 @@ class Bell:
     def _count_refusal(self) -> None:
         self.refused += 1
         if self.refused in (1, 10, 100, 1000, 10000):  # calm under a flood
-            logger.warning("doorbell: %d connections refused (no proof of the world's secret)", self.refused)
+            logger.warning("doorbell: %d connections refused (no proof of the world's key for them)", self.refused)
 
     def close(self) -> None:
         self.closed = True

@@ -11,8 +11,12 @@ spurious wake, never a lost one). The bell tells each epoch once, in order, to e
 rank that reaches its wait after the ring finds the news already in its socket.
 
 Only ranks of the world talk to the bell: each connection proves, both ways, that it holds the
-world's secret (the engine token), so a local process can neither wake the ranks nor keep them from
-waking (``parallel/bell.py`` has the bell's side, the protocol and the proof).
+world's key (from the engine token, and the secret a spawning parent handed its ranks), bound to the
+connection and the address the rank dialled, and every frame after that carries a MAC; a frame that
+fails it drops the connection and loses the world, acted on by nobody. So a local process can neither
+wake the ranks nor keep them from waking, nor relay them through an address it wrote into the
+rendezvous store, which tells a rank only the bell's port (``parallel/bell_wire.py`` has the
+handshake and the frames, ``parallel/bell.py`` the bell).
 
 The bell also keeps the world honest while it sleeps: it pings every rank each second (at most) and
 each rank answers from a reader thread of its own, busy or not. A rank that goes away without saying
@@ -31,20 +35,22 @@ import os
 import socket
 import threading
 
-from epserve.parallel.bell import (
+from epserve.parallel.bell import Bell, heartbeat, recv_exactly
+from epserve.parallel.bell_wire import (
     ADDRESS_KEY,
-    FRAME,
     HELLO,
     MAC,
     NONCE,
+    RANK,
     UNKNOWN,
-    Bell,
-    heartbeat,
-    mac,
-    recv_exactly,
+    Channel,
+    Handshake,
+    Tampered,
+    endpoint,
     secret_key,
 )
 from epserve.parallel.context import store_client
+from epserve.parallel.spawned import world_secret
 
 logger = logging.getLogger(__name__)
 
@@ -54,24 +60,26 @@ class PeerLost(RuntimeError):
 
 
 class Doorbell:
-    """One rank's end of the bell (rank 0 also hosts it). ``host``/``port``: the rendezvous store,
-    where rank 0 tells the bell's address; ``secret``: the world's shared secret (the engine token);
-    ``heartbeat_timeout_s``: how long a silent peer (or bell) may stay silent before the world is lost
-    (the step timeout: the same bound as for a step that makes no progress)."""
+    """One rank's end of the bell (rank 0 also hosts it). ``host``/``port``: the rendezvous store, where
+    rank 0 tells the bell's port (the bell listens on ``host``; the store's port names the world in the
+    proofs); ``secret``: the engine token, which keys the world with the secret a spawning parent handed
+    this rank, if any (``parallel/spawned.py``); ``heartbeat_timeout_s``: how long a silent peer (or
+    bell) may stay silent before the world is lost (the step timeout: the same bound as for a step that
+    makes no progress)."""
 
     def __init__(self, host: str, port: int, rank: int, secret: str | None, timeout_s: float = 600.0,
                  heartbeat_timeout_s: float = 60.0) -> None:
-        key = secret_key(secret)
+        key = secret_key(secret, world_secret())
         store = store_client(host, port, timeout_s)
         self._bell = None
         if rank == 0:
-            self._bell = Bell(host, key, heartbeat_timeout_s)
+            self._bell = Bell(host, key, heartbeat_timeout_s, port)
             store.set(ADDRESS_KEY, self._bell.address.encode())
-        address = store.get(ADDRESS_KEY).decode()  # waits for rank 0
-        bell_host, _, bell_port = address.rpartition(":")
-        self._sock = socket.create_connection((bell_host, int(bell_port)), timeout=timeout_s)
+        # (waits for rank 0) Only the port is taken, and trusted no further than the handshake binds it.
+        bell_port = int(store.get(ADDRESS_KEY).decode().rpartition(":")[2])
+        self._sock = socket.create_connection((host, bell_port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._prove(key, address)
+        self._channel = self._prove(key, rank, port, f"{host}:{bell_port}")
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # the epoch
         self._news = threading.Condition()
@@ -79,29 +87,32 @@ class Doorbell:
         self.lost: str | None = None  # why the world is lost, once it is
         self._closing = False
         self.epoch = 0
-        self._send(FRAME.pack(b"I", rank))
         interval, self._max_missed = heartbeat(heartbeat_timeout_s)
         self._sock.settimeout(interval)
         self._reader = threading.Thread(target=self._listen, name="doorbell-rank", daemon=True)
         self._reader.start()
 
-    def _prove(self, key: bytes, address: str) -> None:
+    def _prove(self, key: bytes, rank: int, world: int, address: str) -> Channel:
+        """The handshake (``parallel/bell_wire.py``), bound to the address this rank dialled: a relay
+        there that passes it through gets a proof for its own address, which the bell refuses."""
         hello = recv_exactly(self._sock, len(HELLO) + NONCE)
         if not hello.startswith(HELLO):
-            raise RuntimeError(f"the doorbell at {address} is not an epserve doorbell")
-        theirs, mine = hello[len(HELLO):], os.urandom(NONCE)
-        self._sock.sendall(mine + mac(key, b"rank", theirs, mine))
+            raise RuntimeError(f"the doorbell at {address} is not an epserve doorbell (or of another version)")
+        shake = Handshake(hello[len(HELLO):], os.urandom(NONCE), rank, endpoint(self._sock.getpeername()), world)
+        self._sock.sendall(shake.rank_nonce + RANK.pack(rank) + shake.proof(key, b"rank"))
         try:
             proof = recv_exactly(self._sock, MAC)
         except ConnectionError:
-            raise RuntimeError(f"the doorbell at {address} refused this rank's proof (another engine token?)") from None
-        if not hmac.compare_digest(proof, mac(key, b"bell", mine, theirs)):
+            raise RuntimeError(f"the doorbell at {address} refused this rank's proof (another engine token, another "
+                               "world, or a relay in between: the store's address was rewritten?)") from None
+        if not hmac.compare_digest(proof, shake.proof(key, b"bell")):
             raise RuntimeError(f"the doorbell at {address} does not hold the world's secret: not ours")
+        return shake.channel(key, b"rank")
 
-    def _send(self, frame: bytes) -> None:
-        with self._send_lock:
+    def _send(self, kind: bytes, number: int) -> None:
+        with self._send_lock:  # (frames go out in the order sealed: each counts in its tag)
             try:
-                self._sock.sendall(frame)
+                self._sock.sendall(self._channel.seal(kind, number))
             except OSError:  # the bell's host rank is gone: the reader says so
                 pass
 
@@ -123,11 +134,15 @@ class Doorbell:
                 return self._lose("the doorbell's host rank (rank 0) went away (its process or host died)")
             missed = 0
             buf += data
-            while len(buf) >= FRAME.size:
-                kind, number = FRAME.unpack_from(buf)
-                del buf[:FRAME.size]
+            try:
+                frames = self._channel.open(buf)
+            except Tampered as e:
+                self._sock.shutdown(socket.SHUT_RDWR)  # nothing more of it is read or acted on
+                return self._lose(f"the doorbell's connection carried a frame that failed its check ({e}: injected, "
+                                  "modified or replayed on the way); dropped it")
+            for kind, number in frames:
                 if kind == b"P":
-                    self._send(FRAME.pack(b"A", number))
+                    self._send(b"A", number)
                 elif kind == b"W":
                     with self._news:
                         self._heard = max(self._heard, number)
@@ -148,7 +163,7 @@ class Doorbell:
         """Wake every rank sleeping in (or about to enter) the current epoch's :meth:`wait`.
         Thread-safe; call it after queueing the work it announces."""
         with self._lock:
-            self._send(FRAME.pack(b"R", self.epoch))
+            self._send(b"R", self.epoch)
 
     def wait(self) -> None:
         """Block until some rank rings this epoch, then move to the next one. Every rank calls it
@@ -165,7 +180,7 @@ class Doorbell:
         """Leave (saying so: the bell does not count it as lost)."""
         with self._news:
             self._closing = True
-        self._send(FRAME.pack(b"B", 0))
+        self._send(b"B", 0)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

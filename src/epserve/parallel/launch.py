@@ -107,10 +107,12 @@ class RankProcesses:
     one server process that imported torch and the entry's module once (started with the first ranks,
     kept for later ones), which saves every rank that import. Only for ranks that have not touched CUDA
     before forking: the engine uses it on the CPU. ``wait=False``: return once the processes run, before
-    their handlers are built; :meth:`wait_started` (or the first :meth:`call`) waits for that."""
+    their handlers are built; :meth:`wait_started` (or the first :meth:`call`) waits for that.
+    ``whole_world``: these are all the world's ranks (one host): they get a random secret of their own
+    over their pipes (``spawned.world_secret``), which keys their doorbell beside the engine token."""
 
     def __init__(self, entry: Callable[..., RankHandler], infos: list[RankInfo], args: tuple = (),
-                 start_method: str = "spawn", wait: bool = True) -> None:
+                 start_method: str = "spawn", wait: bool = True, whole_world: bool = False) -> None:
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             ctx.set_forkserver_preload(["torch", entry.__module__])
@@ -122,12 +124,13 @@ class RankProcesses:
         self._reaping = threading.Lock()  # a process's exit code is read once (the forkserver's pipe)
         self._closed = False
         self._started = False
+        secret = os.urandom(32) if whole_world else None
         try:
             for info in infos:
                 parent, child = ctx.Pipe()
                 watch_r, watch_w = ctx.Pipe(duplex=False)
                 proc = ctx.Process(
-                    target=rank_main, args=(entry, info, child, args, dict(os.environ), watch_r),
+                    target=rank_main, args=(entry, info, child, args, dict(os.environ), watch_r, secret),
                     name=f"epserve-rank{info.rank}", daemon=True
                 )
                 self._watches.append(watch_w)

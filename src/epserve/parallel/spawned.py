@@ -83,6 +83,15 @@ class RankInfo:
 
 _parent: Connection | None = None  # a spawned rank's pipe to its parent
 _parent_lock = threading.Lock()  # notices may come from any thread
+_world_secret: bytes | None = None  # what the parent handed this rank to key the world with
+
+
+def world_secret() -> bytes | None:
+    """The random secret the parent handed this spawned rank for its world (it keys the doorbell,
+    ``parallel/bell_wire.py``): the same for every rank of a world one parent spawns whole, never in
+    the rendezvous store or the environment; None in a process no ``RankProcesses`` started, or
+    whose parent spawned only a part of its world (the others are on other hosts)."""
+    return _world_secret
 
 
 def notify_parent(value: object) -> bool:
@@ -96,16 +105,17 @@ def notify_parent(value: object) -> bool:
 
 
 def rank_main(entry: Callable[..., RankHandler], info: RankInfo, conn: Connection, args: tuple,
-              environ: dict[str, str], watch: Connection) -> None:
+              environ: dict[str, str], watch: Connection, secret: bytes | None = None) -> None:
     """A spawned rank: build the handler, then run commands until Shutdown or the parent leaves.
     ``environ``: the parent's environment when it started the rank (a forkserver child has the server's);
-    ``watch``: the pipe whose end tells that the parent is gone."""
-    global _parent
+    ``watch``: the pipe whose end tells that the parent is gone; ``secret``: :func:`world_secret`."""
+    global _parent, _world_secret
     exit_with_parent(watch, f"epserve-rank{info.rank}")
     os.environ.clear()
     os.environ.update(environ)
     name_process(f"epserve-rank{info.rank}")
     _parent = conn
+    _world_secret = secret
     try:
         handler = entry(info, *args)
         _send(conn, Reply())
