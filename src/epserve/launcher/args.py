@@ -128,7 +128,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    "vllm = none (OpenAI's defaults), or a directory holding a generation_config.json")
     add_vllm_router_flags(p.add_argument_group("vLLM's router flags", "accepted where they mean something here, "
                                                "else refused with what to use"))
-    lim = p.add_argument_group("router limits (per HTTP request)")
+    lim = p.add_argument_group("router limits (per HTTP request, per client, per router)")
     lim.add_argument("--max-request-bytes", type=int, default=RouterOptions.max_request_bytes,
                      help="larger bodies get 413 (default 4 MiB)")
     lim.add_argument("--max-choices-per-request", type=int, default=RouterOptions.max_choices_per_request,
@@ -141,6 +141,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                      help="seconds an idle kept-alive connection stays open")
     lim.add_argument("--max-connections", type=int, default=RouterOptions.max_connections,
                      help="connections open at once; one more is answered 503 too_many_connections and closed")
+    lim.add_argument("--max-body-bytes", type=int, default=None,
+                     help="bytes of request bodies the router holds at once, all clients together; a request past "
+                     "it gets 503 too_many_request_bytes before its body is read (default 16 x --max-request-bytes)")
+    lim.add_argument("--max-client-body-bytes", type=int, default=None,
+                     help="... and one client (its address) alone: 429 too_many_request_bytes past it (default 8 x "
+                     "--max-request-bytes; behind a proxy every client has the proxy's address)")
 
 
 def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), prefill: tuple[str, ...] = (),
@@ -155,6 +161,7 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         max_request_bytes=args.max_request_bytes, max_choices_per_request=args.max_choices_per_request,
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
+        max_body_bytes=args.max_body_bytes, max_client_body_bytes=args.max_client_body_bytes,
         engine_token=engine_token(args),
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         generation_config=args.generation_config,

@@ -4,6 +4,11 @@
   ``too_many_connections`` as it opens, without reading anything from it, and closed;
 - the API key checked from each request head (``http_limits.RequestGate``) before any byte of its body
   is read: a request without it gets the 401 at once and its body is never buffered;
+- the bytes of request bodies held at once bounded over all clients and for each client (a peer
+  address; ``body_budget``): a request's declared ``Content-Length`` is held from its head, a chunked
+  body's chunks as they arrive, until its handler returns; a request that does not fit gets a 429 (its
+  client holds too much) or 503 (the router does) ``too_many_request_bytes`` before any more of its
+  body is read (a chunked one mid-body: its handler sees the client gone);
 - a deadline for the request headers, counted from the connection (or, on a kept-alive connection,
   from the next request's first byte): a connection still short of a complete request head then is
   closed. uvicorn has none of its own, so without it a client that sends half a request line holds
@@ -25,6 +30,7 @@ import math
 from typing import Any
 from urllib.parse import unquote
 
+from epserve.router.body_budget import BodyBudget, BodyHold
 from epserve.router.errors import APIError, too_many_connections
 from epserve.router.http_limits import HTTPLimits, RequestGate
 
@@ -37,18 +43,20 @@ _REPORT_EVERY_S = 60.0
 
 def _raw_response(error: APIError, head_only: bool = False) -> bytes:
     """``error`` as a whole HTTP/1.1 response that closes the connection (as Starlette's JSONResponse
-    would encode its body)."""
+    would encode its body); a 429 or 503 tells the client to retry after a second."""
     body = json.dumps(error.body(), ensure_ascii=False, separators=(",", ":")).encode()
+    retry = "retry-after: 1\r\n" if error.status in (429, 503) else ""
     head = (f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+            f"content-length: {len(body)}\r\n{retry}connection: close\r\n\r\n").encode()
     return head if head_only else head + body
 
 
 class _Refusals:
-    """Connections refused for the cap: counted, and logged once, then at most once a minute."""
+    """Refusals of one kind: logged once (``first``), then at most once a minute (``later``, formatted
+    with their ``count``)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    def __init__(self, first: str, later: str) -> None:
+        self.first, self.later = first, later
         self.unreported = 0
         self.last_report = -math.inf
         self.timer: asyncio.TimerHandle | None = None
@@ -64,12 +72,7 @@ class _Refusals:
         self.timer = None
         if not self.unreported:
             return
-        if self.last_report == -math.inf:
-            logger.warning("refusing connections: %d are open (--max-connections); refusals are counted as "
-                           "request_errors_total{status=\"503\"} and logged at most once a minute", self.limit)
-        else:
-            logger.warning("refused %d connection(s) over --max-connections %d in the last minute",
-                           self.unreported, self.limit)
+        logger.warning(self.first if self.last_report == -math.inf else self.later.format(count=self.unreported))
         self.unreported, self.last_report = 0, loop.time()
 
 
@@ -83,7 +86,14 @@ def http_protocol(limits: HTTPLimits, gate: RequestGate | None = None) -> type:
     gate = gate or RequestGate(None)
     header_timeout_s, max_connections = limits.header_timeout_s, limits.max_connections
     over_cap = _raw_response(too_many_connections(max_connections))
-    refusals = _Refusals(max_connections)
+    refusals = _Refusals(f"refusing connections: {max_connections} are open (--max-connections); refusals are "
+                         "counted as request_errors_total{status=\"503\"} and logged at most once a minute",
+                         f"refused {{count}} connection(s) over --max-connections {max_connections} in the last minute")
+    budget = BodyBudget(*limits.body_budget)
+    over_budget = _Refusals(f"refusing request bodies: clients hold {budget.total} bytes of them (--max-body-bytes), "
+                            f"or one client {budget.per_client} (--max-client-body-bytes); refusals are counted "
+                            "as request_errors_total{status=\"429\" or \"503\"} and logged at most once a minute",
+                            "refused {count} request(s) over the request-body budget in the last minute")
     lingering_over_cap = [0]  # connections refused for the cap, still lingering (they hold a socket each)
 
     def check_head(event: h11.Request) -> tuple[APIError, bool] | None:
@@ -92,19 +102,48 @@ def http_protocol(limits: HTTPLimits, gate: RequestGate | None = None) -> type:
         return None if error is None else (error, event.method == b"HEAD")
 
     class CheckedConnection(h11.Connection):
-        """h11's server side, which holds back a request head the gate refuses: uvicorn sees no request
-        (and reads none of its body); the protocol answers it."""
+        """h11's server side, which holds back a request head the gate refuses, or whose body does not
+        fit the budget: uvicorn sees no request (and reads none of its body); the protocol answers it.
+        Likewise a chunked body's chunk that does not fit: uvicorn gets no more of it."""
 
         refused: tuple[APIError, bool] | None = None
+        hold: BodyHold | None = None  # the bytes held for the request whose body arrives now
+        chunked = False  # ... taken as its chunks arrive (else its Content-Length was, from its head)
+
+        def __init__(self, client: str, max_incomplete_event_size: int = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE) -> None:
+            super().__init__(h11.SERVER, max_incomplete_event_size)
+            self.client = client  # the peer address: whose budget its bodies count in
 
         def next_event(self) -> Any:
             if self.refused is not None:
                 return h11.NEED_DATA
             event = super().next_event()
-            if isinstance(event, h11.Request) and (refused := check_head(event)) is not None:
-                self.refused = refused
-                return h11.NEED_DATA
+            if isinstance(event, h11.Request):
+                refused = check_head(event)
+                if refused is None and (error := self._hold_body(event.headers)) is not None:
+                    refused = error, event.method == b"HEAD"
+                if refused is not None:
+                    self.refused = refused
+                    return h11.NEED_DATA
+            elif isinstance(event, h11.Data) and self.chunked and self.hold is not None:
+                if (error := self.hold.take(len(event.data))) is not None:
+                    over_budget.add(asyncio.get_running_loop())
+                    self.hold.release()
+                    self.refused = error, False
+                    return h11.NEED_DATA
             return event
+
+        def _hold_body(self, headers: list[tuple[bytes, bytes]]) -> APIError | None:
+            """Hold the request's declared body (one past ``max_request_bytes``: none, the 413 reads none
+            of it); the refusal when it does not fit."""
+            length = next((int(v) for k, v in headers if k == b"content-length"), 0)  # (h11 checked it)
+            self.chunked = any(k == b"transfer-encoding" for k, _ in headers)
+            self.hold = budget.hold(self.client)
+            error = self.hold.take(length if length <= limits.max_request_bytes else 0)
+            if error is not None:
+                over_budget.add(asyncio.get_running_loop())
+                self.hold = None
+            return error
 
     class RouterH11(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -116,11 +155,24 @@ def http_protocol(limits: HTTPLimits, gate: RequestGate | None = None) -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             size = self.config.h11_max_incomplete_event_size
-            self.conn = CheckedConnection(h11.SERVER, DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size)
+            self._event_size = DEFAULT_MAX_INCOMPLETE_EVENT_SIZE if size is None else size
+            self.conn = CheckedConnection("", self._event_size)
+            app = self.app
+
+            async def held(scope: dict, receive: Any, send: Any) -> None:
+                hold = self.conn.hold  # its request's (the next head is read only after its response)
+                try:
+                    await app(scope, receive, send)
+                finally:
+                    if hold is not None:
+                        hold.release()
+
+            self.app = held
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             if len(self.connections) < max_connections:
                 super().connection_made(transport)
+                self.conn.client = self.client[0] if self.client else ""
                 self._arm()
                 return
             self.transport = transport
@@ -156,8 +208,14 @@ def http_protocol(limits: HTTPLimits, gate: RequestGate | None = None) -> type:
                 gate.on_refused(error.status)
                 self._unset_keepalive_if_required()
                 self._cancel_header_timer()
-                self.conn = CheckedConnection(h11.SERVER)  # drops what h11 had buffered of the body
-                self.cycle = None  # (a pipelined request's cycle before it: complete; it held the old h11)
+                self.conn = CheckedConnection(self.conn.client, self._event_size)  # drops what h11 buffered
+                cycle, self.cycle = self.cycle, None  # (before a refused head: complete; it held the old h11)
+                if cycle is not None and not cycle.response_complete:  # a chunked body refused midway
+                    cycle.disconnected = True  # its handler, waiting for the body, sees the client gone
+                    cycle.message_event.set()
+                    if cycle.response_started:  # (it was answering already: that answer is cut short)
+                        self.transport.close()
+                        return
                 self.transport.write(_raw_response(error, head_only))
                 self._linger()
 

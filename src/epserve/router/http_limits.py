@@ -7,6 +7,9 @@ head's deadline, the gate asked before any body is read) is uvicorn's protocol i
   its body is read (only requests with the key have a body read, so no client without it makes the
   router hold more than a request head); served by uvicorn, ``http_connections.http_protocol`` asks
   the gate, in process :class:`APIKeyMiddleware` does.
+- Budget: the bytes of request bodies held at once, over all clients and for one client (a peer
+  address), are bounded (``body_budget``; served by uvicorn, ``http_connections.http_protocol`` holds
+  them from each request head, refusing what does not fit before any byte of its body is read).
 - Body: :class:`RequestLimitsMiddleware` reads the whole body before the app runs: 413 when
   ``Content-Length`` or the bytes received (chunked) pass ``max_request_bytes``, 408 when the body is
   not complete ``body_timeout_s`` after the headers; a client that hangs up first is counted (499)
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import io
 import logging
 import uuid
 from collections.abc import Callable, Iterable
@@ -46,18 +50,32 @@ class HTTPLimits:
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0  # an idle kept-alive connection is closed after this
     max_connections: int = 2048  # open at once; one more is answered 503 and closed
+    max_body_bytes: int | None = None  # request bodies held at once, all clients (None: 16 x max_request_bytes)
+    max_client_body_bytes: int | None = None  # ... one client's (a peer address; None: 8 x max_request_bytes)
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
+        total, per_client = self.body_budget
+        if per_client < self.max_request_bytes:
+            raise ValueError(f"--max-client-body-bytes ({per_client}) must be at least --max-request-bytes "
+                             f"({self.max_request_bytes}): a body of the largest size would never fit")
+        if total < per_client:
+            raise ValueError(f"--max-body-bytes ({total}) must be at least --max-client-body-bytes ({per_client})")
         if self.max_choices_per_request < 1:
             raise ValueError(f"--max-choices-per-request must be at least 1, got {self.max_choices_per_request}")
         for flag, value in (("--header-timeout", self.header_timeout_s), ("--body-timeout", self.body_timeout_s),
                             ("--keep-alive-timeout", self.keep_alive_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{flag} must be > 0 seconds, got {value}")
+
+    @property
+    def body_budget(self) -> tuple[int, int]:
+        """The bytes of request bodies the router holds at once: (all clients, one client)."""
+        return (16 * self.max_request_bytes if self.max_body_bytes is None else self.max_body_bytes,
+                8 * self.max_request_bytes if self.max_client_body_bytes is None else self.max_client_body_bytes)
 
 
 class _ClientGone(Exception):
@@ -128,7 +146,7 @@ class RequestLimitsMiddleware:
             raise request_too_large(limit)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.limits.body_timeout_s
-        chunks: list[bytes] = []
+        buffer: io.BytesIO | None = None  # (grown in place: a list of chunks joined would be the body twice)
         size = 0
         while True:
             try:
@@ -141,9 +159,14 @@ class RequestLimitsMiddleware:
             size += len(chunk)
             if size > limit:
                 raise request_too_large(limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+            more = message.get("more_body", False)
+            if buffer is None:
+                if not more:  # the whole body in one message
+                    return chunk
+                buffer = io.BytesIO()
+            buffer.write(chunk)
+            if not more:
+                return buffer.getvalue()  # (its buffer, not a copy)
 
 
 class RequestGate:

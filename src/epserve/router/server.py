@@ -44,6 +44,8 @@ class RouterOptions:
     body_timeout_s: float = 30.0
     keep_alive_timeout_s: float = 5.0
     max_connections: int = 2048
+    max_body_bytes: int | None = None  # request bodies held at once (None: 16 x max_request_bytes) ...
+    max_client_body_bytes: int | None = None  # ... by one client (None: 8 x max_request_bytes)
     engine_token: str | None = field(default=None, repr=False)  # the engines' mutual TLS key (None: plaintext)
     chat_template: str | None = field(default=None, repr=False)  # template text replacing the checkpoint's
     generation_config: str = "auto"  # sampling defaults: auto (the checkpoint's), vllm (none) or a directory
@@ -83,6 +85,7 @@ class RouterOptions:
             max_request_bytes=self.max_request_bytes, max_choices_per_request=self.max_choices_per_request,
             header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
             keep_alive_timeout_s=self.keep_alive_timeout_s, max_connections=self.max_connections,
+            max_body_bytes=self.max_body_bytes, max_client_body_bytes=self.max_client_body_bytes,
         )
 
 
@@ -150,8 +153,10 @@ def run_router(options: RouterOptions, api_key: str | None = None, control: Conn
             f"prefill instances {', '.join(options.prefill)} and decode instances {', '.join(options.decode)}")
     logger.info("router on http://%s:%d/v1 (model %r, policy %s) over %s", options.host, options.port,
                 options.model_name, options.policy, over)
+    from epserve.router.body_budget import map_large_buffers
     from epserve.router.http_connections import http_protocol
 
+    map_large_buffers()  # (request bodies' memory goes back to the system when they are freed)
     limits = server.limits
     _raise_open_files_limit(2 * limits.max_connections + 256)  # open and refused connections, engines, files
     config = uvicorn.Config(server.app, host=options.host, port=options.port, log_level=options.log_level.lower(),
