@@ -18,7 +18,9 @@
 #               project's CPU computed (benchmarks/gpu_reference/tokens.json); equal, or the first difference.
 #   kernels     tests/kernels -m cuda (FlashInfer's to its stage): FP8 GEMMs and _scaled_mm, grouped experts, the
 #               fused router, paged MLA decode, fused norms/RoPE, CUDA-graph capture and replay of each, against
-#               the torch references; 4 pytest-xdist workers where xdist imports.
+#               the torch references; the NVFP4 W4A16 kernels' start-up self-test (test_nvfp4_selftest.py: chosen
+#               on the GPU, a broken kernel handing the ops and an eager engine to the reference); 4 pytest-xdist
+#               workers where xdist imports.
 #   dispatch    tests/parallel on CUDA (--on-device): PaddedDispatcher and the TP collectives captured on a one-rank
 #               NCCL group, SymmMemDispatcher eager and captured on one-rank NVSHMEM, the overlap schedules.
 #   capture     tests/engine and tests/model on CUDA (--on-device; not slow): the engine's start-up capture,
@@ -73,6 +75,16 @@ declare -A SELECT=(
               tests/engine/test_structured_failures.py --on-device"
   [flashinfer]="tests/kernels/test_backends.py tests/kernels/test_capture_path.py -m cuda
                 -k 'flashinfer or whichever_backend'"
+)
+# The kernel ops' self-tests on the device (kernels.backends: what each op runs on CUDA is decided by them), which
+# their stages must keep selecting: the dry run fails where a selection, a rename or a lost mark drops one.
+declare -A SELF_TESTS=(
+  [kernels]="test_nvfp4_selftest.py::test_cuda_self_test_chooses_the_kernels
+             test_nvfp4_selftest.py::test_cuda_broken_kernel_hands_the_ops_to_the_reference
+             test_nvfp4_selftest.py::test_cuda_engine_on_the_reference_decodes_eagerly
+             test_backends.py::test_scaled_mm_is_used_only_where_it_passes_for_that_output_dtype
+             test_backends.py::test_the_timed_self_test_on_cuda_logs_each_backends_time"
+  [flashinfer]="test_backends.py::test_flashinfer_or_triton_mla_decode_is_chosen_on_time"
 )
 SAMPLING_NO_XGRAMMAR="tests/engine/test_logits_processing.py --on-device"
 REFERENCE=benchmarks/gpu_reference/tokens.json
@@ -434,6 +446,18 @@ EOF
   done
   line=$(printf '%s, ' "${counts[@]}")
   echo "test selections (collected here): ${line%, }"
+  local t found=()
+  for s in "${!SELF_TESTS[@]}"; do
+    for t in ${SELF_TESTS[$s]}; do
+      if grep -qE "/$t(\[|\$)" "$WORK/$s.collect"; then
+        found+=("$t")
+      else
+        echo "  FAIL: $s: its selection no longer collects $t (a kernel op's self-test on the device)"
+        bad=1
+      fi
+    done
+  done
+  echo "kernel self-tests on the device (collected): ${#found[@]}"
   # the summary merge, on planned records
   local dry_out="$WORK/out"
   mkdir -p "$dry_out"

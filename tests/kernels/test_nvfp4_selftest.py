@@ -244,25 +244,22 @@ def test_cuda_broken_kernel_hands_the_ops_to_the_reference(monkeypatch, caplog):
 
 @cuda
 def test_cuda_engine_on_the_reference_decodes_eagerly(make_ckpt, monkeypatch):  # noqa: ANN001
-    """Kernels that fail their self-test: the engine starts with the reference and eager decode steps (no capture,
-    which the reference's host reads would break), and its greedy tokens are the kernels' captured engine's."""
+    """Kernels that fail their self-test: the engine on CUDA starts with the reference and eager decode steps (no
+    capture, which the reference's host reads would break), and its greedy tokens are the CPU engine's (both
+    transformers' on the dequantized checkpoint, ``tests/model/test_nvfp4_runtime.py``)."""
     from epserve import LLM, SamplingParams
     from epserve.kernels import nvfp4_triton as nt
 
     path = make_ckpt("tiny", dtype="float32", quantization="nvfp4")
     prompts, params = [[5, 9, 2, 7], [3, 1, 4, 1, 5, 9]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    backends.forget(OP)
-    captured = LLM(path, dtype="float32", num_blocks=64, device="cuda")
-    assert captured.engine.runner.decode_graphs is not None
-    want = [out.token_ids for out in captured.generate(prompts, params)]
-    captured.shutdown()
+    with LLM(path, dtype="float32", num_blocks=64, device="cpu") as cpu_llm:
+        want = [out.token_ids for out in cpu_llm.generate(prompts, params)]
     monkeypatch.setattr(nt, "nvfp4_moe_swiglu_triton", part_scales_swapped(nt.nvfp4_moe_swiglu_triton))
     backends.forget(OP)
     try:
-        llm = LLM(path, dtype="float32", num_blocks=64, device="cuda")
-        assert llm.engine.runner.decode_graphs is None
-        assert [out.token_ids for out in llm.generate(prompts, params)] == want
-        llm.shutdown()
+        with LLM(path, dtype="float32", num_blocks=64, device="cuda") as llm:
+            assert llm.engine.runner.decode_graphs is None
+            assert [out.token_ids for out in llm.generate(prompts, params)] == want
     finally:
         monkeypatch.undo()
         backends.forget(OP)
