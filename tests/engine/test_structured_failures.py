@@ -2,14 +2,25 @@
 would ignore fails its request naming the keyword and where; constraints that leave no token (against
 min_tokens, bad_words) or a token the grammar refuses fail their request alone, never the step; grammars
 compile off the step loop (a slow one holds nobody back, an abort frees it, a second identical one is
-cached); a constrained request reuses the prefix cache. (What constrained outputs are:
-test_structured.py, whose helpers these share; the engines: conftest.py.)"""
+cached); a constrained request reuses the prefix cache. What a compile may take, and the grammar worker
+that holds it to that: what is too large or nests too deeply is refused before xgrammar sees it (a
+JSON-schema pattern of 30,000 nested groups overflowed xgrammar's stack and killed the rank); a compile
+that crashes anyway, runs past its time or needs more than its memory fails its request alone, in the
+worker, which goes on serving; an abandoned compile is killed; compiles run two at a time, so one held
+does not hold the next, and those waiting count as waiting. (What constrained outputs are:
+test_structured.py, whose helpers these share; the engines: conftest.py; the compile bounds through a
+real ``epserve serve``: tests/serve/test_compile_limits.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +29,7 @@ from test_structured import SCHEMAS, assert_valid, constrained
 from epserve import LLM, SamplingParams
 from epserve.config import LoopOptions
 from epserve.engine.engine import RequestError
+from epserve.engine.grammars import CompileLimits, check_bounds, json_depth, regex_depth
 from epserve.engine.loop import EngineLoop
 from epserve.engine.structured import GrammarMasks
 from epserve.messages.engine import AbortRequest, AddRequest, GeneratedTokens, RequestFailed
@@ -215,19 +227,20 @@ def test_a_token_its_grammar_refuses_fails_its_request_alone(llm, monkeypatch) -
 # ---- compiling off the step loop ---------------------------------------------------------------------
 class Serving:
     """The engine's step loop serving on a thread of its own (as under the gRPC service), stopped at
-    the end; the compiler's ``compile`` held at ``gate`` (``entered`` set once it waits there)."""
+    the end; the compiler's threads held at ``gate`` (``entered`` set once one waits there), then
+    compiling on that thread (the grammar worker's own bounds and cancelling: test_structured_limits.py)."""
 
     def __init__(self, llm: LLM, ids: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
         self.llm, self.gate, self.entered = llm, threading.Event(), threading.Event()
-        grammars = llm.engine.constraints.compiler  # (the compiler thread calls its compile)
+        grammars = llm.engine.constraints.compiler  # (the compiler's threads call its compile_in_worker)
         compile_ = grammars.compile
 
-        def held(constraint: StructuredOutput):
+        def held(constraint: StructuredOutput, job: int):
             self.entered.set()
             assert self.gate.wait(60)
             return compile_(constraint)
 
-        monkeypatch.setattr(grammars, "compile", held)
+        monkeypatch.setattr(grammars, "compile_in_worker", held)
         self.loop, self.front = EngineLoop(llm.engine, LoopOptions(stats_every=0)), Collect(ids)
         self.thread = threading.Thread(target=self.loop.run, args=(self.front,), daemon=True)
 
@@ -315,3 +328,156 @@ def test_a_constrained_request_reuses_the_prefix_cache(llm) -> None:
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 32
     assert second.token_ids == first.token_ids and first.finish_reason == "stop"
     assert_valid(second.text, SCHEMAS["enum_and_range"])
+
+
+# ---- what a compile may take, and the grammar worker ---------------------------------------------------
+DEEP = 30_000  # nested groups: xgrammar's JSON-schema converter overflows its 8 MiB stack on these
+NESTED = json.dumps({"type": "string", "pattern": "(" * DEEP + "a" + ")" * DEEP})  # about 60 KB
+WIDE = json.dumps({"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+                             for i in range(2000)]})  # seconds of compiling, hundreds of MiB
+
+
+def nested(depth: int) -> str:
+    return "(" * depth + "a" + ")" * depth
+
+
+@pytest.fixture(scope="module")
+def compiler(llm):
+    """The engine's grammar compiler, its worker started."""
+    grammars = llm.engine.constraints.compiler
+    grammars.submit(StructuredOutput("regex", "[a-z]+_worker")).result(120)  # (a constraint nothing compiled)
+    return grammars
+
+
+def until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def failure(future) -> str:
+    error = future.exception(120)
+    assert isinstance(error, ValueError), error
+    return str(error)
+
+
+# ---- bounds, before compiling --------------------------------------------------------------------
+def test_what_is_too_large_or_too_deep_is_refused_before_compiling() -> None:
+    limits, small = CompileLimits(), CompileLimits(max_spec_bytes=4096)
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "regex", "pattern": "[a-z]"}, {"type": "json_schema", "json_schema": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": nested(129)}}}}]}}
+    refused = [
+        ("json_schema", NESTED, f"the pattern at # nests its groups {DEEP} levels deep; at most 128"),
+        ("regex", nested(200), "the regex nests its groups 200 levels deep"),
+        ("structural_tag", json.dumps(tag), "the pattern at #/format/elements/1/json_schema/properties/a nests "
+                                            "its groups 129"),
+        ("json_schema", json.dumps({"type": "object", "patternProperties": {nested(300): {}}}),
+         "the pattern at #/patternProperties nests its groups 300"),
+        ("json_schema", "[" * 129 + "]" * 129, "nests 129 levels deep; at most 128"),
+        ("choice", json.dumps(["x" * 5000]), "is 5004 bytes; a constraint may have at most 4096"),
+    ]
+    for kind, spec, message in refused:
+        with pytest.raises(ValueError) as e:
+            check_bounds(kind, spec, small if kind == "choice" else limits)
+        assert message in str(e.value), (kind, str(e.value))
+    # escaped and bracketed parentheses are no groups; brackets inside JSON strings nest nothing
+    assert regex_depth("\\(" * 500 + "[(]" * 500 + nested(128)) == 128
+    assert json_depth(json.dumps({"a": "[[[[{{{{" * 100, "b": [[1]]})) == 3
+    check_bounds("json_schema", json.dumps({"type": "string", "pattern": nested(128)}), limits)
+    check_bounds("regex", nested(128), limits)
+
+
+# ---- the grammar worker ----------------------------------------------------------------------------
+def test_a_compile_that_crashes_fails_alone_and_the_worker_goes_on(compiler, monkeypatch) -> None:
+    """With the bounds lifted, the nested pattern crashes its compile (SIGSEGV in xgrammar's converter):
+    its request fails saying so, the rank and the worker live on and compile the next constraint."""
+    worker = compiler.worker.pid
+    monkeypatch.setattr(compiler, "limits", CompileLimits(max_nesting=10 * DEEP))
+    message = failure(compiler.submit(StructuredOutput("json_schema", NESTED)))
+    assert "the json_schema constraint's compile crashed (SIGSEGV)" in message
+    assert compiler.submit(StructuredOutput("json_schema", unique_schema("after_crash"))).result(60) is not None
+    assert compiler.worker.pid == worker and compiler.num_pending == 0
+
+
+def test_a_compile_past_its_time_or_memory_fails_alone(compiler, monkeypatch) -> None:
+    monkeypatch.setattr(compiler, "limits", CompileLimits(time_limit_s=0.2))
+    message = failure(compiler.submit(StructuredOutput("json_schema", WIDE)))
+    assert message == "the json_schema constraint's compile took longer than its limit of 0.2 s"
+    monkeypatch.setattr(compiler, "limits", CompileLimits(memory_limit_mib=32))
+    message = failure(compiler.submit(StructuredOutput("json_schema", WIDE)))
+    assert message == "the json_schema constraint's compile needs more than its memory limit of 32 MiB"
+    assert not compiler.worker.running
+
+
+# ---- through the step loop ---------------------------------------------------------------------------
+@contextmanager
+def serving(llm, ids: list[str]) -> Iterator[tuple[EngineLoop, Collect]]:
+    """The engine's step loop serving on a thread (as under the gRPC service), its compiles in the worker."""
+    loop, front = EngineLoop(llm.engine, LoopOptions(stats_every=0)), Collect(ids)
+    thread = threading.Thread(target=loop.run, args=(front,), daemon=True)
+    thread.start()
+    try:
+        yield loop, front
+    finally:
+        loop.request_stop()
+        thread.join(60)
+        assert not thread.is_alive()
+
+
+@contextmanager
+def stopped(pid: int) -> Iterator[None]:
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_abandoned_compiles_are_killed_and_queued_ones_count_as_waiting(llm, compiler) -> None:
+    """The worker stopped, so that compiles sent to it hold both of the compiler's threads by
+    construction: three constrained requests wait (two sent, one queued behind them), all counted as
+    waiting; aborted, each compile is stopped (the queued one dropped, the sent ones killed when the
+    worker reads on), none compiles, and nothing of them is left."""
+    ids = ["a", "b", "c"]
+    before = compiler.num_compiled
+    with serving(llm, [*ids, "free"]) as (loop, front):
+        with stopped(compiler.worker.pid):
+            for rid in ids:
+                loop.submit(add(llm, rid, "Answer:", constrained("json_schema", unique_schema(f"held_{rid}"))))
+            until(lambda: len(loop.compiling) == 3 and compiler.worker.num_in_flight == 2)
+            assert loop.load().num_waiting == 3 and compiler.num_pending == 3
+            futures = [loop.compiling[rid][1] for rid in ids]
+            for rid in ids:
+                loop.submit(AbortRequest(rid))
+            loop.submit(add(llm, "free", "The quick brown fox", FREE))
+            assert front.finished["free"].wait(60)  # (the loop serves on while the compiles are held)
+            assert loop.load().num_waiting == 0 and not loop.compiling
+        until(lambda: compiler.num_pending == 0)
+        assert futures[2].cancelled()
+        assert all("cancelled" in failure(f) for f in futures[:2])
+    assert compiler.num_compiled == before and not compiler.worker.running
+    assert all(front.outputs[rid] == [] for rid in ids)
+    assert_clean(llm)
+
+
+def test_a_held_compile_holds_no_other_and_dies_with_its_request(llm, compiler) -> None:
+    """A large compile, its process stopped once it started (held by construction), takes one of the
+    compiler's two threads: another constrained request compiles and finishes meanwhile; the held
+    one's abort kills its process."""
+    with serving(llm, ["wide", "next"]) as (loop, front):
+        loop.submit(add(llm, "wide", "Answer:", constrained("json_schema", WIDE)))
+        until(lambda: len(compiler.worker.running) == 1)
+        pid = next(iter(compiler.worker.running.values()))
+        os.kill(pid, signal.SIGSTOP)
+        loop.submit(add(llm, "next", "Answer:", constrained("json_schema", unique_schema("next"), temperature=0.0)))
+        assert front.finished["next"].wait(60)
+        end = front.end("next")
+        assert isinstance(end, GeneratedTokens) and end.finish_reason == "stop", end
+        assert "wide" in loop.compiling and not front.finished["wide"].is_set()
+        loop.submit(AbortRequest("wide"))
+        until(lambda: not os.path.exists(f"/proc/{pid}"))  # killed and reaped by the worker
+        until(lambda: compiler.num_pending == 0)
+    assert front.outputs["wide"] == [] and not any(isinstance(o, RequestFailed) for o in front.outputs["next"])
+    assert_clean(llm)

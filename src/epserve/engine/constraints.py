@@ -1,10 +1,10 @@
 """Structured outputs as the engine and its step loop see them: the one seam to ``engine/structured.py``'s
-compiler and matchers. The loop compiles a request's constraint off the loop (:meth:`Constraints.submit`),
-then adds its grammar (:meth:`add`) or fails the request; the engine checks that constraints can compile
-at all (:attr:`available`), hands a decode instance's arrived first token to its grammar, aborts the
-requests whose constraint failed them (:meth:`take_failures`) and releases finished ones; the sampling
-pipeline (``engine/sampling.py``) masks each step's rows by their grammars and has the tokens it keeps
-accepted.
+compiler and matchers. The loop compiles a request's constraint off the loop (:meth:`Constraints.submit`,
+stopped by :meth:`cancel` when the request goes away), then adds its grammar (:meth:`add`) or fails the
+request; the engine checks that constraints can compile at all (:attr:`available`), hands a decode
+instance's arrived first token to its grammar, aborts the requests whose constraint failed them
+(:meth:`take_failures`) and releases finished ones; the sampling pipeline (``engine/sampling.py``) masks
+each step's rows by their grammars and has the tokens it keeps accepted.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from epserve.engine.grammars import CompileLimits
 from epserve.engine.request import Request
 from epserve.engine.structured import GrammarCompiler, GrammarMasks
 from epserve.messages.sampling import StructuredOutput
@@ -38,8 +39,9 @@ class Constraints:
     """One engine's structured outputs: its compiler (every rank holds one; leaders use it) and the
     leader's matchers, one per constrained request."""
 
-    def __init__(self, model_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        self.compiler = GrammarCompiler(model_path, vocab_size, eos_token_ids)
+    def __init__(self, model_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 limits: CompileLimits | None = None) -> None:
+        self.compiler = GrammarCompiler(model_path, vocab_size, eos_token_ids, limits=limits)
         self.masks = GrammarMasks(vocab_size, eos_token_ids)
 
     # ---- the step loop's and the engine's side ---------------------------------------------------
@@ -49,8 +51,13 @@ class Constraints:
         return self.compiler.available
 
     def submit(self, constraint: StructuredOutput) -> Future:
-        """The compiled grammar, later, from the compiler's thread (ValueError naming what does not compile)."""
+        """The compiled grammar, later, from the grammar worker (ValueError naming what does not compile
+        or which bound of the compiler's it exceeds)."""
         return self.compiler.submit(constraint)
+
+    def cancel(self, future: Future) -> None:
+        """Stop a submitted compile (its request went away)."""
+        self.compiler.cancel(future)
 
     def compile(self, constraint: StructuredOutput) -> Any:
         """The compiled grammar now, on the caller's thread."""

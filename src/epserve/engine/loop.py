@@ -70,7 +70,8 @@ class EngineLoop:
         self.options = options
         self.doorbell = doorbell if doorbell is not None else LocalDoorbell()
         self.inbox: collections.deque[AddRequest | AbortRequest | KVReceived | GrammarCompiled] = collections.deque()
-        # requests waiting for their constraint to compile (``engine.constraints``), and its future
+        # requests waiting for their constraint to compile (``engine.constraints``), and its future: those
+        # compiling and those queued behind them, all counted as waiting (``load``)
         self.compiling: dict[str, tuple[AddRequest, Future]] = {}
         self._offline = False
         self.requests: dict[str, Request] = {}  # accepted by this leader, not finished (the loop's thread)
@@ -201,9 +202,8 @@ class EngineLoop:
     def _fail_accepted(self) -> None:
         """After a failure: every accepted or queued request fails as unavailable, and the accepted
         ones are aborted, so the engine holds none of them (offline, the next call runs without them)."""
-        pending = [*self.requests, *self.compiling,
+        pending = [*self.requests, *self._drop_compiles(),
                    *(m.request_id for m in list(self.inbox) if isinstance(m, AddRequest))]
-        self.compiling = {}
         why = "the engine failed (a rank died, or a collective failed or timed out)"  # details: the log
         self._deliver([RequestFailed(rid, "unavailable", why) for rid in pending])
         self.inbox.clear()
@@ -219,8 +219,11 @@ class EngineLoop:
         while self.inbox:
             message = self.inbox.popleft()
             if isinstance(message, AbortRequest):
-                if self.compiling.pop(message.request_id, None) is None:
+                compiling = self.compiling.pop(message.request_id, None)
+                if compiling is None:
                     self.engine.abort_request(message.request_id)
+                else:  # its compile stops (waiting for the compiler, or killed in the grammar worker)
+                    self.engine.constraints.cancel(compiling[1])
                 continue
             if isinstance(message, KVReceived):
                 self.engine.receive_kv(message.arrival)
@@ -232,8 +235,12 @@ class EngineLoop:
                 message, future = self.compiling.pop(rid)
                 try:
                     self.engine.constraints.add(rid, future.result())
-                except ValueError as e:
+                except ValueError as e:  # it does not compile, or exceeds a bound of the compiler's
                     failed.append(RequestFailed(rid, "invalid", str(e)))
+                    continue
+                except Exception as e:  # (the compiler's own failure: the grammar worker did not start)
+                    logger.warning("request %s: its constraint did not compile: %s", rid, e)
+                    failed.append(RequestFailed(rid, "unavailable", f"the constraint could not compile: {e}"))
                     continue
             elif message.params.structured is not None:  # compiled first, off the loop
                 if self.draining:
@@ -255,15 +262,29 @@ class EngineLoop:
         self._deliver(failed)
 
     def _compile(self, message: AddRequest) -> None:
-        """Compile the request's constraint on the compiler's thread; the loop takes the request when it
-        is done (offline, at once: nothing else waits)."""
-        future = self.engine.constraints.submit(message.params.structured)  # type: ignore[arg-type]
-        self.compiling[message.request_id] = (message, future)
+        """Compile the request's constraint in the grammar worker; the loop takes the request when it is
+        done. Offline, at once on this thread (nothing else waits; the caller's own constraints)."""
+        constraint = message.params.structured
+        assert constraint is not None
         if self._offline:
-            future.exception()
+            future: Future = Future()
+            try:
+                future.set_result(self.engine.constraints.compile(constraint))
+            except Exception as e:
+                future.set_exception(e)
+            self.compiling[message.request_id] = (message, future)
             self.inbox.appendleft(GrammarCompiled(message.request_id))
-        else:
-            future.add_done_callback(lambda _: self.submit(GrammarCompiled(message.request_id)))
+            return
+        future = self.engine.constraints.submit(constraint)
+        self.compiling[message.request_id] = (message, future)
+        future.add_done_callback(lambda _: self.submit(GrammarCompiled(message.request_id)))
+
+    def _drop_compiles(self) -> list[str]:
+        """Every compiling request dropped, its compile stopped; their ids."""
+        compiling, self.compiling = self.compiling, {}
+        for _, future in compiling.values():
+            self.engine.constraints.cancel(future)
+        return list(compiling)
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
         """Each request's new tokens, handed to the frontend once per step (not once per request)."""
@@ -310,12 +331,12 @@ class EngineLoop:
         handoff = scheduler.handoff
         ids = [r.request_id for r in (*scheduler.running, *scheduler.waiting, *handoff.pending,
                                        *handoff.receiving.values())]
-        if ids or self.compiling:
-            logger.warning("aborting %d requests: %s", len(ids) + len(self.compiling), why)
+        compiling = self._drop_compiles()
+        if ids or compiling:
+            logger.warning("aborting %d requests: %s", len(ids) + len(compiling), why)
         for rid in ids:
             self.engine.abort_request(rid)
-        self._deliver([RequestFailed(rid, "unavailable", f"aborted: {why}") for rid in self.compiling])
-        self.compiling = {}
+        self._deliver([RequestFailed(rid, "unavailable", f"aborted: {why}") for rid in compiling])
 
     def _start_draining(self) -> None:
         self.draining = True

@@ -2,14 +2,17 @@
 grammar, one matcher per constrained request on the leader that samples, and each step's token bitmask
 applied to the constrained rows' logits before sampling.
 
-Compiling happens off the step loop (``GrammarCompiler.submit``, on its own thread; the last compiled
-grammars are cached by their constraint), so a request waits for its grammar without holding others
-back: the loop queues it once it compiled (``engine/loop.py``), and a constraint that does not compile
-fails its request as invalid, naming the problem. So does a JSON schema that uses what xgrammar would
-silently ignore (``engine/json_schema.py``: the keyword and its JSON pointer), and the string formats xgrammar
-gets wrong are replaced by exact patterns there. A structural tag's tokens given by their text (a forced tool
-call's DeepSeek markers, ``router/tools.py``) become the ids of the tokenizer's added tokens, so the model
-writes each marker as the one token it was trained on (``_resolve_tokens``). A request whose constraint and
+Compiling happens off the step loop (``GrammarCompiler.submit``: in the grammar worker's processes,
+``engine/grammar_worker.py``, a few at once, each bounded in size, time and memory and killed when its
+request goes away; the last compiled grammars are cached by their constraint), so a request waits for
+its grammar without holding others back and no constraint can crash or exhaust the rank: the loop queues
+it once it compiled (``engine/loop.py``), and a constraint that does not compile, crashes its compile or
+exceeds a bound (``engine/grammars.py``) fails its request as invalid, naming the problem. So does a JSON
+schema that uses what xgrammar would silently ignore (``engine/json_schema.py``: the keyword and its JSON
+pointer), and the string formats xgrammar gets wrong are replaced by exact patterns there. A structural
+tag's tokens given by their text (a forced tool call's DeepSeek markers, ``router/tools.py``) become the
+ids of the tokenizer's added tokens, so the model writes each marker as the one token it was trained on
+(``grammars._resolve_tokens``). A request whose constraint and
 sampling parameters leave a row no token, or whose grammar refuses a sampled token, fails alone
 (``GrammarMasks.accept``; the engine aborts it, the loop reports why), never the step; where the grammar
 can only end, it ends whatever ``min_tokens`` says. The matcher allows EOS only where the grammar can end, and
@@ -25,9 +28,10 @@ do not pay for it.
 
 from __future__ import annotations
 
-import json
+import itertools
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,95 +40,107 @@ from typing import Any
 
 import torch
 
-from epserve.engine.json_schema import UnsupportedSchema, prepare_schema, prepare_tag
+from epserve.engine.grammar_worker import GrammarWorker
+from epserve.engine.grammars import CompileLimits, check_bounds, compile_constraint, load_compiler
 from epserve.messages.sampling import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
 
-def _choice_grammar(spec: str) -> str:
-    """One of the strings of the JSON list ``spec``, as an EBNF grammar of literals. Characters beyond
-    ASCII are written as themselves (UTF-8): xgrammar reads an escaped surrogate pair, JSON's spelling
-    of a character past U+FFFF, as two characters, whose bytes (CESU-8) are not UTF-8."""
-    choices = json.loads(spec)
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError("choice must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-def _resolve_tokens(node: Any, added: dict[str, int], vocab_size: int) -> Any:
-    """A structural tag with each ``{"type": "token", "token": TEXT}`` made the id of the added token
-    spelled ``TEXT`` (DeepSeek's tool-call markers: the model writes each as one token), or, where the
-    vocabulary has no such token below ``vocab_size``, the string ``TEXT`` (spelled by any tokens)."""
-    if isinstance(node, list):
-        return [_resolve_tokens(n, added, vocab_size) for n in node]
-    if not isinstance(node, dict):
-        return node
-    if node.get("type") == "token" and isinstance(node.get("token"), str):
-        token_id = added.get(node["token"])
-        if token_id is not None and token_id < vocab_size:
-            return {"type": "token", "token": token_id}
-        return {"type": "const_string", "value": node["token"]}
-    return {k: _resolve_tokens(v, added, vocab_size) for k, v in node.items()}
-
-
-# xgrammar's rule for the characters of a length-bounded JSON string admits control characters, which
-# JSON forbids unescaped (its unbounded string rule excludes them): the same class, without them.
-_ANY_SPACE = "[ \\n\\r\\t]*"
-_LOOSE_CHARS, _JSON_CHARS = '[^\\"\\\\\\r\\n]', '[^\\0-\\x1f\\"\\\\\\r\\n]'
-
-
-def _json_schema_grammar(spec: str) -> str:
-    """The EBNF grammar of JSON schema ``spec`` (compact separators, OpenAI ``strict`` semantics: no
-    properties or items beyond the schema's), its strings free of control characters; UnsupportedSchema
-    for what it would not enforce (``prepare_schema``)."""
-    import xgrammar as xgr
-
-    schema = json.dumps(prepare_schema(json.loads(spec)))
-    return _tidy(str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True)))
-
-
-def _tidy(ebnf: str) -> str:
-    """``ebnf`` with JSON's strings free of control characters and no optional whitespace between its
-    tokens (a grammar that admits any run of it lets a model pad until ``max_tokens``)."""
-    return ebnf.replace(_LOOSE_CHARS, _JSON_CHARS).replace(_ANY_SPACE, '""')
-
-
 class GrammarCompiler:
-    """Compiles constraints for one model's tokenizer and vocabulary, on a thread of its own; the last
+    """Compiles constraints for one model's tokenizer and vocabulary: a serving engine's in its grammar
+    worker (:meth:`submit`: at most ``limits.parallel`` at once, each bounded in size, time and memory,
+    cancellable), offline ones on the caller's thread (:meth:`compile`, bounded in size). The last
     ``cache_size`` compiled grammars are kept by their constraint (a request whose constraint compiled
     before does not compile again)."""
 
     def __init__(self, model_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_size: int = 256) -> None:
+                 cache_size: int = 256, limits: CompileLimits | None = None) -> None:
         self.model_path = Path(model_path)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.cache_size = cache_size
+        self.limits = limits if limits is not None else CompileLimits()
         self.num_compiled = 0  # constraints compiled (not taken from the cache)
+        self.worker = GrammarWorker(model_path, vocab_size, eos_token_ids)
         self._compiler: Any = None
         self._added: dict[str, int] = {}  # the tokenizer's added tokens (their text: their id)
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
-        self._lock = threading.Lock()  # (the compiler's thread and callers of ``compile``)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-grammar")
+        self._lock = threading.Lock()  # (the compiler's threads and callers of ``compile``)
+        self._jobs: dict[Future, int] = {}  # submitted, not done: their compile's id in the worker
+        self._ids = itertools.count()
+        self._pool = ThreadPoolExecutor(max_workers=self.limits.parallel, thread_name_prefix="epserve-grammar")
+        weakref.finalize(self, self.worker.close)
 
     @property
     def available(self) -> bool:
         return (self.model_path / "tokenizer.json").is_file()
 
     def submit(self, constraint: StructuredOutput) -> Future:
-        """The compiled grammar, later (the future raises ValueError naming what does not compile)."""
-        return self._pool.submit(self.compile, constraint)
+        """The compiled grammar, later, from the grammar worker (the future raises ValueError naming what
+        does not compile or which bound it exceeds); :meth:`cancel` stops it."""
+        grammar = self._cached(constraint)
+        if grammar is not None:
+            done: Future = Future()
+            done.set_result(grammar)
+            return done
+        job = next(self._ids)
+        future = self._pool.submit(self.compile_in_worker, constraint, job)
+        with self._lock:
+            self._jobs[future] = job
+        future.add_done_callback(self._forget)
+        return future
+
+    def cancel(self, future: Future) -> None:
+        """Stop a submitted compile: dropped while it waits for a thread, killed while it compiles."""
+        if future.cancel():
+            return
+        with self._lock:
+            job = self._jobs.get(future)
+        if job is not None:
+            self.worker.cancel(job)
+
+    @property
+    def num_pending(self) -> int:
+        """Submitted compiles not done (waiting for a thread or compiling)."""
+        with self._lock:
+            return len(self._jobs)
+
+    def _forget(self, future: Future) -> None:
+        with self._lock:
+            self._jobs.pop(future, None)
+
+    def compile_in_worker(self, constraint: StructuredOutput, job: int) -> Any:
+        """The compiled grammar of ``constraint`` from the grammar worker (compile ``job`` there), on one of
+        the compiler's threads; ValueError naming what does not compile or which bound it exceeds."""
+        grammar = self._cached(constraint)
+        if grammar is None:
+            import xgrammar as xgr
+
+            check_bounds(constraint.kind, constraint.spec, self.limits)
+            data = self.worker.compile(job, constraint.kind, constraint.spec, self.limits)
+            grammar = self._store(constraint, xgr.CompiledGrammar.deserialize_json(data.decode(),
+                                                                                  self.worker.tokenizer_info))
+        return grammar
 
     def compile(self, constraint: StructuredOutput) -> Any:
-        """The compiled grammar of ``constraint`` (from the cache when it compiled before); ValueError
-        naming what does not compile or would not be enforced."""
+        """The compiled grammar of ``constraint`` on the caller's thread (from the cache when it compiled
+        before); ValueError naming what does not compile, would not be enforced or exceeds a bound."""
+        grammar = self._cached(constraint)
+        if grammar is None:
+            check_bounds(constraint.kind, constraint.spec, self.limits)
+            grammar = self._store(constraint, compile_constraint(self._get_compiler(), self._added, self.vocab_size,
+                                                                 constraint.kind, constraint.spec))
+        return grammar
+
+    def _cached(self, constraint: StructuredOutput) -> Any:
         with self._lock:
             grammar = self._cache.get(constraint)
             if grammar is not None:
                 self._cache.move_to_end(constraint)
-                return grammar
-        grammar = self._compile(constraint)
+            return grammar
+
+    def _store(self, constraint: StructuredOutput, grammar: Any) -> Any:
         with self._lock:
             self.num_compiled += 1
             self._cache[constraint] = grammar
@@ -132,49 +148,17 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
-    def _compile(self, constraint: StructuredOutput) -> Any:
-        compiler = self._get_compiler()
-        kind, spec = constraint.kind, constraint.spec
-        try:
-            if kind == "json_object":  # any JSON object (OpenAI's json_object: an object, not any value)
-                kind, spec = "json_schema", '{"type": "object"}'
-            if kind == "json_schema":
-                json.loads(spec)  # (a clearer message than the converter's for text that is not JSON)
-                return compiler.compile_grammar(_json_schema_grammar(spec))
-            if kind == "regex":
-                return compiler.compile_regex(spec)
-            if kind == "choice":
-                return compiler.compile_grammar(_choice_grammar(spec))
-            if kind == "structural_tag":
-                import xgrammar as xgr
-
-                tag = json.dumps(_resolve_tokens(prepare_tag(json.loads(spec)), self._added, self.vocab_size))
-                return compiler.compile_grammar(_tidy(str(xgr.Grammar.from_structural_tag(tag))))
-            return compiler.compile_grammar(spec)
-        except UnsupportedSchema as e:
-            raise ValueError(f"the {kind} constraint asks what the grammar would not enforce: {e}") from None
-        except (RuntimeError, ValueError) as e:  # xgrammar's errors are RuntimeErrors with a C++ location
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"the {kind} constraint does not compile: {message.split(': ', 1)[-1]}") from None
-
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
-                from transformers import PreTrainedTokenizerFast
-
-                tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_path / "tokenizer.json"))
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=list(self.eos_token_ids))
-                # (no cache of xgrammar's own, unbounded by default: this one's, bounded, is kept instead)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-                self._added = dict(tokenizer.get_added_vocab())
-                logger.info("structured outputs: xgrammar compiler ready (%s vocabulary, %d entries)",
-                            info.vocab_type.name.lower(), self.vocab_size)
+                self._compiler, self._added, _ = load_compiler(self.model_path, self.vocab_size,
+                                                               self.eos_token_ids)
+                logger.info("structured outputs: xgrammar compiler ready (%d entries)", self.vocab_size)
             return self._compiler
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.worker.close()
 
 
 class GrammarMasks:
