@@ -9,8 +9,8 @@ may use it.
 | ``EPSERVE_CPU_KERNELS`` | ``0``: torch only, no C kernels (bf16: AVX512-BF16, fp32: AVX2) | on where supported |
 | ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
 | ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |
-| ``EPSERVE_API_KEY`` | the router's API key (how ``epserve serve`` hands it to the router process) | none |
-| ``EPSERVE_ENGINE_TOKEN`` | the token engines require and routers send (``--engine-token``) | the API key, if any |
+| ``EPSERVE_API_KEY`` | the router's API key (``--api-key``); read, then removed from the environment | none |
+| ``EPSERVE_ENGINE_TOKEN`` | the token engines require and routers send (``--engine-token``) | none |
 | ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests: ``aot_eager``) | ``inductor`` |
 | ``EPSERVE_FP8_BACKEND`` | FP8 kernels on CUDA: ``auto``, ``triton``, ``scaled_mm`` or ``torch`` | ``auto`` |
 | ``EPSERVE_MLA_BACKEND`` | paged MLA decode on CUDA: ``auto``, ``flashinfer`` or ``triton`` | ``auto`` |
@@ -119,9 +119,10 @@ def api_key() -> str | None:
     return os.environ.get(API_KEY) or None
 
 
-def set_api_key(key: str) -> None:
-    """Hand the API key to processes started from here (not on their command line)."""
-    os.environ[API_KEY] = key
+def take_api_key() -> str | None:
+    """``$EPSERVE_API_KEY``, taken out of this process's environment: no process started from here
+    inherits it (``epserve serve`` hands the key to its router process with the router's options)."""
+    return os.environ.pop(API_KEY, None) or None
 
 
 def engine_token() -> str | None:

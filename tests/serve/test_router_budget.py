@@ -1,19 +1,24 @@
-"""Issue 45 (5): the bytes of request bodies a router holds at once are bounded, for each client (its
-address) and over all of them, with no API key set (the default): a real ``epserve router`` with
-``--max-request-bytes 1 MiB``, four of them per client and eight in all. Requests that do not fit are
-refused from their head (429 for the client's share, 503 for the router's) before their body is read,
-a chunked body as soon as a chunk does not fit; the router's memory stays bounded while far more is
-sent to it; the bytes are given back when a request ends.
+"""A real ``epserve router --api-key K`` (no engine token) in front of a listening socket that records
+what the router sends its "engine".
 
-Every request is held open by construction: a held body has been accepted (the router answered
-``100 Continue``, so its bytes are held) and is one byte short; the refused ones are answered before
-they finish sending."""
+Issue 45 (5): the bytes of request bodies the router holds at once are bounded, for each client (its
+address) and over all of them, for key holders as for everyone without a key set (the budget is asked
+after the key): ``--max-request-bytes 1 MiB``, four of them per client and eight in all. Requests that
+do not fit are refused from their head (429 for the client's share, 503 for the router's) before their
+body is read, a chunked body as soon as a chunk does not fit; the router's memory stays bounded while
+far more is sent to it; the bytes are given back when a request ends. Every request is held open by
+construction: a held body has been accepted (the router answered ``100 Continue``, so its bytes are
+held) and is one byte short; the refused ones are answered before they finish sending.
+
+Issue 45 (6): the API key is not the engine token: the router calls its engine in plaintext gRPC, as a
+token-less engine speaks (it used to open TLS under a token derived from the key)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -27,6 +32,8 @@ from tests.serve_harness import Proc, metric
 MIB = 1 << 20
 BODY = 1 * MIB  # --max-request-bytes: a client may hold 4 of them, the router 8
 HOLD_S = 60.0  # header, body and keep-alive timeouts: nothing here waits on them
+API_KEY = "sk-issue-45"
+H2C_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # what a plaintext gRPC call opens with (TLS: b"\x16\x03")
 
 
 def rss_mib(pid: int, field: str = "VmRSS") -> float:
@@ -34,9 +41,30 @@ def rss_mib(pid: int, field: str = "VmRSS") -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
+class Engine:
+    """A listening socket: the first bytes the router sends on its first connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.first = b""
+        self.called = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+            conn.settimeout(30)
+            while len(self.first) < len(H2C_PREFACE) and (chunk := conn.recv(4096)):
+                self.first += chunk
+        except OSError:
+            pass
+        self.called.set()
+
+
 class Router:
-    def __init__(self, proc: Proc, port: int) -> None:
-        self.proc, self.port, self.url = proc, port, f"http://127.0.0.1:{port}"
+    def __init__(self, proc: Proc, port: int, engine: Engine) -> None:
+        self.proc, self.port, self.url, self.engine = proc, port, f"http://127.0.0.1:{port}", engine
 
     def connect(self, client: str) -> socket.socket:
         sock = socket.socket()
@@ -47,7 +75,8 @@ class Router:
 
     def head(self, size: int | None, expect: bool = True) -> bytes:
         length = "Transfer-Encoding: chunked" if size is None else f"Content-Length: {size}"
-        return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{length}\r\n"
+        return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+                f"Content-Type: application/json\r\n{length}\r\n"
                 + ("Expect: 100-continue\r\n" if expect else "") + "\r\n").encode()
 
     def held(self, client: str, size: int = BODY) -> socket.socket:
@@ -103,8 +132,8 @@ def _error(reply: bytes, status: int) -> dict:
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("budget")
-    port = free_port()
-    proc = Proc(["router", "--engine", f"127.0.0.1:{free_port()}", "--port", str(port),
+    port, engine = free_port(), Engine()
+    proc = Proc(["router", "--engine", f"127.0.0.1:{engine.port}", "--port", str(port), "--api-key", API_KEY,
                  "--max-request-bytes", str(BODY), "--max-client-body-bytes", str(4 * BODY),
                  "--max-body-bytes", str(8 * BODY),
                  "--header-timeout", str(HOLD_S), "--body-timeout", str(HOLD_S), "--keep-alive-timeout", str(HOLD_S)],
@@ -118,9 +147,17 @@ def router(tmp_path_factory):
         except httpx.HTTPError:
             time.sleep(0.1)
     try:
-        yield Router(proc, port)
+        yield Router(proc, port, engine)
     finally:
         proc.kill_all()
+        engine.sock.close()
+
+
+def test_router_api_key_is_not_the_engine_token(router):
+    assert router.engine.called.wait(60)
+    assert router.engine.first.startswith(H2C_PREFACE), \
+        f"the router did not call its engine in plaintext: {router.engine.first[:8]!r}"
+    assert httpx.get(f"{router.url}/v1/models", timeout=30).status_code == 401  # the key still guards /v1
 
 
 def test_body_budget_refuses_before_reading_and_gives_back(router):

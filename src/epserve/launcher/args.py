@@ -162,7 +162,7 @@ def router_options(args: argparse.Namespace, engines: tuple[str, ...] = (), pref
         header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
         keep_alive_timeout_s=args.keep_alive_timeout, max_connections=args.max_connections,
         max_body_bytes=args.max_body_bytes, max_client_body_bytes=args.max_client_body_bytes,
-        engine_token=engine_token(args),
+        engine_token=engine_token(args), api_key=set_api_key(args),
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         generation_config=args.generation_config,
         reasoning_parser=args.reasoning_parser,
@@ -199,9 +199,12 @@ def engine_token(args: argparse.Namespace) -> str | None:
     return args.engine_token or env.engine_token()
 
 
-def set_api_key(args: argparse.Namespace) -> None:
-    """--api-key, or the key in --api-key-file, as $EPSERVE_API_KEY: how the router (process) finds it,
-    never on a command line. ValueError naming the file if it cannot be read or holds no key."""
+def set_api_key(args: argparse.Namespace) -> str | None:
+    """The router's API key: --api-key, the key in --api-key-file, else $EPSERVE_API_KEY; kept in
+    ``args.api_key`` (the router's options carry it to the router process, never on a command line) and
+    taken out of this process's environment, which every process started from here inherits (the
+    forkserver, the ranks, the router: none has a use for it). ValueError naming the file if it cannot
+    be read or holds no key. Asking again gives the same key."""
     key = args.api_key
     if args.api_key_file is not None:
         from pathlib import Path
@@ -214,5 +217,6 @@ def set_api_key(args: argparse.Namespace) -> None:
             raise ValueError(f"--api-key-file {args.api_key_file} is not UTF-8 text") from None
         if not key:
             raise ValueError(f"--api-key-file {args.api_key_file} is empty")
-    if key:
-        env.set_api_key(key)
+    from_env = env.take_api_key()  # (out of the environment, whichever key is used)
+    args.api_key = key or from_env or None
+    return args.api_key

@@ -47,6 +47,7 @@ class RouterOptions:
     max_body_bytes: int | None = None  # request bodies held at once (None: 16 x max_request_bytes) ...
     max_client_body_bytes: int | None = None  # ... by one client (None: 8 x max_request_bytes)
     engine_token: str | None = field(default=None, repr=False)  # the engines' mutual TLS key (None: plaintext)
+    api_key: str | None = field(default=None, repr=False)  # clients' Bearer key (None: open); never the engine token
     chat_template: str | None = field(default=None, repr=False)  # template text replacing the checkpoint's
     generation_config: str = "auto"  # sampling defaults: auto (the checkpoint's), vllm (none) or a directory
     reasoning_parser: str | None = None  # chat: the model's reasoning as reasoning_content (deepseek_r1)
@@ -117,13 +118,16 @@ def router_parts(options: RouterOptions):
 
 
 def build_router(options: RouterOptions, api_key: str | None = None):
-    """The router's ASGI server object (an OpenAIServer); ValueError for bad options."""
+    """The router's ASGI server object (an OpenAIServer); ValueError for bad options. ``api_key``: the
+    clients' key (default: ``options.api_key``); the engines are called with ``options.engine_token``
+    alone, never with the API key (an HTTP client must not be able to pose as a router)."""
     from epserve.router.app import OpenAIServer
     from epserve.router.instances import Router
 
+    api_key = api_key or options.api_key
     policy, tokenizer, defaults = router_parts(options)
     defaults.log()
-    router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token or api_key,
+    router = Router(options.engines, policy, options.refresh_interval_s, token=options.engine_token,
                     engine_wait_s=options.engine_wait_s, prefill=options.prefill, decode=options.decode)
     return OpenAIServer(router, tokenizer, options.model_name, api_key, options.limits, defaults,
                         options.reasoning_parser, (options.tool_call_parser, options.enable_auto_tool_choice),
@@ -140,9 +144,10 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def run_router(options: RouterOptions, api_key: str | None = None, control: Connection | None = None) -> None:
-    """Serve the OpenAI API until SIGINT/SIGTERM (uvicorn finishes open responses first). ``control``:
-    the pipe from ``epserve serve``'s supervisor (engine instances that moved); when it ends the
-    supervisor is gone, and so is this process, at once."""
+    """Serve the OpenAI API until SIGINT/SIGTERM (uvicorn finishes open responses first). ``api_key``:
+    the clients' key (default: ``options.api_key``). ``control``: the pipe from ``epserve serve``'s
+    supervisor (engine instances that moved); when it ends the supervisor is gone, and so is this
+    process, at once."""
     import uvicorn
 
     check_port_free(options.host, options.port)
@@ -190,9 +195,9 @@ def _supervisor_gone() -> None:
 
 
 def router_main(options: RouterOptions, log_level: str, control: Connection | None = None) -> None:
-    """Entry of the router process that ``epserve serve`` starts; ``control``: the supervisor's pipe
-    (see :func:`run_router`)."""
+    """Entry of the router process that ``epserve serve`` starts (the API key comes with ``options``,
+    not in its environment); ``control``: the supervisor's pipe (see :func:`run_router`)."""
     die_with_parent()
     name_process("epserve-router")
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s router %(name)s: %(message)s")
-    run_router(options, env.api_key(), control)
+    run_router(options, options.api_key, control)
