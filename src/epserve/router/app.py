@@ -14,9 +14,10 @@ can take the request (or past ``--max-connections``). ``/v1/responses`` (OpenAI'
 template that fails on a conversation is a 400 ``chat_template_error``. The endpoints that describe
 the server (models, health, ``/ping``, metrics) are ``info_endpoints``'.
 
-One request cannot stall the others: a large body is parsed and a long text tokenized on a worker
-thread, a text that cannot fit the context is refused by its length before tokenizing (no token stands
-for more than ``max_chars_per_token`` characters), and one request fans out to at most
+One request cannot stall the others: a large body is parsed, a long text tokenized, a large request's
+choices built and a large response's body (or stream chunk) written on a worker thread, a large body
+sent a choice at a time; a text that cannot fit the context is refused by its length before tokenizing
+(no token stands for more than ``max_chars_per_token`` characters), and one request fans out to at most
 ``max_choices_per_request`` generations.
 """
 
@@ -28,13 +29,13 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -43,6 +44,7 @@ from epserve.router import openapi_doc
 from epserve.router.checks import (
     bad_words_token_ids,
     check_request,
+    choices_cost,
     logit_bias,
     resolve_max_tokens,
     stop_strings,
@@ -69,6 +71,7 @@ from epserve.router.metrics import RouterMetrics
 from epserve.router.output_options import OutputOptions
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
 from epserve.router.reasoning import starts_in_reasoning
+from epserve.router.response_body import LARGE_COST
 from epserve.router.responses import (
     ResponsesRequest,
     chat_error,
@@ -121,9 +124,10 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
         self.max_chars_per_token = max_chars_per_token(tokenizer) if tokenizer is not None else None
         self.metrics = RouterMetrics(router, model_name)
         self.gate = RequestGate(api_key, on_refused=self.metrics.error)  # also served: http_connections.http_protocol
-        self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name,
-                                                    reasoning_parser, self.output)
         self.workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-parse")  # GIL-bound work
+        self.generation_context = GenerationContext(router.generate, tokenizer, self.metrics, model_name,
+                                                    reasoning_parser, self.output,
+                                                    offload=functools.partial(self._offload, True))
         self.created = int(time.time())
         self.app = self._build_app()
 
@@ -223,7 +227,8 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
         max_model_len, vocab = self._limits()
         try:
             prompt = await self._encode_chat(self._need_tokenizer("responses"), req, max_model_len)
-            run = self._generation(req, [prompt], max_model_len, vocab, chat=True, id_prefix="resp")
+            run = await self._offload(choices_cost(req, [prompt]) > LARGE_COST, functools.partial(
+                self._generation, req, [prompt], max_model_len, vocab, chat=True, id_prefix="resp"))
         except APIError as e:
             raise chat_error(e) from None
         response_id, created = new_ids()
@@ -318,18 +323,28 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
     async def _generate(self, raw: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                         max_model_len: int, vocab: int, chat: bool,
                         prompt_texts: list[str | None] | None = None) -> Response:
-        run = self._generation(req, prompts, max_model_len, vocab, chat, prompt_texts)
+        run = await self._offload(choices_cost(req, prompts) > LARGE_COST, self._generation, req, prompts,
+                                  max_model_len, vocab, chat, prompt_texts)
         if req.stream:
             return await run.stream(raw, chat)
         await until_disconnect(raw, run.complete())
-        return JSONResponse(run.response(chat))
+        if run.response_cost(chat) <= LARGE_COST:
+            return JSONResponse(run.response(chat))
+        return StreamingResponse(self._built(run.body_parts(chat)), media_type="application/json")
+
+    async def _built(self, parts: Iterator[bytes]) -> AsyncIterator[bytes]:
+        """A large body's pieces, each built on the worker thread."""
+        loop = asyncio.get_running_loop()
+        while (piece := await loop.run_in_executor(self.workers, next, parts, None)) is not None:
+            yield piece
 
     def _generation(self, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                     max_model_len: int, vocab: int, chat: bool, prompt_texts: list[str | None] | None = None,
                     id_prefix: str | None = None) -> Generation:
         """The request's generation: its choices (``n`` per prompt) with their engine parameters, checked."""
         choices: list[Choice] = []
-        bad_bias = next((t for t, _ in logit_bias(req) if t >= vocab), None)
+        bias = logit_bias(req)  # (checked once: every choice carries it)
+        bad_bias = next((t for t, _ in bias if t >= vocab), None)
         if bad_bias is not None:
             raise bad_request(f"logit_bias token id {bad_bias} is outside the vocabulary [0, {vocab})", "logit_bias")
         # a chat output that starts inside the reasoning (its rendered prompt left <think> open)
@@ -351,11 +366,10 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
                 raise bad_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
             for j in range(req.n):
                 params = to_sampling_params(req, max_tokens, index=j, defaults=self.generation_defaults,
-                                            bad_words=bad_words, structured=constraint)
+                                            bad_words=bad_words, structured=constraint, bias=bias)
                 choices.append(Choice(len(choices), ids, params, first_of_prompt=j == 0,
                                       prompt_text=prompt_texts[i] if prompt_texts else None))
         if stop_strings(req) and self.tokenizer is None:
             raise APIError("stop strings need a tokenizer; this model directory has none", param="stop")
         request_id = f"{id_prefix or ('chatcmpl' if chat else 'cmpl')}-{req.request_id or uuid.uuid4().hex}"
         return Generation(self.generation_context, req, choices, request_id, mode.parser, thinking)
-

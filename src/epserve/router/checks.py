@@ -10,6 +10,7 @@ the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``).
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from epserve.messages.sampling import (
 )
 from epserve.router.errors import bad_request, context_length_exceeded
 from epserve.router.generation_defaults import GenerationDefaults
+from epserve.router.json_body import MAX_JSON_DEPTH
 from epserve.router.protocol import AnyRequest, ChatCompletionRequest, ChatFields, CompletionRequest
 from epserve.router.request_model import (
     INT32_MAX,
@@ -36,6 +38,7 @@ from epserve.router.request_model import (
     UINT32_MAX,
 )
 from epserve.router.tools import check_tools, structured_output
+from epserve.router.unsupported import UNSUPPORTED, check_unsupported  # noqa: F401 (UNSUPPORTED: its old home)
 
 
 def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
@@ -77,7 +80,8 @@ def check_request(req: AnyRequest) -> None:
                           f"{req.truncate_prompt_tokens}", "truncate_prompt_tokens")
     if req.request_id is not None and not 0 < len(req.request_id) <= MAX_REQUEST_ID_CHARS:
         raise bad_request(f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters", "request_id")
-    _check_unsupported(req)
+    check_unsupported(req)
+    _check_schema_texts(req)
     structured_output(req)  # its form
     stops = stop_strings(req)
     if len(stops) > MAX_STOP_STRINGS:
@@ -100,61 +104,17 @@ def _check_max_tokens(value: int | None, param: str, least: int = 1) -> None:
 
 
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # (tokenized on the event loop: bounded)
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API takes (each choice's engine request carries them all)
 
-# Fields defined by OpenAI or vLLM that this server does not implement: the values that mean "off" (any
-# other is a 400 naming the field), and why.
-UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
-    # OpenAI's
-    "suffix": ((None, ""), "no fill-in-the-middle"),
-    "functions": ((None, []), "use tools"),
-    "function_call": ((None, "none", "auto"), "use tool_choice"),
-    "audio": ((None,), "text only"),
-    "modalities": ((None, ["text"]), "text only"),
-    "prediction": ((None,), "no predicted outputs"),
-    "web_search_options": ((None,), "no web search"),
-    "reasoning_effort": ((None,), "DeepSeek's thinking mode is chat_template_kwargs {\"thinking\": true}"),
-    "verbosity": ((None,), "not implemented"),
-    "store": ((None, False), "nothing is stored"),
-    # vLLM's
-    "allowed_token_ids": ((None,), "not implemented (logit_bias or a structured output instead)"),
-    "use_beam_search": ((False,), "no beam search"),
-    "length_penalty": ((1.0,), "it applies to beam search, which is not implemented"),
-    "structural_tag": ((None,), "structured outputs: response_format, structured_outputs or guided_*"),
-    "guided_decoding_backend": ((None, "auto", "xgrammar"), "structured outputs run on xgrammar only"),
-    "guided_whitespace_pattern": ((None,), "not implemented"),
-    "priority": ((0,), "no priority scheduling: requests are served first come, first served"),
-    "logits_processors": ((None, []), "no custom logits processors"),
-    "return_token_ids": ((False,), "not implemented (logprobs carry the token ids)"),
-    "cache_salt": ((None,), "the prefix cache is shared by every request"),
-    "kv_transfer_params": ((None,), "the engines pair prefill and decode themselves"),
-    "vllm_xargs": ((None,), "not implemented"),
-    "mm_processor_kwargs": ((None, {}), "text only"),
-    "prompt_embeds": ((None,), "prompts are text or token ids"),
-}
-# Chat fields OpenAI and vLLM added since, refused the same way (kept apart: UNSUPPORTED's test lists its own).
-UNSUPPORTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
-    "moderation": ((None,), "no moderation"),
-    "prompt_cache_options": ((None, {}), "the prefix cache is automatic: prompts sharing a prefix reuse its KV "
-                             "blocks, with no options"),
-    "prompt_cache_retention": ((None, "in_memory"), "cached prefixes stay in memory while there is room "
-                               "(in_memory); none is kept for 24h"),
-    "media_io_kwargs": ((None, {}), "text only"),
-}
 MAX_REQUEST_ID_CHARS = 256
 
 
-def _check_unsupported(req: AnyRequest) -> None:
-    for name, (off, why) in (*UNSUPPORTED.items(), *UNSUPPORTED_CHAT.items()):
-        if name in type(req).model_fields and not any(_same(getattr(req, name), v) for v in off):
-            raise bad_request(f"{name} is not supported by this server ({why})", name, "unsupported_parameter")
-
-
-def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
-
-
 def logit_bias(req: AnyRequest) -> tuple[tuple[int, float], ...]:
-    """``logit_bias`` as (token id, bias) pairs: keys are token ids written as strings (OpenAI's form)."""
+    """``logit_bias`` as (token id, bias) pairs: keys are token ids written as strings (OpenAI's form);
+    at most ``MAX_LOGIT_BIAS`` of them."""
+    if len(req.logit_bias or ()) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} token ids, got {len(req.logit_bias)}",
+                          "logit_bias")
     pairs = []
     for key, bias in (req.logit_bias or {}).items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) > UINT32_MAX:
@@ -164,6 +124,28 @@ def logit_bias(req: AnyRequest) -> tuple[tuple[int, float], ...]:
     if len({t for t, _ in pairs}) != len(pairs):
         raise bad_request("logit_bias names a token id twice", "logit_bias")
     return tuple(pairs)
+
+
+def _check_schema_texts(req: AnyRequest) -> None:
+    """A JSON schema given as JSON text (``guided_json``, ``structured_outputs.json``) nests no deeper
+    than a request body may (``MAX_JSON_DEPTH``): ``json`` recurses, and the grammar compiler after it."""
+    outputs = req.structured_outputs if isinstance(req.structured_outputs, dict) else {}
+    for name, text in (("guided_json", req.guided_json), ("structured_outputs.json", outputs.get("json"))):
+        if not isinstance(text, str):
+            continue
+        try:
+            todo: list[tuple[Any, int]] = [(json.loads(text), 1)]
+        except RecursionError:
+            todo = [(None, MAX_JSON_DEPTH + 1)]
+        except ValueError:
+            continue  # (structured_output says it is not JSON)
+        while todo:
+            node, depth = todo.pop()
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"{name} nests JSON more than {MAX_JSON_DEPTH} levels deep", name)
+            if isinstance(node, (dict, list)):
+                todo.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)
+                            if isinstance(child, (dict, list)))
 
 
 def _check_completion(req: CompletionRequest) -> None:
@@ -285,11 +267,13 @@ def _wrap_int64(x: int) -> int:
 def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
                        defaults: GenerationDefaults | None = None,
                        bad_words: tuple[tuple[int, ...], ...] = (),
-                       structured: StructuredOutput | None = None) -> SamplingParams:
+                       structured: StructuredOutput | None = None,
+                       bias: tuple[tuple[int, float], ...] | None = None) -> SamplingParams:
     """The engine's ``SamplingParams`` for choice ``index`` of ``req`` (its seed is ``seed + index``);
     ``defaults`` (the checkpoint's ``generation_config.json``) fill the sampling fields it did not set;
     ``bad_words``: the request's, tokenized (``bad_words_token_ids``); ``structured``: a constraint the
-    server adds (a forced tool call), instead of the request's own."""
+    server adds (a forced tool call), instead of the request's own; ``bias``: ``logit_bias(req)``, when the
+    caller has it (one request's choices share it)."""
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
@@ -314,7 +298,7 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
             logprobs=logprobs,
             presence_penalty=float(req.presence_penalty),
             frequency_penalty=float(req.frequency_penalty),
-            logit_bias=logit_bias(req),
+            logit_bias=logit_bias(req) if bias is None else bias,
             min_tokens=req.min_tokens,
             prompt_logprobs=prompt_logprobs,
             bad_words=bad_words,
@@ -358,3 +342,11 @@ def truncated_length(req: AnyRequest, max_model_len: int) -> int:
         raise bad_request(f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len})",
                           "truncate_prompt_tokens")
     return keep
+
+
+def choices_cost(req: AnyRequest, prompts: list[list[int]]) -> int:
+    """What building a request's choices costs (``app.OpenAIServer._generation``), roughly in the units of
+    ``response_body.LARGE_COST``: its prompts' tokens scanned, and each choice's engine parameters checked."""
+    tools = len(req.tools) * 64 if isinstance(getattr(req, "tools", None), list) else 0
+    per_choice = 1 + len(req.logit_bias or ()) + sum(map(len, req.bad_words or ()))
+    return sum(map(len, prompts)) + len(prompts) * req.n * per_choice + tools

@@ -20,7 +20,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +33,16 @@ from epserve.router.checks import stop_strings
 from epserve.router.choices import Choice, ChoiceDelta, ChoiceDone, ChoiceEvent, ChoiceFailed, Delta
 from epserve.router.detokenize import OutputText
 from epserve.router.errors import ENGINE_ABORTED, unavailable
-from epserve.router.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from epserve.router.logprobs import chat_logprobs, completion_logprobs
 from epserve.router.output_options import OutputOptions
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from epserve.router.response_body import (
+    LARGE_COST,
+    TEXT_CHARS_PER_ENTRY,
+    ResponseBody,
+    client_finish,
+    logprob_entries,
+)
 from epserve.router.streaming import gather_or_raise, sse, stream_error, until_disconnect
 from epserve.router.text_stages import ExtractToolCalls, TextPiece, TextStage, run_stages, text_stages
 
@@ -63,10 +70,12 @@ class GenerationContext:
     model_name: str
     reasoning_parser: str | None = None  # ``--reasoning-parser`` (chat): reasoning_content apart from content
     output: OutputOptions = OutputOptions()  # vLLM's --response-role, --return-tokens-as-token-ids, --max-logprobs
+    # Runs a function off the event loop (a worker thread) and awaits its result: a large chunk's building.
+    offload: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None
 
 
-class Generation:
-    """One HTTP request's choices, run concurrently."""
+class Generation(ResponseBody):
+    """One HTTP request's choices, run concurrently; its whole body (``ResponseBody``) or its stream."""
 
     def __init__(self, ctx: GenerationContext, req: CompletionRequest | ChatCompletionRequest,
                  choices: list[Choice], request_id: str, tool_parser: str | None = None,
@@ -186,48 +195,6 @@ class Generation:
             logger.warning("request %s: the engine aborted it", self.id)
             raise unavailable(ENGINE_ABORTED)
 
-    def usage(self, sent: list[int] | None = None) -> dict[str, Any]:
-        """The usage; ``sent``: each choice's output tokens streamed so far, instead of all it generated."""
-        prompt = sum(len(c.prompt_ids) for c in self.choices if c.first_of_prompt)
-        cached = sum(c.num_cached for c in self.choices if c.first_of_prompt)
-        completion = sum(sent) if sent is not None else sum(c.num_output for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
-
-    def response(self, chat: bool) -> dict[str, Any]:
-        tokenizer = self.ctx.tokenizer
-        out = []
-        for c in self.choices:
-            text = self.echo + "".join(c.text)
-            logprobs, as_ids = None, self.as_ids
-            if c.params.logprobs is not None and tokenizer is not None:
-                skip = self.req.skip_special_tokens
-                logprobs = ({"content": chat_logprobs(tokenizer, c.token_ids, c.logprobs, as_ids)} if chat else
-                            completion_logprobs(tokenizer, c.token_ids, c.logprobs, 0, skip, as_ids))
-            if chat:
-                message: dict[str, Any] = {"role": self.ctx.output.response_role, "content": text}
-                if self.ctx.reasoning_parser is not None:
-                    message["reasoning_content"] = "".join(c.reasoning) or None
-                    message["content"] = text or None
-                if c.tool_calls:
-                    message.update(content=text or None, tool_calls=[call.to_openai() for call in c.tool_calls])
-                out.append({"index": c.index, "message": message, "logprobs": logprobs,
-                            "finish_reason": _client_finish(c.finish_reason, c)})
-            else:
-                out.append({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            **self._prompt_logprobs(c)})
-        body = {"id": self.id, "object": "chat.completion" if chat else "text_completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": out, "usage": self.usage()}
-        if chat and self.req.prompt_logprobs is not None:  # vLLM puts a chat's beside its choices
-            body.update(self._prompt_logprobs(self.choices[0]))
-        return body
-
-    def _prompt_logprobs(self, choice: Choice) -> dict[str, Any]:
-        """vLLM's ``prompt_logprobs`` field, when asked for."""
-        if self.req.prompt_logprobs is None:
-            return {}
-        return {"prompt_logprobs": prompt_logprobs(self.ctx.tokenizer, choice.prompt_ids, choice.prompt_logprobs)}
-
     # ---- streaming -----------------------------------------------------------------------------
     async def stream(self, raw: Request, chat: bool, events: EventsShape | None = None) -> Response:
         """Start every choice; answer with an error status if one fails before its first message,
@@ -302,7 +269,7 @@ class Generation:
                 if not (delta.text or delta.reasoning or delta.tool_calls or delta.finish_reason or delta.logprobs
                         or delta.token_ids):  # new tokens whose text is held back still get a chunk (vLLM)
                     continue
-                yield self._chunk(head, choice, delta, offsets, include_usage, chat)
+                yield await self._built_chunk(head, choice, delta, offsets, include_usage, chat)
             if include_usage:
                 yield sse({**head, "choices": [], "usage": self.usage()})
             yield "data: [DONE]\n\n"
@@ -310,6 +277,18 @@ class Generation:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _built_chunk(self, head: dict[str, Any], choice: Choice, delta: Delta, offsets: list[int],
+                           include_usage: bool, chat: bool) -> str:
+        """``_chunk``, built off the event loop (``ctx.offload``) when it is large: logprobs over many
+        tokens (a completion's echoed prompt), the first chunk's prompt logprobs, much text."""
+        build = functools.partial(self._chunk, head, choice, delta, offsets, include_usage, chat)
+        cost = logprob_entries(choice.params.logprobs, len(delta.token_ids)) + len(delta.text) // TEXT_CHARS_PER_ENTRY
+        if not chat and choice.index not in self._started:
+            cost += logprob_entries(self.req.prompt_logprobs, len(choice.prompt_ids))
+        if self.ctx.offload is None or cost <= LARGE_COST:
+            return build()
+        return await self.ctx.offload(build)
 
     def _chunk(self, head: dict[str, Any], choice: Choice, delta: Delta, offsets: list[int], include_usage: bool,
                chat: bool) -> str:
@@ -335,7 +314,7 @@ class Generation:
             if not content and delta.finish_reason is None:  # tokens whose text is not out yet (a UTF-8 prefix)
                 content["content"] = ""
             body = {"index": choice.index, "delta": content, "logprobs": logprobs,
-                    "finish_reason": _client_finish(delta.finish_reason, choice)}
+                    "finish_reason": client_finish(delta.finish_reason, choice)}
         else:
             body = {"index": choice.index, "text": delta.text, "logprobs": logprobs,
                     "finish_reason": delta.finish_reason, **(self._prompt_logprobs(choice) if first else {})}
@@ -357,8 +336,3 @@ class Generation:
 def _logprob(lp: TokenLogprobs) -> tuple[float, list[tuple[int, float]]]:
     """A token's logprob and its top ones, as a choice keeps them."""
     return lp.logprob, list(lp.top)
-
-
-def _client_finish(reason: str | None, choice: Choice) -> str | None:
-    """The finish reason the client sees: ``tool_calls`` for a choice that stopped after calling tools."""
-    return "tool_calls" if reason == "stop" and choice.tool_calls else reason

@@ -133,7 +133,7 @@ class _SamplingFields(RequestModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    # Defined by vLLM, not implemented: a value other than "off" is refused (``checks.UNSUPPORTED``).
+    # Defined by vLLM, not implemented: a value other than "off" is refused (``unsupported.UNSUPPORTED``).
     allowed_token_ids: Any = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -224,7 +224,7 @@ class ChatCompletionRequest(_SamplingFields, ChatFields):
     echo: bool = False  # extension (vLLM): the final message's content first, when it is the assistant's
     documents: Any = None  # extension (vLLM): a template variable (retrieval-augmented templates)
     include_reasoning: bool = True  # extension (vLLM): with a reasoning parser, false drops reasoning_content
-    # Defined by OpenAI, not implemented: a value other than "off" is refused (``checks.UNSUPPORTED``).
+    # Defined by OpenAI, not implemented: a value other than "off" is refused (``unsupported.UNSUPPORTED``).
     functions: Any = None
     function_call: Any = None
     audio: Any = None
