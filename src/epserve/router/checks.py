@@ -32,6 +32,7 @@ from epserve.router.request_model import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGIT_BIAS,
     MAX_N,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
@@ -104,7 +105,6 @@ def _check_max_tokens(value: int | None, param: str, least: int = 1) -> None:
 
 
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 256  # (tokenized on the event loop: bounded)
-MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API takes (each choice's engine request carries them all)
 
 MAX_REQUEST_ID_CHARS = 256
 

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API takes (each choice's engine request carries them all)
 MAX_TEMPERATURE = 2.0
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
@@ -40,7 +41,8 @@ _SCHEMA_BOUNDS: dict[str, dict[str, Any]] = {
     "presence_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
     "frequency_penalty": {"minimum": -MAX_PENALTY, "maximum": MAX_PENALTY},
     "repetition_penalty": {"exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY},
-    "logit_bias": {"additionalProperties": {"minimum": -MAX_BIAS, "maximum": MAX_BIAS}},
+    "logit_bias": {"maxProperties": MAX_LOGIT_BIAS,
+                   "additionalProperties": {"minimum": -MAX_BIAS, "maximum": MAX_BIAS}},
     "min_tokens": {"minimum": 0, "maximum": UINT32_MAX},
     "prompt_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
     "bad_words": {"maxItems": 256, "items": {"maxLength": 256, "pattern": "\\S"}},
