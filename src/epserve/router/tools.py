@@ -36,11 +36,20 @@ class ToolMode:
     constraint: StructuredOutput | None = None
 
 
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools
+# OpenAI's rule for a function's name (DeepSeek's markers, or anything else a forced call's format would
+# read as its own, cannot appear in one)
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
 def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     """The functions of ``tools`` by name, their form checked: ``[{"type": "function", "function":
-    {"name", "description"?, "parameters"?, "strict"?}}]``."""
+    {"name", "description"?, "parameters"?, "strict"?}}]``, at most ``MAX_TOOLS``, each name matching
+    ``TOOL_NAME``."""
     if not isinstance(tools, list):
         raise bad_request("tools must be a list of {type: function, function: {name, parameters}}", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools has {len(tools)} entries; at most {MAX_TOOLS} are allowed", "tools")
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
@@ -49,6 +58,9 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
                 or not name or name in out:
             raise bad_request(f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name of "
                               "its own", "tools")
+        if not TOOL_NAME.fullmatch(name):
+            raise bad_request(f"tools[{i}].function.name must be 1 to 64 of a-z, A-Z, 0-9, _ and - "
+                              f"(^[a-zA-Z0-9_-]{{1,64}}$), not {name[:80]!r}", f"tools[{i}].function.name")
         parameters = function.get("parameters", {"type": "object"})  # type: ignore[union-attr]
         if not isinstance(parameters, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
