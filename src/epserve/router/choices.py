@@ -40,8 +40,9 @@ class Choice:
     num_output: int = 0
     prompt_text: str | None = None  # as the client sent it (echo repeats it), None for token ids
     engine_times: tuple[float, float] | None = None  # the engine's queue and prefill seconds, from its first token
-    # asked-for prompt logprobs: None for the first prompt token, then (logprob, top) per prompt token
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # asked-for prompt logprobs: None for the first prompt token, then per prompt token its (logprob, top) or
+    # the engine's TokenLogprobs (``logprobs`` reads either)
+    prompt_logprobs: list[Any] | None = None
 
 
 # ---- what a choice's task sends to the response stream -------------------------------------------

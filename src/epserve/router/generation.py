@@ -110,9 +110,10 @@ class Generation(ResponseBody):
                 async for msg in stream:
                     now = time.monotonic()
                     if msg.prompt_logprobs:
-                        choice.prompt_logprobs = [None, *map(_logprob, msg.prompt_logprobs)]
+                        choice.prompt_logprobs = [None, *msg.prompt_logprobs]  # (as they came: read when sent)
                     if echo is not None:  # the prompt first: its text, and its logprobs when asked
-                        yield echo(choice)
+                        large = self.ctx.offload is not None and len(choice.prompt_ids) > LARGE_COST
+                        yield await self.ctx.offload(functools.partial(echo, choice)) if large else echo(choice)
                         echo = None
                     n = len(msg.token_ids)
                     if n:
