@@ -75,8 +75,9 @@ class Doorbell:
         if rank == 0:
             self._bell = Bell(host, key, heartbeat_timeout_s, port)
             store.set(ADDRESS_KEY, self._bell.address.encode())
-        # (waits for rank 0) Only the port is taken, and trusted no further than the handshake binds it.
-        bell_port = int(store.get(ADDRESS_KEY).decode().rpartition(":")[2])
+            bell_port = self._bell.port
+        else:
+            bell_port = _port(store.get(ADDRESS_KEY))  # (waits for rank 0)
         self._sock = socket.create_connection((host, bell_port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._channel = self._prove(key, rank, port, f"{host}:{bell_port}")
@@ -189,6 +190,15 @@ class Doorbell:
         self._reader.join(2.0)
         if self._bell is not None:
             self._bell.close()
+
+
+def _port(told: bytes) -> int:
+    """The bell's port from the store's ``host:port``: only the port is taken, and trusted no further than
+    the handshake binds it (the host is this rank's own rendezvous host)."""
+    port = told.decode(errors="replace").rpartition(":")[2]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise RuntimeError(f"the rendezvous store tells no port for the doorbell ({told[:64]!r}): rewritten?")
+    return int(port)
 
 
 class LocalDoorbell:
