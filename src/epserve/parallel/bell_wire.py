@@ -8,8 +8,8 @@ for themselves (:class:`Handshake`):
 - a nonce from each side, fresh for the connection (an old handshake does not replay);
 - the rank that dials and which side speaks (the bell's proof is not the rank's, reflected);
 - the bell's endpoint as the connection shows it: the address the rank dialled, the address the bell
-  accepted on. A relay the store points to gets the rank's proof for the relay's own address, which
-  the bell refuses, and the bell's answer through it proves nothing to the rank;
+  accepted on. A relay the store points to, passing the handshake through, hands the bell the
+  rank's proof for the relay's own address, which the bell refuses before it proves anything;
 - the world: its rendezvous store's port (each world has its own store), and its key.
 
 The key (:func:`secret_key`) comes from the engine token and, for a world whose ranks one parent
@@ -116,8 +116,8 @@ class Channel:
         return frame + _tag(self._send_key, count, frame)
 
     def open(self, buf: bytearray) -> list[tuple[bytes, int]]:
-        """Every whole frame at the start of ``buf`` (taken out of it); :class:`Tampered` at the first
-        that fails its tag (those before it are returned by no call: drop the connection)."""
+        """Every whole frame at the start of ``buf`` (taken out of it), in order; :class:`Tampered` at the
+        first that fails its tag (then drop the connection: nothing of this call is to be acted on)."""
         frames = []
         while len(buf) >= SEALED:
             frame, tag = bytes(buf[:FRAME.size]), bytes(buf[FRAME.size:SEALED])

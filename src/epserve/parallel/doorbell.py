@@ -29,6 +29,7 @@ wall time, so a whole world stopped and resumed together misjudges no one.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -138,7 +139,8 @@ class Doorbell:
             try:
                 frames = self._channel.open(buf)
             except Tampered as e:
-                self._sock.shutdown(socket.SHUT_RDWR)  # nothing more of it is read or acted on
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)  # nothing more of it is read or acted on
                 return self._lose(f"the doorbell's connection carried a frame that failed its check ({e}: injected, "
                                   "modified or replayed on the way); dropped it")
             for kind, number in frames:
