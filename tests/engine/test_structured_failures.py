@@ -1,15 +1,13 @@
-"""How constrained requests fail, wait and reuse in the engine: a JSON schema using a keyword xgrammar
-would ignore fails its request naming the keyword and where; constraints that leave no token (against
+"""How constrained requests fail, wait and reuse in the engine: constraints that leave no token (against
 min_tokens, bad_words) or a token the grammar refuses fail their request alone, never the step; grammars
 compile off the step loop (a slow one holds nobody back, an abort frees it, a second identical one is
-cached); a constrained request reuses the prefix cache. What a compile may take, and the grammar worker
-that holds it to that: what is too large or nests too deeply is refused before xgrammar sees it (a
-JSON-schema pattern of 30,000 nested groups overflowed xgrammar's stack and killed the rank); a compile
-that crashes anyway, runs past its time or needs more than its memory fails its request alone, in the
-worker, which goes on serving; an abandoned compile is killed; compiles run two at a time, so one held
-does not hold the next, and those waiting count as waiting. (What constrained outputs are:
-test_structured.py, whose helpers these share; the engines: conftest.py; the compile bounds through a
-real ``epserve serve``: tests/serve/test_compile_limits.py.)"""
+cached); a constrained request reuses the prefix cache. The grammar worker that compiles them: a compile
+that crashes (a JSON-schema pattern of 30,000 nested groups overflows xgrammar's stack: it killed the
+rank), runs past its time or needs more than its memory fails its request alone, and the worker goes on
+serving; an abandoned compile is killed; compiles run two at a time, so one held does not hold the next,
+and those waiting count as waiting. (What constrained outputs are: test_structured.py, whose helpers
+these share; what is refused before compiling: test_structured_schemas.py; the engines: conftest.py; the
+compile bounds through a real ``epserve serve``: tests/serve/test_compile_limits.py.)"""
 
 from __future__ import annotations
 
@@ -25,11 +23,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 from test_structured import SCHEMAS, assert_valid, constrained
+from test_structured_schemas import DEEP, NESTED
 
 from epserve import LLM, SamplingParams
 from epserve.config import LoopOptions
 from epserve.engine.engine import RequestError
-from epserve.engine.grammars import CompileLimits, check_bounds, json_depth, regex_depth
+from epserve.engine.grammars import CompileLimits
 from epserve.engine.loop import EngineLoop
 from epserve.engine.structured import GrammarMasks
 from epserve.messages.engine import AbortRequest, AddRequest, GeneratedTokens, RequestFailed
@@ -37,67 +36,6 @@ from epserve.messages.sampling import StructuredOutput
 
 jsonschema = pytest.importorskip("jsonschema")
 xgr = pytest.importorskip("xgrammar")
-
-
-# ---- JSON-schema keywords xgrammar would ignore: refused, naming the keyword and where ---------------
-OBJ = {"type": "object", "additionalProperties": False}
-REFUSED = [  # (schema, keyword, JSON pointer); each probed: xgrammar 0.2.9 compiles it and does not enforce it
-    ({**OBJ, "properties": {"a": {"type": "integer", "not": {"const": 3}}}, "required": ["a"]}, "not",
-     "#/properties/a"),
-    ({"allOf": [{"type": "integer", "maximum": 5}, {"type": "integer", "minimum": 3}]}, "allOf", "#"),
-    ({"type": "number", "multipleOf": 0.5}, "multipleOf", "#"),
-    ({"type": "integer", "multipleOf": 2.5}, "multipleOf", "#"),
-    ({**OBJ, "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]}, "then": {}}, "if", "#"),
-    ({**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-      "dependentSchemas": {"a": {"required": ["b"]}}}, "dependentSchemas", "#"),
-    ({**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
-     "dependentRequired", "#"),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems", "#"),
-    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "contains", "#"),
-    ({"$defs": {"n": {"type": "array", "items": {"type": "integer"}, "maxItems": 3, "uniqueItems": True}},
-      "$ref": "#/$defs/n"}, "uniqueItems", "#/$defs/n"),
-    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength", "#"),
-    ({"type": "string", "format": "date", "pattern": "^2024-"}, "pattern", "#"),
-    ({"type": "string", "format": "idn-email"}, "format", "#"),
-    ({"type": "integer", "anyOf": [{"maximum": 3}, {"minimum": 7}]}, "type", "#"),
-    ({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "maximum": 3}, "maximum", "#"),
-    ({"oneOf": [{"type": "integer", "maximum": 5}, {"type": "integer", "minimum": 3}]}, "oneOf", "#"),
-    ({"enum": ["abc", "de"], "maxLength": 2}, "maxLength", "#"),
-    ({"type": "object", "required": ["zz"], "additionalProperties": {"type": "integer"}}, "required", "#"),
-    ({**OBJ, "properties": {"xs": {"type": "array", "prefixItems": [{"const": 1, "minimum": 2}]}}},
-     "minimum", "#/properties/xs/prefixItems/0"),
-]
-ACCEPTED = [  # (schema, a valid value, a value the grammar must refuse)
-    ({"type": "integer", "minimum": 0, "maximum": 99, "multipleOf": 7}, 63, 64),
-    ({"enum": [1, "x", 2.5], "type": "integer"}, 1, "x"),  # the type narrows the enum (xgrammar ignores it)
-    ({"const": "cat", "type": "string", "title": "Pet"}, "cat", "dog"),
-    ({"allOf": [{"type": "integer", "maximum": 3}], "description": "d"}, 3, 4),
-    ({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}]}, "ab", "abc"),
-    ({"$defs": {"Cat": {**OBJ, "properties": {"k": {"const": "cat"}, "n": {"type": "integer"}},
-                        "required": ["k", "n"]},
-                "Dog": {**OBJ, "properties": {"k": {"const": "dog"}, "n": {"type": "integer"}},
-                        "required": ["k", "n"]}},
-      "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}], "discriminator": {"propertyName": "k"}},
-     {"k": "dog", "n": 2}, {"k": "cow", "n": 2}),  # pydantic's discriminated union
-    ({"type": "string", "format": "not-a-standard-format", "maxLength": 2}, "ab", "abc"),  # (an annotation)
-]
-
-
-def test_schema_keywords_the_grammar_would_ignore_are_refused(llm) -> None:
-    grammars = llm.engine.constraints
-    for schema, keyword, path in REFUSED:
-        with pytest.raises(ValueError, match=rf"'{re.escape(keyword)}' at {re.escape(path)} is not supported"):
-            grammars.compile(StructuredOutput("json_schema", json.dumps(schema)))
-    with pytest.raises(ValueError, match="'not' at #/properties/a"):  # inside a tool call's arguments too
-        grammars.compile(StructuredOutput("structural_tag", json.dumps({"type": "structural_tag", "format": {
-            "type": "tag", "begin": "<call>", "content": {"type": "json_schema", "json_schema": REFUSED[0][0]},
-            "end": "</call>"}})))
-    with pytest.raises(RequestError, match="'uniqueItems' at #/\\$defs/n is not supported"):  # the request's error
-        llm.generate(["x"], constrained("json_schema", json.dumps(REFUSED[9][0])))
-    for schema, good, bad in ACCEPTED:
-        grammar = grammars.compile(StructuredOutput("json_schema", json.dumps(schema)))
-        assert xgr.GrammarMatcher(grammar).accept_string(json.dumps(good)), schema
-        assert not xgr.GrammarMatcher(grammar).accept_string(json.dumps(bad) + " "), schema
 
 
 # ---- a request's constraints that leave no token, or a token its grammar refuses: it fails alone ------
@@ -330,15 +268,9 @@ def test_a_constrained_request_reuses_the_prefix_cache(llm) -> None:
     assert_valid(second.text, SCHEMAS["enum_and_range"])
 
 
-# ---- what a compile may take, and the grammar worker ---------------------------------------------------
-DEEP = 30_000  # nested groups: xgrammar's JSON-schema converter overflows its 8 MiB stack on these
-NESTED = json.dumps({"type": "string", "pattern": "(" * DEEP + "a" + ")" * DEEP})  # about 60 KB
+# ---- the grammar worker: a compile that crashes, runs too long or needs too much fails alone -------
 WIDE = json.dumps({"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
                              for i in range(2000)]})  # seconds of compiling, hundreds of MiB
-
-
-def nested(depth: int) -> str:
-    return "(" * depth + "a" + ")" * depth
 
 
 @pytest.fixture(scope="module")
@@ -360,33 +292,6 @@ def failure(future) -> str:
     error = future.exception(120)
     assert isinstance(error, ValueError), error
     return str(error)
-
-
-# ---- bounds, before compiling --------------------------------------------------------------------
-def test_what_is_too_large_or_too_deep_is_refused_before_compiling() -> None:
-    limits, small = CompileLimits(), CompileLimits(max_spec_bytes=4096)
-    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
-        {"type": "regex", "pattern": "[a-z]"}, {"type": "json_schema", "json_schema": {
-            "type": "object", "properties": {"a": {"type": "string", "pattern": nested(129)}}}}]}}
-    refused = [
-        ("json_schema", NESTED, f"the pattern at # nests its groups {DEEP} levels deep; at most 128"),
-        ("regex", nested(200), "the regex nests its groups 200 levels deep"),
-        ("structural_tag", json.dumps(tag), "the pattern at #/format/elements/1/json_schema/properties/a nests "
-                                            "its groups 129"),
-        ("json_schema", json.dumps({"type": "object", "patternProperties": {nested(300): {}}}),
-         "the pattern at #/patternProperties nests its groups 300"),
-        ("json_schema", "[" * 129 + "]" * 129, "nests 129 levels deep; at most 128"),
-        ("choice", json.dumps(["x" * 5000]), "is 5004 bytes; a constraint may have at most 4096"),
-    ]
-    for kind, spec, message in refused:
-        with pytest.raises(ValueError) as e:
-            check_bounds(kind, spec, small if kind == "choice" else limits)
-        assert message in str(e.value), (kind, str(e.value))
-    # escaped and bracketed parentheses are no groups; brackets inside JSON strings nest nothing
-    assert regex_depth("\\(" * 500 + "[(]" * 500 + nested(128)) == 128
-    assert json_depth(json.dumps({"a": "[[[[{{{{" * 100, "b": [[1]]})) == 3
-    check_bounds("json_schema", json.dumps({"type": "string", "pattern": nested(128)}), limits)
-    check_bounds("regex", nested(128), limits)
 
 
 # ---- the grammar worker ----------------------------------------------------------------------------
