@@ -361,12 +361,13 @@ def secret_keeper(info: RankInfo) -> SecretKeeper:
 
 
 def test_a_parent_that_spawns_the_whole_world_hands_its_ranks_a_secret_of_their_own():
-    """Over the ranks' pipes (not the store, not the environment): a fresh one for each world; none for
-    a part of a world (its other ranks are on other hosts)."""
+    """A fresh one for each world, in the ranks' start arguments (which a spawned or forkserver rank
+    reads from a pipe; forked here, which is quicker), never in the environment; none for a part of a
+    world (its other ranks are on other hosts)."""
     infos = [RankInfo(0, 0, 1, "127.0.0.1", 0)]
     secrets = []
     for whole in (True, True, False):
-        ranks = RankProcesses(secret_keeper, infos, start_method="forkserver", whole_world=whole)
+        ranks = RankProcesses(secret_keeper, infos, start_method="fork", whole_world=whole)
         try:
             secret, in_environment = ranks.call("secret")
         finally:
