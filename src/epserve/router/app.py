@@ -227,8 +227,9 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
         max_model_len, vocab = self._limits()
         try:
             prompt = await self._encode_chat(self._need_tokenizer("responses"), req, max_model_len)
-            run = await self._offload(choices_cost(req, [prompt]) > LARGE_COST, functools.partial(
-                self._generation, req, [prompt], max_model_len, vocab, chat=True, id_prefix="resp"))
+            heavy = len(body) > _INLINE_PARSE_BYTES or choices_cost(req, [prompt]) > LARGE_COST
+            run = await self._offload(heavy, functools.partial(self._generation, req, [prompt], max_model_len, vocab,
+                                                               chat=True, id_prefix="resp"))
         except APIError as e:
             raise chat_error(e) from None
         response_id, created = new_ids()
@@ -323,8 +324,9 @@ class OpenAIServer(InfoEndpoints, TokenizerEndpoints):
     async def _generate(self, raw: Request, req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
                         max_model_len: int, vocab: int, chat: bool,
                         prompt_texts: list[str | None] | None = None) -> Response:
-        run = await self._offload(choices_cost(req, prompts) > LARGE_COST, self._generation, req, prompts,
-                                  max_model_len, vocab, chat, prompt_texts)
+        # (a body parsed off the loop has its choices built off it too: its schemas and tools are re-read)
+        heavy = len(await raw.body()) > _INLINE_PARSE_BYTES or choices_cost(req, prompts) > LARGE_COST
+        run = await self._offload(heavy, self._generation, req, prompts, max_model_len, vocab, chat, prompt_texts)
         if req.stream:
             return await run.stream(raw, chat)
         await until_disconnect(raw, run.complete())

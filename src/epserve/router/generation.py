@@ -43,7 +43,7 @@ from epserve.router.response_body import (
     client_finish,
     logprob_entries,
 )
-from epserve.router.streaming import gather_or_raise, sse, stream_error, until_disconnect
+from epserve.router.streaming import gather_or_raise, sse, start_in_batches, stream_error, until_disconnect
 from epserve.router.text_stages import ExtractToolCalls, TextPiece, TextStage, run_stages, text_stages
 
 if TYPE_CHECKING:
@@ -219,12 +219,16 @@ class Generation(ResponseBody):
             finally:
                 await queue.put(ChoiceDone(choice))
 
-        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        tasks: list[asyncio.Future] = []
+        pumps = [pump(c) for c in self.choices]
         try:
+            await start_in_batches(pumps, tasks)
             await until_disconnect(raw, gather_or_raise(first, self.id))
         except BaseException:
             for t in tasks:
                 t.cancel()
+            for p in pumps[len(tasks):]:
+                p.close()
             raise
         shape = events or functools.partial(self._events, chat=chat)
         return StreamingResponse(shape(queue, tasks), media_type="text/event-stream")

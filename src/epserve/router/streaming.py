@@ -20,6 +20,7 @@ from epserve.router.errors import ENGINE_LOST, APIError, unavailable
 logger = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
+_START_BATCH = 16  # a request's choices start this many at a time, the loop serving its sockets in between
 
 
 def stream_error(err: Exception, request_id: str) -> APIError:
@@ -38,10 +39,22 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+async def start_in_batches(aws: list[Awaitable[Any]], tasks: list[asyncio.Future[Any]]) -> None:
+    """Start ``aws`` as tasks, appended to ``tasks`` as they start, ``_START_BATCH`` a turn of the event
+    loop (it serves its sockets in between: a request of 256 choices does not hold it while every one
+    of them is routed and sent)."""
+    for a in aws:
+        if tasks and len(tasks) % _START_BATCH == 0:
+            await asyncio.sleep(0)
+        tasks.append(asyncio.ensure_future(a))
+
+
 async def gather_or_raise(aws: list[Awaitable[Any]], request_id: str) -> None:
-    """Await all; the first failure cancels the rest and is raised as an APIError."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
+    """Await all (started in batches: ``start_in_batches``); the first failure cancels the rest and is
+    raised as an APIError."""
+    tasks: list[asyncio.Future[Any]] = []
     try:
+        await start_in_batches(aws, tasks)
         await asyncio.gather(*tasks)
     except EngineUnavailable as e:
         logger.warning("request %s: %s", request_id, e)
@@ -51,6 +64,9 @@ async def gather_or_raise(aws: list[Awaitable[Any]], request_id: str) -> None:
     finally:
         for t in tasks:
             t.cancel()
+        for a in aws[len(tasks):]:  # (cancelled before they started)
+            if asyncio.iscoroutine(a):
+                a.close()
 
 
 async def until_disconnect(raw: Request, aw: Awaitable[Any]) -> Any:
