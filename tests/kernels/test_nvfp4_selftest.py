@@ -120,8 +120,7 @@ def _case_self_test_passes(nt) -> None:
     cpu = torch.device("cpu")
     backends.forget(OP)
     with Lines() as lines:
-        for dtype in DTYPES:
-            nvfp4_w4a16.self_test(cpu, dtype)
+        for dtype in DTYPES:  # (the self-test runs here: the op is undecided)
             assert backends.select(OP, cpu, dtype) == "triton" and nvfp4_w4a16.capturable(cpu, dtype), dtype
     assert lines == [f"{OP} on cpu, {str(d).removeprefix('torch.')}: triton (self-test passed)" for d in DTYPES]
 
