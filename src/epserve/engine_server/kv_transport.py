@@ -48,10 +48,12 @@ class KVTransferError(RuntimeError):
 
 def check_prefilled(job: PrefillJob, arrival: PrefilledKV, vocab_size: int) -> None:
     """KVTransferError unless ``arrival`` (what a prefill instance sent, through any transport) is a
-    well-formed answer to ``job``: its blocks exactly those wanted, in the job's layout, a first token in
-    the vocabulary, a prefix-cache hit within the prompt, and logprobs exactly when asked for (finite,
-    of that token, at most the top ones asked for, in the vocabulary). A peer instance's answer is
-    checked like a client's input: what passes cannot fail the decode instance's step loop."""
+    well-formed answer to ``job``: its blocks exactly those wanted, in the job's layout, every value in
+    them finite (NaN or infinite KV would enter the decode instance's prefix cache and poison every
+    later request with that prefix), a first token in the vocabulary, a prefix-cache hit within the
+    prompt, and logprobs exactly when asked for (finite, of that token, at most the top ones asked for,
+    in the vocabulary). A peer instance's answer is checked like a client's input: what passes cannot
+    fail the decode instance's step loop."""
     layout, lp, k = job.layout, arrival.logprobs, job.params.logprobs
     data = arrival.data
     want = (layout.num_layers, job.num_blocks, layout.block_size, layout.token_bytes)
@@ -65,6 +67,8 @@ def check_prefilled(job: PrefillJob, arrival: PrefilledKV, vocab_size: int) -> N
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or tuple(data.shape) != want:
         raise bad(f"KV data {getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}, "
                   f"uint8 {want} wanted")
+    if (layer := _non_finite_layer(data, layout.dtype)) is not None:
+        raise bad(f"KV data holds NaN or infinite {layout.dtype} values (cached layer {layer})")
     if not _is_int(arrival.first_token) or not 0 <= arrival.first_token < vocab_size:
         raise bad(f"first token {arrival.first_token!r} is outside the vocabulary [0, {vocab_size})")
     if not _is_int(arrival.num_cached_tokens) or not 0 <= arrival.num_cached_tokens <= len(job.prompt_token_ids):
@@ -83,6 +87,26 @@ def check_prefilled(job: PrefillJob, arrival: PrefilledKV, vocab_size: int) -> N
         if (not isinstance(entry, tuple) or len(entry) != 2 or not _is_int(entry[0])
                 or not 0 <= entry[0] < vocab_size or not _is_logprob(entry[1])):
             raise bad(f"top logprob {entry!r} (a token in [0, {vocab_size}) and a finite logprob wanted)")
+
+
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_FP8_NAN = 0x7F  # e4m3fn: exponent and mantissa all ones (either sign) is NaN; it has no infinities
+
+
+def _non_finite_layer(data: torch.Tensor, dtype: str) -> int | None:
+    """The first cached layer of ``data`` (uint8 ``[layers, blocks, block_size, token_bytes]``, the
+    cache's bytes) holding a NaN or infinite ``dtype`` value, else None; a layer at a time (a temporary
+    of one layer's size, not the transfer's). KVTransferError for an element type it cannot read."""
+    for layer, part in enumerate(data):
+        if dtype == "fp8_e4m3":
+            bad = bool((part & _FP8_NAN).eq(_FP8_NAN).any())
+        elif dtype in _KV_DTYPES:
+            bad = not bool(part.contiguous().view(_KV_DTYPES[dtype]).isfinite().all())
+        else:
+            raise KVTransferError(f"cannot check the values of a {dtype} KV cache")
+        if bad:
+            return layer
+    return None
 
 
 def _is_int(x: object) -> bool:
@@ -131,9 +155,11 @@ class KVTransport(ABC):
         another instance, unchecked: the decode side calls :meth:`receive_checked`."""
 
     async def receive_checked(self, source: str, job: PrefillJob, vocab_size: int) -> PrefilledKV:
-        """:meth:`receive`, then :func:`check_prefilled`: what the decode side hands its engine."""
+        """:meth:`receive`, then :func:`check_prefilled` (on a worker thread: reading every value of a
+        long prompt's KV takes a while, and torch lets the event loop run meanwhile): what the decode
+        side hands its engine."""
         arrival = await self.receive(source, job)
-        check_prefilled(job, arrival, vocab_size)
+        await asyncio.to_thread(check_prefilled, job, arrival, vocab_size)
         return arrival
 
     async def close(self) -> None:  # noqa: B027 - nothing to release by default
