@@ -4,7 +4,9 @@ sampling pipeline's draw (``engine/sampling.py``) when speculative decoding is o
 The whole batch is sampled on the logits' device: the filters run on ``[S, V]`` with one value per row,
 the draw is an exponential race (``argmax(p / Exp(1))`` samples from ``p``) whose noise comes from each
 request's own generator (so a seeded request's tokens do not depend on its batch), and the sampled ids
-with any logprobs come back to the host in one transfer per step.
+with any logprobs come back to the host in one transfer per step. A row with no token left to draw
+(every logit -inf: the request's masks cover the vocabulary) comes back as -1 in that same transfer,
+and is reported (``SamplerOutput.empty_rows``) rather than drawn as token 0.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # (an empty row's: 0, its caller fails its request)
     logprobs: list[TokenLogprobs | None]
+    empty_rows: tuple[int, ...] = ()  # rows that had no token left to draw (every logit -inf)
 
 
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
@@ -78,6 +81,7 @@ class Sampler:
         generator per row. Logprobs are the model's own: of ``raw_logits`` (the logits before processing),
         when given."""
         ids = logits.argmax(dim=-1)
+        empty = logits.amax(dim=-1) == float("-inf")  # (read back with the ids: no transfer of its own)
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled:
             probs = filter_logits(logits[sampled], [params[i] for i in sampled]).softmax(-1)
@@ -89,22 +93,31 @@ class Sampler:
             for row, i in enumerate(sampled):
                 if generators[i] is not None:
                     noise[row].exponential_(generator=generators[i])
-            ids[sampled] = (probs / noise).argmax(dim=-1)
+            ids[sampled] = (probs / noise).argmax(dim=-1)  # (an empty row's NaNs: index 0)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not wanted:
-            return SamplerOutput(ids.tolist(), [None] * len(params))
+            token_ids, empty_rows = _unmarked(ids.masked_fill(empty, -1).tolist())
+            return SamplerOutput(token_ids, [None] * len(params), empty_rows)
         k = max(params[i].logprobs or 0 for i in wanted)
         lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[wanted], dim=-1)
         chosen = lp.gather(1, ids[wanted, None])  # [W, 1]
         top = torch.topk(lp, k, dim=-1)
-        packed = torch.cat([ids.double(), chosen.double().flatten(), top.values.double().flatten(),
-                            top.indices.double().flatten()]).tolist()  # the step's one transfer
+        packed = torch.cat([ids.masked_fill(empty, -1).double(), chosen.double().flatten(),
+                            top.values.double().flatten(), top.indices.double().flatten()]).tolist()  # one transfer
         s, w = len(params), len(wanted)
-        token_ids = [int(t) for t in packed[:s]]
+        token_ids, empty_rows = _unmarked([int(t) for t in packed[:s]])
         values, indices = packed[s + w : s + w + w * k], packed[s + w + w * k :]
         logprobs: list[TokenLogprobs | None] = [None] * s
         for row, i in enumerate(wanted):
             n = params[i].logprobs or 0
             pairs = zip(indices[row * k : row * k + n], values[row * k : row * k + n])
             logprobs[i] = TokenLogprobs(token_ids[i], packed[s + row], tuple((int(t), v) for t, v in pairs))
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, empty_rows)
+
+
+def _unmarked(token_ids: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    """The ids read back, the empty rows' -1 made 0, and those rows."""
+    empty = tuple(row for row, t in enumerate(token_ids) if t < 0)
+    for row in empty:
+        token_ids[row] = 0
+    return token_ids, empty

@@ -12,6 +12,11 @@ draw is keyed by the position it decides (``spec_decode.Noise``), so how steps g
 positions does not change its tokens. The proposer asks the same pipeline for its drafts
 (:meth:`SamplingPipeline.draft`): processed and masked as their verification rows will be, drawn from
 the filtered draft distribution, which the pipeline keeps for the verification.
+
+A request whose masks leave no token to draw fails rather than drawing token 0: up front where that
+is decidable from its parameters (:func:`no_token_left`: its one-token ``bad_words``, with its stop
+tokens and EOS under ``min_tokens``, cover the vocabulary), else at the step whose row has none left
+(the sampler reads that back with the tokens; :meth:`SamplingPipeline.take_failures`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,29 @@ from epserve.engine.prompt_logprobs import prompt_logprobs
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.sampler import Sampler
 from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, draft_tokens, verify
-from epserve.messages.sampling import TokenLogprobs
+from epserve.messages.sampling import SamplingParams, TokenLogprobs
+
+NO_TOKEN_LEFT = ("the sampling parameters leave no token allowed (bad_words, logit_bias, the structured-output "
+                 "constraint or the stop tokens and EOS under min_tokens mask every token of the vocabulary)")
+
+
+def no_token_left(params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int]) -> str | None:
+    """Why no token could ever be drawn for a request with these parameters, naming the fields (None if
+    one can): its one-token ``bad_words`` alone, or with its ``stop_token_ids`` and EOS (unless
+    ``ignore_eos``) while below ``min_tokens``, cover the vocabulary."""
+    if params.max_tokens == 0:
+        return None
+    banned = {word[0] for word in params.bad_words if len(word) == 1 and word[0] < vocab_size}
+    if len(banned) >= vocab_size:
+        return f"bad_words ban every token of the {vocab_size}-token vocabulary: no token can be drawn"
+    if params.min_tokens:
+        stops = {*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)}
+        if len(banned | {t for t in stops if t < vocab_size}) >= vocab_size:
+            return (f"min_tokens {params.min_tokens}: stop_token_ids"
+                    + ("" if params.ignore_eos else " and EOS") + (" with bad_words" if banned else "")
+                    + f" cover every token of the {vocab_size}-token vocabulary, so none can be drawn before "
+                    "min_tokens")
+    return None
 
 
 class SamplingPipeline:
@@ -48,6 +75,7 @@ class SamplingPipeline:
         self.stats = SpecStats(config.num_spec_tokens) if config.num_spec_tokens else None  # with drafts
         self._generators: dict[str, torch.Generator] = {}  # seeded requests' (plain decoding)
         self._draft_probs: dict[str, list[torch.Tensor | None]] = {}  # pending drafts' distributions
+        self._failures: dict[str, str] = {}  # requests whose row had no token left, and why
 
     @property
     def speculative(self) -> bool:
@@ -109,6 +137,8 @@ class SamplingPipeline:
         out = self.sampler.sample(logits, [r.sampling_params for r in requests],
                                   [self._generator(r) for r in requests], raw)
         ids = [r.request_id for r in requests]
+        for row in out.empty_rows:
+            self._failures[ids[row]] = NO_TOKEN_LEFT
         return (dict(zip(ids, out.token_ids)),
                 {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None})
 
@@ -130,6 +160,13 @@ class SamplingPipeline:
             if out.logprobs is not None:
                 logprobs[c.request.request_id] = out.logprobs
         return sampled, logprobs
+
+    def take_failures(self) -> dict[str, str]:
+        """The requests that cannot go on since the last call, and why: a row left without a token to
+        draw (its token this step is 0, to be dropped), or their constraint's failures
+        (``Constraints.take_failures``). The engine aborts them."""
+        failures, self._failures = self._failures, {}
+        return {**self.constraints.take_failures(), **failures}
 
     def _generator(self, request: Request) -> torch.Generator | None:
         params = request.sampling_params
@@ -176,8 +213,10 @@ class SamplingPipeline:
         return torch.stack(probs[:num_drafts])  # type: ignore[arg-type]
 
     def release(self, request_id: str) -> None:
-        """Forget a finished request's state: its generator, token counts, matcher and pending drafts."""
+        """Forget a finished request's state: its generator, token counts, matcher, pending drafts and
+        failure."""
         self._generators.pop(request_id, None)
         self.logits_processor.release(request_id)
         self.constraints.release(request_id)
         self._draft_probs.pop(request_id, None)
+        self._failures.pop(request_id, None)
