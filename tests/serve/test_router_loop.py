@@ -9,6 +9,7 @@ Concurrency is by construction: the large body is read a piece, then ``/health``
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -22,10 +23,27 @@ from epserve.router.checks import MAX_LOGIT_BIAS, to_sampling_params
 from epserve.router.choices import Choice
 from epserve.router.generation import Generation, GenerationContext
 from epserve.router.response_body import LARGE_COST, dumps
+from epserve.router.streaming import gather_or_raise
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
 from tests.serve_harness import Proc, named, wait_http_ok
 
 MAX_MODEL_LEN = 640
+
+
+def test_a_wide_request_starts_its_choices_a_batch_a_turn_of_the_loop() -> None:
+    """256 choices: what the loop has waiting (a socket's callback, scheduled as the first choice starts)
+    runs after at most a batch of them has started, not after all 256 (each one routed and sent)."""
+    started: list[int] = []
+    seen: list[int] = []
+
+    async def choice(i: int) -> None:
+        started.append(i)
+        if i == 0:
+            asyncio.get_running_loop().call_soon(lambda: seen.append(len(started)))
+        await asyncio.sleep(0)
+
+    asyncio.run(gather_or_raise([choice(i) for i in range(256)], "cmpl-x"))
+    assert len(started) == 256 and seen and seen[0] <= 32, seen
 
 
 @pytest.fixture(scope="module")
