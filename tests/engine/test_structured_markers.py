@@ -90,3 +90,17 @@ def test_literals_beyond_the_bmp_are_utf8(deepseek):
         assert not accepts(grammar, tok.encode("😀 no", add_special_tokens=False))
     reasoned = compiler.compile(after_reasoning(constraints[0], "</think>"))
     assert accepts(reasoned, tok.encode("so</think>日本 🎉", add_special_tokens=False))
+
+
+def test_a_required_call_block_holds_one_to_four_calls(deepseek):
+    """``required`` with parallel calls: a block of 1 to 4 calls (without: exactly 1)."""
+    compiler, tok = deepseek
+    layout = TOOL_CALL_PARSERS["deepseek_v3"]()
+    calls = [("get_weather", '{"city":"Oslo"}'), ("get_time", "{}")] * 3
+    parallel = tool_mode(TOOLS, "required", "deepseek_v3", False).constraint
+    single = tool_mode(TOOLS, "required", "deepseek_v3", False, parallel=False).constraint
+    for constraint, most in ((parallel, 4), (single, 1)):
+        grammar = compiler.compile(constraint)
+        for n in range(1, 6):
+            ids = tok.encode(layout.render(calls[:n]), add_special_tokens=False)
+            assert accepts(grammar, ids) == (n <= most), (most, n)
