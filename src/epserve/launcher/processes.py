@@ -202,6 +202,8 @@ def serve(groups: list[tuple[EngineConfig, ServeOptions]], router_options: Route
     a rank dies or hangs, the router as often when it dies or hangs."""
     check_port_free(router_options.host, router_options.port)
     router_parts(router_options)  # the router process's checks, before the ranks load
+    if (key := env.take_api_key()) is not None and router_options.api_key is None:  # (no process inherits it)
+        router_options = dataclasses.replace(router_options, api_key=key)
     signals = StopSignals()
     engines: list[EngineSupervisor] = []
     router: RouterProcess | None = None
@@ -255,6 +257,7 @@ def run_engine(config: EngineConfig, options: ServeOptions, max_restarts: int = 
             worker.close()
         return 0
     signals = StopSignals()
+    env.take_api_key()  # (the engines have no use for a router's key; their processes do not inherit it)
     engines = EngineSupervisor(config, options, max_restarts if config.parallel.nnodes == 1 else 0)
     try:
         if not _wait_serving([engines], signals):

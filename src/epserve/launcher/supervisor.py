@@ -11,8 +11,8 @@ local process could write to.
 - a rank that **hangs** (SIGSTOP, a wedged device) stalls its group's step in a collective: the
   leaders' step watchdogs report ``stalled`` in ``GetLoad`` (and the collectives give up after the
   collective timeout); a leader that hangs itself stops answering. The supervisor asks every local
-  leader for ``GetLoad`` each second and acts on an instance that has been stalled or silent for
-  the step timeout.
+  leader for ``GetLoad`` each half second (:class:`LeaderProbes`) and acts on an instance that is
+  stalled or has been silent for the step timeout.
 
 Either way it tears the whole group down (every rank killed, none orphaned) and starts it again with
 the same configuration, up to ``max_restarts`` times. A restarted leader listens on its old gRPC port
@@ -51,7 +51,9 @@ from epserve.rpc.security import engine_channel
 
 logger = logging.getLogger(__name__)
 
-PROBE_INTERVAL_S = 1.0
+PROBE_INTERVAL_S = 0.5  # (the command's loop looks each half second)
+PROBE_TIMEOUT_S = 2.0  # a probe waits this long for an answer at most (less: see LeaderProbes)
+_DEADLINE_SLACK_S = 0.05  # (a call's deadline may fire this much before the monotonic clock's)
 START_TIMEOUT_S = 120.0  # a start (or restart) whose leaders do not all listen by then failed
 
 
@@ -129,6 +131,53 @@ class EngineRanks:
         self.join(10.0)
 
 
+class LeaderProbes:
+    """``GetLoad`` asked of this host's leaders (a channel each): :meth:`probe` gives the verdict on an
+    instance whose watchdog reports it stalled, or that has not answered for the step timeout, counted
+    from the first probe it left unanswered (never from before: a leader held still for less than the
+    step timeout is not failed). A probe waits for an answer only until that silence reaches the step
+    timeout, and the first one no longer than the step timeout: the verdict comes at the step timeout
+    after the first unanswered probe, half a second at most after the leader hung (it used to wait for
+    whole 2 s probes: a leader frozen at once was seen 2.5 s past a 5 s timeout)."""
+
+    def __init__(self, dp_ranks: list[int], addresses: list[str], token: str | None, step_timeout_s: float) -> None:
+        self.dp_ranks, self.addresses, self.step_timeout_s = dp_ranks, addresses, step_timeout_s
+        self._channels = [engine_channel(a, token) for a in addresses]
+        self._silent_since: dict[int, float] = {}  # leaders that left a probe unanswered: its start
+
+    def probe(self) -> str | None:
+        """Ask every leader at once; why the group must be restarted, or None."""
+        now = time.monotonic()
+        calls = [pb_grpc.EngineStub(channel).GetLoad.future(pb.GetLoadRequest(), timeout=self._wait(dp_rank, now))
+                 for dp_rank, channel in zip(self.dp_ranks, self._channels)]
+        for dp_rank, address, call in zip(self.dp_ranks, self.addresses, calls):
+            try:
+                if call.result().stalled:  # its watchdog saw no step progress for the step timeout
+                    return f"engine instance {dp_rank} at {address} stalled (a rank hung or died)"
+                self._silent_since.pop(dp_rank, None)
+            except grpc.RpcError as e:
+                silent = time.monotonic() - self._silent_since.setdefault(dp_rank, now)
+                if silent >= self.step_timeout_s - _DEADLINE_SLACK_S:
+                    return (f"engine instance {dp_rank} at {address} not answering "
+                            f"({e.code().name}) for {silent:.1f} s")  # type: ignore[attr-defined]
+        return None
+
+    def _wait(self, dp_rank: int, now: float) -> float:
+        """How long a probe made ``now`` waits for the leader's answer: ``PROBE_TIMEOUT_S`` at most, no
+        longer than the step timeout, and for a silent leader until its silence reaches the step timeout
+        when that comes before the next probe could wait for it."""
+        since = self._silent_since.get(dp_rank)
+        if since is None:
+            return min(PROBE_TIMEOUT_S, self.step_timeout_s)
+        left = since + self.step_timeout_s - now
+        return max(0.05, left) if left <= PROBE_TIMEOUT_S + 1.0 else PROBE_TIMEOUT_S
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels = []
+
+
 class EngineSupervisor:
     """This host's engine ranks, restarted when they die or hang (see the module's docstring).
     :meth:`check` is called from the command's loop; the rest of the command sees :attr:`ranks`,
@@ -145,8 +194,7 @@ class EngineSupervisor:
         self.addresses: list[str] = []  # where the local leaders listen (the latest start's), once they do
         self.serving = False  # the current start's leaders all listen
         self.ranks = EngineRanks(config, options)
-        self._channels: list[grpc.Channel] = []
-        self._silent_since: dict[int, float] = {}
+        self._probes: LeaderProbes | None = None
         self._probed_at = 0.0
 
     @property
@@ -217,7 +265,7 @@ class EngineSupervisor:
         if now - self._probed_at < PROBE_INTERVAL_S:
             return None
         self._probed_at = now
-        verdict = self._probe(now)
+        verdict = self._probes.probe() if self._probes is not None else None
         if verdict is not None and not self.ranks.running:  # a rank died meanwhile: that is the cause
             return self._stopped()
         return verdict
@@ -225,29 +273,14 @@ class EngineSupervisor:
     def _stopped(self) -> str:
         return str(self.ranks.error) if self.ranks.error is not None else "the engine ranks stopped"
 
-    def _probe(self, now: float) -> str | None:
-        calls = [pb_grpc.EngineStub(ch).GetLoad.future(pb.GetLoadRequest(), timeout=2.0)
-                 for ch in self._channels]
-        for dp_rank, address, call in zip(self.local_dp_ranks, self.addresses, calls):
-            try:
-                if call.result().stalled:  # its watchdog saw no step progress for the step timeout
-                    return f"engine instance {dp_rank} at {address} stalled (a rank hung or died)"
-                self._silent_since.pop(dp_rank, None)
-            except grpc.RpcError as e:
-                since = self._silent_since.setdefault(dp_rank, now)
-                if time.monotonic() - since >= self.options.step_timeout_s:
-                    return (f"engine instance {dp_rank} at {address} not answering "
-                            f"({e.code().name}) for {time.monotonic() - since:.0f} s")  # type: ignore[attr-defined]
-        return None
-
     def _open_probes(self) -> None:
-        self._channels = [engine_channel(a, self.options.token) for a in self.addresses]
-        self._silent_since.clear()
+        self._probes = LeaderProbes(self.local_dp_ranks, self.addresses, self.options.token,
+                                    self.options.step_timeout_s)
 
     def _close_probes(self) -> None:
-        for channel in self._channels:
-            channel.close()
-        self._channels = []
+        if self._probes is not None:
+            self._probes.close()
+            self._probes = None
 
     def close(self) -> None:
         self._close_probes()
