@@ -294,25 +294,24 @@ def failure(future) -> str:
     return str(error)
 
 
-# ---- the grammar worker ----------------------------------------------------------------------------
 def test_a_compile_that_crashes_fails_alone_and_the_worker_goes_on(compiler, monkeypatch) -> None:
     """With the bounds lifted, the nested pattern crashes its compile (SIGSEGV in xgrammar's converter):
     its request fails saying so, the rank and the worker live on and compile the next constraint."""
     worker = compiler.worker.pid
     monkeypatch.setattr(compiler, "limits", CompileLimits(max_nesting=10 * DEEP))
-    message = failure(compiler.submit(StructuredOutput("json_schema", NESTED)))
-    assert "the json_schema constraint's compile crashed (SIGSEGV)" in message
+    assert "the json_schema constraint's compile crashed (SIGSEGV)" in failure(compiler.submit(
+        StructuredOutput("json_schema", NESTED)))
     assert compiler.submit(StructuredOutput("json_schema", unique_schema("after_crash"))).result(60) is not None
     assert compiler.worker.pid == worker and compiler.num_pending == 0
 
 
 def test_a_compile_past_its_time_or_memory_fails_alone(compiler, monkeypatch) -> None:
     monkeypatch.setattr(compiler, "limits", CompileLimits(time_limit_s=0.2))
-    message = failure(compiler.submit(StructuredOutput("json_schema", WIDE)))
-    assert message == "the json_schema constraint's compile took longer than its limit of 0.2 s"
+    assert failure(compiler.submit(StructuredOutput("json_schema", WIDE))) == (
+        "the json_schema constraint's compile took longer than its limit of 0.2 s")
     monkeypatch.setattr(compiler, "limits", CompileLimits(memory_limit_mib=32))
-    message = failure(compiler.submit(StructuredOutput("json_schema", WIDE)))
-    assert message == "the json_schema constraint's compile needs more than its memory limit of 32 MiB"
+    assert failure(compiler.submit(StructuredOutput("json_schema", WIDE))) == (
+        "the json_schema constraint's compile needs more than its memory limit of 32 MiB")
     assert not compiler.worker.running
 
 
@@ -377,12 +376,24 @@ def test_a_held_compile_holds_no_other_and_dies_with_its_request(llm, compiler) 
         pid = next(iter(compiler.worker.running.values()))
         os.kill(pid, signal.SIGSTOP)
         loop.submit(add(llm, "next", "Answer:", constrained("json_schema", unique_schema("next"), temperature=0.0)))
-        assert front.finished["next"].wait(60)
-        end = front.end("next")
-        assert isinstance(end, GeneratedTokens) and end.finish_reason == "stop", end
+        assert front.finished["next"].wait(60) and front.end("next").finish_reason == "stop", front.outputs["next"]
         assert "wide" in loop.compiling and not front.finished["wide"].is_set()
         loop.submit(AbortRequest("wide"))
         until(lambda: not os.path.exists(f"/proc/{pid}"))  # killed and reaped by the worker
         until(lambda: compiler.num_pending == 0)
     assert front.outputs["wide"] == [] and not any(isinstance(o, RequestFailed) for o in front.outputs["next"])
     assert_clean(llm)
+
+
+def test_a_worker_that_dies_fails_what_it_held_and_starts_again(compiler) -> None:
+    """The worker killed with a compile sent to it (held by construction: it was stopped): that compile
+    fails as the worker's failure (the loop answers unavailable), and the next one starts a new worker."""
+    first = compiler.worker.pid
+    os.kill(first, signal.SIGSTOP)
+    future = compiler.submit(StructuredOutput("json_schema", unique_schema("lost")))
+    until(lambda: compiler.worker.num_in_flight == 1)
+    os.kill(first, signal.SIGKILL)
+    error = future.exception(60)
+    assert isinstance(error, RuntimeError) and "the grammar worker exited while compiling" in str(error)
+    assert compiler.submit(StructuredOutput("json_schema", unique_schema("lost"))).result(120) is not None
+    assert compiler.worker.pid not in (None, first)
