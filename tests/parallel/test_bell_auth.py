@@ -117,6 +117,13 @@ class World:
         self.tell("wakes")
         return json.loads(self.expect("wakes"))
 
+    def woken(self, name: str, times: int, timeout: float = 10.0) -> bool:
+        """Whether rank ``name`` has woken ``times`` times (within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while self.wakes()[name] != times and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.wakes()[name] == times
+
     def cpu_seconds(self, window: float) -> float:
         """CPU seconds the process spends over ``window`` seconds of wall time."""
         before = sum(self.cpu.cpu_times()[:2])
@@ -282,6 +289,7 @@ def test_a_tampered_frame_to_the_bell_drops_the_connection_and_is_never_acted_on
     ring = channel.seal(b"R", 0)
     sock.sendall(ring)  # a proven rank's ring wakes rank 0 once
     assert next_frame(sock, channel, b"W") == 0
+    assert world.woken(name, 1)
     sock.sendall(tampered(case, channel, b"R", ring))
     assert closed_by_peer(sock)
     lost = world.expect("lost")
@@ -313,9 +321,7 @@ def test_a_tampered_frame_to_a_rank_drops_the_connection_and_is_never_acted_on(s
     wake = channel.seal(b"W", 0)
     sock.sendall(shake.proof(KEY, b"bell") + wake)
     assert world.expect("joined") == name
-    deadline = time.monotonic() + 10
-    while world.wakes()[name] != 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert world.woken(name, 1)
     sock.sendall(tampered(case, channel, b"W", wake))
     assert closed_by_peer(sock)
     lost = world.expect("lost")
