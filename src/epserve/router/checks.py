@@ -1,8 +1,9 @@
 """What a parsed OpenAI request may hold, and what it asks the engine.
 
 ``check_request`` checks value ranges (also what the engine's gRPC fields can hold: ``top_k`` int32,
-``top_p`` float32, token ids and counts uint32, ``seed`` int64) and refuses the fields this server does
-not implement; ``resolve_max_tokens`` fits the completion into the model's context, and
+``top_p`` float32, token ids and counts uint32, ``seed`` int64), bounds what would make the router's
+work large (``logit_bias`` entries, a schema's nesting) and refuses the fields this server does not
+implement (``unsupported``); ``resolve_max_tokens`` fits the completion into the model's context, and
 ``to_sampling_params`` maps a request onto the engine's ``SamplingParams`` (the checkpoint's generation
 defaults filling what it leaves unset). Every problem is raised as an ``APIError`` whose ``body()`` is
 the OpenAI error JSON (``{"error": {"message", "type", "param", "code"}}``).
