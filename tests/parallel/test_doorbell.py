@@ -114,6 +114,20 @@ def test_an_impostor_can_neither_ring_nor_crowd_the_bell(store):
         b.close()
 
 
+def test_a_rank_already_proven_is_refused_a_second_connection(store):
+    bells = two_ranks(store)
+    port = int(store_client("127.0.0.1", store).get(ADDRESS_KEY).decode().rpartition(":")[2])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        hello = s.recv(len(HELLO) + NONCE)
+        shake = Handshake(hello[len(HELLO):], os.urandom(NONCE), 1, endpoint(s.getpeername()), store)
+        s.sendall(shake.rank_nonce + RANK.pack(1) + shake.proof(secret_key(SECRET), b"rank"))
+        assert s.recv(MAC) == b""  # a true proof, but rank 1 is there already
+    bells[0].ring()
+    for b in bells:
+        b.wait()  # the world's own ranks are untouched
+        b.close()
+
+
 def test_a_rank_with_another_secret_is_refused(store):
     with pytest.raises(RuntimeError, match="refused this rank's proof"):
         two_ranks(store, (SECRET, "another"))

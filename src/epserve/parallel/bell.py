@@ -85,7 +85,8 @@ class Bell:
     """Rank 0's bell: proves each connection, relays the first ring of each epoch to every proven
     connection, and pings them: a rank that leaves without saying so, or misses the pings of
     ``timeout_s`` (counted in pings the bell sent, so a bell that was itself stopped misjudges no one),
-    or whose connection carries a frame that fails its check, is lost, and every rank is told.
+    or whose connection carries a frame that fails its check, is lost, and every rank is told. A
+    second connection proving a rank already proven is refused.
     ``world``: the rendezvous store's port, which the proofs are bound to. One thread, one selector."""
 
     def __init__(self, host: str, key: bytes, timeout_s: float, world: int) -> None:
