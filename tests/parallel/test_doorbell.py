@@ -125,6 +125,7 @@ def test_a_rank_already_proven_is_refused_a_second_connection(store):
     bells[0].ring()
     for b in bells:
         b.wait()  # the world's own ranks are untouched
+    for b in bells:
         b.close()
 
 
