@@ -56,10 +56,35 @@ def device() -> str:
     return os.environ.get("EPSERVE_TEST_DEVICE", "cpu")
 
 
+# The files that take longest (seconds of one serial run on 2 cores, longest first). They are collected first,
+# so that xdist's workers, which take a file at a time in collection order, start on them and finish on short
+# files together (in path order the longest came last: one worker ran them while the other idled).
+LONGEST_FILES = (
+    "tests/test_benchmarks.py",  # 150
+    "tests/parallel/test_parallel.py",  # 75
+    "tests/test_cli.py",  # 65
+    "tests/serve/test_serve_multihost.py",  # 54
+    "tests/serve/test_serve_deploy.py",  # 46
+    "tests/serve/test_serve_disagg.py",  # 45
+    "tests/planner/test_planner_cli.py",  # 42
+    "tests/serve/test_serve_hardening.py",  # 40
+    "tests/serve/test_serve_reliability.py",  # 37
+    "tests/serve/test_serve_lifetime.py",  # 36
+    "tests/kernels/test_fp8_kernels.py",  # 35
+    "tests/parallel/test_dispatch.py",  # 35
+    "tests/serve/test_serve.py",  # 29
+    "tests/test_gpu_benchmarks.py",  # 25
+    "tests/serve/test_deepseek_tools.py",  # 24
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``cuda`` are skipped where no CUDA device is (CI); ``gpu_check.sh`` selects them."""
+    """The longest files first (``LONGEST_FILES``, the rest in path order after them); tests marked ``cuda`` are
+    skipped where no CUDA device is (CI), ``gpu_check.sh`` selects them."""
     import torch
 
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
