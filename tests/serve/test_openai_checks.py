@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from openai_toys import api_error, chat, completion
 
-from epserve.router.checks import UNSUPPORTED, check_request
+from epserve.router.checks import check_request
 from epserve.router.protocol import ChatCompletionRequest, CompletionRequest
+from epserve.router.unsupported import UNSUPPORTED
 
 # ---------------------------------------------------------------------------------------------- ranges
 

@@ -40,7 +40,7 @@ from epserve.router.request_model import (
     UINT32_MAX,
 )
 from epserve.router.tools import check_tools, structured_output
-from epserve.router.unsupported import UNSUPPORTED, check_unsupported  # noqa: F401 (UNSUPPORTED: its old home)
+from epserve.router.unsupported import check_unsupported
 
 
 def _check_range(value: float, lo: float, hi: float, param: str, lo_open: bool = False) -> None:
