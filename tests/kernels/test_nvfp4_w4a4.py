@@ -23,7 +23,8 @@ from test_nvfp4_triton import _host_reads, make_linear
 from epserve.kernels import backends, nvfp4_w4a4
 from epserve.kernels.device import assume_capability
 from epserve.kernels.nvfp4 import GROUP, SCALE_DTYPE, nvfp4_linear_ref
-from epserve.kernels.nvfp4_w4a4 import fp4_gemm, nvfp4_w4a4_linear, nvfp4_w4a4_ref, swizzle_scales
+from epserve.kernels.nvfp4_fp4_gemm import fp4_gemm, swizzle_scales
+from epserve.kernels.nvfp4_w4a4 import nvfp4_w4a4_linear, nvfp4_w4a4_ref
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py), selected by the GPU check
@@ -132,7 +133,10 @@ def test_self_test_refuses_hopper_and_the_cpu():
     assert not nvfp4_w4a4.w4a4_supported("cpu")
     assert backends.get_op("nvfp4_gemm").fallback == "triton"
     assert [impl.target.rsplit(":", 1)[1] for impl in nvfp4_w4a4_linear.impls["cuda"]] == [
-        "nvfp4_w4a4_scaled_mm", "nvfp4_w4a4_triton"]
+        "nvfp4_w4a4_scaled_mm", "nvfp4_w4a4_triton", "nvfp4_w4a4_ref"]
+    # the emulation only where the W4A16 Triton kernels passed their own self-test; else the reference
+    assert [impl.backend for impl in nvfp4_w4a4_linear.impls["cuda"]] == [
+        ("nvfp4_gemm", "scaled_mm"), ("nvfp4_w4a16", "triton"), None]
 
 
 def test_fake_implementation_gives_the_shape():

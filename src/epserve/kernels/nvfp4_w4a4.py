@@ -2,7 +2,8 @@
 to NVFP4 with the checkpoint's ``input_scale`` as their global scale (``kernels.nvfp4_act.nvfp4_act_quant``: e2m1
 codes, one e4m3 block scale per 16 values), then one GEMM on four-bit operands with both block scales and both
 global scales (``torch.nn.functional.scaled_mm`` on ``float4_e2m1fn_x2`` data: BlockWise1x16 e4m3 scales in
-cuBLAS's swizzled 128x4 layout, :func:`swizzle_scales`, and a TensorWise fp32 scale each).
+cuBLAS's swizzled 128x4 layout and a TensorWise fp32 scale each, ``kernels.nvfp4_fp4_gemm``). The routed experts'
+W4A4 op is ``kernels.nvfp4_w4a4_moe``'s, on the same GEMM and decided by the same self-test.
 
 ``nvfp4_w4a4_linear(x, weight, weight_scale, weight_scale_2, input_scale)`` (declared once, ``kernels.opdef``;
 the custom op ``epserve::nvfp4_w4a4_linear`` in a trace): its reference :func:`nvfp4_w4a4_ref` quantizes x
@@ -14,26 +15,24 @@ against the checkpoint's W4A16 oracle (the activations lose bits); it is tested 
 On CUDA: ``scaled_mm`` (the ``nvfp4_gemm`` op of ``kernels.backends``) where its self-test against the
 reference passes for the device and output dtype, which needs FP4 tensor cores (compute capability 10.0 and
 up: never Hopper), and for shapes it takes (K a multiple of 32, each part's rows a multiple of 16); otherwise the
-same arithmetic by the Triton W4A16 kernel on the dequantized fp32 activations (``kernels.nvfp4_triton``).
-Neither reads a value on the host, so both can be captured in a CUDA graph. :func:`w4a4_supported` says whether
-a device runs the real W4A4 GEMM; the model runs W4A4 only there (elsewhere its NVFP4 layers stay W4A16).
+same arithmetic by the Triton W4A16 kernel on the dequantized fp32 activations (``kernels.nvfp4_triton``) where
+the ``nvfp4_w4a16`` op chose its Triton kernels (their self-test passed), else the reference. None reads a value
+on the host, so each can be captured in a CUDA graph. :func:`w4a4_supported` says whether a device runs the real
+W4A4 GEMM; the model runs W4A4 only there (elsewhere its NVFP4 layers and experts stay W4A16).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from epserve import env
 from epserve.kernels import backends
 from epserve.kernels.device import capability
 from epserve.kernels.nvfp4 import GROUP, SCALE_DTYPE, check_nvfp4_weight, nvfp4_linear_ref
 from epserve.kernels.nvfp4_act import nvfp4_act_dequant_ref, nvfp4_act_quant, nvfp4_act_quant_ref
+from epserve.kernels.nvfp4_fp4_gemm import MIN_CAPABILITY, OUT_DTYPES, fp4_gemm, fp4_gemm_takes
+from epserve.kernels.nvfp4_w4a4_moe import experts_self_test
 from epserve.kernels.opdef import declare
-
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MIN_CAPABILITY = (10, 0)  # FP4 tensor cores (Blackwell)
-SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4  # cuBLAS's block-scale tile: 128 rows x 4 scales, stored as 32 x (4 x 4)
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -88,48 +87,11 @@ def nvfp4_w4a4_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
 # ---- the GEMM on FP4 tensor cores ---------------------------------------------------------------
 
 
-def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
-    """e4m3 block scales [R, C] (one row per matrix row, one column per 16 values of K) in cuBLAS's swizzled
-    layout, flat: padded with zeros to 128-row by 4-column tiles, tile (rb, cb) at ``(rb * ceil(C/4) + cb) *
-    512``, and within it scale (32 i + j, c) at ``16 j + 4 i + c``. Shape operations only (no indexing, no host
-    read)."""
-    r, c = scales.shape
-    rows, cols = -(-r // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-c // SWIZZLE_COLS) * SWIZZLE_COLS
-    padded = F.pad(scales.view(torch.uint8), (0, cols - c, 0, rows - r))  # (float8 cannot be padded)
-    tiles = padded.view(rows // SWIZZLE_ROWS, 4, 32, cols // SWIZZLE_COLS, SWIZZLE_COLS).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(-1).view(SCALE_DTYPE)
-
-
 def scaled_mm_takes(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
                     input_scale: torch.Tensor) -> bool:
     """The shapes the FP4 GEMM takes: K a multiple of 32 (the packed K a multiple of 16), each part's rows a
     multiple of 16, an output dtype it writes."""
-    k, parts = 2 * weight.shape[-1], weight_scale_2.numel()
-    return (k % 32 == 0 and parts > 0 and weight.shape[0] % parts == 0 and (weight.shape[0] // parts) % 16 == 0
-            and x.dtype in OUT_DTYPES and x.shape[-1] == k)
-
-
-def fp4_gemm(q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-             weight_scale_2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """NVFP4 rows (q uint8 [M, K/2], e4m3 block scales s [M, K/16], global scale g fp32 [1]) times an NVFP4
-    weight^T by ``scaled_mm`` on FP4 operands -> [M, N] out_dtype: one GEMM per part, each with its own weight
-    global scale, the block scales swizzled on the device. ``float4_e2m1fn_x2`` keeps the even column in the low
-    nibble, as ModelOpt packs it: the bytes are used as stored."""
-    # (a recent torch's; with an older one this raises, so the self-test fails and the Triton emulation runs)
-    from torch.nn.functional import ScalingType, SwizzleType, scaled_mm
-
-    recipe = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
-    swizzle = [SwizzleType.SWIZZLE_32_4_4, SwizzleType.NO_SWIZZLE]
-    a, scale_a = q.view(torch.float4_e2m1fn_x2), [swizzle_scales(s), g]
-    parts = weight_scale_2.numel()
-    rows = weight.shape[0] // parts
-    outs = []
-    for p in range(parts):
-        w = weight.narrow(0, p * rows, rows).view(torch.float4_e2m1fn_x2)
-        scale_b = [swizzle_scales(weight_scale.narrow(0, p * rows, rows)), weight_scale_2.narrow(0, p, 1)]
-        outs.append(scaled_mm(a, w.t(), scale_a, recipe, scale_b, recipe, swizzle_a=swizzle, swizzle_b=swizzle,
-                              output_dtype=out_dtype))
-    return outs[0] if parts == 1 else torch.cat(outs, dim=1)
+    return fp4_gemm_takes(weight, weight_scale_2) and x.dtype in OUT_DTYPES and x.shape[-1] == 2 * weight.shape[-1]
 
 
 def nvfp4_w4a4_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -145,7 +107,8 @@ def nvfp4_w4a4_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
 def _probe_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> None:
     """The ``nvfp4_gemm`` op's self-test of ``scaled_mm``: on FP4 tensor cores only (capability >= 10.0), a few
     small problems (one row, two parts with their own global and input scales, more than 128 rows) against
-    :func:`nvfp4_w4a4_ref` on the same device; raises where it cannot run or is off."""
+    :func:`nvfp4_w4a4_ref` on the same device, then the routed experts' path once
+    (``kernels.nvfp4_w4a4_moe.experts_self_test``); raises where it cannot run or is off."""
     if device.type != "cuda" or capability(device) < MIN_CAPABILITY:
         found = capability(device) if device.type == "cuda" else device.type
         raise RuntimeError(f"W4A4 needs FP4 tensor cores (compute capability >= {MIN_CAPABILITY}), got {found}")
@@ -167,6 +130,7 @@ def _probe_scaled_mm(device: torch.device, out_dtype: torch.dtype) -> None:
         if got.dtype != out_dtype or not err <= bound:
             raise backends.KernelMismatch(f"{got.dtype} output off the reference by {err:.3g} (allowed {bound:.3g}) "
                                           f"at M,N,K={m},{n},{k}")
+    experts_self_test(device, out_dtype, tolerance)
 
 
 # W4A4 GEMMs on CUDA: scaled_mm on FP4 operands where its self-test passes for the device and output dtype, else
@@ -188,4 +152,8 @@ def w4a4_supported(device: torch.device | str, out_dtype: torch.dtype = torch.bf
 
 nvfp4_w4a4_linear.implement("cuda", f"{__name__}:nvfp4_w4a4_scaled_mm", takes=scaled_mm_takes, traced="op",
                             backend=("nvfp4_gemm", "scaled_mm"))
-nvfp4_w4a4_linear.implement("cuda", "epserve.kernels.nvfp4_triton:nvfp4_w4a4_triton", traced="op")
+# where scaled_mm is not chosen: the emulation on the W4A16 Triton kernel where the nvfp4_w4a16 op chose it, else
+# the reference
+nvfp4_w4a4_linear.implement("cuda", "epserve.kernels.nvfp4_triton:nvfp4_w4a4_triton", traced="op",
+                            backend=("nvfp4_w4a16", "triton"))
+nvfp4_w4a4_linear.implement("cuda", f"{__name__}:nvfp4_w4a4_ref", traced="op")

@@ -16,6 +16,7 @@ from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul
 from epserve.kernels.fp8_layers import fp8_linear
 from epserve.kernels.nvfp4 import SCALE_DTYPE, dequantize_rows, nvfp4_linear, nvfp4_shapes
 from epserve.kernels.nvfp4_w4a4 import nvfp4_w4a4_linear
+from epserve.moe.experts import GroupedExperts
 
 
 class Linear(nn.Module):
@@ -64,12 +65,14 @@ class Linear(nn.Module):
 
 
 def use_w4a4(model: nn.Module) -> int:
-    """Run every NVFP4 :class:`Linear` of ``model`` W4A4 (its activations quantized to NVFP4 by the checkpoint's
-    input scale); the routed experts stay W4A16. Returns how many linears switched."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight_scale_2 is not None]
-    for m in linears:
+    """Run every NVFP4 :class:`Linear` of ``model`` and its NVFP4 routed experts (``moe.experts.GroupedExperts``)
+    W4A4: their activations quantized to NVFP4 by the checkpoint's input scales (an expert's by its own). Returns
+    how many modules switched (linears and experts' modules)."""
+    switched = [m for m in model.modules() if (isinstance(m, Linear) and m.weight_scale_2 is not None)
+                or (isinstance(m, GroupedExperts) and m.nvfp4)]
+    for m in switched:
         m.w4a4 = True
-    return len(linears)
+    return len(switched)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:

@@ -10,7 +10,8 @@ The dispatcher may hand over an FP8 payload (``ExpertInput.scales``): rows alrea
 ``kernels.fp8.act_quant`` quantizes them. FP8 experts run their GEMMs on it directly; experts in the
 model dtype, and NVFP4 experts (four-bit weights, activations in the model dtype), dequantize it first. An
 NVFP4 payload (``--dispatch-dtype nvfp4``: e2m1 codes, ``scales`` and ``ExpertInput.global_scale``) is
-dequantized to the model dtype by every kind of experts (NVFP4 experts run W4A16 on it). Every
+dequantized to the model dtype by every kind of experts (NVFP4 experts run W4A16 on it, or with ``w4a4`` set
+quantize it again with their own input scales: ``kernels.nvfp4_w4a4_moe``). Every
 path takes the dispatcher's masked layout (``ExpertInput.masked``: the padding rows skipped by the GEMMs, and by
 the FP8 quantizers) and its row-tile hint (``ExpertInput.rows_per_expert``).
 """
@@ -24,6 +25,7 @@ from epserve.kernels.fp8 import BLOCK, FP8_DTYPE, fp8_weight_pair
 from epserve.kernels.fp8_layers import fp8_moe_swiglu, fp8_moe_swiglu_quantized
 from epserve.kernels.nvfp4 import SCALE_DTYPE, nvfp4_moe_swiglu, nvfp4_shapes
 from epserve.kernels.nvfp4_act import nvfp4_act_dequant
+from epserve.kernels.nvfp4_w4a4_moe import nvfp4_w4a4_moe_swiglu
 from epserve.kernels.ops import grouped_swiglu
 from epserve.moe.dispatch.base import ExpertInput
 
@@ -53,7 +55,9 @@ class GroupedExperts(nn.Module):
     e4m3 block scales ``w13_scale`` [E, 2I, H/16] and fp32 global scales ``w13_scale_2`` [E, 2] (gate's, up's;
     ``w13_input_scale`` the activations'), ``w2`` uint8 [E, H, I/2] with ``w2_scale`` [E, H, I/16], ``w2_scale_2``
     and ``w2_input_scale`` [E, 1]; run as four-bit weights (``kernels.nvfp4.nvfp4_moe_swiglu``, W4A16: an FP8
-    payload is dequantized to ``act_dtype`` first, which must then be set)."""
+    payload is dequantized to ``act_dtype`` first, which must then be set), or with ``w4a4`` set
+    (``model.layers.use_w4a4``) with each expert's rows quantized to NVFP4 by its input scales
+    (``kernels.nvfp4_w4a4_moe.nvfp4_w4a4_moe_swiglu``, W4A4 on FP4 tensor cores)."""
 
     def __init__(
         self, num_local_experts: int, hidden_size: int, intermediate_size: int, fp8: bool = False,
@@ -68,6 +72,7 @@ class GroupedExperts(nn.Module):
         self.w13_scale_inv: nn.Parameter | None = None
         self.w2_scale_inv: nn.Parameter | None = None
         self.nvfp4 = nvfp4
+        self.w4a4 = False
         if nvfp4:
             for name, (n, k), parts in (("w13", w13_shape[1:], 2), ("w2", w2_shape[1:], 1)):
                 packed, scales = nvfp4_shapes(n, k)
@@ -117,6 +122,9 @@ class GroupedExperts(nn.Module):
             return fp8_moe_swiglu(x, counts, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, tile, masked)
         if scales is not None:
             x = dequantize_rows(x, scales, out_dtype)
+        if self.nvfp4 and self.w4a4:
+            return nvfp4_w4a4_moe_swiglu(x, counts, self.w13, self.w13_scale, self.w13_scale_2, self.w13_input_scale,
+                                         self.w2, self.w2_scale, self.w2_scale_2, self.w2_input_scale, tile, masked)
         if self.nvfp4:
             return nvfp4_moe_swiglu(x, counts, self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale,
                                     self.w2_scale_2, tile, masked)
