@@ -84,6 +84,13 @@ def test_use_w4a4_switches_the_routed_experts_too(make_ckpt):
     assert same >= 0.6 * len(want), (same, len(want))
 
 
+def test_experts_the_fp4_gemm_does_not_take_stay_w4a16():
+    """Hidden size 48 (not a multiple of 32): the W4A4 experts would run their reference, which reads the counts
+    on the host; they stay W4A16. Hidden size 64 switches."""
+    odd, even = GroupedExperts(2, 48, 32, nvfp4=True), GroupedExperts(2, 64, 32, nvfp4=True)
+    assert use_w4a4(torch.nn.ModuleList([odd, even])) == 1 and not odd.w4a4 and even.w4a4
+
+
 def test_nvfp4_backend_variable(monkeypatch):
     monkeypatch.setenv(env.NVFP4_BACKEND, "Triton")
     assert env.nvfp4_backend() == "triton"

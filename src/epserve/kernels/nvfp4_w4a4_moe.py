@@ -139,14 +139,21 @@ def nvfp4_w4a4_moe_swiglu(
 # ---- on FP4 tensor cores ------------------------------------------------------------------------
 
 
+def fp4_experts_take(w13: torch.Tensor, w13_scale_2: torch.Tensor, w2: torch.Tensor, w2_scale_2: torch.Tensor) -> bool:
+    """Whether the FP4 GEMM takes both of the experts' weights (H and I multiples of 32, each part's rows a
+    multiple of 16): shapes only. Experts it does not take would run the reference, which reads the counts on the
+    host, so the model keeps them W4A16 (``model.layers.use_w4a4``)."""
+    return fp4_gemm_takes(_first(w13), _first(w13_scale_2)) and fp4_gemm_takes(_first(w2), _first(w2_scale_2))
+
+
 def scaled_mm_takes(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
                     w13_scale_2: torch.Tensor, w13_input_scale: torch.Tensor, w2: torch.Tensor,
                     w2_scale: torch.Tensor, w2_scale_2: torch.Tensor, w2_input_scale: torch.Tensor,
                     rows_per_expert: float | None = None, masked: bool = False) -> bool:
-    """Shapes the FP4 GEMM takes for both of an expert's weights (H and I multiples of 32, each part's rows a
-    multiple of 16), an output dtype it writes and counts on x's device."""
+    """Weights the FP4 GEMM takes (:func:`fp4_experts_take`), an output dtype it writes and counts on x's
+    device."""
     return (x.dtype in OUT_DTYPES and isinstance(counts, torch.Tensor) and counts.device == x.device
-            and fp4_gemm_takes(_first(w13), _first(w13_scale_2)) and fp4_gemm_takes(_first(w2), _first(w2_scale_2)))
+            and fp4_experts_take(w13, w13_scale_2, w2, w2_scale_2))
 
 
 def nvfp4_w4a4_moe_scaled_mm(

@@ -16,6 +16,7 @@ from epserve.kernels.fp8 import BLOCK, block_fp8_gemm, fp8_weight_pair, silu_mul
 from epserve.kernels.fp8_layers import fp8_linear
 from epserve.kernels.nvfp4 import SCALE_DTYPE, dequantize_rows, nvfp4_linear, nvfp4_shapes
 from epserve.kernels.nvfp4_w4a4 import nvfp4_w4a4_linear
+from epserve.kernels.nvfp4_w4a4_moe import fp4_experts_take
 from epserve.moe.experts import GroupedExperts
 
 
@@ -66,10 +67,11 @@ class Linear(nn.Module):
 
 def use_w4a4(model: nn.Module) -> int:
     """Run every NVFP4 :class:`Linear` of ``model`` and its NVFP4 routed experts (``moe.experts.GroupedExperts``)
-    W4A4: their activations quantized to NVFP4 by the checkpoint's input scales (an expert's by its own). Returns
-    how many modules switched (linears and experts' modules)."""
-    switched = [m for m in model.modules() if (isinstance(m, Linear) and m.weight_scale_2 is not None)
-                or (isinstance(m, GroupedExperts) and m.nvfp4)]
+    W4A4: their activations quantized to NVFP4 by the checkpoint's input scales (an expert's by its own). Experts
+    whose shapes the FP4 GEMM does not take stay W4A16 (``kernels.nvfp4_w4a4_moe.fp4_experts_take``: elsewhere
+    they would read their counts on the host). Returns how many modules switched (linears and experts' modules)."""
+    switched = [m for m in model.modules() if (isinstance(m, Linear) and m.weight_scale_2 is not None) or (
+        isinstance(m, GroupedExperts) and m.nvfp4 and fp4_experts_take(m.w13, m.w13_scale_2, m.w2, m.w2_scale_2))]
     for m in switched:
         m.w4a4 = True
     return len(switched)
