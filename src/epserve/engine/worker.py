@@ -269,4 +269,7 @@ def spawn_ranks(config: EngineConfig, entry: RankEntry = start_rank, args: tuple
     # CPU ranks fork from a server that imported torch and the engine once (seconds saved per rank);
     # CUDA ranks are spawned fresh, so none inherits a CUDA driver from a parent.
     start = "spawn" if config.device.startswith("cuda") else "forkserver"
-    return RankProcesses(entry, infos, (config, logging.getLogger().getEffectiveLevel(), *args), start, wait)
+    # all the world's ranks here (one host): they get a secret of their own that keys the doorbell beside the
+    # engine token (parallel/launch.py)
+    return RankProcesses(entry, infos, (config, logging.getLogger().getEffectiveLevel(), *args), start, wait,
+                         whole_world=local == pc.world_size)
