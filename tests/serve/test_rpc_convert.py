@@ -3,9 +3,13 @@ ways (the router reads the engine's messages back as ``GeneratedTokens``)."""
 
 from __future__ import annotations
 
+import math
+import random
+
 from epserve.messages.engine import GeneratedTokens, RequestTimes
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 from epserve.rpc import convert
+from epserve.rpc.proto import engine_pb2 as pb
 
 
 def test_sampling_params_round_trip() -> None:
@@ -45,3 +49,23 @@ def test_generated_tokens_round_trip() -> None:
     ]
     for out in cases:
         assert convert.generated_from_proto("r", prompt, convert.generated_to_proto(out)) == out
+
+
+def test_logprobs_read_back_as_the_protocol_holds_them() -> None:
+    """The top logprobs are read in bulk (``logprob_from_proto``): the same tuples as reading each field,
+    proto3's defaults (token 0, logprob 0.0: not on the wire) and -inf included; ``logprob_entries`` tells
+    how many entries reading a message back converts, without converting them."""
+    rng = random.Random(0)
+    top = [(0, 0.0), (5, -math.inf), *[(rng.randrange(1 << 17), -rng.random() * 30) for _ in range(18)]]
+    msg = pb.TokenLogprob(logprob=-0.75, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+    read = convert.logprob_from_proto(3, pb.TokenLogprob.FromString(msg.SerializeToString()))
+    assert read == TokenLogprobs(3, -0.75, tuple((t.token_id, t.logprob) for t in msg.top))
+    assert read.top[:2] == ((0, 0.0), (5, -math.inf)) and all(type(t) is int for t, _ in read.top)
+    assert convert.logprob_from_proto(4, pb.TokenLogprob()) == TokenLogprobs(4, 0.0, ())
+
+    entry = TokenLogprobs(5, -1.5, tuple((t, -1.0) for t in range(20)))
+    out = GeneratedTokens("r", (7, 8), (entry, entry), 4, 0, 2, None, (entry,) * 3)
+    assert convert.logprob_entries(convert.generated_to_proto(out)) == 5 * 21
+    plain = GeneratedTokens("r", (7,), (TokenLogprobs(7, -0.5, ()),), 4, 0, 1, None)
+    assert convert.logprob_entries(convert.generated_to_proto(plain)) == 1
+    assert convert.logprob_entries(convert.generated_to_proto(GeneratedTokens("r", (7,), (), 4, 0, 1, None))) == 0

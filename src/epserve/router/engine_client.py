@@ -1,15 +1,20 @@
-"""The router's side of the gRPC engine service: one async client per engine instance."""
+"""The router's side of the gRPC engine service: one async client per engine instance. An engine message
+with many logprobs (a long prompt's ``prompt_logprobs``) is read back on a worker thread, not on the event
+loop: reading one entry costs about a microsecond, and such a message can hold a million."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epserve.messages.engine import GeneratedTokens
 from epserve.messages.sampling import SamplingParams
-from epserve.rpc.convert import SERVICE_NAME, generate_request_to_proto, generated_from_proto
+from epserve.router.response_body import LARGE_COST
+from epserve.rpc.convert import SERVICE_NAME, generate_request_to_proto, generated_from_proto, logprob_entries
 from epserve.rpc.proto import engine_pb2 as pb
 from epserve.rpc.proto import engine_pb2_grpc as pb_grpc
 from epserve.rpc.security import engine_channel, handshake_refused
@@ -18,6 +23,9 @@ from epserve.rpc.security import engine_channel, handshake_refused
 # UNAUTHENTICATED too: an engine that refuses us cannot serve us (and the router says why).
 _UNAVAILABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                 grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAUTHENTICATED}
+
+# Reads back the engine messages whose logprobs cost more than LARGE_COST entries (every engine client's).
+_READER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epserve-read")
 
 
 class EngineUnavailable(RuntimeError):
@@ -63,9 +71,14 @@ class EngineClient:
         (PrefillUnavailable if it fails)."""
         call = self.stub.Generate(generate_request_to_proto(request_id, prompt_token_ids, params, prefill_address),
                                   wait_for_ready=False)
+        loop = asyncio.get_running_loop()
         try:
             async for msg in call:
-                yield generated_from_proto(request_id, prompt_token_ids, msg)
+                if logprob_entries(msg) <= LARGE_COST:
+                    yield generated_from_proto(request_id, prompt_token_ids, msg)
+                else:
+                    yield await loop.run_in_executor(_READER, generated_from_proto, request_id, prompt_token_ids,
+                                                     msg)
         except grpc.aio.AioRpcError as e:
             raise _translate(e, self.address) from None
         finally:

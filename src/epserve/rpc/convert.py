@@ -5,6 +5,7 @@ framed into ``KVChunk`` bytes by ``engine_server/kv_transport.py``, the one side
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 
 from epserve.messages.engine import EngineLoad, GeneratedTokens, RequestTimes
@@ -79,7 +80,19 @@ def logprob_to_proto(lp: TokenLogprobs) -> pb.TokenLogprob:
 
 
 def logprob_from_proto(token_id: int, msg: pb.TokenLogprob) -> TokenLogprobs:
-    return TokenLogprobs(token_id, msg.logprob, tuple((t.token_id, t.logprob) for t in msg.top))
+    return TokenLogprobs(token_id, msg.logprob, tuple(map(_TOP_PAIR, msg.top)))
+
+
+_TOP_PAIR = operator.attrgetter("token_id", "logprob")  # a TopLogprob as (token id, logprob)
+
+
+def logprob_entries(msg: pb.GenerateResponse) -> int:
+    """How many logprob entries (a token's and each of its top ones) reading ``msg`` back converts: its
+    cost, told without reading them (a message's entries all have as many top ones as it asked for)."""
+    num_tokens = len(msg.logprobs) + len(msg.prompt_logprobs)
+    if not num_tokens:
+        return 0
+    return num_tokens * (1 + len((msg.prompt_logprobs or msg.logprobs)[0].top))
 
 
 def expert_load_to_proto(load: ExpertLoad) -> pb.GetExpertLoadResponse:
