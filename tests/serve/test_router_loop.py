@@ -171,3 +171,55 @@ def test_a_large_response_is_built_off_the_loop_and_sent_in_pieces(server):
         assert len(c["logprobs"]["tokens"]) == 601 and tops[0] is None and all(10 <= len(t) <= 21 for t in tops[1:])
         assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == 600
         assert all(len(row) in (20, 21) for row in c["prompt_logprobs"][1:])
+
+
+def _loop_share(server: Server, send) -> tuple[float, float, httpx.Response]:
+    """(the router's main thread's CPU seconds, the whole router's, the answer) over ``send()``."""
+    main0, all0 = server.cpu_s()
+    r = send()
+    main1, all1 = server.cpu_s()
+    return main1 - main0, all1 - all0, r
+
+
+@pytest.mark.slow
+def test_a_large_tokenize_is_done_off_the_loop(server):
+    """A 1 MB text tokenized with its tokens' strings (about a million entries in the answer): the
+    tokenizing, the tokens' strings and the JSON text are built on the worker thread, not the loop (the
+    loop built the strings and the JSON: about a fifth of the router's CPU); ``/health`` answers after."""
+    text = "ab" * (1 << 19)
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        main, total, r = _loop_share(server, lambda: client.post(
+            "/tokenize", json={"prompt": text, "return_token_strs": True, "add_special_tokens": False}))
+        assert client.get("/health").status_code == 200
+        small = client.post("/tokenize", json={"prompt": text[:64], "return_token_strs": True,
+                                               "add_special_tokens": False}).json()
+    print(f"router CPU {total:.2f} s, its main thread's {main:.2f} s")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    data = r.json()
+    assert data.keys() == small.keys() and data["count"] == len(data["tokens"]) == len(data["token_strs"])
+    assert data["tokens"][:small["count"] - 1] == small["tokens"][:-1]
+    assert "".join(data["token_strs"]) == text
+    assert main < 0.05 * total, (main, total)
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_are_read_off_the_loop(server):
+    """A chat of 16 choices asking prompt logprobs 20 over a 500-token prompt: every choice's engine
+    message carries 10,000 logprob entries (the body shows the first's). They are read from the engine's
+    messages off the loop (the loop read them: about half the router's CPU)."""
+    words = "the quick brown fox jumps over the lazy dog while seven wizards quietly judge boxing matches "
+    messages = [{"role": "user", "content": words * 10}]
+    body = {"messages": messages, "n": 16, "max_tokens": 1, "prompt_logprobs": 20, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        main, total, r = _loop_share(server, lambda: client.post("/v1/chat/completions", json=body))
+        small = client.post("/v1/chat/completions", json={**body, "n": 1, "prompt_logprobs": 1}).json()
+    print(f"router CPU {total:.2f} s, its main thread's {main:.2f} s")
+    assert r.status_code == 200, r.text[:300]
+    data = r.json()
+    prompt_tokens = small["usage"]["prompt_tokens"]
+    assert 400 < prompt_tokens < MAX_MODEL_LEN and data["usage"]["prompt_tokens"] == prompt_tokens
+    rows = data["prompt_logprobs"]
+    assert len(rows) == prompt_tokens and rows[0] is None and all(len(row) in (20, 21) for row in rows[1:])
+    assert [next(iter(row)) for row in rows[1:]] == [next(iter(row)) for row in small["prompt_logprobs"][1:]]
+    assert len(data["choices"]) == 16
+    assert main < 0.4 * total, (main, total)

@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from epserve.router.errors import APIError, bad_request
+from epserve.router.response_body import dumps
 from epserve.router.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
     from epserve.tokenizer import Tokenizer
 
 INLINE_TOKENIZE_CHARS = 8 << 10  # longer texts are tokenized on a worker thread
+INLINE_TOKENS = 8 << 10  # more token ids are decoded, or written in an answer, on a worker thread
 _T = TypeVar("_T")
 
 
@@ -36,36 +38,43 @@ class TokenizerEndpoints:
         def _need_tokenizer(self, what: str) -> Tokenizer: ...
         def _limits(self) -> tuple[int, int]: ...
 
-    async def tokenize(self, raw: Request) -> JSONResponse:
+    async def tokenize(self, raw: Request) -> Response:
         """``POST /tokenize``: a text (``prompt``) or a conversation (``messages``, through the chat
-        template as chat completions are) to token ids."""
+        template as chat completions are) to token ids. A long text's answer (its tokens, their strings,
+        the JSON text) is built on the worker thread, as a long conversation's tokens and answer are."""
         req = await self._parse(raw, TokenizeCompletionRequest)  # (a body with messages: TokenizeChatRequest)
         tokenizer = self._need_tokenizer("/tokenize and /detokenize")
         max_model_len, _ = self._limits()
+
+        def answer(tokens: list[int] | None) -> bytes:  # (None: the text's, tokenized here)
+            if tokens is None:
+                tokens = tokenizer.encode(req.prompt, req.add_special_tokens)
+            body: dict[str, Any] = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+            if req.return_token_strs:
+                body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
+            return dumps(body)
+
         if isinstance(req, TokenizeChatRequest):
             tokens = await self._encode_chat(tokenizer, req, None, req.add_special_tokens)
-        else:
-            tokens = await self._offload(len(req.prompt) > INLINE_TOKENIZE_CHARS, tokenizer.encode, req.prompt,
-                                         req.add_special_tokens)
-        body: dict[str, Any] = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
-        if req.return_token_strs:
-            body["token_strs"] = tokenizer.convert_ids_to_tokens(tokens)
-        return JSONResponse(body)
+            return _json(await self._offload(len(tokens) > INLINE_TOKENS, answer, tokens))
+        # (a character is at most 4 tokens, its UTF-8 bytes: a short text's answer is small)
+        return _json(await self._offload(len(req.prompt) > INLINE_TOKENIZE_CHARS, answer, None))
 
-    async def detokenize(self, raw: Request) -> JSONResponse:
+    async def detokenize(self, raw: Request) -> Response:
         """``POST /detokenize``: token ids to their text (special tokens included, as vLLM's); 400 for an
-        id outside the tokenizer's vocabulary."""
+        id outside the tokenizer's vocabulary. Many ids are decoded (and the answer written) on the worker
+        thread."""
         req = await self._parse(raw, DetokenizeRequest)
         tokenizer = self._need_tokenizer("/tokenize and /detokenize")
 
-        def decode() -> str:
+        def answer() -> bytes:
             vocab = tokenizer.vocab_size
             bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
             if bad is not None:
                 raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-            return tokenizer.decode(req.tokens, skip_special_tokens=False)
+            return dumps({"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)})
 
-        return JSONResponse({"prompt": await self._offload(len(req.tokens) > INLINE_TOKENIZE_CHARS, decode)})
+        return _json(await self._offload(len(req.tokens) > INLINE_TOKENS, answer))
 
     async def tokenizer_info(self) -> JSONResponse:
         """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration as transformers reads it (its special
@@ -83,6 +92,11 @@ class TokenizerEndpoints:
         if served is not None:
             info["model_max_length"] = served.max_model_len
         return JSONResponse(info)
+
+
+def _json(body: bytes) -> Response:
+    """An answer already written as JSON (``response_body.dumps``: the bytes JSONResponse would write)."""
+    return Response(body, media_type="application/json")
 
 
 def _plain(value: Any) -> bool:
