@@ -83,3 +83,21 @@ def test_no_token_left_names_the_fields():
     assert no_token_left(SamplingParams(stop_token_ids=every), V, eos) is None  # (no min_tokens: it may stop)
     assert no_token_left(SamplingParams(min_tokens=1, stop_token_ids=every[:-1]), V, ()) is None
     assert no_token_left(SamplingParams(max_tokens=0, bad_words=tuple((t,) for t in every)), V, eos) is None
+
+
+def test_an_engine_refuses_what_is_decidable_and_aborts_a_row_left_empty(tiny_ckpt):
+    """Through the engine: parameters that leave no token at all are refused where the request enters (the
+    router answers such a RequestError with a 400); a row emptied only by what was drawn (a two-token bad
+    word X X after the only allowed token X) fails the request, where it drew token 0 before."""
+    from epserve.engine.engine import RequestError
+
+    llm = LLM(tiny_ckpt, dtype="float32", num_blocks=64)
+    vocab = llm.engine.config.model.vocab_size
+    x = 7
+    with pytest.raises(RequestError, match="bad_words ban every token"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, bad_words=tuple((t,) for t in range(vocab))))
+    only_x = tuple((t,) for t in range(vocab) if t != x)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, bad_words=only_x)
+    assert llm.generate([[1, 2, 3]], params)[0].token_ids == [x, x, x]
+    with pytest.raises(RequestError, match="leave no token allowed"):  # (offline, a failed request raises)
+        llm.generate([[1, 2, 3]], replace(params, bad_words=(*only_x, (x, x))))

@@ -20,7 +20,7 @@ from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.memory import keep_freed_host_memory
 from epserve.engine.request import Request, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
-from epserve.engine.sampling import SamplingPipeline
+from epserve.engine.sampling import SamplingPipeline, no_token_left
 from epserve.engine.scheduler import RequestUpdate, Scheduler
 from epserve.messages.engine import AddRequest
 from epserve.messages.expert_load import ExpertLoad
@@ -82,6 +82,8 @@ class LLMEngine:
         bad = next((t for word in params.bad_words for t in word if t >= vocab), None)
         if bad is not None:
             raise RequestError(f"bad_words token id {bad} is outside the vocabulary [0, {vocab})")
+        if (why := no_token_left(params, vocab, self.config.model.eos_token_ids)) is not None:
+            raise RequestError(why)
         if params.structured is not None:
             if not self.constraints.available:
                 raise RequestError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
@@ -155,10 +157,11 @@ class LLMEngine:
         return writes, updates
 
     def _abort_failed(self) -> None:
-        """Abort the requests whose constraint failed them this step (``Constraints.accept``), alone:
-        a request sampled this step is reported by this step's update (its token dropped), as "abort",
+        """Abort the requests that cannot go on after this step, alone: a constraint failed them
+        (``Constraints.accept``) or their row had no token left to draw (``SamplingPipeline.take_failures``).
+        A request sampled this step is reported by this step's update (its token dropped), as "abort",
         with the reason in ``failed``."""
-        for rid, why in self.constraints.take_failures().items():
+        for rid, why in self.sampling.take_failures().items():
             if self.abort_request(rid):
                 self.failed[rid] = why
 
