@@ -3,8 +3,9 @@ expert's input scales, then the grouped SwiGLU on four-bit operands.
 
 On the CPU: the reference against a plain loop over the rows (quantize one row, dequantize, GEMM with the
 dequantized weights), per expert's scales (the largest of its gate's and up's before w13, its own before w2);
-the CUDA implementation's calls on fake CUDA tensors (torch's meta kernels check each ``scaled_mm`` as a GPU
-would; a value read on the host would raise there) and the implementations listed. With a GPU (``-m cuda``):
+the CUDA implementation's slabs and select with the FP4 GEMM's arithmetic (``fp4_gemm_ref``) against the
+reference; its calls on meta tensors (torch's meta kernels check each ``scaled_mm`` as a GPU would; a value read
+on the host would raise there) and the implementations listed. With a GPU (``-m cuda``):
 the op against the reference, by ``scaled_mm`` where the device passed its self-test, with NaN padding rows,
 and captured in a CUDA graph.
 """
@@ -19,6 +20,7 @@ from test_nvfp4_triton import make_experts, make_rows
 from epserve.kernels import nvfp4_w4a4_moe
 from epserve.kernels.nvfp4 import dequantize_rows
 from epserve.kernels.nvfp4_act import nvfp4_act_dequant_ref, nvfp4_act_quant_ref
+from epserve.kernels.nvfp4_fp4_gemm import fp4_gemm_ref
 from epserve.kernels.nvfp4_w4a4_moe import nvfp4_w4a4_moe_ref, nvfp4_w4a4_moe_scaled_mm, nvfp4_w4a4_moe_swiglu
 
 cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py), selected by the GPU check
@@ -69,6 +71,22 @@ def test_reference_equals_the_row_by_row_definition(dtype):
     assert torch.equal(nvfp4_w4a4_moe_swiglu(x, counts, *experts[:3], s13, *experts[3:], s2), out)
     with pytest.raises(ValueError, match="w2_input_scale"):
         nvfp4_w4a4_moe_ref(x, counts, *experts[:3], s13, *experts[3:], s2.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slabs_and_select_equal_the_reference(dtype):
+    """The CUDA implementation's structure (all rows per expert, the expert's rows selected against the counts'
+    running sum on the device) with the FP4 GEMM's arithmetic (``fp4_gemm_ref``) on the CPU: the reference's
+    output, NaN padding rows zero (never mixed in), an expert without rows and one with all but one."""
+    experts = make_experts(E, H, INTER)
+    for counts in ([3, 0, 4], [0, 9, 1]):
+        x = make_rows(12, H, dtype, counts)
+        s13, s2 = _input_scales(x)
+        args = (*experts[:3], s13, *experts[3:], s2)
+        got = nvfp4_w4a4_moe.experts_on_slabs(fp4_gemm_ref, x, torch.tensor(counts), *args)
+        want = nvfp4_w4a4_moe_ref(x, counts, *args)
+        torch.testing.assert_close(got, want, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-5)
+        assert not got[sum(counts):].any() and got.dtype == dtype
 
 
 def _meta_call(r: int, dtype: torch.dtype, reference: bool = False) -> torch.Tensor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from epserve.kernels.nvfp4 import SCALE_DTYPE
+from epserve.kernels.nvfp4 import SCALE_DTYPE, nvfp4_linear_ref
+from epserve.kernels.nvfp4_act import nvfp4_act_dequant_ref
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MIN_CAPABILITY = (10, 0)  # FP4 tensor cores (Blackwell)
@@ -59,3 +60,11 @@ def fp4_gemm_takes(weight: torch.Tensor, weight_scale_2: torch.Tensor) -> bool:
     packed K a multiple of 16), each part's rows a multiple of 16."""
     k, parts = 2 * weight.shape[-1], weight_scale_2.numel()
     return k % 32 == 0 and parts > 0 and weight.shape[0] % parts == 0 and (weight.shape[0] // parts) % 16 == 0
+
+
+def fp4_gemm_ref(q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 weight_scale_2: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`fp4_gemm`'s arithmetic on any device: both operands dequantized, multiplied in fp32, the result in
+    out_dtype (what the W4A4 references compute from the same quantized rows)."""
+    values = nvfp4_act_dequant_ref(q, s, g, torch.float32)
+    return nvfp4_linear_ref(values, weight, weight_scale, weight_scale_2).to(out_dtype)

@@ -26,7 +26,7 @@ W4A4 only where ``kernels.nvfp4_w4a4.w4a4_supported``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -161,8 +161,19 @@ def nvfp4_w4a4_moe_scaled_mm(
     w13_input_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor, w2_scale_2: torch.Tensor,
     w2_input_scale: torch.Tensor, rows_per_expert: float | None = None, masked: bool = False,
 ) -> torch.Tensor:
-    """:func:`nvfp4_w4a4_moe_swiglu` on FP4 tensor cores: per expert, all R rows quantized with its scale, its two
-    GEMMs (``fp4_gemm``) on them, its rows kept by a select against the counts' running sum (no host read)."""
+    """:func:`nvfp4_w4a4_moe_swiglu` on FP4 tensor cores: :func:`experts_on_slabs` with ``fp4_gemm``."""
+    return experts_on_slabs(fp4_gemm, x, counts, w13, w13_scale, w13_scale_2, w13_input_scale, w2, w2_scale,
+                            w2_scale_2, w2_input_scale)
+
+
+def experts_on_slabs(
+    gemm: Callable[..., torch.Tensor], x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
+    w13_scale: torch.Tensor, w13_scale_2: torch.Tensor, w13_input_scale: torch.Tensor, w2: torch.Tensor,
+    w2_scale: torch.Tensor, w2_scale_2: torch.Tensor, w2_input_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Per expert, all R rows quantized with its scale (``nvfp4_act_quant``), its two GEMMs on them by ``gemm``
+    (``fp4_gemm``'s signature: on the GPU ``fp4_gemm`` itself, ``fp4_gemm_ref`` its arithmetic anywhere), its rows
+    kept by a select against the counts' running sum (no host read)."""
     check_w4a4_experts(x, w13, w13_scale, w13_scale_2, w13_input_scale, w2, w2_scale, w2_scale_2, w2_input_scale)
     g13, g2 = expert_act_scales(w13_input_scale, w2_input_scale)
     ends = torch.cumsum(counts, 0)
@@ -173,9 +184,9 @@ def nvfp4_w4a4_moe_scaled_mm(
     per_expert = zip(*(t.unbind(0) for t in (w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)))
     for e, (w_13, s_13, s2_13, w_2, s_2, s2_2) in enumerate(per_expert):
         g = g13.narrow(0, e, 1)
-        gate, up = fp4_gemm(*nvfp4_act_quant(x, g), g, w_13, s_13, s2_13, x.dtype).float().chunk(2, dim=1)
+        gate, up = gemm(*nvfp4_act_quant(x, g), g, w_13, s_13, s2_13, x.dtype).float().chunk(2, dim=1)
         g = g2.narrow(0, e, 1)
-        y = fp4_gemm(*nvfp4_act_quant((F.silu(gate) * up).to(x.dtype), g), g, w_2, s_2, s2_2, x.dtype)
+        y = gemm(*nvfp4_act_quant((F.silu(gate) * up).to(x.dtype), g), g, w_2, s_2, s2_2, x.dtype)
         out = torch.where((row >= starts.narrow(0, e, 1)) & (row < ends.narrow(0, e, 1)), y, out)
     return out
 
