@@ -14,14 +14,15 @@ scale, dequantize, times w2 in fp32. Rows past sum(counts) zero. W4A4 is lossy a
 oracle; it is tested against this reference.
 
 On CUDA where the ``nvfp4_gemm`` op chose ``scaled_mm`` (FP4 tensor cores; the self-test runs
-:func:`experts_self_test` too): :func:`nvfp4_w4a4_moe_scaled_mm`, per local expert one quantization of all R
+:func:`experts_self_test` too): :func:`nvfp4_w4a4_moe_scaled_mm` (:func:`experts_on_slabs`, which the tests also
+run on the CPU with the GEMM's arithmetic), per local expert one quantization of all R
 rows and one ``scaled_mm`` per GEMM part (``kernels.nvfp4_fp4_gemm``) on that fixed [R, K] slab, the expert's
 rows selected from its output by their position against the counts' running sum on the device. Static shapes,
 no host read: capturable. A row outside the expert's range (another expert's, a padding row, NaN or not) is
 computed and discarded by a select, never mixed into a row that is read; padding rows come out zero. Its cost
 is E x R rows per GEMM: a decode step's (reading each expert's weight once, which bounds it) is what it is for;
 a large prefill pays E times the arithmetic. Elsewhere the reference runs (the model switches its experts to
-W4A4 only where ``kernels.nvfp4_w4a4.w4a4_supported``).
+W4A4 only where ``kernels.nvfp4_w4a4.w4a4_supported`` and the GEMM takes their shapes, :func:`fp4_experts_take`).
 """
 
 from __future__ import annotations
