@@ -19,6 +19,7 @@ MALFORMED = {
     "cached_tokens_past_the_prompt": None,
     "one_block_too_many": None,
     "a_chunk_one_byte_short": None,
+    "kv_nan": None,  # every byte 0xFF: NaN in bf16, fp16, fp32 and e4m3 alike
     "logprobs_not_asked_for": None,
     "logprobs_missing": 2,
     "logprob_nan": 2,
@@ -48,7 +49,8 @@ class FakePrefill(pb_grpc.EngineServicer):
         mode, vocab, layout, prompt = self.mode, self.vocab_size, request.layout, request.prompt_token_ids
         block_bytes = layout.num_layers * layout.block_size * layout.token_bytes
         num_blocks = -(-len(prompt) // layout.block_size) - request.first_block + (mode == "one_block_too_many")
-        data = bytes(num_blocks * block_bytes - (mode == "a_chunk_one_byte_short"))
+        size = num_blocks * block_bytes - (mode == "a_chunk_one_byte_short")
+        data = b"\xff" * size if mode == "kv_nan" else bytes(size)
         yield pb.KVChunk(first_block=request.first_block, num_blocks=num_blocks, data=data)
         last = pb.KVChunk(done=True, first_token=vocab + 5 if mode == "first_token_out_of_vocab" else 7,
                           num_cached_tokens=len(prompt) + 1 if mode == "cached_tokens_past_the_prompt" else 0)

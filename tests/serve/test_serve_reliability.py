@@ -21,7 +21,7 @@ from tests.serve_harness import Proc, Stream, alive, descendants, frozen, metric
 
 pytestmark = pytest.mark.slow
 
-STEP_TIMEOUT = 3.0
+STEP_TIMEOUT = 6.0  # above what a burst holds ranks still (each /metrics render waits on frozen ranks)
 ENGINE_ARGS = ["--dtype", "float32", "--num-blocks", "64", "--max-model-len", "1024"]  # small: preemption
 
 
