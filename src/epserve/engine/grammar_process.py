@@ -2,11 +2,13 @@
 rank's ``GrammarWorker``, ``engine/grammar_worker.py``): it loads the tokenizer and xgrammar's compiler
 once, then forks one process per compile from itself (a copy-on-write fork of a single-threaded process:
 milliseconds). That process takes the compile's memory budget (``RLIMIT_AS``: the worker's address space
-plus the job's ``memory_limit_mib``) and a CPU-time backstop, compiles (``engine/grammars.py``) and
-writes back ``1`` and the compiled grammar serialized (``CompiledGrammar.serialize_json``), or ``0`` and
-why not. The worker's one thread selects on the rank's pipe and its compiles' pipes: it kills a compile
-that runs past its ``time_limit_s`` or is cancelled, and reports a compile that crashed (a stack overflow
-in xgrammar's converters) by its signal. It leaves when the rank closes its end of the pipe.
+plus the job's ``memory_limit_mib``) and a CPU-time backstop, converts the constraint to its EBNF grammar
+and compiles that (``engine/grammars.py``), and writes back ``1`` and the EBNF grammar, or ``0`` and why
+not. The rank compiles the EBNF grammar again with the same tokenizer info, within what this compile took
+(a compiled grammar serialized is far larger: 36 MB for a forced call among 128 tools whose EBNF is 33 KB,
+seconds to serialize and read back). The worker's one thread selects on the rank's pipe and its compiles'
+pipes: it kills a compile that runs past its ``time_limit_s`` or is cancelled, and reports a compile that
+crashed (a stack overflow in xgrammar's converters) by its signal. It leaves when the rank closes its end of the pipe.
 
 The messages both ways are the frozen dataclasses below, each a JSON line (its type, fields and the size
 of the payload after it) and then its payload.
@@ -25,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from epserve.engine.grammars import compile_constraint, load_compiler
+from epserve.engine.grammars import compile_grammar, constraint_grammar, load_compiler
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,8 @@ class CompileStarted:
 
 @dataclass(frozen=True)
 class CompileDone:
-    """``job`` is over (payload: the serialized grammar where ``ok``, else why not)."""
+    """``job`` is over (payload: its EBNF grammar, which compiled within the limits, where ``ok``; else why
+    not)."""
 
     job: int
     ok: bool
@@ -233,8 +236,10 @@ def _compile_and_exit(worker: _Worker, out: int, order: CompileJob, spec: str) -
         resource.setrlimit(resource.RLIMIT_AS, (most, most))
         cpu = int(order.time_limit_s) + 5
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        grammar = compile_constraint(worker.compiler, worker.added, worker.config.vocab_size, order.kind, spec)
-        result = b"1" + grammar.serialize_json().encode()
+        kind = "json_schema" if order.kind == "json_object" else order.kind
+        ebnf = constraint_grammar(worker.added, worker.config.vocab_size, order.kind, spec)
+        compile_grammar(worker.compiler, kind, ebnf)  # (within the limits: the rank's compile of it is too)
+        result = b"1" + ebnf.encode()
     except BaseException as e:  # (whatever it is, it is this request's)
         text = str(e).strip()
         if isinstance(e, MemoryError) or "bad_alloc" in text:

@@ -46,10 +46,10 @@ class GrammarWorker:
         self._replies: dict[int, list] = {}  # compile id: [Event, (ok, payload) once done]
         self._cancelled: set[int] = set()  # cancelled before they were sent
 
-    def compile(self, job: int, kind: str, spec: str, limits: CompileLimits) -> bytes:
-        """The serialized compiled grammar of ``kind``/``spec`` (compile ``job``, within the time and
-        memory of ``limits``); ValueError saying why it does not compile, crashed, ran out of time or
-        memory, or was cancelled."""
+    def compile(self, job: int, kind: str, spec: str, limits: CompileLimits) -> str:
+        """The EBNF grammar of ``kind``/``spec``, which compiled within the time and memory of ``limits``
+        (compile ``job``); ValueError saying why it does not compile, crashed, ran out of time or memory,
+        or was cancelled; RuntimeError where the worker failed."""
         proc = self._start()
         event = threading.Event()
         with self._write_lock:  # (a cancel sent after this compile's frame, never before it)
@@ -70,7 +70,7 @@ class GrammarWorker:
         if ok is None:  # (the worker's failure, not the constraint's)
             raise RuntimeError(payload.decode())
         if ok:
-            return payload
+            return payload.decode()
         raise ValueError(payload.decode())
 
     def cancel(self, job: int) -> None:

@@ -15,6 +15,8 @@ once per level and overflow the C++ stack at some tens of thousands).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,25 +194,46 @@ def load_compiler(model_path: str | Path, vocab_size: int,
     return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False), dict(tokenizer.get_added_vocab()), info
 
 
-def compile_constraint(compiler: Any, added: dict[str, int], vocab_size: int, kind: str, spec: str) -> Any:
-    """The compiled grammar of constraint ``kind``/``spec``; ValueError naming what does not compile or
+def constraint_grammar(added: dict[str, int], vocab_size: int, kind: str, spec: str) -> str:
+    """The EBNF grammar of constraint ``kind``/``spec`` as xgrammar's compiler reads it (``added``: the
+    tokenizer's added tokens, for a structural tag's markers); ValueError naming what does not convert or
     would not be enforced."""
-    try:
+    import xgrammar as xgr
+
+    with _named_errors(kind):
         if kind == "json_object":  # any JSON object (OpenAI's json_object: an object, not any value)
             kind, spec = "json_schema", '{"type": "object"}'
         if kind == "json_schema":
             json.loads(spec)  # (a clearer message than the converter's for text that is not JSON)
-            return compiler.compile_grammar(_json_schema_grammar(spec))
+            return _json_schema_grammar(spec)
         if kind == "regex":
-            return compiler.compile_regex(spec)
+            return str(xgr.Grammar.from_regex(spec))
         if kind == "choice":
-            return compiler.compile_grammar(_choice_grammar(spec))
+            return _choice_grammar(spec)
         if kind == "structural_tag":
-            import xgrammar as xgr
-
             tag = json.dumps(_resolve_tokens(prepare_tag(json.loads(spec)), added, vocab_size))
-            return compiler.compile_grammar(_tidy(str(xgr.Grammar.from_structural_tag(tag))))
-        return compiler.compile_grammar(spec)
+            return _tidy(str(xgr.Grammar.from_structural_tag(tag)))
+        return spec
+
+
+def compile_grammar(compiler: Any, kind: str, ebnf: str) -> Any:
+    """EBNF grammar ``ebnf`` (of a ``kind`` constraint) compiled; ValueError naming what does not compile."""
+    with _named_errors(kind):
+        return compiler.compile_grammar(ebnf)
+
+
+def compile_constraint(compiler: Any, added: dict[str, int], vocab_size: int, kind: str, spec: str) -> Any:
+    """The compiled grammar of constraint ``kind``/``spec``; ValueError naming what does not compile or
+    would not be enforced."""
+    return compile_grammar(compiler, "json_schema" if kind == "json_object" else kind,
+                           constraint_grammar(added, vocab_size, kind, spec))
+
+
+@contextmanager
+def _named_errors(kind: str) -> Iterator[None]:
+    """xgrammar's and the converters' errors as ValueErrors naming the ``kind`` constraint."""
+    try:
+        yield
     except UnsupportedSchema as e:
         raise ValueError(f"the {kind} constraint asks what the grammar would not enforce: {e}") from None
     except RecursionError:

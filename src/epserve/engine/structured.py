@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from epserve.engine.grammar_worker import GrammarWorker
-from epserve.engine.grammars import CompileLimits, check_bounds, compile_constraint, load_compiler
+from epserve.engine.grammars import CompileLimits, check_bounds, compile_constraint, compile_grammar, load_compiler
 from epserve.messages.sampling import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,8 @@ class GrammarCompiler:
         self.limits = limits if limits is not None else CompileLimits()
         self.num_compiled = 0  # constraints compiled (not taken from the cache)
         self.worker = GrammarWorker(model_path, vocab_size, eos_token_ids)
-        self._compiler: Any = None
+        self._compiler: Any = None  # (offline: from the tokenizer; serving: ``_from_worker``)
+        self._from_worker: Any = None
         self._added: dict[str, int] = {}  # the tokenizer's added tokens (their text: their id)
         self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()  # (the compiler's threads and callers of ``compile``)
@@ -111,16 +112,15 @@ class GrammarCompiler:
             self._jobs.pop(future, None)
 
     def compile_in_worker(self, constraint: StructuredOutput, job: int) -> Any:
-        """The compiled grammar of ``constraint`` from the grammar worker (compile ``job`` there), on one of
-        the compiler's threads; ValueError naming what does not compile or which bound it exceeds."""
+        """The compiled grammar of ``constraint``, on one of the compiler's threads: its EBNF grammar from
+        the grammar worker (compile ``job`` there, which compiled it within the limits), compiled here;
+        ValueError naming what does not compile or which bound it exceeds."""
         grammar = self._cached(constraint)
         if grammar is None:
-            import xgrammar as xgr
-
             check_bounds(constraint.kind, constraint.spec, self.limits)
-            data = self.worker.compile(job, constraint.kind, constraint.spec, self.limits)
-            grammar = self._store(constraint, xgr.CompiledGrammar.deserialize_json(data.decode(),
-                                                                                  self.worker.tokenizer_info))
+            ebnf = self.worker.compile(job, constraint.kind, constraint.spec, self.limits)
+            kind = "json_schema" if constraint.kind == "json_object" else constraint.kind
+            grammar = self._store(constraint, compile_grammar(self._worker_compiler(), kind, ebnf))
         return grammar
 
     def compile(self, constraint: StructuredOutput) -> Any:
@@ -147,6 +147,16 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _worker_compiler(self) -> Any:
+        """xgrammar's compiler for the grammar worker's tokenizer info (no tokenizer loaded here)."""
+        with self._lock:
+            if self._from_worker is None:
+                import xgrammar as xgr
+
+                self._from_worker = xgr.GrammarCompiler(self.worker.tokenizer_info, max_threads=1,
+                                                        cache_enabled=False)
+            return self._from_worker
 
     def _get_compiler(self) -> Any:
         with self._lock:
