@@ -18,7 +18,9 @@ detokenizer's cost while the text keeps ending in an incomplete UTF-8 character.
 The hostile requests: 16 prompts x ``n`` 16 with ``logit_bias`` on every token (1.5 MB); the same with
 300 entries (the cap); echo with ``logprobs`` and ``prompt_logprobs`` 20 over 64 choices of long prompts,
 whole and streamed; ``guided_json`` as a string nesting 100,000 arrays; a byte token forced by
-``logit_bias`` for 1,024 tokens. Figures go in docs/benchmarks.md.
+``logit_bias`` for 1,024 tokens; ``/tokenize`` of a 2 MB text with its tokens' strings; a chat of 16
+choices asking ``prompt_logprobs`` 20 (each choice's engine message carries the prompt's; the body
+shows the first's). Figures go in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -174,6 +176,11 @@ def hostile_requests(tok_dir: Path, prompt_tokens: int) -> list[tuple[str, str, 
          {"prompt": "hi", "max_tokens": 1, "guided_json": "[" * 100_000}),
         (f"a byte token forced for 1,024 tokens (vocabulary {vocab})", "/v1/completions",
          {"prompt": "hi", "max_tokens": 1024, "ignore_eos": True, "logit_bias": {str(byte): 100}}),
+        ("/tokenize of a 2 MB text, with its tokens' strings", "/tokenize",
+         {"prompt": words * (2_000_000 // len(words)), "return_token_strs": True}),
+        ("chat, prompt_logprobs 20 over 16 choices (n at most 16)", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": tok.decode(prompts[0])}], "n": 16, "max_tokens": 1,
+          "prompt_logprobs": 20}),
     ]
 
 
@@ -207,13 +214,16 @@ def loop_figures(tok_dir: Path, src: Path | None, prompt_tokens: int, which: lis
                     cpu0 = thread_cpu(router)
                     t = time.perf_counter()
                     with client.stream("POST", f"{url}{path}", json=body) as r:
-                        size = sum(len(chunk) for chunk in r.iter_raw())
+                        chunks = list(r.iter_raw()) if r.status_code >= 400 else None
+                        size = sum(len(chunk) for chunk in chunks or r.iter_raw())
                     elapsed = time.perf_counter() - t
                     cpu1 = thread_cpu(router)
                     main, total = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
                     rows.append({"request": name, "status": r.status_code, "seconds": round(elapsed, 2),
                                  "response_mb": round(size / 1e6, 1), "worst_health_s": round(probe.window(), 3),
                                  "router_cpu_s": round(total, 2), "loop_cpu_s": round(main, 2)})
+                    if chunks is not None:  # (a refusal: why)
+                        rows[-1]["error"] = json.loads(b"".join(chunks))["error"]["message"][:200]
                     print(json.dumps(rows[-1]), flush=True)
         finally:
             probe.close()

@@ -3,7 +3,9 @@ the tiny model: no request holds the router's event loop. What would cost it muc
 400 naming the field (``logit_bias`` past its cap, a ``guided_json`` text nesting too deep: it was a 500,
 a ``RecursionError``), and a large response is built on a worker thread and sent a choice at a time:
 while the client has read only its first piece, ``/health`` answers, and the loop (the router's main
-thread) spends a small part of the router's CPU on it.
+thread) spends a small part of the router's CPU on it. So it does under a large ``/tokenize`` (the
+answer built on the worker thread) and under many engine messages carrying long prompts' logprobs
+(read back off the loop).
 
 Concurrency is by construction: the large body is read a piece, then ``/health`` asked, then the rest."""
 
