@@ -58,7 +58,8 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def heartbeat(timeout_s: float) -> tuple[float, int]:
-    """(seconds between pings, pings a side may miss before the other is lost) for ``timeout_s``."""
+    """(seconds between pings, the missed pings that lose the other side) for ``timeout_s``: silent for
+    ``timeout_s``, not one ping more (as the step timeout promises)."""
     interval = min(1.0, timeout_s / 4)
     return interval, max(2, math.ceil(timeout_s / interval))
 
@@ -134,7 +135,7 @@ class Bell:
         self._seq += 1
         for conn, peer in list(self.proven.items()):
             peer.missed += 1
-            if peer.missed > self.max_missed:
+            if peer.missed >= self.max_missed:
                 self._lose(peer.rank, "stopped answering the doorbell's heartbeat (it or its host hung)")
                 return
             self._send(conn, b"P", self._seq)

@@ -127,7 +127,7 @@ class Doorbell:
                 data = self._sock.recv(4096)
             except TimeoutError:
                 missed += 1
-                if missed > self._max_missed:
+                if missed >= self._max_missed:
                     return self._lose("the doorbell's host rank (rank 0) stopped answering (it or its host hung)")
                 continue
             except OSError:
