@@ -13,13 +13,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from epserve.parallel.launch import free_port
 from epserve.router.http_limits import RequestGate
-from tests.serve_harness import ROOT, Proc, cpu_seconds, metric, named, wait_http_ok
+from tests.serve_harness import ROOT, Proc, cpu_seconds, descendants, metric, named, wait_http_ok
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +85,23 @@ def _error(reply: bytes, status: int) -> dict:
     error = json.loads(body)["error"]
     assert {"message", "type", "param", "code"} == error.keys(), error
     return error
+
+
+def test_the_api_key_is_in_no_process_environment(server):
+    """Issue 45 (6): the key (given in a file here) reaches the router with its options: it is in the environment
+    of none of the processes ``epserve serve`` started (the forkserver and the ranks forked from it, the resource
+    tracker, the router), where it used to travel as $EPSERVE_API_KEY."""
+    holders = []
+    for kid in descendants(server.proc.pid):
+        try:
+            environ = Path(f"/proc/{kid}/environ").read_bytes()
+            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if API_KEY.encode() in environ or b"EPSERVE_API_KEY=" in environ:
+            holders.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
+    assert len(descendants(server.proc.pid)) >= 3  # (the router, the forkserver, a rank at least)
+    assert not holders, f"the API key is in the environment of {holders}"
 
 
 def test_the_gate_reads_the_key_and_the_body_from_the_head():
