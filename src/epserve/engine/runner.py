@@ -109,8 +109,9 @@ class ModelRunner:
         logger.info("kernels: %s", kernel_backends.resolve(self.device, kernel_dtypes))
         if self.device.type == "cuda" and ctx.distributed:
             kernel_backends.agree(self.device, kernel_dtypes, lambda mine: gather_objects(mine, ctx))
-        if nvfp4_cuda and w4a4_supported(self.device, self.dtype):  # FP4 tensor cores (sm100): W4A4 linears
-            logger.info("NVFP4 linears run W4A4 (%d; EPSERVE_NVFP4_BACKEND=triton keeps W4A16)", use_w4a4(self.model))
+        if nvfp4_cuda and w4a4_supported(self.device, self.dtype):  # FP4 tensor cores (sm100): W4A4
+            logger.info("NVFP4 linears and routed experts run W4A4 (%d modules; EPSERVE_NVFP4_BACKEND=triton keeps "
+                        "W4A16)", use_w4a4(self.model))
         max_blocks = config.scheduler.max_num_seqs * -(-config.max_model_len // self.block_size)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.overlap = pc.overlap
