@@ -227,7 +227,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _compile_and_exit(worker: _Worker, out: int, order: CompileJob, spec: str) -> None:
-    """In a compile's process: bound its memory and CPU time, compile, write ``1`` + the serialized
+    """In a compile's process: bound its memory and CPU time, convert and compile, write ``1`` + the EBNF
     grammar or ``0`` + why not to ``out``, and exit."""
     try:
         with open("/proc/self/statm") as f:

@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 class GrammarWorker:
     """The rank's side of its grammar worker: :meth:`compile` (blocking, from the compiler's threads)
-    returns a compiled grammar's serialized bytes; :meth:`cancel` stops a compile wherever it is. The
-    worker starts on first use and again after it exits."""
+    returns a constraint's EBNF grammar, which compiled there within its limits; :meth:`cancel` stops a
+    compile wherever it is. The worker starts on first use and again after it exits."""
 
     def __init__(self, model_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.config = WorkerConfig(str(model_path), vocab_size, tuple(eos_token_ids))
@@ -57,6 +57,8 @@ class GrammarWorker:
                 if job in self._cancelled:
                     self._cancelled.discard(job)
                     raise ValueError("the compile was cancelled")
+                if proc.poll() is not None:  # (exited since: its reader failed what it held, or is about to)
+                    raise RuntimeError("the grammar worker exited")
                 self._replies[job] = [event, None]
             self._send(proc, frame(CompileJob(job, kind, limits.time_limit_s, limits.memory_limit_mib), spec.encode()))
         # (the worker enforces the time limit; this wait is a backstop against a worker that hangs)
