@@ -95,6 +95,16 @@ def test_seed_plus_index() -> None:
     assert to_sampling_params(completion(seed=2**63 - 1), 8, index=1).seed == -(2**63)
 
 
+def test_only_a_chats_first_choice_asks_for_prompt_logprobs() -> None:
+    """A chat's body shows the first choice's prompt logprobs only (beside its choices, as vLLM does), so the
+    other choices do not ask the engine for them (each carried the whole prompt's: n times the work); every
+    choice of a completion shows its own."""
+    assert [to_sampling_params(chat(n=3, prompt_logprobs=2), 8, index=i).prompt_logprobs for i in range(3)] == [
+        2, None, None]
+    assert [to_sampling_params(completion(n=3, prompt_logprobs=2), 8, index=i).prompt_logprobs
+            for i in range(3)] == [2, 2, 2]
+
+
 def test_chat_logprobs_mapping() -> None:
     assert to_sampling_params(chat(), 8).logprobs is None
     assert to_sampling_params(chat(logprobs=True), 8).logprobs == 0

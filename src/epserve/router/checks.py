@@ -280,6 +280,8 @@ def to_sampling_params(req: AnyRequest, max_tokens: int, index: int = 0,
     else:
         logprobs = req.logprobs
     prompt_logprobs = req.prompt_logprobs
+    if isinstance(req, ChatCompletionRequest) and index:  # a chat's body shows the first choice's only
+        prompt_logprobs = None
     if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)  # echo shows the prompt tokens' logprobs
     sampling = {"temperature": float(req.temperature), "top_k": req.top_k, "top_p": float(req.top_p),
