@@ -17,9 +17,9 @@ the server (models, health, ``/ping``, metrics) are ``info_endpoints``'.
 One request cannot stall the others: a large body is parsed, a long text tokenized, a large request's
 choices built and a large response's body (or stream chunk) written on a worker thread, a large body
 sent a choice at a time, a large ``/tokenize`` answer built and an engine message carrying many logprobs
-read back (``engine_client``) off the loop too; a text that cannot fit the context is refused by its length before tokenizing
-(no token stands for more than ``max_chars_per_token`` characters), and one request fans out to at most
-``max_choices_per_request`` generations.
+read back (``engine_client``) off the loop too; a text that cannot fit the context is refused by its length
+before tokenizing (no token stands for more than ``max_chars_per_token`` characters), and one request fans
+out to at most ``max_choices_per_request`` generations.
 """
 
 from __future__ import annotations
