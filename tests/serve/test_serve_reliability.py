@@ -142,17 +142,16 @@ def test_a_hung_rank_is_detected_and_restarted(server):
     stopped = time.monotonic()
     psutil.Process(before[0]).suspend()  # SIGSTOP; rank 0 also hosts the rendezvous store
     try:
-        last = stream.end()
-        wait_health(url, 503, 4 * STEP_TIMEOUT)
+        last = stream.end()  # ends with an error once the hang is detected (the group is failed, then restarted)
         detected = time.monotonic() - stopped
-        assert "error" in last, last
+        assert "error" in last, last  # (/health's 503 lasts only while the group restarts: under a second here)
         waited = complete(url, "sent while no instance is healthy")  # retried once the group is back
         assert waited.status_code == 200, waited.text
         served_again = time.monotonic() - stopped
     finally:
         if psutil.pid_exists(before[0]):
             psutil.Process(before[0]).resume()
-    print(f"hung rank: unhealthy after {detected:.1f} s, served again after {served_again:.1f} s")
+    print(f"hung rank: its stream failed after {detected:.1f} s, served again after {served_again:.1f} s")
     assert detected <= 2 * STEP_TIMEOUT + 2.0
     assert served_again <= 30
     assert not alive(before[0])  # torn down, not left stopped
