@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
 
@@ -57,6 +57,28 @@ def interpreter_results(test_file: str) -> dict[str, str | None]:
             proc.kill()
     assert proc.returncode == 0 and stdout.strip(), stderr[-3000:]
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def interpreter_tests(test_file: str, cases: Iterable[str]) -> tuple[Callable, Callable]:
+    """A test file's module-scoped fixture ``interpreter_results`` (the file run under the interpreter, once:
+    :func:`interpreter_results`; skipped without triton) and ``test_triton_under_interpreter``, a test per case,
+    for the file to bind: ``interpreter_results, test_triton_under_interpreter = interpreter_tests(__file__,
+    CASES)``."""
+    import importlib.util
+
+    import pytest
+
+    @pytest.fixture(scope="module", name="interpreter_results")
+    def results() -> dict[str, str | None]:
+        if importlib.util.find_spec("triton") is None:
+            pytest.skip("triton is not installed")
+        return interpreter_results(test_file)
+
+    @pytest.mark.parametrize("case", sorted(cases))
+    def test_triton_under_interpreter(case: str, interpreter_results: dict[str, str | None]) -> None:
+        assert interpreter_results[case] is None, interpreter_results[case]
+
+    return results, test_triton_under_interpreter
 
 
 def report_cases(cases: dict[str, Callable[[ModuleType], None]], kernels: ModuleType,

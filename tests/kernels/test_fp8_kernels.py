@@ -292,16 +292,7 @@ INTERP_CASES = {"interpreted": _case_interpreted, "quant": _case_quant, "gemm": 
                 "grouped": _case_grouped, "shape_errors": shape_errors, "front_ends": _case_front_ends}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    return triton_harness.interpreter_results(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(INTERP_CASES))
-def test_triton_under_interpreter(case, interpreter_results):
-    assert interpreter_results[case] is None, interpreter_results[case]
+interpreter_results, test_triton_under_interpreter = triton_harness.interpreter_tests(__file__, INTERP_CASES)
 
 
 def test_triton_kernels_compile_for_sm90():

@@ -220,16 +220,8 @@ for _name, _dtype in DTYPES.items():
                      f"append_latent_{_name}": _latent_case(_dtype)}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    return triton_harness.interpreter_results(__file__)
-
-
-@pytest.mark.parametrize("case", sorted([*INTERP_CASES, "cpu_path_is_triton_free"]))
-def test_triton_under_interpreter(case, interpreter_results):
-    assert interpreter_results[case] is None, interpreter_results[case]
+interpreter_results, test_triton_under_interpreter = triton_harness.interpreter_tests(
+    __file__, [*INTERP_CASES, "cpu_path_is_triton_free"])
 
 
 def test_triton_kernels_compile_for_sm90():

@@ -218,16 +218,7 @@ INTERP_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    return triton_harness.interpreter_results(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(INTERP_CASES))
-def test_triton_under_interpreter(case, interpreter_results):
-    assert interpreter_results[case] is None, interpreter_results[case]
+interpreter_results, test_triton_under_interpreter = triton_harness.interpreter_tests(__file__, INTERP_CASES)
 
 
 def test_triton_kernel_compiles_for_sm90():

@@ -239,16 +239,7 @@ INTERP_CASES = {"interpreted": _case_interpreted, "grouped_swiglu": _case_groupe
                 "gather_real_rows": _case_gather_real_rows}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    return triton_harness.interpreter_results(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(INTERP_CASES))
-def test_triton_under_interpreter(case, interpreter_results):
-    assert interpreter_results[case] is None, interpreter_results[case]
+interpreter_results, test_triton_under_interpreter = triton_harness.interpreter_tests(__file__, INTERP_CASES)
 
 
 @pytest.mark.parametrize("dtype,arch", [("fp32", 80), ("bf16", 80), ("fp16", 90)])

@@ -159,16 +159,7 @@ def _case_broken_kernels_fall_back(nt) -> None:
 INTERP_CASES = {"self_test_passes": _case_self_test_passes, "broken_kernels_fall_back": _case_broken_kernels_fall_back}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    return triton_harness.interpreter_results(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(INTERP_CASES))
-def test_triton_under_interpreter(case, interpreter_results):  # noqa: ANN001
-    assert interpreter_results[case] is None, interpreter_results[case]
+interpreter_results, test_triton_under_interpreter = triton_harness.interpreter_tests(__file__, INTERP_CASES)
 
 
 # ---- without the interpreter -------------------------------------------------------------------------------

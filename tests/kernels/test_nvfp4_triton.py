@@ -222,16 +222,7 @@ INTERP_CASES = {"interpreted": _case_interpreted, "e2m1_decode": _case_e2m1_deco
                 "forward_without_host_reads": _case_forward_without_host_reads}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    return triton_harness.interpreter_results(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(INTERP_CASES))
-def test_triton_under_interpreter(case, interpreter_results):
-    assert interpreter_results[case] is None, interpreter_results[case]
+interpreter_results, test_triton_under_interpreter = triton_harness.interpreter_tests(__file__, INTERP_CASES)
 
 
 @pytest.mark.parametrize("kernel,dtype,arch", [("linear", "bf16", 90), ("grouped", "bf16", 90), ("linear", "fp32", 80)])

@@ -172,16 +172,7 @@ def _case_triton_emulation(nt) -> None:
 INTERP_CASES = {"triton_emulation": _case_triton_emulation}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str | None]:
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    return triton_harness.interpreter_results(__file__)
-
-
-@pytest.mark.parametrize("case", sorted(INTERP_CASES))
-def test_triton_under_interpreter(case, interpreter_results):
-    assert interpreter_results[case] is None, interpreter_results[case]
+interpreter_results, test_triton_under_interpreter = triton_harness.interpreter_tests(__file__, INTERP_CASES)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
