@@ -15,7 +15,6 @@ Running this file as a script runs the interpreter cases and prints their result
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
@@ -40,8 +39,6 @@ from mla_cases import (
 
 from epserve.kernels import mla_decode as md
 from epserve.kernels.fp8 import FP8_DTYPE, cdiv
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 # ---- the reference ------------------------------------------------------------------------------
 

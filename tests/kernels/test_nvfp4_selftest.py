@@ -14,7 +14,6 @@ broken kernel hands the ops to the reference, and an engine on it then decodes e
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 
@@ -25,7 +24,6 @@ import triton_harness
 from epserve.kernels import backends, nvfp4, nvfp4_w4a16
 from epserve.kernels.opdef import record_calls
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py), selected by the GPU check
 OP = nvfp4_w4a16.OP
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -13,8 +13,6 @@ self-test, and captured in a CUDA graph.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 import triton_harness
@@ -26,7 +24,6 @@ from epserve.kernels.nvfp4 import GROUP, SCALE_DTYPE, nvfp4_linear_ref
 from epserve.kernels.nvfp4_fp4_gemm import fp4_gemm, swizzle_scales
 from epserve.kernels.nvfp4_w4a4 import nvfp4_w4a4_linear, nvfp4_w4a4_ref
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 cuda = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py), selected by the GPU check
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
