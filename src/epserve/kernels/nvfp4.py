@@ -135,8 +135,13 @@ def check_nvfp4_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Ten
     if w13_scale.dim() != 3 or w2_scale.dim() != 3:
         raise ValueError(f"NVFP4 experts' block scales must be [E, N, K/16], got {_shape(w13_scale)} and "
                          f"{_shape(w2_scale)}")
-    check_nvfp4_weight(w13[0], w13_scale[0], w13_scale_2[0], "w13")
-    check_nvfp4_weight(w2[0], w2_scale[0], w2_scale_2[0], "w2")
+    check_nvfp4_weight(*map(first_expert, (w13, w13_scale, w13_scale_2)), "w13")
+    check_nvfp4_weight(*map(first_expert, (w2, w2_scale, w2_scale_2)), "w2")
+
+
+def first_expert(t: torch.Tensor) -> torch.Tensor:
+    """t[0] as narrow's view (an integer index needs a device guard, which a fake CUDA tensor cannot give)."""
+    return t.narrow(0, 0, 1).squeeze(0)
 
 
 def nvfp4_moe_swiglu_ref(

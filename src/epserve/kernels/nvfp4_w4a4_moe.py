@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from epserve.kernels import backends
-from epserve.kernels.nvfp4 import GROUP, SCALE_DTYPE, check_nvfp4_weight, nvfp4_linear_ref
+from epserve.kernels.nvfp4 import GROUP, SCALE_DTYPE, check_nvfp4_experts, first_expert, nvfp4_linear_ref
 from epserve.kernels.nvfp4_act import nvfp4_act_dequant_ref, nvfp4_act_quant, nvfp4_act_quant_ref
 from epserve.kernels.nvfp4_fp4_gemm import OUT_DTYPES, fp4_gemm, fp4_gemm_takes
 from epserve.kernels.opdef import declare
@@ -48,27 +48,12 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _first(t: torch.Tensor) -> torch.Tensor:
-    """t[0] as narrow's view (an integer index needs a device guard, which a fake CUDA tensor cannot give)."""
-    return t.narrow(0, 0, 1).squeeze(0)
-
-
 def check_w4a4_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w13_scale_2: torch.Tensor,
                        w13_input_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
                        w2_scale_2: torch.Tensor, w2_input_scale: torch.Tensor) -> None:
-    """The experts' NVFP4 weights as ``kernels.nvfp4.check_nvfp4_experts`` checks them (shapes and dtypes only;
-    the first expert's as a view that fake CUDA tensors give without a device), x in bf16/fp16/fp32, fp32 input
-    scales [E, S] (one per expert and part)."""
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or w13_scale.dim() != 3 or w2_scale.dim() != 3:
-        raise ValueError(f"NVFP4 experts need x [R, H], w13 [E, 2I, H/2] and w2 [E, H, I/2] with block scales "
-                         f"[E, N, K/16], got x {_shape(x)}, w13 {_shape(w13)}, w2 {_shape(w2)}")
-    e, two_i, h = w13.shape[0], w13.shape[1], 2 * w13.shape[2]
-    if x.shape[1] != h or two_i % 2 or _shape(w2) != (e, h, two_i // 4) or w13_scale_2.dim() != 2 \
-            or w2_scale_2.dim() != 2 or w13_scale_2.shape[0] != e or w2_scale_2.shape[0] != e:
-        raise ValueError(f"NVFP4 experts' shapes do not match: x {_shape(x)}, w13 {_shape(w13)}, w2 {_shape(w2)}, "
-                         f"global scales {_shape(w13_scale_2)} and {_shape(w2_scale_2)}")
-    check_nvfp4_weight(*map(_first, (w13, w13_scale, w13_scale_2)), "w13")
-    check_nvfp4_weight(*map(_first, (w2, w2_scale, w2_scale_2)), "w2")
+    """The experts' NVFP4 weights as ``kernels.nvfp4.check_nvfp4_experts`` checks them, x in bf16/fp16/fp32, fp32
+    input scales [E, S] (one per expert and part)."""
+    check_nvfp4_experts(x, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2)
     if x.dtype not in OUT_DTYPES:
         raise ValueError(f"nvfp4_w4a4_moe_swiglu needs x in {OUT_DTYPES}, got {x.dtype}")
     for name, scale in (("w13_input_scale", w13_input_scale), ("w2_input_scale", w2_input_scale)):
@@ -144,7 +129,8 @@ def fp4_experts_take(w13: torch.Tensor, w13_scale_2: torch.Tensor, w2: torch.Ten
     """Whether the FP4 GEMM takes both of the experts' weights (H and I multiples of 32, each part's rows a
     multiple of 16): shapes only. Experts it does not take would run the reference, which reads the counts on the
     host, so the model keeps them W4A16 (``model.layers.use_w4a4``)."""
-    return fp4_gemm_takes(_first(w13), _first(w13_scale_2)) and fp4_gemm_takes(_first(w2), _first(w2_scale_2))
+    return (fp4_gemm_takes(first_expert(w13), first_expert(w13_scale_2))
+            and fp4_gemm_takes(first_expert(w2), first_expert(w2_scale_2)))
 
 
 def scaled_mm_takes(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
