@@ -177,6 +177,9 @@ class ChatTemplate:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if not checked or checked[-1]["role"] != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's")
+        if checked[-1]["content"] is None:  # (only tool calls: no text to continue)
+            raise ValueError("continue_final_message needs the assistant's last message to have text content, "
+                             "not null")
         return self._open_final_message(checked, variables)
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool, variables: dict[str, Any]) -> str:

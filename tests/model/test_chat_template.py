@@ -104,6 +104,10 @@ def test_continue_final_message_leaves_the_assistant_turn_open(base_dir):
         tok.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(ValueError, match="last message to be the assistant's"):
         tok.apply_chat_template(messages[:1], add_generation_prompt=False, continue_final_message=True)
+    calls_only = [*messages[:1], {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    with pytest.raises(ValueError, match="to have text content"):
+        tok.apply_chat_template(calls_only, add_generation_prompt=False, continue_final_message=True)
 
 
 def test_a_failing_template_is_a_chat_template_error(base_dir):
