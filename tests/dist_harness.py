@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -21,11 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from epserve.parallel.launch import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "run_ranks"]
 
 
 def _rank_main(rank: int, world_size: int, port: int, results: Any, fn: Callable[..., Any], args: tuple) -> None:

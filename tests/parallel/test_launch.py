@@ -149,3 +149,19 @@ def test_a_stopped_rank_is_named_before_the_peer_whose_collective_timed_out():
         raise AssertionError("no failure")
     assert message.startswith("rank 1 was stopped (SIGSTOP); rank 0 failed: RuntimeError: "), message
     assert not any(alive(pid) for pid in ranks.pids)  # killed, not left stopped
+
+
+def test_free_port_is_below_the_ephemeral_range():
+    """A client's retried connect can be given an ephemeral source port equal to the server's port and
+    connect to itself; ports chosen below that range cannot be."""
+    import socket
+
+    from epserve.parallel import launch
+
+    low = launch._ephemeral_low()
+    ports = {launch.free_port() for _ in range(20)}
+    if low - launch._LISTEN_PORTS_FROM >= 1024:
+        assert all(launch._LISTEN_PORTS_FROM <= p < low for p in ports), (ports, low)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

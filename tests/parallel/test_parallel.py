@@ -5,6 +5,7 @@ fails the call fast and leaves no process behind."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import signal
 import subprocess
@@ -183,14 +184,29 @@ def test_torchrun_two_nodes_on_loopback(ckpt):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen([*torchrun, "--node-rank", str(n), "-m", "epserve.cli", "--log-level", "WARNING", *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
         for n in range(2)
     ]
-    outs = [n.communicate(timeout=240) for n in nodes]
+    outs = _communicate_or_kill(nodes, timeout_s=240)
     assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     single = LLM(ckpt, dtype="float32").generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     assert _tokens(outs[0][0]) == [o.token_ids for o in single]
     assert _tokens(outs[1][0]) == []  # only rank 0 prints
+
+
+def _communicate_or_kill(nodes: list[subprocess.Popen], timeout_s: float) -> list[tuple[str, str]]:
+    """Every node's (stdout, stderr) once all have exited; past ``timeout_s``, every node's process group
+    killed and the test failed with what each had printed (a hang shows where it hung)."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        return [n.communicate(timeout=max(1.0, deadline - time.monotonic())) for n in nodes]
+    except subprocess.TimeoutExpired:
+        for n in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(n.pid, signal.SIGKILL)
+        printed = [n.communicate() for n in nodes]
+        pytest.fail(f"the nodes did not finish within {timeout_s:g} s:\n" + "\n".join(
+            f"node {i} stderr:\n{err[-3000:]}" for i, (_, err) in enumerate(printed)))
 
 
 # what rank logs say once the world is in a phase: its model loaded (the start-up collectives follow), or

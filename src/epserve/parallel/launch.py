@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -44,9 +45,35 @@ logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:
+    """A port free on loopback now, for a server about to listen on it (a rendezvous store, gloo's
+    master, an HTTP server). Chosen below the kernel's ephemeral range where there is room: a client
+    that retries connecting to a port in that range before its server listens can be given that same
+    port as its own source port and connect to itself (TCP simultaneous open), then wait forever on
+    a store that is not there, while the server cannot bind."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(_LISTEN_PORTS_FROM, low) if low - _LISTEN_PORTS_FROM >= 1024 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_LISTEN_PORTS_FROM = 20000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: ``ip_local_port_range``; 32768 elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_port_free(host: str, port: int, timeout_s: float) -> bool:
