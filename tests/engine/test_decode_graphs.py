@@ -173,8 +173,9 @@ def _count_replays(monkeypatch) -> list[int]:
 @needs_cpu_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_graph_is_the_cpu_default_and_gives_the_eager_engine_bit_for_bit(ckpt, dtype, monkeypatch):
-    """On one rank the CPU records each decode bucket's kernel calls once and replays them: the same tokens,
-    logprobs and expert load counters as ``--enforce-eager`` (the same kernels on the same rows)."""
+    """On one rank the CPU records each decode bucket's kernel calls once and replays them, the model's head
+    included: the same tokens, logprobs and expert load counters as ``--enforce-eager`` (the same kernels on
+    the same rows), through the sampling pipeline's whole path (logprobs) and its greedy shortcut alike."""
     replays = _count_replays(monkeypatch)
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
     eager_llm = LLM(ckpt, dtype=dtype, num_blocks=64, cuda_graph=False)
@@ -189,7 +190,19 @@ def test_cpu_graph_is_the_cpu_default_and_gives_the_eager_engine_bit_for_bit(ckp
     for a, b in zip(eager, out):
         assert a.token_ids == b.token_ids
         assert [x.logprob for x in a.logprobs] == [y.logprob for y in b.logprobs]
+    _assert_the_head_replays(llm)
     assert eager_llm.expert_load() == llm.expert_load()
+    plain = replace(params, logprobs=None)  # the greedy shortcut, on the graph's logits
+    shortcut = llm.generate(PROMPTS, plain)
+    assert [o.token_ids for o in eager_llm.generate(PROMPTS, plain)] == [o.token_ids for o in shortcut]
+
+
+def _assert_the_head_replays(llm) -> None:  # noqa: ANN001
+    """Each recorded bucket's logits, as its last replay left them: the head's of its hidden states, bit for bit
+    (the recording held the head; the sampling pipeline read them, never running the head itself)."""
+    graphs, head = llm.engine.runner.decode_graphs, llm.engine.runner.model.compute_logits
+    for _, (hidden, logits) in graphs._cpu_graphs.values():
+        assert logits is not None and logits.dtype == torch.float32 and torch.equal(logits, head(hidden))
 
 
 @needs_cpu_kernels
@@ -227,6 +240,7 @@ def test_the_mtp_draft_passes_replay_too(counter_ckpt, monkeypatch):
     assert captured.drafts is not None and captured.drafts._cpu_graphs and not captured.drafts._eager
     assert [a.token_ids for a in eager] == [b.token_ids for b in out]
     assert eager_llm.engine.sampling.speculative_stats() == llm.engine.sampling.speculative_stats()
+    _assert_the_head_replays(llm)  # the verification rows' logits
 
 
 @needs_cpu_kernels

@@ -3,7 +3,8 @@ pure-decode step's MTP passes are decode-shaped too: one row per kept position o
 bucket every rank replays, and their start-up: a probe capture that measures what the graphs need before
 the KV pool is sized, then every bucket captured largest first (``engine/graphs.py`` holds one set). A step's
 block tables come from the rank's device tables (``engine/block_tables.py``): a plan names each row's table row,
-the step copies only its O(bucket) host values to the device."""
+the step copies only its O(bucket) host values to the device. A CPU graph of the leader's decode (the rank that
+holds the model's head) computes its rows' logits too (:meth:`CapturedDecode.logits`)."""
 
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ class CapturedDecode:
         sink = kv_caches[0].shape[0] - 1  # the pool's last block
         self.sink_slot = sink * shape.block_size
         self.tables = tables or DeviceTables(shape.max_blocks_per_seq, sink, shape.device)
+        head = mode == "cpu_graph" and model.lm_head.shape[0] > 0
         self.sets = [DecodeGraphs(model, kv_caches, shape.block_size, shape.max_batch, mode, on_bucket=shape.begin_step,
-                                  mtp=draft, tables=self.tables) for draft in (False, True)[: 1 + mtp]]
+                                  mtp=draft, tables=self.tables, head=head) for draft in (False, True)[: 1 + mtp]]
         self.graphs = self.sets[0]
         self.drafts = self.sets[1] if mtp else None
 
@@ -72,6 +74,12 @@ class CapturedDecode:
     def forward(self, plan: BatchPlan, bucket: int, overlap: OverlapMode) -> torch.Tensor:
         """The step's final hidden states, its real rows (the plan's appends already in the tables)."""
         return self.graphs.run(self.pad(plan, bucket), overlap)[: plan.num_tokens]
+
+    def logits(self, rows: int) -> torch.Tensor | None:
+        """The last :meth:`forward`'s logits of its ``rows`` real rows [rows, V] fp32 (the recorded CPU step
+        computed them), or None (the head runs after the forward)."""
+        logits = self.graphs.logits
+        return None if logits is None else logits[:rows]
 
     def draft(self, plan: BatchPlan, hidden: torch.Tensor, bucket: int, overlap: OverlapMode) -> torch.Tensor:
         """An MTP pass of a pure-decode step (the proposer's hook): the layer's output, its real rows. A draft

@@ -220,7 +220,8 @@ class LLMEngine:
             self.num_forwards += 1
             hidden = self.runner.forward(plan, max_tokens, all_decode=not any_prefill)
             if chunks:
-                result = self.runner.profiler.timed("sample", self.sampling.sample, chunks, hidden, plan)
+                result = self.runner.profiler.timed("sample", self.sampling.sample, chunks, hidden, plan,
+                                                    self.runner.logits)
             if self.runner.proposer is not None:  # every rank: the MTP layer's passes, in lockstep
                 drafts = self.runner.propose(chunks, plan, result, hidden, max_tokens, not any_prefill, self.sampling)
             balancer = self.runner.balancer

@@ -18,7 +18,9 @@ probe capture of the largest bucket measured what the graphs need so the KV pool
 bucket would take minutes of start-up. CPU graphs record at a bucket's first use too (one eager forward);
 their buckets are every batch size up to the kernels' ``TILE_M`` rows, since a padding row costs the CPU
 the experts it routes to, and a bucket whose forward cannot be recorded (a torch op on the step's data:
-a collective, an FP8 reference) runs eagerly from then on.
+a collective, an FP8 reference) runs eagerly from then on. A CPU graph of the leader's decode holds the
+model's head too (``head``): a replay leaves every row's logits beside the final hidden states, and the
+sampling pipeline reads those (:attr:`DecodeGraphs.logits`) instead of running the head again.
 """
 
 from __future__ import annotations
@@ -147,11 +149,15 @@ class DecodeGraphs:
         on_bucket: Callable[[int], None] | None = None,
         mtp: bool = False,
         tables: DeviceTables | None = None,
+        head: bool = False,
     ) -> None:
         """``on_bucket(bucket)`` runs before every forward of a bucket (the dispatcher's ``begin_step``);
-        ``tables``: the rank's device block tables, which a step's rows are gathered from (:meth:`run`)."""
+        ``tables``: the rank's device block tables, which a step's rows are gathered from (:meth:`run`);
+        ``head`` (``cpu_graph`` only): each bucket's forward computes the logits of its rows too."""
         self.model = model
         self.mtp = mtp
+        self.head = head and mode == "cpu_graph" and not mtp
+        self.logits: torch.Tensor | None = None  # the last run's logits [bucket, V] fp32, with ``head``
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.tables = tables
@@ -163,7 +169,8 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._pool: tuple[int, int] | None = None  # the CUDA graphs' shared memory pool
-        self._cpu_graphs: dict[tuple[int, str], tuple[CpuGraph, torch.Tensor]] = {}
+        # (bucket, overlap) -> the graph, and what it leaves: the hidden states and (``head``) the logits
+        self._cpu_graphs: dict[tuple[int, str], tuple[CpuGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._eager: set[tuple[int, str]] = set()  # CPU buckets whose forward could not be recorded
         self._warm: set[tuple[int, str]] = set()  # (bucket, overlap) run once: captured or compiled
         self.warming_up = False  # a first run (capture or compile) is under way: a step may take minutes
@@ -287,19 +294,26 @@ class DecodeGraphs:
             self._plan(static, step)
             return self._compiled(*self._args(static, overlap))
         if self.mode == "cpu_graph":
-            return self._replay_cpu(static, step, overlap)
+            hidden, self.logits = self._replay_cpu(static, step, overlap)
+            return hidden
         graph, out = self._graph(static, step, overlap)
         self._plan(static, step)
         graph.replay()
         return out
 
-    def _replay_cpu(self, static: DecodeInputs, step: DecodeStep, overlap: OverlapMode) -> torch.Tensor:
+    def _with_head(self, static: DecodeInputs, overlap: OverlapMode) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward on the bucket's static inputs, and with ``head`` the logits of its rows."""
+        hidden = self._forward(*self._args(static, overlap))
+        return hidden, self.model.compute_logits(hidden) if self.head else None
+
+    def _replay_cpu(self, static: DecodeInputs, step: DecodeStep,
+                    overlap: OverlapMode) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket's CPU graph replayed on its static inputs (recorded on its first use), or the eager
-        forward for a bucket that cannot be recorded."""
+        forward for a bucket that cannot be recorded: the hidden states and (``head``) the logits."""
         key = (step.bucket, overlap)
         self._plan(static, step)
         if key in self._eager:
-            return self._forward(*self._args(static, overlap))
+            return self._with_head(static, overlap)
         entry = self._cpu_graphs.get(key)
         if entry is not None:
             graph, out = entry
@@ -310,14 +324,14 @@ class DecodeGraphs:
         saved = [b.clone() for b in buffers]  # a failed recording's effects on them undone (the load counters)
         start = time.perf_counter()
         try:
-            graph, out = record(lambda: self._forward(*self._args(static, overlap)),
+            graph, out = record(lambda: self._with_head(static, overlap),  # type: ignore[arg-type,return-value]
                                 [*static.tensors(), *self.kv_caches, *buffers])
         except CaptureError as e:
             for b, old in zip(buffers, saved):
                 b.copy_(old)
             self._eager.add(key)
             logger.info("decode batch %d%s runs eagerly: %s", step.bucket, " (MTP)" if self.mtp else "", e)
-            return self._forward(*self._args(static, overlap))
+            return self._with_head(static, overlap)
         self._cpu_graphs[key] = (graph, out)
         logger.debug("recorded the CPU decode of batch %d%s (%s): %d kernel calls in %.3f s", step.bucket,
                      " (MTP)" if self.mtp else "", overlap, len(graph.calls), time.perf_counter() - start)

@@ -152,6 +152,9 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.tables = self.tables  # its eager passes read their plans' table rows there
         self.profiler: OpProfiler | Untimed = UNTIMED
+        # the logits of every row of the last forward [num_tokens, V] fp32 where its captured step computed them
+        # (a CPU graph's head), else None: the sampling pipeline runs the head
+        self.logits: torch.Tensor | None = None
         self.captured: CapturedDecode | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if mode is not None:
@@ -225,12 +228,16 @@ class ModelRunner:
         """Every rank, every step (the empty plan on an idle DP group): the final hidden states of every
         token, ``[plan.num_tokens, H]``. ``global_max_tokens``: the most tokens
         any DP group runs this step, ``all_decode``: whether every DP group's batch is pure decode (from
-        the step's all-reduce; then every rank can run the same captured bucket)."""
+        the step's all-reduce; then every rank can run the same captured bucket). A recorded CPU step leaves
+        its rows' logits in :attr:`logits` too."""
         self.tables.apply(plan.table_appends)  # the blocks its requests gained since their last step
         per_rank, overlap = self._step_shape(global_max_tokens)
         bucket = self._replay_bucket(global_max_tokens, all_decode, overlap)
+        self.logits = None
         if bucket is not None:
-            return self.captured.forward(plan, bucket, overlap)  # type: ignore[union-attr,arg-type]
+            hidden = self.captured.forward(plan, bucket, overlap)  # type: ignore[union-attr,arg-type]
+            self.logits = self.captured.logits(plan.num_tokens)  # type: ignore[union-attr]
+            return hidden
         self.dispatcher.begin_step(per_rank)
         batch = plan.to_batch(self.device, self.block_size, self.tables)
         num_seqs = len(plan.seq_lens)

@@ -17,6 +17,12 @@ A request whose masks leave no token to draw fails rather than drawing token 0: 
 is decidable from its parameters (:func:`no_token_left`: its one-token ``bad_words``, with its stop
 tokens and EOS under ``min_tokens``, cover the vocabulary), else at the step whose row has none left
 (the sampler reads that back with the tokens; :meth:`SamplingPipeline.take_failures`).
+
+The common step takes a shortcut through that path: when every row it samples is plain greedy
+(:func:`plain_greedy`: nothing processes, masks or reads its logits but the argmax) and no draft is
+verified, its tokens are the argmax of the logits and nothing else runs; the path's result for such rows
+is that argmax too (with no mask, no row is left without a token). The logits themselves come from the
+forward where a recorded CPU step computed them (``engine/graphs.py``), else from the model's head here.
 """
 
 from __future__ import annotations
@@ -38,6 +44,13 @@ from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
 NO_TOKEN_LEFT = ("the sampling parameters leave no token allowed (bad_words, logit_bias, the structured-output "
                  "constraint or the stop tokens and EOS under min_tokens mask every token of the vocabulary)")
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether a request's next token is the argmax of the model's logits and nothing more is asked of them:
+    greedy, no logits processing (``LogitsProcessor``), no grammar, no logprobs."""
+    return (params.is_greedy and params.logprobs is None and params.structured is None
+            and not params.processes_logits)
 
 
 def no_token_left(params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int]) -> str | None:
@@ -86,10 +99,12 @@ class SamplingPipeline:
 
     # ---- a step's tokens ------------------------------------------------------------------------
     @torch.inference_mode()
-    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan) -> StepResult:
+    def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan,
+               logits: torch.Tensor | None = None) -> StepResult:
         """Leader only: the tokens of the chunks that reach their last known token (the rows
         ``plan.logits_indices`` of the forward's ``hidden`` states, in chunk order), their drafts verified,
-        and the prompt logprobs the step computed."""
+        and the prompt logprobs the step computed. ``logits``: those of every row of ``hidden``, where the
+        forward computed them (else the head runs here, on the rows sampled)."""
         prompt = prompt_logprobs(self.compute_logits, chunks, hidden)
         sampling: list[ScheduledChunk] = []
         rows: list[int] = []  # of plan.logits_indices: a request with max_tokens 0 samples nothing
@@ -104,7 +119,10 @@ class SamplingPipeline:
             first += n
         if not sampling:
             return StepResult({}, {}, prompt)
-        raw = self.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
+        raw = self._raw_logits(hidden, rows, logits)
+        if self.stats is None and all(plain_greedy(c.request.sampling_params) for c in sampling):
+            ids = raw.argmax(dim=-1).tolist()  # (the path below would draw the same: nothing to process or mask)
+            return StepResult({c.request.request_id: t for c, t in zip(sampling, ids)}, {}, prompt)
         requests: list[Request] = []  # row r follows requests[r]'s outputs, then extras[r]
         extras: list[tuple[int, ...]] = []
         for c in sampling:
@@ -129,6 +147,16 @@ class SamplingPipeline:
             for rid in constrained:
                 self.constraints.accept(rid, list(sampled[rid]))
         return StepResult(sampled, logprobs, prompt)
+
+    def _raw_logits(self, hidden: torch.Tensor, rows: list[int], logits: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits of ``rows`` (increasing rows of ``hidden``): of ``logits`` where the forward
+        computed them, else the head's; every row's as they are, no rows gathered."""
+        whole = len(rows) == hidden.shape[0]  # (then rows is every row, in order)
+        if logits is not None:
+            return logits if whole else logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        if whole and hidden.is_contiguous():
+            return self.compute_logits(hidden)
+        return self.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)])
 
     def _draw(self, logits: torch.Tensor, sampling: list[ScheduledChunk],
               raw: torch.Tensor) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:

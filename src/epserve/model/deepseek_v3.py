@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from epserve.config import OVERLAP_MODES, ModelConfig, OverlapMode
-from epserve.kernels import add, copy_, gather_rows, linear
+from epserve.kernels import add, cast, copy_, gather_rows, linear
 from epserve.model.batch import ForwardBatch, MicroBatch
 from epserve.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from epserve.model.mla import MLAttention
@@ -264,5 +264,6 @@ class DeepseekV3ForCausalLM(nn.Module):
             layer.op_hook = hook
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, H] -> logits [S, V] in fp32."""
-        return linear(hidden, self.lm_head).float()
+        """hidden [S, H] -> logits [S, V] in fp32: the head's GEMM and the cast, kernel ops both (on the CPU C
+        calls alone, so a recorded decode step holds them: ``engine/graphs.py``)."""
+        return cast(linear(hidden, self.lm_head), torch.float32)

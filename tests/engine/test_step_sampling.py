@@ -1,0 +1,89 @@
+"""The sampling pipeline's greedy shortcut (``engine/sampling.py``): a step whose rows are all plain greedy
+takes the argmax of the logits and nothing else, with the tokens the whole path draws; a row that asks for
+more (logprobs, a bias, penalties, min_tokens, bad words, a grammar, a temperature) sends its step down the
+whole path. The logits come from the forward where it computed them, else from the head."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from epserve import LLM
+from epserve.engine.batch_plan import BatchPlan
+from epserve.engine.request import Request, ScheduledChunk
+from epserve.engine.sampling import SamplingPipeline, plain_greedy
+from epserve.messages.sampling import SamplingParams, StructuredOutput
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+PROMPTS = [[5, 6, 7, 8, 9, 10], [100, 200, 300], [42] * 5]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return LLM(tiny_ckpt, dtype="float32", num_blocks=64)
+
+
+def _decode(rid: str, params: SamplingParams = GREEDY) -> ScheduledChunk:
+    request = Request(rid, [1, 2, 3], params)
+    request.append_output_token(4)  # a decode: one known token, an output
+    return ScheduledChunk(request, request.num_tokens - 1, 1)
+
+
+def test_plain_greedy_is_greedy_with_nothing_else_asked():
+    assert plain_greedy(GREEDY) and plain_greedy(replace(GREEDY, seed=3, ignore_eos=True, stop_token_ids=(7,)))
+    for more in (dict(temperature=0.7), dict(logprobs=0), dict(logit_bias=((3, 1.0),)), dict(min_tokens=2),
+                 dict(bad_words=((5,),)), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
+                 dict(frequency_penalty=0.5), dict(structured=StructuredOutput("regex", "[ab]+"))):
+        assert not plain_greedy(replace(GREEDY, **more)), more
+
+
+def test_the_shortcut_and_the_whole_path_draw_the_same_tokens(llm):
+    """The same rows drawn from the head's logits and from the forward's, with and without the shortcut (a
+    row asking for logprobs takes the whole path): the same tokens, every row's argmax."""
+    pipeline = SamplingPipeline(llm.engine.config, llm.engine.runner.model.compute_logits, torch.device("cpu"))
+    hidden = torch.randn(4, llm.engine.config.model.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = llm.engine.runner.model.compute_logits(hidden)
+    expected = logits.argmax(-1).tolist()
+    plain = [_decode(f"r{i}") for i in range(4)]
+    whole = [_decode(f"r{i}", replace(GREEDY, logprobs=0)) for i in range(4)]
+    plan = BatchPlan(logits_indices=tuple(range(4)))
+    for chunks in (plain, whole):
+        for given in (None, logits.clone()):
+            result = pipeline.sample(chunks, hidden, plan, given)
+            assert [result.sampled[f"r{i}"] for i in range(4)] == expected
+            assert bool(result.logprobs) == (chunks is whole)
+    result = pipeline.sample(plain[:1] + whole[1:2], hidden[:2], BatchPlan(logits_indices=(0, 1)), logits[:2].clone())
+    assert [result.sampled["r0"], result.sampled["r1"]] == expected[:2] and set(result.logprobs) == {"r1"}
+
+
+def test_a_row_that_asks_for_more_takes_its_step_down_the_whole_path(llm):
+    """A plain greedy row beside a biased one and one asking for logprobs: the bias and the logprobs hold (the
+    shortcut for the step would have dropped both); the plain row gets its argmax."""
+    pipeline = SamplingPipeline(llm.engine.config, llm.engine.runner.model.compute_logits, torch.device("cpu"))
+    hidden = torch.randn(3, llm.engine.config.model.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = llm.engine.runner.model.compute_logits(hidden)
+    favoured = int(logits[1].argmin())
+    assert float(logits[1].max() - logits[1].min()) < 100  # the bias makes it the argmax
+    chunks = [_decode("plain"), _decode("biased", replace(GREEDY, logit_bias=((favoured, 100.0),))),
+              _decode("logprobs", replace(GREEDY, logprobs=1))]
+    result = pipeline.sample(chunks, hidden, BatchPlan(logits_indices=(0, 1, 2)), logits.clone())
+    assert result.sampled == {"plain": int(logits[0].argmax()), "biased": favoured,
+                              "logprobs": int(logits[2].argmax())}
+    assert set(result.logprobs) == {"logprobs"} and result.logprobs["logprobs"].token_id == result.sampled["logprobs"]
+
+
+def test_engine_tokens_are_the_whole_paths(llm):
+    """Greedy requests decoded through the shortcut (the CPU graph's logits on a CPU with its kernels) and the
+    same requests asking for their logprobs (the whole path): the same tokens; a penalized request beside
+    plain greedy ones repeats no token (the penalty held), as it does alone."""
+    plain = llm.generate(PROMPTS, GREEDY)
+    whole = llm.generate(PROMPTS, replace(GREEDY, logprobs=0))
+    assert [o.token_ids for o in plain] == [o.token_ids for o in whole]
+    assert [o.token_ids for o in whole] == [[lp.token_id for lp in o.logprobs] for o in whole]
+    banned = replace(GREEDY, presence_penalty=2.0, repetition_penalty=1e4)
+    alone = llm.generate([[42] * 5], banned)[0].token_ids
+    mixed = llm.generate(PROMPTS, [GREEDY, GREEDY, banned])
+    assert mixed[2].token_ids == alone and len(set(alone)) == len(alone)
+    assert [o.token_ids for o in mixed[:2]] == [o.token_ids for o in plain[:2]]
