@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from epserve import LLM, SamplingParams
 from epserve.checkpoint import CheckpointError
 from epserve.config import ConfigError
+from epserve.engine.spec_manager import DraftRule
 from epserve.model.load_plan import model_bytes
 
 PROMPTS = ["The object", "In the following example, the", "A class definition", "If the", "Names",
@@ -122,6 +123,7 @@ def test_sampling_keeps_the_target_distribution(counter_ckpt, plain):
     prompt = plain.tokenizer.encode("The")
     llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **{**ENGINE, "num_blocks": 1024},
               max_num_seqs=256)
+    llm.engine.runner.proposer.rule = DraftRule(max_requests=256)  # draft at every batch (the CPU's rule: up to 8)
     counts = []
     for engine in (plain, llm):
         params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)]

@@ -17,7 +17,8 @@ from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.runner import BatchPlan
 from epserve.training import TRAIN_PRESETS, train_checkpoint
 from epserve.training.corpus import clean_topic, load_corpus
-from epserve.training.train import build_model, corpus_tokens, model_config, train_model, write_trained
+from epserve.training.distill import distill_loss, distill_mtp
+from epserve.training.train import build_model, corpus_tokens, evaluate, model_config, train_model, write_trained
 
 SETUP = TRAIN_PRESETS["test"]
 SEQS = [[0, 5, 17, 99, 3, 250, 42], [0] + list(range(10, 60)), [0, 7], [0] + [(i * 37) % 500 + 4 for i in range(30)]]
@@ -129,11 +130,38 @@ def test_short_training_lowers_both_losses_deterministically():
     assert biases and all(b.abs().sum() > 0 for b in biases)  # the aux-loss-free balancing moved them
 
 
+def test_self_distillation_trains_the_mtp_alone_towards_the_main_models_predictions():
+    """The second phase moves the MTP module only (the main model, so its greedy output, is untouched; the
+    shared embedding and head too), lowers its cross-entropy against the main model's next-position
+    distribution, and raises how often its top-1 is the main model's (the acceptance of a greedy draft)."""
+    tok, train_ids, heldout_ids = corpus_tokens(SETUP.vocab_size)
+    model = build_model(model_config(SETUP, tok.get_vocab_size(), "float32"), seed=5)
+    model.init_weights(torch.Generator().manual_seed(5), std=0.1)  # sharp main predictions to learn
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seqs = torch.stack([heldout_ids[i * 65 : i * 65 + 65] for i in range(8)])
+    with torch.no_grad():
+        loss0 = float(distill_loss(model, seqs))
+    agreement0 = evaluate(model, heldout_ids, SETUP.seq_len, 2048)["mtp_agreement"]
+    result = distill_mtp(model, train_ids, seq_len=32, batch_size=4, lr=3e-2, steps=6, max_seconds=1e9, seed=0,
+                         progress=False)
+    assert result.steps == 6 and len(result.losses) == 6
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("mtp.") for k in changed)
+    assert any(k.startswith("mtp.layer.") for k in changed) and "mtp.eh_proj.weight" in changed
+    assert all(p.requires_grad for p in model.parameters())  # the frozen ones are trainable again
+    with torch.no_grad():
+        assert float(distill_loss(model, seqs)) < loss0 - 0.15  # (6.57 -> 6.33)
+    assert evaluate(model, heldout_ids, SETUP.seq_len, 2048)["mtp_agreement"] > agreement0 + 0.015  # (0.002 -> 0.025)
+
+
 @pytest.mark.slow
 def test_train_checkpoint_writes_a_loadable_checkpoint(tmp_path):
     path = train_checkpoint(tmp_path / "ckpt", "test", steps=3, progress=False, dtype="bfloat16")
     summary = json.loads((path / "training.json").read_text())
     assert summary["steps"] == 3 and len(summary["loss_curve"]) == 3
+    assert summary["distill_steps"] == 1 and len(summary["distill_loss_curve"]) == 1  # ceil(3 x 0.3)
+    assert {"loss", "mtp_agreement"} <= set(summary["main_phase_heldout"])
     assert {"loss", "mtp_loss", "mtp_accuracy", "mtp_agreement"} <= set(summary["final_heldout"])
     assert "PSF" in summary["corpus_license"]
     assert json.loads((path / "tokenizer_config.json").read_text())["model_max_length"] == 2048

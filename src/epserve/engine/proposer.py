@@ -15,7 +15,15 @@ and the scheduler frees the blocks it no longer needs (``SpecManager.verified``)
 
 A DP group's leader builds each pass and broadcasts it to its TP peers (``DraftPass``); only the leader
 holds the head, so only it draws drafts, from the engine's sampling pipeline
-(``SamplingPipeline.draft``: processed and masked as their verification rows will be).
+(``SamplingPipeline.draft``: processed and masked as their verification rows will be), except where every
+drafting request is plain greedy (nothing processes or masks its logits): its drafts are the argmax.
+
+The leader also decides whether the step drafts at all (``spec_manager.DraftRule``: few enough
+requests, drafts accepted often enough). A step that does not draft, in an engine of one DP
+group, runs no pass (its TP peers follow the leader's broadcast): it costs what a plain step costs, and
+the MTP layer's cache keeps no KV for its positions, which later drafts of those requests then read as
+they find it (a draft's quality, never the output, depends on it). With several DP groups every rank
+still runs the ``k`` passes, empty ones where its group does not draft (their MoE collectives pair up).
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.block_tables import DeviceTables
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.sampling import SamplingPipeline
-from epserve.engine.spec_manager import draft_room
+from epserve.engine.spec_manager import DraftRule, draft_room
+from epserve.messages.sampling import SamplingParams
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.parallel.comm import broadcast_from_leader
@@ -79,6 +88,8 @@ class MTPProposer:
         # layer's output rows; set by the runner when the decode is captured.
         self.replay: Callable[[BatchPlan, torch.Tensor, int, str], torch.Tensor] | None = None
         self.tables: DeviceTables | None = None  # the rank's device block tables (set by the runner)
+        self.rule = DraftRule.for_device(ctx.device.type)  # when a step drafts (the leader decides)
+        self.steps_without_drafts = 0  # steps the rule switched drafting off (the leader's count)
 
     @torch.inference_mode()
     def propose(
@@ -94,20 +105,30 @@ class MTPProposer:
         drafting: list[_Drafting] = []
         first = None
         if leader:
-            first, drafting = self._first_pass(chunks, plan, result)
+            draft = self._pays(chunks, sampling)
+            self.steps_without_drafts += not draft
+            first, drafting = self._first_pass(chunks, plan, result, draft)
+            if not draft and self.ctx.dp == 1:
+                first = None  # no pass on any rank: the step costs what a plain one does
         step = self._share(first)
+        if step is None:
+            sampling.keep_drafts(chunks, {})
+            return {}
         h = self._run(step, hidden, max_tokens_per_rank, overlap, bucket)
         drafts: dict[str, list[int]] = {d.request.request_id: [] for d in drafting}
         probs: dict[str, list[torch.Tensor | None]] = {d.request.request_id: [] for d in drafting}
         rows, active = step.plan.logits_indices, drafting
+        greedy = all(_plain_greedy(d.request.sampling_params) for d in drafting)
         for depth in range(self.num_spec):
             if active:
-                positions = [d.next_position + 1 + depth for d in active]  # where each draft would sit
                 logits = self.model.compute_mtp_logits(h[torch.tensor(rows, dtype=torch.long, device=h.device)])
-                # (each draft follows this step's tokens and the drafts before it, not yet the request's)
-                before = [tuple(drafts[d.request.request_id]) for d in active]
-                extras = [(*_tokens(result, d.request.request_id), *b) for d, b in zip(active, before)]
-                ids, q = sampling.draft(logits, [d.request for d in active], extras, before, positions)
+                if greedy:  # nothing to process or mask: the argmax, no distributions kept
+                    ids, q = logits.argmax(dim=-1).tolist(), [None] * len(active)
+                else:  # (each draft follows this step's tokens and the drafts before it, not yet the request's)
+                    positions = [d.next_position + 1 + depth for d in active]  # where each draft would sit
+                    before = [tuple(drafts[d.request.request_id]) for d in active]
+                    extras = [(*_tokens(result, d.request.request_id), *b) for d, b in zip(active, before)]
+                    ids, q = sampling.draft(logits, [d.request for d in active], extras, before, positions)
                 for d, t, qq in zip(active, ids, q):
                     drafts[d.request.request_id].append(t)
                     probs[d.request.request_id].append(qq)
@@ -119,17 +140,25 @@ class MTPProposer:
                 chained = self._chained_pass([active[i] for i in keep], [rows[i] for i in keep], drafts, depth + 1)
                 active = [active[i] for i in keep]
             step = self._share(chained)
+            assert step is not None
             h = self._run(step, h, max_tokens_per_rank, overlap, bucket)
             rows = step.plan.logits_indices
         sampling.keep_drafts(chunks, probs)
         return drafts
 
     # ---- building the passes (a DP group's leader) ---------------------------------------------
+    def _pays(self, chunks: list[ScheduledChunk], sampling: SamplingPipeline) -> bool:
+        """Whether this step drafts: the rule, on the requests it samples and the acceptance so far."""
+        stats = sampling.stats
+        drafted, accepted = (0, 0) if stats is None else (stats.num_draft_tokens, stats.num_accepted_tokens)
+        return self.rule.pays(sum(c.needs_sample for c in chunks), drafted, accepted)
+
     def _first_pass(
-        self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None
+        self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, draft: bool = True
     ) -> tuple[DraftPass, list[_Drafting]]:
         """The plan's rows whose target KV the step keeps (a verification's accepted rows only: the
-        rejected ones' KV rolls back anyway), each fed the token after its position."""
+        rejected ones' KV rolls back anyway), each fed the token after its position; with ``draft``, the
+        row of each sampling request's last accepted position drafts."""
         ids: list[int] = []
         keep: list[int] = []  # token rows of the plan (and of the target's hidden states) kept
         seqs: list[int] = []  # sequence rows of the plan kept (a decode row is a sequence of its own)
@@ -162,7 +191,7 @@ class MTPProposer:
                 seq += 1
             ids.extend(tokens[:rows])
             token += chunk.num_tokens
-            if sampled:
+            if sampled and draft:
                 n = min(self.num_spec, draft_room(request, self.max_model_len, len(got)))
                 if n > 0:
                     draft_rows.append(len(ids) - 1)
@@ -200,11 +229,10 @@ class MTPProposer:
         return DraftPass(plan, tuple(hidden_rows))
 
     # ---- every rank ------------------------------------------------------------------------------
-    def _share(self, step: DraftPass | None) -> DraftPass:
-        """The leader's pass on every TP rank of its DP group."""
+    def _share(self, step: DraftPass | None) -> DraftPass | None:
+        """The leader's pass on every TP rank of its DP group (None: the step runs none)."""
         if self.ctx.tp > 1:
             step = broadcast_from_leader(step, self.ctx)  # type: ignore[assignment]
-        assert step is not None
         return step
 
     def _run(self, step: DraftPass, hidden: torch.Tensor, max_tokens_per_rank: int, overlap: str,
@@ -221,3 +249,8 @@ def _tokens(result: StepResult | None, request_id: str) -> tuple[int, ...]:
     """The tokens a request got from this step's sampling (none for a request that did not sample)."""
     sampled = result.sampled.get(request_id, ()) if result is not None else ()
     return (sampled,) if isinstance(sampled, int) else tuple(sampled)
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """A request whose draft is the MTP logits' argmax as they are: greedy, no logits processing, no grammar."""
+    return params.is_greedy and params.structured is None and not params.processes_logits

@@ -157,6 +157,8 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
         firsts.append(firsts[-1] + g.num_rows)
     if firsts[-1] != logits.shape[0]:
         raise ValueError(f"the groups have {firsts[-1]} rows, the logits {logits.shape[0]}")
+    if all(g.params.is_greedy and g.params.logprobs is None for g in groups):
+        return _verify_greedy(logits.argmax(dim=-1).tolist(), groups, firsts)
     argmax = logits.argmax(dim=-1)
     nxt = torch.tensor([t for g in groups for t in (*g.drafts, -1)], dtype=torch.long, device=device)  # -1: bonus
     accept = argmax == nxt  # greedy rows; sampled rows are decided below
@@ -210,4 +212,14 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
             )
             lp_row += g.num_rows
         outcomes.append(VerifyOutcome(tokens, lps, a))
+    return outcomes
+
+
+def _verify_greedy(argmax: list[int], groups: list[VerifyGroup], firsts: list[int]) -> list[VerifyOutcome]:
+    """Every group greedy without logprobs: its drafts while each equals the target's argmax, then the
+    argmax after them (what :func:`verify`'s general path gives such rows, from one transfer of the argmax)."""
+    outcomes = []
+    for g, first in zip(groups, firsts):
+        a = next((j for j, t in enumerate(g.drafts) if argmax[first + j] != t), len(g.drafts))
+        outcomes.append(VerifyOutcome((*g.drafts[:a], argmax[first + a]), None, a))
     return outcomes

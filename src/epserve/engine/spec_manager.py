@@ -7,14 +7,47 @@ A decode that verifies ``d`` drafts is one chunk of ``1 + d`` tokens in the step
 samples also writes the draft layer's KV of the next ``k - 1`` positions (the chained drafts), so it
 allocates that many more slots (within the context); after the step only the KV of the tokens the
 request kept counts as computed, and blocks past it are freed (``KVCacheManager.trim``).
+
+Drafting is switched off for a step where it would not pay (:class:`DraftRule`): a decode step costs
+about its weight reads while its rows are few, then grows with its rows, so ``1 + k`` rows per request
+pay only while the step's requests are few and the drafts are accepted often enough.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from epserve.engine.kv_manager import KVCacheManager
 from epserve.engine.request import Request
+
+# The most requests a step drafts for, per device type: on the CPU a decode step's cost grows with its rows
+# once they are more than a few (benchmarks/mtp_decode.py on the trained tiny checkpoint: at batch 16 the
+# 1 + k rows of each request cost more than the accepted drafts save); a GPU's step stays weight-bound longer.
+DRAFT_REQUESTS = {"cpu": 8, "cuda": 256}
+MIN_ACCEPTANCE = 0.2  # below this measured acceptance drafting stops: each draft costs more than it saves
+ACCEPTANCE_SAMPLE = 256  # draft tokens verified before the measured acceptance decides
+
+
+@dataclass(frozen=True)
+class DraftRule:
+    """When a step drafts: for at most ``max_requests`` sampling requests, and while the acceptance is at
+    least ``min_acceptance`` once ``sample`` draft tokens have been verified."""
+
+    max_requests: int
+    min_acceptance: float = MIN_ACCEPTANCE
+    sample: int = ACCEPTANCE_SAMPLE
+
+    @classmethod
+    def for_device(cls, device_type: str) -> DraftRule:
+        return cls(DRAFT_REQUESTS.get(device_type, DRAFT_REQUESTS["cuda"]))
+
+    def pays(self, num_requests: int, drafted: int, accepted: int) -> bool:
+        """Whether a step that samples ``num_requests`` requests drafts, after ``accepted`` of ``drafted``
+        draft tokens were accepted so far (the leader's counters: it decides, its TP peers follow its pass)."""
+        if num_requests > self.max_requests:
+            return False
+        return drafted < self.sample or accepted >= self.min_acceptance * drafted
 
 
 def draft_room(request: Request, max_model_len: int, num_new: int = 0) -> int:

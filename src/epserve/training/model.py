@@ -249,6 +249,21 @@ class TrainModel(nn.Module):
 
     def named_checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor under its published DeepSeek-V3 name (float32, detached; shared ones twice)."""
+        return {k: v.detach().float().clone() for k, v in self._published().items()}
+
+    @torch.no_grad()
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of :meth:`named_checkpoint_tensors`: every parameter and routing bias read from its
+        published name (a checkpoint this model's shape wrote); KeyError naming what is missing."""
+        published = self._published()
+        missing = sorted(set(published) - set(tensors))
+        if missing:
+            raise KeyError(f"the checkpoint lacks {len(missing)} tensors of the training model, e.g. {missing[:3]}")
+        for name, view in published.items():
+            view.copy_(tensors[name])
+
+    def _published(self) -> dict[str, torch.Tensor]:
+        """Published name -> the live tensor or view of this model's storage holding it."""
         out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": self.embed_tokens.weight}
         for i, layer in enumerate(self.layers):
             out |= _layer_tensors(layer, f"model.layers.{i}")
@@ -264,10 +279,12 @@ class TrainModel(nn.Module):
             out |= _layer_tensors(m.layer, p)
             out[f"{p}.shared_head.norm.weight"] = m.shared_head_norm.weight
             out[f"{p}.shared_head.head.weight"] = self.lm_head.weight
-        return {k: v.detach().float().clone() for k, v in out.items()}
+        return out
 
 
 def _layer_tensors(layer: TrainDecoderLayer, p: str) -> dict[str, torch.Tensor]:
+    """The layer's tensors by published name (its state dict's tensors and views of the stacked experts:
+    they share the parameters' storage)."""
     out = {f"{p}.{k}": v for k, v in layer.state_dict().items() if not k.startswith("mlp.")}
     mlp = layer.mlp
     if isinstance(mlp, TrainMLP):

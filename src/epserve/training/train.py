@@ -8,7 +8,9 @@ by ``BIAS_RATE`` against each expert's load every step). It stops after ``steps`
 ``steps``, after ``max_seconds`` of wall-clock time (the learning-rate schedule then follows the
 elapsed time). Then it writes ``config.json`` (every DeepSeek-V3 field, via ``build_config``),
 safetensors shards in the published names, the tokenizer files and ``training.json`` (the run's
-summary). Deterministic for a seed when run by ``steps`` on the same machine.
+summary). A second phase (``distill``, a share of the budget) then trains the MTP module alone on the
+main model's own predictions (``epserve.training.distill``): what a greedy draft's acceptance
+measures. Deterministic for a seed when run by ``steps`` on the same machine.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from epserve.config import ModelConfig
 from epserve.presets import build_config, tensor_specs
 from epserve.tokenizer import SPECIAL_TOKENS, build_tokenizer, write_tokenizer_files
 from epserve.training.corpus import load_corpus
+from epserve.training.distill import distill_mtp
 from epserve.training.model import TrainModel
 
 logger = logging.getLogger(__name__)
@@ -67,6 +70,11 @@ class TrainSetup:
     warmup: float = 0.03  # fraction of the run
     weight_decay: float = 0.05
     eval_tokens: int = 8192  # held-out tokens evaluated at the end (the held-out part is ~6k)
+    # Self-distillation of the MTP module after the main phase: its share of a wall-clock budget, or its
+    # steps per main step in a run by steps; its batch and peak learning rate.
+    distill: float = 0.3
+    distill_batch_size: int = 16
+    distill_lr: float = 1e-3
 
 
 TRAIN_PRESETS: dict[str, TrainSetup] = {
@@ -262,11 +270,20 @@ def train_checkpoint(
     logger.info("training %s: %.2fM parameters, %d train / %d held-out tokens, vocab %d",
                 preset, n_params / 1e6, len(train_ids), len(heldout_ids), vocab)
     budget = max_seconds - (time.perf_counter() - t0)
-    result = train_model(model, train_ids, setup, steps=steps, max_seconds=budget, seed=seed, progress=progress)
+    result = train_model(model, train_ids, setup, steps=steps, max_seconds=budget * (1 - setup.distill), seed=seed,
+                         progress=progress)
+    main_heldout = evaluate(model, heldout_ids, setup.seq_len, setup.eval_tokens)
+    logger.info("trained %d steps in %.0f s (%.0f tokens/s): held-out %s", result.steps, result.seconds,
+                result.tokens / max(result.seconds, 1e-9), _fmt(main_heldout))
+    distilled = distill_mtp(
+        model, train_ids, seq_len=setup.seq_len, batch_size=setup.distill_batch_size, lr=setup.distill_lr,
+        steps=None if steps is None else math.ceil(steps * setup.distill),
+        max_seconds=max_seconds - (time.perf_counter() - t0) - 5.0, seed=seed, progress=progress,
+    )
     train_eval = evaluate(model, train_ids, setup.seq_len, setup.eval_tokens)
     heldout_eval = evaluate(model, heldout_ids, setup.seq_len, setup.eval_tokens)
-    logger.info("trained %d steps in %.0f s (%.0f tokens/s): train %s, held-out %s", result.steps, result.seconds,
-                result.tokens / max(result.seconds, 1e-9), _fmt(train_eval), _fmt(heldout_eval))
+    logger.info("distilled the MTP %d steps in %.0f s: train %s, held-out %s", distilled.steps, distilled.seconds,
+                _fmt(train_eval), _fmt(heldout_eval))
     path = write_trained(path, model, config, load_corpus().text, setup.vocab_size, dtype)
     corpus = load_corpus()
     summary = {
@@ -276,8 +293,44 @@ def train_checkpoint(
         "setup": {k: v for k, v in asdict(setup).items() if k != "overrides"},
         "mtp_weight": MTP_WEIGHT, "final_train": train_eval, "final_heldout": heldout_eval,
         "loss_curve": result.losses, "mtp_loss_curve": result.mtp_losses,
+        "main_phase_heldout": main_heldout, "distill_steps": distilled.steps,
+        "distill_seconds": round(distilled.seconds, 1), "distill_loss_curve": distilled.losses,
         "corpus": corpus.name, "corpus_license": corpus.license,
     }
+    (Path(path) / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return Path(path)
+
+
+def distill_checkpoint(
+    src: str | Path, path: str | Path, *, steps: int | None = None, max_seconds: float = 300.0, seed: int = 0,
+    progress: bool = True,
+) -> Path:
+    """The self-distillation phase alone, on a checkpoint :func:`train_checkpoint` wrote in ``src`` (its
+    preset's shape, its tokenizer: the corpus's, retrained the same): ``steps`` steps (or ``max_seconds``),
+    then the checkpoint written into ``path`` with the main model's weights as they were (bit for bit: the
+    same dtype) and ``training.json`` extended by the phase's figures. Returns ``path``."""
+    from safetensors.torch import load_file
+
+    src = Path(src)
+    summary = json.loads((src / "training.json").read_text())
+    setup = TRAIN_PRESETS[summary["preset"]]
+    config = json.loads((src / "config.json").read_text())
+    tok, train_ids, heldout_ids = corpus_tokens(setup.vocab_size)
+    if tok.get_vocab_size() != config["vocab_size"]:
+        raise ValueError(f"{src}: its vocabulary ({config['vocab_size']}) is not the corpus tokenizer's")
+    model = TrainModel(ModelConfig.from_dict(config))
+    model.load_checkpoint_tensors({k: v for f in sorted(src.glob("*.safetensors")) for k, v in load_file(f).items()})
+    model.eval()
+    before = evaluate(model, heldout_ids, setup.seq_len, setup.eval_tokens)
+    distilled = distill_mtp(model, train_ids, seq_len=setup.seq_len, batch_size=setup.distill_batch_size,
+                           lr=setup.distill_lr, steps=steps, max_seconds=max_seconds, seed=seed, progress=progress)
+    after = evaluate(model, heldout_ids, setup.seq_len, setup.eval_tokens)
+    logger.info("distilled the MTP %d steps in %.0f s: held-out %s (before: %s)", distilled.steps,
+                distilled.seconds, _fmt(after), _fmt(before))
+    path = write_trained(path, model, config, load_corpus().text, setup.vocab_size, config["torch_dtype"])
+    summary |= {"main_phase_heldout": before, "final_heldout": after, "distill_steps": distilled.steps,
+                "distill_seconds": round(distilled.seconds, 1), "distill_loss_curve": distilled.losses,
+                "distilled_from": str(src)}
     (Path(path) / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     return Path(path)
 
