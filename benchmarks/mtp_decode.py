@@ -1,10 +1,16 @@
 """MTP speculative decoding against plain decoding on a trained checkpoint: draft acceptance per position
 for each number of draft tokens, and output tokens/s at several batch sizes, side by side in one run
-(alternating rounds, the median of each).
+(alternating rounds, the median of each); with ``--breakdown``, where a batch-1 step's time goes.
 
     python benchmarks/mtp_decode.py --model /tmp/trained [--k 1 2 3] [--batches 1 4 16] [--json out.json]
+    python benchmarks/mtp_decode.py --model /tmp/trained --k 1 --breakdown
 
 Prompts are the opening words of the training corpus's held-out paragraphs (greedy, ``ignore_eos``).
+Acceptance is measured one request at a time (where every step drafts). The MTP engines switch drafting
+off per step as the engine does (``spec_manager.DraftRule``): above its batch they run plain steps.
+``--breakdown``: each engine's steady batch-1 decode steps, the step's phases timed around the engine's
+calls (the forward, sampling, the MTP passes, the draft graph replays, the MTP head), alternated, medians;
+then each recorded CPU graph's kernels, timed in C (``cpu_decode.kernel_breakdown``'s timer), alternated.
 Train the checkpoint first: ``epserve make-checkpoint /tmp/trained --train``.
 """
 
@@ -13,12 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 from tqdm import tqdm
 
-from epserve import LLM, SamplingParams
-from epserve.training.corpus import load_corpus
+sys.path.insert(0, str(Path(__file__).parent))  # (cpu_decode's kernel timer, run from anywhere)
+
+from epserve import LLM, SamplingParams  # noqa: E402
+from epserve.training.corpus import load_corpus  # noqa: E402
 
 
 def prompts(n: int, words: int) -> list[str]:
@@ -35,6 +46,71 @@ def tokens_per_s(llm: LLM, texts: list[str], batch: int, params: SamplingParams)
     return tokens / (time.perf_counter() - start)
 
 
+def _timed_calls(engine, times: dict[str, list[float]]) -> None:  # noqa: ANN001
+    """Wrap the engine's phases (instance attributes) so each call's seconds land in ``times``."""
+    runner = engine.runner
+    phases = {"step": (engine, "step"), "forward": (runner, "forward"), "sample": (engine.sampling, "sample"),
+              "schedule": (engine.scheduler, "schedule"), "update": (engine.scheduler, "update")}
+    if runner.proposer is not None:
+        phases |= {"MTP passes": (runner, "propose"), "draft graph": (runner.proposer, "_run"),
+                   "MTP head": (runner.model, "compute_mtp_logits")}
+    for name, (obj, attr) in phases.items():
+        setattr(obj, attr, _timing(getattr(obj, attr), times.setdefault(name, [])))
+
+
+def _timing(f, out: list[float]):  # noqa: ANN001, ANN202
+    def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        t = time.perf_counter()
+        result = f(*args, **kwargs)
+        out.append(time.perf_counter() - t)
+        return result
+    return timed
+
+
+def breakdown(engines: dict[str, LLM], words: int, rounds: int, steps: int = 50) -> None:
+    """Steady batch-1 decode in every engine, steps alternated between them: each phase's median ms a step
+    and tokens a step; then each recorded CPU graph's kernels (ms a replay, medians of alternated rounds)."""
+    from cpu_decode import kernel_breakdown
+
+    params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
+    tokens = {name: 0 for name in engines}
+    for name, llm in engines.items():
+        llm.engine.add_request(f"breakdown-{name}", llm.tokenizer.encode(prompts(1, words)[0]), params)
+        for _ in range(20):
+            llm.engine.step()
+        _timed_calls(llm.engine, times[name])
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            for _ in range(steps):
+                tokens[name] += sum(len(u.new_token_ids) for u in llm.engine.step())
+    print("\n| engine | tokens a step | " + " | ".join(f"{p} ms" for p in times["plain"]) + " | MTP passes ms | "
+          "draft graph ms | MTP head ms |")
+    print("|---" * (len(times["plain"]) + 5) + "|")
+    for name, t in times.items():
+        med = {p: f"{1e3 * statistics.median(v):.3f}" for p, v in t.items()}
+        extra = [med.get(p, "-") for p in ("MTP passes", "draft graph", "MTP head")]
+        print(f"| {name} | {tokens[name] / (rounds * steps):.2f} | " + " | ".join(med[p] for p in times["plain"]) +
+              " | " + " | ".join(extra) + " |")
+    graphs = {}
+    for name, llm in engines.items():
+        captured = llm.engine.runner.captured
+        if captured is None:
+            continue
+        for label, g in (("target", captured.graphs), ("draft", captured.drafts)):
+            for bucket, _overlap in (g._cpu_graphs if g is not None else {}):
+                graphs[f"{name} {label} batch {bucket}"] = (g, bucket)
+    kernels: dict[str, list[dict[str, float]]] = {k: [] for k in graphs}
+    for _ in range(max(rounds, 5)):
+        for key, (g, bucket) in graphs.items():
+            kernels[key].append(kernel_breakdown(SimpleNamespace(graphs=g), bucket, 30))
+    print("\n| recorded graph | kernels ms a replay | largest |\n|---|---|---|")
+    for key, runs in kernels.items():
+        med = {n: statistics.median(r[n] for r in runs) for n in runs[0]}
+        top = ", ".join(f"{n} {v:.3f}" for n, v in sorted(med.items(), key=lambda kv: -kv[1])[:4])
+        print(f"| {key} | {statistics.median(sum(r.values()) for r in runs):.3f} | {top} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="/tmp/trained")
@@ -47,6 +123,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--breakdown", action="store_true", help="where a batch-1 step's time goes, per engine")
     args = ap.parse_args()
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -55,10 +132,14 @@ def main() -> None:
     for k in args.k:
         engines[f"mtp k={k}"] = LLM(args.model, speculative="mtp", num_speculative_tokens=k, **engine)
 
+    if args.breakdown:
+        breakdown(engines, args.prompt_words, args.rounds)
+        return
     accept = {}
     for name, llm in engines.items():  # acceptance over every held-out prompt (also the warm-up)
         if name != "plain":
-            llm.generate(prompts(32, args.prompt_words), params)
+            for text in prompts(32, args.prompt_words):  # one at a time: every step drafts
+                llm.generate([text], params)
             stats = llm.speculative_stats()
             accept[name] = {
                 "acceptance_rate": round(stats["acceptance_rate"], 4),

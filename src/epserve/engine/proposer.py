@@ -121,7 +121,7 @@ class MTPProposer:
         greedy = all(_plain_greedy(d.request.sampling_params) for d in drafting)
         for depth in range(self.num_spec):
             if active:
-                logits = self.model.compute_mtp_logits(h[torch.tensor(rows, dtype=torch.long, device=h.device)])
+                logits = self.model.compute_mtp_logits(_take(h, rows))
                 if greedy:  # nothing to process or mask: the argmax, no distributions kept
                     ids, q = logits.argmax(dim=-1).tolist(), [None] * len(active)
                 else:  # (each draft follows this step's tokens and the drafts before it, not yet the request's)
@@ -237,7 +237,7 @@ class MTPProposer:
 
     def _run(self, step: DraftPass, hidden: torch.Tensor, max_tokens_per_rank: int, overlap: str,
              bucket: int | None) -> torch.Tensor:
-        hidden = hidden[torch.tensor(step.hidden_rows, dtype=torch.long, device=hidden.device)]
+        hidden = _take(hidden, step.hidden_rows)
         if bucket is not None and self.replay is not None:
             return self.replay(step.plan, hidden, bucket, overlap)
         self.dispatcher.begin_step(max_tokens_per_rank)
@@ -254,3 +254,10 @@ def _tokens(result: StepResult | None, request_id: str) -> tuple[int, ...]:
 def _plain_greedy(params: SamplingParams) -> bool:
     """A request whose draft is the MTP logits' argmax as they are: greedy, no logits processing, no grammar."""
     return params.is_greedy and params.structured is None and not params.processes_logits
+
+
+def _take(t: torch.Tensor, rows: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """``t[rows]``: a view where the rows are consecutive (a decode's kept rows, one drafting row), else a gather."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and all(b == a + 1 for a, b in zip(rows, rows[1:])):
+        return t[rows[0] : rows[-1] + 1]
+    return t[torch.tensor(rows, dtype=torch.long, device=t.device)]
