@@ -9,6 +9,7 @@ may use it.
 | ``EPSERVE_CPU_KERNELS`` | ``0``: torch only, no C kernels (bf16: AVX512-BF16, fp32: AVX2) | on where supported |
 | ``EPSERVE_THREADS_PER_RANK`` | torch threads of a CPU rank | cores / ranks per host |
 | ``EPSERVE_PIN`` | ``0``: do not pin CPU ranks to their own cores | pinned |
+| ``EPSERVE_CPU_ADAPT`` | ``0``: the CPU kernels' OpenMP waits spin whatever else runs on the cores | adapted |
 | ``EPSERVE_API_KEY`` | the router's API key (``--api-key``); read, then removed from the environment | none |
 | ``EPSERVE_ENGINE_TOKEN`` | the token engines require and routers send (``--engine-token``) | none |
 | ``EPSERVE_COMPILE_BACKEND`` | ``compile=True``'s torch.compile backend (tests: ``aot_eager``) | ``inductor`` |
@@ -27,6 +28,7 @@ NO_PROGRESS = "EPSERVE_NO_PROGRESS"
 CPU_KERNELS = "EPSERVE_CPU_KERNELS"
 THREADS_PER_RANK = "EPSERVE_THREADS_PER_RANK"
 PIN = "EPSERVE_PIN"
+CPU_ADAPT = "EPSERVE_CPU_ADAPT"
 API_KEY = "EPSERVE_API_KEY"
 FP8_BACKEND = "EPSERVE_FP8_BACKEND"
 COMPILE_BACKEND = "EPSERVE_COMPILE_BACKEND"
@@ -65,6 +67,12 @@ def cpu_kernels_enabled() -> bool:
 def pinning_enabled() -> bool:
     """CPU ranks pin themselves to their own cores unless ``EPSERVE_PIN=0``."""
     return _flag(PIN, True)
+
+
+def cpu_adapt_enabled() -> bool:
+    """The CPU kernels' waits follow the load on their cores (``kernels/cpu_threads.py``) unless
+    ``EPSERVE_CPU_ADAPT=0``."""
+    return _flag(CPU_ADAPT, True)
 
 
 def threads_per_rank_override() -> int | None:

@@ -16,10 +16,12 @@ of ``kernels.nvfp4``'s ops).
 
 ``cpu_ops.c``, ``cpu_ops_mla.c`` and ``cpu_ops_moe.c`` (AVX2 + FMA, one library: ``OPS``) hold the small
 ops of a decode step fused, each in place of a chain of eager torch ops that costs more in dispatch than in
-arithmetic; ``kernels.cpu_ops`` is their front end. Each library's functions are declared to ctypes from
-its signature table (``kernels/cpu_abi.py``), which also generates their packed twins, built in with the
-sources. Every kernel call goes through ``_lib``, so that while a decode step is recorded
-(``kernels/cpu_graph.py``) the calls are recorded as they run.
+arithmetic; ``kernels.cpu_ops`` is their front end. ``cpu_threads.c``, in the same library, switches how
+the process's OpenMP threads wait (``kernels.cpu_threads`` decides when, and gives every kernel call its
+thread count). Each library's functions are declared to ctypes from its signature table
+(``kernels/cpu_abi.py``), which also generates their packed twins, built in with the sources. Every kernel
+call goes through ``_lib``, so that while a decode step is recorded (``kernels/cpu_graph.py``) the calls are
+recorded as they run.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from epserve import env
-from epserve.kernels import cpu_abi
+from epserve.kernels import cpu_abi, cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ _KINDS: dict[torch.dtype | str, _Build] = {  # per element type, or OPS, NVFP4
                            ("avx512f", "avx512_bf16", "avx2", "fma"), cpu_abi.experts_table("bf16")),
     torch.float32: _Build("f32", (_DIR / "cpu_f32.c",), ("-mavx2", "-mfma"), ("avx2", "fma"),
                           cpu_abi.experts_table("f32")),
-    OPS: _Build("ops", (_DIR / "cpu_ops.c", _DIR / "cpu_ops_mla.c", _DIR / "cpu_ops_moe.c"),
+    OPS: _Build("ops", (_DIR / "cpu_ops.c", _DIR / "cpu_ops_mla.c", _DIR / "cpu_ops_moe.c", _DIR / "cpu_threads.c"),
                 ("-mavx2", "-mfma", "-ffp-contract=off"), ("avx2", "fma"), cpu_abi.OPS_TABLE),  # torch's roundings
     NVFP4: _Build("nvfp4", (_DIR / "cpu_nvfp4.c", _DIR / "cpu_nvfp4_bf16.c"),
                   ("-mavx512f", "-mavx512bw", "-mavx512vbmi", "-mavx512bf16", "-mavx2", "-mfma"),
@@ -129,6 +131,8 @@ def _library(dtype: torch.dtype | str = torch.bfloat16) -> ctypes.CDLL | None:
             _build(cc, lib_path, build, twins)
         lib = ctypes.CDLL(str(lib_path))
         _twins[dtype] = cpu_abi.bind(lib, build.table)
+        if dtype == OPS:
+            cpu_threads.use_waits(lib.epserve_brief_waits)  # the monitor switches the waits through it
     except (OSError, AttributeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
         logger.warning("CPU %s kernels unavailable (%s); using torch", build.name, detail.strip()[:200])
@@ -184,7 +188,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     assert lib is not None, f"the CPU {x.dtype} kernels are not available (kernels.cpu.available)"
     out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
     kernel = lib.epserve_linear_f32 if x.dtype == torch.float32 else lib.epserve_linear_bf16
-    kernel(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    kernel(x.data_ptr(), x.shape[0], w.data_ptr(), w.shape[0], x.shape[1], out.data_ptr(), cpu_threads.threads())
     return out
 
 
@@ -206,7 +210,7 @@ def moe_swiglu(x: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.
     out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
     kernel = lib.epserve_moe_swiglu_f32 if x.dtype == torch.float32 else lib.epserve_moe_swiglu_bf16
     kernel(x.data_ptr(), offsets.data_ptr(), len(counts), w13.data_ptr(), w2.data_ptr(), hidden, inter,
-           out.data_ptr(), torch.get_num_threads())
+           out.data_ptr(), cpu_threads.threads())
     for e in big:
         lo, hi = starts[e], starts[e + 1]
         gate, up = F.linear(x[lo:hi], w13[e]).chunk(2, dim=-1)
@@ -233,6 +237,6 @@ def moe_swiglu_counts(x: torch.Tensor, counts: torch.Tensor, w13: torch.Tensor,
     out = torch.empty(x.shape[0], hidden, dtype=x.dtype)
     kernel = lib.epserve_moe_swiglu_counts_f32 if x.dtype == torch.float32 else lib.epserve_moe_swiglu_counts_bf16
     if kernel(x.data_ptr(), x.shape[0], counts.data_ptr(), counts.shape[0], w13.data_ptr(), w2.data_ptr(), hidden,
-              inter, out.data_ptr(), torch.get_num_threads()):
+              inter, out.data_ptr(), cpu_threads.threads()):
         raise ValueError(f"expert row counts {counts.tolist()} add up to more than the {x.shape[0]} rows")
     return out

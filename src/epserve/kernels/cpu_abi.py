@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 
 PTR, I64, INT, F32 = "ptr", "i64", "int", "f32"  # an argument's kind: any pointer, int64_t, int, float
+THREADS = "threads"  # in fn()'s string: an int, the OpenMP threads the kernel runs on (a replay may change it)
 _CTYPES = {PTR: ctypes.c_void_p, I64: ctypes.c_int64, INT: ctypes.c_int, F32: ctypes.c_float}
 _C_TYPES = {PTR: "void *", I64: "int64_t", INT: "int", F32: "float", None: "void"}
 _UNPACKED = {PTR: "(void *)(intptr_t)a[{i}]", I64: "a[{i}]", INT: "(int)a[{i}]", F32: "packed_float(a[{i}])"}
@@ -23,28 +24,35 @@ _UNPACKED = {PTR: "(void *)(intptr_t)a[{i}]", I64: "a[{i}]", INT: "(int)a[{i}]",
 @dataclass(frozen=True)
 class Signature:
     """One exported C function: its arguments' kinds in order, its return's (None: void; a packed twin returns
-    0 for void), and whether it has a packed twin (whether a recorded step may call it)."""
+    0 for void), whether it has a packed twin (whether a recorded step may call it), and which argument (an
+    int) is its thread count, if one is (``kernels/cpu_threads.py`` sets it, in recorded calls too)."""
 
     name: str
     args: tuple[str, ...]
     returns: str | None = None
     recorded: bool = True
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if any(k not in _CTYPES for k in self.args) or self.returns not in (None, INT, I64):
             raise ValueError(f"{self.name}: kinds are {tuple(_CTYPES)}, returns one of None, {INT!r}, {I64!r}")
         if self.recorded and self.returns == I64:
             raise ValueError(f"{self.name}: a packed twin returns an int code")
+        if self.threads is not None and self.args[self.threads] != INT:
+            raise ValueError(f"{self.name}: the thread count is an {INT!r} argument")
 
 
 def fn(name: str, args: str, returns: str | None = None, recorded: bool = True) -> Signature:
-    """A signature with its arguments' kinds written as one space-separated string."""
-    return Signature(name, tuple(args.split()), returns, recorded)
+    """A signature with its arguments' kinds written as one space-separated string, the thread count's as
+    ``threads`` (an int)."""
+    kinds = args.split()
+    threads = kinds.index(THREADS) if THREADS in kinds else None
+    return Signature(name, tuple(INT if k == THREADS else k for k in kinds), returns, recorded, threads)
 
 
-OPS_TABLE: tuple[Signature, ...] = (  # cpu_ops.c, cpu_ops_mla.c, cpu_ops_moe.c
-    fn("epserve_mla_decode", "ptr i64 i64 i64 ptr int i64 i64 ptr i64 ptr f32 i64 ptr int", INT),
-    fn("epserve_head_matmul", "ptr int i64 i64 i64 i64 i64 ptr i64 ptr i64 i64 int int"),
+OPS_TABLE: tuple[Signature, ...] = (  # cpu_ops.c, cpu_ops_mla.c, cpu_ops_moe.c, cpu_threads.c
+    fn("epserve_mla_decode", "ptr i64 i64 i64 ptr int i64 i64 ptr i64 ptr f32 i64 ptr threads", INT),
+    fn("epserve_head_matmul", "ptr int i64 i64 i64 i64 i64 ptr i64 ptr i64 i64 int threads"),
     fn("epserve_rope_heads", "ptr i64 i64 i64 ptr ptr i64 int int"),
     fn("epserve_append_latent", "ptr i64 i64 i64 i64 ptr f32 ptr ptr int int ptr ptr i64 int", INT),
     fn("epserve_grouped_topk", "ptr i64 i64 i64 i64 i64 int int int int f32 ptr ptr i64 ptr ptr"),
@@ -58,6 +66,7 @@ OPS_TABLE: tuple[Signature, ...] = (  # cpu_ops.c, cpu_ops_mla.c, cpu_ops_moe.c
     fn("epserve_add", "ptr ptr i64 int ptr"),
     fn("epserve_silu_mul", "ptr i64 i64 i64 int ptr"),
     fn("epserve_replay", "ptr ptr i64 ptr ptr", I64, recorded=False),
+    fn("epserve_brief_waits", "int", INT, recorded=False),  # cpu_threads.c
 )
 
 
@@ -65,16 +74,16 @@ def experts_table(suffix: str) -> tuple[Signature, ...]:
     """The GEMM library of one element type (``cpu_bf16.c``: "bf16", ``cpu_f32.c``: "f32"). The experts on
     host counts are never recorded (their offsets come from the host)."""
     return (
-        fn(f"epserve_linear_{suffix}", "ptr i64 ptr i64 i64 ptr int"),
-        fn(f"epserve_moe_swiglu_{suffix}", "ptr ptr i64 ptr ptr i64 i64 ptr int", recorded=False),
-        fn(f"epserve_moe_swiglu_counts_{suffix}", "ptr i64 ptr i64 ptr ptr i64 i64 ptr int", INT),
+        fn(f"epserve_linear_{suffix}", "ptr i64 ptr i64 i64 ptr threads"),
+        fn(f"epserve_moe_swiglu_{suffix}", "ptr ptr i64 ptr ptr i64 i64 ptr threads", recorded=False),
+        fn(f"epserve_moe_swiglu_counts_{suffix}", "ptr i64 ptr i64 ptr ptr i64 i64 ptr threads", INT),
     )
 
 
 NVFP4_TABLE: tuple[Signature, ...] = (  # cpu_nvfp4.c; the dequantize serves prefill's GEMMs, never recorded
-    fn("epserve_nvfp4_linear", "ptr int i64 ptr ptr ptr i64 i64 i64 ptr int"),
-    fn("epserve_nvfp4_dequantize", "ptr ptr ptr i64 i64 i64 i64 i64 ptr int", recorded=False),
-    fn("epserve_nvfp4_moe_swiglu", "ptr int i64 ptr i64 ptr ptr ptr i64 ptr ptr ptr i64 i64 i64 ptr int", INT),
+    fn("epserve_nvfp4_linear", "ptr int i64 ptr ptr ptr i64 i64 i64 ptr threads"),
+    fn("epserve_nvfp4_dequantize", "ptr ptr ptr i64 i64 i64 i64 i64 ptr threads", recorded=False),
+    fn("epserve_nvfp4_moe_swiglu", "ptr int i64 ptr i64 ptr ptr ptr i64 ptr ptr ptr i64 i64 i64 ptr threads", INT),
 )
 
 
@@ -99,13 +108,14 @@ def twins_source(table: tuple[Signature, ...]) -> str:
 @dataclass(frozen=True)
 class Twin:
     """A loaded function's packed twin: ``fn`` (ctypes, one pointer argument), its address (what a replay
-    calls), and how many arguments it packs, which of them floats."""
+    calls), and how many arguments it packs, which of them floats, which its thread count (or None)."""
 
     name: str
     fn: ctypes._CFuncPtr
     address: int
     count: int
     floats: tuple[int, ...]
+    threads: int | None = None
 
     def pack(self, values: tuple) -> ctypes.Array:
         """A call's arguments as the twin takes them: pointers as addresses (None as 0), floats as their bits."""
@@ -127,5 +137,6 @@ def bind(lib: ctypes.CDLL, table: tuple[Signature, ...]) -> dict[str, Twin]:
             twin = getattr(lib, f"{sig.name}_packed")
             twin.argtypes, twin.restype = [ctypes.c_void_p], ctypes.c_int
             floats = tuple(i for i, k in enumerate(sig.args) if k == F32)
-            twins[sig.name] = Twin(sig.name, twin, ctypes.cast(twin, ctypes.c_void_p).value or 0, len(sig.args), floats)
+            twins[sig.name] = Twin(sig.name, twin, ctypes.cast(twin, ctypes.c_void_p).value or 0, len(sig.args), floats,
+                                   sig.threads)
     return twins

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from epserve.kernels import cpu, cpu_abi, cpu_ops
+from epserve.kernels import cpu, cpu_abi, cpu_ops, cpu_threads
 
 
 class CaptureError(RuntimeError):
@@ -84,11 +84,13 @@ def _shapes(tensors: list[torch.Tensor]) -> str:
 
 @dataclass(frozen=True)
 class Call:
-    """One recorded kernel call: its name (for errors), its packed twin's address, its arguments."""
+    """One recorded kernel call: its name (for errors), its packed twin's address, its arguments, which of
+    them is its thread count (or None)."""
 
     name: str
     fn: int
     args: ctypes.Array
+    threads: int | None = None
 
 
 class _RecordingLibrary:
@@ -116,12 +118,14 @@ class Recorder:
     def call(self, twin: cpu_abi.Twin, *values: Any) -> int:
         """Runs a kernel through its packed twin with these arguments, recorded; returns its code."""
         args = twin.pack(values)
-        self.calls.append(Call(twin.name, twin.address, args))
+        self.calls.append(Call(twin.name, twin.address, args, twin.threads))
         return int(twin.fn(ctypes.addressof(args)))
 
 
 class CpuGraph:
-    """A recorded forward: :meth:`replay` runs its kernel calls again, in one C call."""
+    """A recorded forward: :meth:`replay` runs its kernel calls again, in one C call, on the threads
+    ``kernels/cpu_threads.py`` gives the kernels at the time (the calls' thread counts are rewritten when that
+    changed; the kernels' results do not depend on it)."""
 
     def __init__(self, calls: list[Call], keep: list[torch.Tensor]) -> None:
         self.calls = tuple(calls)
@@ -129,9 +133,20 @@ class CpuGraph:
         n = len(self.calls)
         self._program = ((ctypes.c_int64 * max(n, 1))(*(c.fn for c in self.calls)),
                          (ctypes.c_int64 * max(n, 1))(*(ctypes.addressof(c.args) for c in self.calls)), n)
+        self._thread_slots = tuple((c.args, c.threads) for c in self.calls if c.threads is not None)
+        self.threads = self._thread_slots[0][0][self._thread_slots[0][1]] if self._thread_slots else None
+
+    def set_threads(self, threads: int) -> None:
+        """Every recorded call with a thread count runs on ``threads`` threads from the next replay."""
+        if threads != self.threads:
+            for args, i in self._thread_slots:
+                args[i] = threads
+            self.threads = threads
 
     def replay(self, seconds: ctypes.Array | None = None) -> None:
         """One replay; each call's wall time added to ``seconds`` (``timer()``'s array) when given."""
+        if self._thread_slots:
+            self.set_threads(cpu_threads.threads())
         failed, code = cpu_ops.replay(self._program, seconds)
         if failed >= 0:
             raise IndexError(f"the captured CPU decode's {self.calls[failed].name} refused this step's inputs "

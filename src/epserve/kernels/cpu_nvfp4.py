@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from epserve.kernels import cpu
+from epserve.kernels import cpu, cpu_threads
 
 GROUP = 16  # values per e4m3 block scale (kernels.nvfp4.GROUP, which imports this module's checks)
 PREFILL_ROWS = 32  # more fp32 rows of x: dequantize a chunk of weight rows for torch's GEMM (measured crossover)
@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if rows.shape[0]:
         cpu._lib(cpu.NVFP4).epserve_nvfp4_linear(
             x.data_ptr(), int(x.dtype == torch.bfloat16), rows.shape[0], weight.data_ptr(), weight_scale.data_ptr(),
-            weight_scale_2.data_ptr(), weight_scale_2.shape[0], n, k, out.data_ptr(), torch.get_num_threads())
+            weight_scale_2.data_ptr(), weight_scale_2.shape[0], n, k, out.data_ptr(), cpu_threads.threads())
     return out
 
 
@@ -80,7 +80,7 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, weight_scale_2:
     out = torch.empty(hi - lo, k) if out is None else out.view(-1)[: (hi - lo) * k].view(hi - lo, k)
     cpu._lib(cpu.NVFP4).epserve_nvfp4_dequantize(
         weight.data_ptr(), weight_scale.data_ptr(), weight_scale_2.data_ptr(), weight_scale_2.shape[0], n, k, lo, hi,
-        out.data_ptr(), torch.get_num_threads())
+        out.data_ptr(), cpu_threads.threads())
     return out
 
 
@@ -128,7 +128,7 @@ def moe_swiglu(x: torch.Tensor, counts: torch.Tensor | list[int], w13: torch.Ten
     code = cpu._lib(cpu.NVFP4).epserve_nvfp4_moe_swiglu(
         x.data_ptr(), int(x.dtype == torch.bfloat16), x.shape[0], counts.data_ptr(), counts.shape[0], w13.data_ptr(),
         w13_scale.data_ptr(), w13_scale_2.data_ptr(), w13_scale_2.shape[1], w2.data_ptr(), w2_scale.data_ptr(),
-        w2_scale_2.data_ptr(), w2_scale_2.shape[1], hidden, inter, out.data_ptr(), torch.get_num_threads())
+        w2_scale_2.data_ptr(), w2_scale_2.shape[1], hidden, inter, out.data_ptr(), cpu_threads.threads())
     if code:
         raise ValueError(f"expert row counts {counts.tolist()} add up to more than the {x.shape[0]} rows")
     return out

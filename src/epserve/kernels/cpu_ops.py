@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from epserve.kernels import cpu_threads
 from epserve.kernels.cpu import OPS, TILE_M, _lib, _library, available
 
 _METHODS = {"noaux_tc": 0, "group_limited_greedy": 1}  # greedy: never grouped
@@ -47,7 +48,7 @@ def mla_decode(q_latent: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     out = torch.empty(b, h, kv_lora_rank, dtype=torch.float32)
     code = lib.epserve_mla_decode(q.data_ptr(), b, h, d, kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16),
                                   kv_cache.shape[0], kv_cache.shape[1], tables.data_ptr(), tables.shape[1],
-                                  lens.data_ptr(), softmax_scale, kv_lora_rank, out.data_ptr(), torch.get_num_threads())
+                                  lens.data_ptr(), softmax_scale, kv_lora_rank, out.data_ptr(), cpu_threads.threads())
     if code == -2:
         raise ValueError(f"seq_lens {seq_lens.tolist()} must lie in [0, {block_tables.shape[1] * kv_cache.shape[1]}] "
                          f"(block_tables {tuple(block_tables.shape)}, block_size {kv_cache.shape[1]})")
@@ -117,7 +118,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         return None
     lib.epserve_head_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), b, h, k, x.stride(0), x.stride(1),
                             w.data_ptr(), w.shape[2], out.data_ptr(), out.stride(0), out.stride(1),
-                            int(out.dtype == torch.bfloat16), torch.get_num_threads())
+                            int(out.dtype == torch.bfloat16), cpu_threads.threads())
     return out
 
 
