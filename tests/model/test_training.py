@@ -18,7 +18,15 @@ from epserve.engine.runner import BatchPlan
 from epserve.training import TRAIN_PRESETS, train_checkpoint
 from epserve.training.corpus import clean_topic, load_corpus
 from epserve.training.distill import distill_loss, distill_mtp
-from epserve.training.train import build_model, corpus_tokens, evaluate, model_config, train_model, write_trained
+from epserve.training.train import (
+    build_model,
+    corpus_tokens,
+    distill_checkpoint,
+    evaluate,
+    model_config,
+    train_model,
+    write_trained,
+)
 
 SETUP = TRAIN_PRESETS["test"]
 SEQS = [[0, 5, 17, 99, 3, 250, 42], [0] + list(range(10, 60)), [0, 7], [0] + [(i * 37) % 500 + 4 for i in range(30)]]
@@ -170,6 +178,21 @@ def test_train_checkpoint_writes_a_loadable_checkpoint(tmp_path):
     assert len(out.token_ids) == 4
     with pytest.raises(ValueError, match="unknown training preset"):
         train_checkpoint(tmp_path / "x", "nope")
+    # the distillation phase alone on the written checkpoint: the main model's tensors bit for bit
+    distilled = distill_checkpoint(path, tmp_path / "distilled", steps=2, progress=False)
+    a, b = (_tensors(p) for p in (path, distilled))
+    mtp = f"model.layers.{json.loads((path / 'config.json').read_text())['num_hidden_layers']}."
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if not k.startswith(mtp))
+    assert not torch.equal(a[f"{mtp}eh_proj.weight"], b[f"{mtp}eh_proj.weight"])
+    assert json.loads((distilled / "training.json").read_text())["distill_steps"] == 2
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            out |= {k: st.get_tensor(k) for k in st.keys()}
+    return out
 
 
 def test_engine_mtp_layer_matches_training_model(written):
