@@ -104,6 +104,7 @@ class _Monitor(threading.Thread):
 _lock = threading.Lock()
 _monitor: _Monitor | None = None
 _waits: Callable[[bool], int] | None = None  # cpu_threads.c's switch, handed over by kernels.cpu when it loads
+_pending = True  # the monitor is yet to be started (or found switched off) by the next threads()
 
 
 def use_waits(waits: Callable[[bool], int]) -> None:
@@ -114,18 +115,20 @@ def use_waits(waits: Callable[[bool], int]) -> None:
 
 
 def _start() -> None:
-    global _monitor
+    global _monitor, _pending
     with _lock:
         if _monitor is None and _waits is not None and env.cpu_adapt_enabled():
             _monitor = _Monitor(_waits)
             _monitor.start()
+        _pending = _waits is None
 
 
 def stop() -> None:
-    """Stops the monitor (the waits spin again); a later :func:`threads` starts a new one."""
-    global _monitor
+    """Stops the monitor (the waits spin again); a later :func:`threads` starts a new one (unless
+    ``EPSERVE_CPU_ADAPT=0`` then)."""
+    global _monitor, _pending
     with _lock:
-        monitor, _monitor = _monitor, None
+        monitor, _monitor, _pending = _monitor, None, True
     if monitor is not None:
         monitor.stopped.set()
         monitor.join()
@@ -134,8 +137,8 @@ def stop() -> None:
 
 
 def _forget_after_fork() -> None:  # a forked child has no monitor thread (fork copies only the caller)
-    global _monitor, _lock
-    _monitor, _lock = None, threading.Lock()
+    global _monitor, _lock, _pending
+    _monitor, _lock, _pending = None, threading.Lock(), True
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -150,6 +153,6 @@ def state() -> tuple[bool, float]:
 def threads() -> int:
     """The thread count of a kernel call made now on this thread (torch's intra-op count); starts the monitor
     on the first call."""
-    if _monitor is None:
+    if _pending:
         _start()
     return torch.get_num_threads()
