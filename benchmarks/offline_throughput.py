@@ -65,19 +65,32 @@ def decode_step_profile(llm: LLM, batch: int, prompt_len: int, steps: int, seed:
     }
 
 
-def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int, device: str) -> float:
+def load_transformers(path: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu") -> torch.nn.Module:
+    """transformers' ``DeepseekV3ForCausalLM`` of the checkpoint at ``path``, in ``dtype``, for inference (the
+    checkpoint's MTP layer, which it has no module for, left out without its load report)."""
     import transformers
 
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    x = torch.tensor(prompts, device=device)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+
+
+def transformers_generate_s(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds of one greedy ``generate`` of exactly ``max_tokens`` tokens after each of ``prompts`` (one batch)."""
+    x = torch.tensor(prompts, device=next(model.parameters()).device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        model.generate(x[:2], max_new_tokens=4, **kw)  # warm-up
         t = time.perf_counter()
         out = model.generate(x, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kw)
         elapsed = time.perf_counter() - t
     assert out.shape[1] == x.shape[1] + max_tokens
     return elapsed
+
+
+def run_transformers(path: Path, prompts: list[list[int]], max_tokens: int, device: str) -> float:
+    model = load_transformers(path, torch.bfloat16, device)
+    transformers_generate_s(model, prompts[:2], 4)  # warm-up
+    return transformers_generate_s(model, prompts, max_tokens)
 
 
 def main() -> None:

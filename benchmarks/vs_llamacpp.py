@@ -204,15 +204,17 @@ def parse_batched_bench(text: str) -> dict[int, dict]:
 
 
 def llama_batched(bin_dir: Path, model: Path, threads: int, batches: list[int], prompt_len: int,
-                  steps: int) -> dict[int, dict]:
+                  steps: int, raw: bool = False) -> dict[int, dict]:
     """One ``llama-batched-bench`` run: for each batch, ``prompt_len`` tokens of prefill per sequence,
-    then ``steps`` decode steps; {batch: {"prefill": tok/s, "decode": tok/s}}."""
+    then ``steps`` decode steps; {batch: {"prefill": tok/s, "decode": tok/s}} (``raw``: its JSON rows)."""
     ctx = max(batches) * (prompt_len + steps) + 64
     out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(model), "-t", str(threads), "-tb",
                           str(threads), "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt_len),
                           "-ntg", str(steps), "-npl", ",".join(map(str, batches)), "--output-format", "jsonl"],
                          check=True, capture_output=True, text=True, errors="replace")
     rows = parse_batched_bench(out.stdout)
+    if raw:
+        return {b: rows[b] for b in batches}
     return {b: {"prefill": rows[b]["speed_pp"], "decode": rows[b]["speed_tg"]} for b in batches}
 
 

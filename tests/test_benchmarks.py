@@ -319,6 +319,70 @@ def test_vs_llamacpp_epserve_side_and_the_table(make_ckpt, tmp_path):
     assert written.startswith("# B\n\nbefore\n\n") and written.endswith(f"{v.END}\n\nafter\n")
 
 
+def _bench_module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_path):
+    """The peers comparison's own parts (vLLM's install and llama.cpp's build run in the benchmark, minutes on 2
+    cores): epserve's offline side, transformers' greedy tokens equal to epserve's in fp32 and its batches
+    counted, the vLLM environment for MLA widths it does and does not take, medians, ratios (times reversed),
+    and the section added at the end of the document, then replaced."""
+    from epserve import LLM
+
+    v = _bench_module("vs_peers")
+    ckpt = make_ckpt("tiny")
+    llm = LLM(ckpt, dtype="float32", num_blocks=128, enable_prefix_caching=False)
+    prompt = [5, 6, 7, 8, 9]
+    ours = v.lc.epserve_greedy(llm, prompt, 6)
+    assert v.epserve_offline(llm, v.offline_prompts(vocab=500)[:4]) > 0
+    model = v.load_transformers(ckpt, v.torch.float32)
+    agree = v.compare(ours, v.transformers_greedy(model, prompt, 6))
+    assert agree["equal"] == agree["tokens"] == 6 and agree["first_difference"] is None, agree
+    assert agree["max_logprob_diff"] < 1e-4
+    measured = v.transformers_batched(model, [1, 4], prompt_len=6, steps=2, vocab=500, seed=0)
+    assert set(measured) == {1, 4} and all(m["prefill"] > 0 and m["decode"] > 0 for m in measured.values())
+    off = v.compare(([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4]), ([1, 2, 9, 4], [-0.1, -0.25, -2.0, -0.4]))
+    assert off["equal"] == 3 and off["first_difference"] == 2 and abs(off["max_logprob_diff"] - 0.05) < 1e-9
+
+    assert v.peer_vllm.vllm_env(ckpt, 2)["VLLM_MLA_DISABLE"] == "1"
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "config.json").write_text(json.dumps({"kv_lora_rank": 512, "qk_rope_head_dim": 64}))
+    e = v.peer_vllm.vllm_env(wide, 2)
+    assert "VLLM_MLA_DISABLE" not in e and e["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and e["VLLM_USE_AOT_COMPILE"] == "0"
+
+    def rnd(offline: float, decode: float) -> dict:
+        return {"offline": offline, **{b: {"prefill": 10 * decode, "decode": decode * b} for b in (1, 4, 16)}}
+
+    def srv(tok_s: float, ttft: float, tpot: float) -> dict:
+        return {"output_token_throughput": tok_s, "median_ttft_ms": ttft, "median_tpot_ms": tpot}
+
+    runs = {"epserve": [rnd(300, 100), rnd(310, 90), rnd(900, 110)], "vLLM": [rnd(200, 50)] * 3,
+            "transformers": [rnd(100, 25)] * 3}
+    served = {"epserve": [srv(200, 100, 20)], "vLLM": [srv(160, 150, 25)], "llama.cpp": [srv(250, 80, 10)]}
+    rows = v.table(runs, served, [1, 4, 16])
+    assert rows["epserve"]["offline_out_tok_s"] == 310 and rows["epserve"]["decode_b16"] == 1600
+    assert "served_out_tok_s" not in rows["transformers"] and "decode_b1" not in rows["llama.cpp"]
+    result = {"table": rows, "agreement": {"vLLM": {"equal": 128, "tokens": 128, "max_logprob_diff": 2e-5}}}
+    text = v.markdown("small-mla", result)
+    assert "| | epserve | vLLM | llama.cpp | transformers | epserve / vLLM |" in text
+    assert "| batch-1 decode (tok/s) | 100 | 50 | – | 25 | **2.00×** | – | **4.00×** |" in text
+    assert "| served: median TTFT (ms) | 100 | 150 | 80 | – | **1.50×** | **0.80×** | – |" in text
+    assert "MLA widths" in text and "vLLM 128/128" in text
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n\nbefore\n")
+    v.write_docs(text, doc)
+    v.write_docs(text.replace("100", "101"), doc)
+    written = doc.read_text()
+    assert written.startswith("# B\n\nbefore\n\n" + v.HEADING) and written.endswith(f"{v.END}\n")
+    assert written.count(v.HEADING) == 1 and "| 101 |" in written and "| 100 |" not in written
+
+
 def test_decode_inputs_stage_the_same_host_bytes_at_any_max_model_len(tmp_path):
     """``decode_inputs.py``: a captured step's host bytes do not grow with ``max_model_len``."""
     out = tmp_path / "inputs.json"
