@@ -73,13 +73,14 @@ class CapturedDecode:
 
     def forward(self, plan: BatchPlan, bucket: int, overlap: OverlapMode) -> torch.Tensor:
         """The step's final hidden states, its real rows (the plan's appends already in the tables)."""
-        return self.graphs.run(self.pad(plan, bucket), overlap)[: plan.num_tokens]
+        hidden = self.graphs.run(self.pad(plan, bucket), overlap)
+        return hidden if bucket == plan.num_tokens else hidden[: plan.num_tokens]
 
     def logits(self, rows: int) -> torch.Tensor | None:
         """The last :meth:`forward`'s logits of its ``rows`` real rows [rows, V] fp32 (the recorded CPU step
         computed them), or None (the head runs after the forward)."""
         logits = self.graphs.logits
-        return None if logits is None else logits[:rows]
+        return logits if logits is None or logits.shape[0] == rows else logits[:rows]
 
     def draft(self, plan: BatchPlan, hidden: torch.Tensor, bucket: int, overlap: OverlapMode) -> torch.Tensor:
         """An MTP pass of a pure-decode step (the proposer's hook): the layer's output, its real rows. A draft

@@ -127,6 +127,8 @@ class DecodeStep:
             raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
         if len(table_rows) != n:
             raise ValueError(f"{n} decode rows name {len(table_rows)} device-table rows")
+        if n == bucket:  # (every CPU step: a bucket per batch size)
+            return cls(input_ids, positions, slot_mapping, seq_lens, table_rows, hidden)
         pad = (0,) * (bucket - n)
         return cls((*input_ids, *pad), (*positions, *pad), (*slot_mapping, *(sink_slot,) * len(pad)),
                    (*seq_lens, *pad), (*table_rows, *(PAD_ROW,) * len(pad)), hidden)
@@ -163,9 +165,12 @@ class DecodeGraphs:
         self.tables = tables
         self.buckets = (tuple(range(1, min(max_batch, cpu_kernels.TILE_M) + 1)) if mode == "cpu_graph"
                         else decode_buckets(max_batch))
+        self._bucket_of = tuple(next(b for b in self.buckets if b >= n) for n in range(self.buckets[-1] + 1))
         self.mode = mode
         self.on_bucket = on_bucket or (lambda bucket: None)
-        self._inputs: dict[int, DecodeInputs] = {}  # each bucket's static inputs (its graphs read them)
+        # each bucket's static inputs (its graphs read them), the first four rows of one [5, bucket] tensor whose
+        # last row holds the step's table rows: a step's host values land in it in one copy
+        self._inputs: dict[int, tuple[DecodeInputs, torch.Tensor]] = {}
         self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._compiled: Callable[..., torch.Tensor] | None = None
         self._pool: tuple[int, int] | None = None  # the CUDA graphs' shared memory pool
@@ -185,7 +190,7 @@ class DecodeGraphs:
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket holding ``num_seqs`` rows, or None above the largest (run eagerly)."""
-        return next((b for b in self.buckets if b >= num_seqs), None)
+        return self._bucket_of[num_seqs] if num_seqs < len(self._bucket_of) else None
 
     def _forward(
         self,
@@ -218,35 +223,33 @@ class DecodeGraphs:
         """The bucket's static inputs holding ``step``: its host values copied to the device at once, then its
         rows' block tables gathered from the device tables (outside any graph)."""
         assert self.tables is not None, "a decode step needs the device block tables"
-        static = self._inputs.get(step.bucket)
-        if static is None:
-            static = self._inputs[step.bucket] = self._static(step)
-        staged = self.tables.stage((step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
-                                    step.table_rows))
-        for dst, src in zip(static.tensors()[:4], staged):
-            dst.copy_(src)
-        self.tables.gather(staged[4], out=static.block_tables)
+        entry = self._inputs.get(step.bucket)
+        if entry is None:
+            entry = self._inputs[step.bucket] = self._static(step)
+        static, packed = entry
+        packed.copy_(self.tables.stage((step.input_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                        step.table_rows)))
+        self.tables.gather(packed[4], out=static.block_tables)
         if static.hidden is not None:
             n = step.hidden.shape[0]  # type: ignore[union-attr]
             static.hidden[:n].copy_(step.hidden)  # type: ignore[arg-type]
-            static.hidden[n:].zero_()
+            if n < step.bucket:
+                static.hidden[n:].zero_()
         return static
 
-    def _static(self, step: DecodeStep) -> DecodeInputs:
+    def _static(self, step: DecodeStep) -> tuple[DecodeInputs, torch.Tensor]:
         """A bucket's static inputs, its own tensors (shared by its schedules' graphs, never by two buckets:
-        a kernel that plans on the host knows a bucket by them, ``kernels/decode_plan.py``)."""
+        a kernel that plans on the host knows a bucket by them, ``kernels/decode_plan.py``), and the [5, bucket]
+        tensor whose rows are the first four of them and the step's table rows."""
         assert self.tables is not None
         rows, device = step.bucket, self.tables.device
-
-        def ids() -> torch.Tensor:
-            return torch.zeros(rows, dtype=torch.long, device=device)
-
+        packed = torch.zeros(5, rows, dtype=torch.long, device=device)
         hidden = None
         if self.mtp:
             assert step.hidden is not None, "an MTP pass needs the previous depth's hidden states"
             hidden = step.hidden.new_zeros(rows, step.hidden.shape[1])
         tables = torch.zeros(rows, self.tables.max_blocks, dtype=torch.long, device=device)
-        return DecodeInputs(ids(), ids(), ids(), ids(), tables, hidden)
+        return DecodeInputs(*packed[:4], tables, hidden), packed
 
     def _plan(self, static: DecodeInputs, step: DecodeStep) -> None:
         """The kernels that plan on the host told this step's lengths (``static`` holds the step)."""

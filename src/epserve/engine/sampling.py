@@ -105,23 +105,27 @@ class SamplingPipeline:
         ``plan.logits_indices`` of the forward's ``hidden`` states, in chunk order), their drafts verified,
         and the prompt logprobs the step computed. ``logits``: those of every row of ``hidden``, where the
         forward computed them (else the head runs here, on the rows sampled)."""
-        prompt = prompt_logprobs(self.compute_logits, chunks, hidden)
+        decodes = plan.num_decode_seqs and plan.num_decode_seqs == len(plan.seq_lens)  # (no prompt positions)
+        prompt = {} if decodes else prompt_logprobs(self.compute_logits, chunks, hidden)
         sampling: list[ScheduledChunk] = []
         rows: list[int] = []  # of plan.logits_indices: a request with max_tokens 0 samples nothing
         first = 0
+        plain = self.stats is None  # every row plain greedy, so far
         for c in chunks:
             if not c.needs_sample:
                 continue
             n = c.num_tokens if c.drafts else 1
-            if c.request.sampling_params.max_tokens:
+            params = c.request.sampling_params
+            if params.max_tokens:
                 sampling.append(c)
                 rows.extend(plan.logits_indices[first : first + n])
+                plain = plain and plain_greedy(params)
             first += n
         if not sampling:
             return StepResult({}, {}, prompt)
         raw = self._raw_logits(hidden, rows, logits)
-        if self.stats is None and all(plain_greedy(c.request.sampling_params) for c in sampling):
-            ids = raw.argmax(dim=-1).tolist()  # (the path below would draw the same: nothing to process or mask)
+        if plain:  # (the path below would draw the same: nothing to process or mask)
+            ids = raw.argmax(dim=-1).tolist()
             return StepResult({c.request.request_id: t for c, t in zip(sampling, ids)}, {}, prompt)
         requests: list[Request] = []  # row r follows requests[r]'s outputs, then extras[r]
         extras: list[tuple[int, ...]] = []
