@@ -107,9 +107,8 @@ class MTPProposer:
         if leader:
             draft = self._pays(chunks, sampling)
             self.steps_without_drafts += not draft
-            first, drafting = self._first_pass(chunks, plan, result, draft)
-            if not draft and self.ctx.dp == 1:
-                first = None  # no pass on any rank: the step costs what a plain one does
+            if draft or self.ctx.dp > 1:  # (else no pass on any rank: the step costs what a plain one does)
+                first, drafting = self._first_pass(chunks, plan, result, draft)
         step = self._share(first)
         if step is None:
             sampling.keep_drafts(chunks, {})
