@@ -6,10 +6,12 @@ decode step beside a competing process, and the gaps between streamed chunks whe
     .venv/bin/python benchmarks/cpu_decode.py streams      # epserve serve + bench: median chunk gap vs TPOT
 
 ``steps``: one engine, steady decode batches of ``--batches`` sequences; each round times ``--steps``
-steps three ways, alternating, so all see the same machine: replayed as the bucket's recorded C kernel
-calls (``cpu_graph``, the default), eagerly with the fused ops of ``kernels/cpu_ops*.c``, and eagerly with
-them reported missing (every op then runs its torch reference); medians of the rounds' medians, with the
-weight-streaming floor of the step (the bytes it reads at the measured read bandwidth).
+steps four ways, alternating, so all see the same machine: replayed as the bucket's recorded C kernel
+calls (``cpu_graph``, the default: the model's head inside, greedy rows drawn by the sampling pipeline's
+argmax shortcut), the same graphs without the head (``head after``: the head after the replay and the
+sampling pipeline's whole path, as before both moved), eagerly with the fused ops of ``kernels/cpu_ops*.c``,
+and eagerly with them reported missing (every op then runs its torch reference); medians of the rounds'
+medians, with the weight-streaming floor of the step (the bytes it reads at the measured read bandwidth).
 ``contention``: the same step alone and beside one process spinning on the cores (a Python loop, or a
 two-thread torch loop with ``--busy torch``), alternated. ``streams``: the served workload of
 docs/benchmarks.md (64 requests, concurrency 16, 256 tokens in, 32 out). Figures go in
@@ -32,11 +34,14 @@ from common import bench_serve, serving, start_decode_batch, wide_vocab_checkpoi
 from offline_throughput import measure_bandwidth
 
 from epserve import LLM
+from epserve.engine import sampling
+from epserve.engine.captured import CapturedDecode
 from epserve.kernels import cpu
 from epserve.model.moe import MoE
 from epserve.presets import make_checkpoint
 
-VARIANTS = ("graph", "eager", "torch")  # the captured CPU decode; eager steps with the fused ops; torch ops
+# the captured CPU decode; the same without its head or the greedy shortcut; eager steps with the fused ops; torch ops
+VARIANTS = ("graph", "head_after", "eager", "torch")
 BUSY = {"python": "while True: pass",
         "torch": "import torch\ntorch.set_num_threads(2)\na = torch.randn(64, 64)\nwhile True: a = (a @ a).tanh()"}
 
@@ -83,19 +88,30 @@ def run_steps(args: argparse.Namespace) -> dict:
     bandwidth = measure_bandwidth("cpu")
     runner = engine.runner
     captured = runner.captured
+    head_after = None if captured is None or captured.mode != "cpu_graph" else CapturedDecode(
+        runner.model, runner.kv_caches, captured.mode, runner.capture_shape, runner.num_spec > 0, runner.tables,
+        head=False)
+    shortcut = sampling.plain_greedy
     rows = []
     for batch in args.batches:
-        start_decode_batch(engine, batch, args.prompt_len, 3 * args.rounds * args.steps + 4, batch, tag=f"b{batch}")
+        start_decode_batch(engine, batch, args.prompt_len, len(VARIANTS) * args.rounds * args.steps + 5, batch,
+                           tag=f"b{batch}")
         nbytes = step_bytes(engine, batch)  # (also records the bucket's CPU graph)
+        if head_after is not None:  # its graph recorded too, before the timed steps
+            runner.captured = head_after
+            engine.step()
+            runner.captured = captured
         runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
         try:
             for _ in range(args.rounds):
                 for variant in VARIANTS:
-                    runner.captured = captured if variant == "graph" else None
+                    runner.captured = {"graph": captured, "head_after": head_after}.get(variant)
+                    sampling.plain_greedy = shortcut if variant != "head_after" else lambda params: False
                     cpu._available[cpu.OPS] = variant != "torch" and fused_available
                     runs[variant].append(timed(engine, args.steps))
         finally:
             runner.captured = captured
+            sampling.plain_greedy = shortcut
             cpu._available[cpu.OPS] = fused_available
         breakdown = kernel_breakdown(captured, batch, args.steps) if captured is not None else {}
         while engine.has_unfinished_requests():
@@ -103,11 +119,13 @@ def run_steps(args: argparse.Namespace) -> dict:
         ms = {v: statistics.median(r) for v, r in runs.items()}
         floor = 1e3 * nbytes / bandwidth
         rows.append({"batch": batch, **{f"{v}_ms": ms[v] for v in VARIANTS}, "floor_ms": floor,
-                     "graph_over_floor": ms["graph"] / floor, "eager_over_graph": ms["eager"] / ms["graph"],
+                     "graph_over_floor": ms["graph"] / floor, "head_after_over_floor": ms["head_after"] / floor,
+                     "eager_over_graph": ms["eager"] / ms["graph"],
                      **{f"rounds_{v}_ms": runs[v] for v in VARIANTS}, "kernels_ms": breakdown})
-        print(f"batch {batch:2d}: graph {ms['graph']:6.2f} ms  eager {ms['eager']:6.2f} ms  torch ops "
+        print(f"batch {batch:2d}: graph {ms['graph']:6.2f} ms  head after {ms['head_after']:6.2f} ms  "
+              f"eager {ms['eager']:6.2f} ms  torch ops "
               f"{ms['torch']:6.2f} ms  floor {floor:6.2f} ms ({nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s): "
-              f"graph {ms['graph'] / floor:.2f}x the floor")
+              f"graph {ms['graph'] / floor:.2f}x the floor (head after: {ms['head_after'] / floor:.2f}x)")
         if breakdown:
             print("  where a replay goes (ms a step): " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items()))
     return {"fused_ops_available": fused_available, "capture": None if captured is None else captured.mode,

@@ -43,15 +43,16 @@ class CaptureShape:
 
 class CapturedDecode:
     def __init__(self, model: DeepseekV3ForCausalLM, kv_caches: list[torch.Tensor], mode: CaptureMode,
-                 shape: CaptureShape, mtp: bool, tables: DeviceTables | None = None) -> None:
+                 shape: CaptureShape, mtp: bool, tables: DeviceTables | None = None, head: bool = True) -> None:
         """``tables``: the rank's device block tables (the runner's, which every step's appends reach); a
-        probe's own when None."""
+        probe's own when None. ``head``: the leader's CPU graphs hold the model's head (False: it runs after
+        them, in the sampling pipeline, as every other capture mode's does)."""
         self.mode = mode
         self.shape = shape
         sink = kv_caches[0].shape[0] - 1  # the pool's last block
         self.sink_slot = sink * shape.block_size
         self.tables = tables or DeviceTables(shape.max_blocks_per_seq, sink, shape.device)
-        head = mode == "cpu_graph" and model.lm_head.shape[0] > 0
+        head = head and mode == "cpu_graph" and model.lm_head.shape[0] > 0
         self.sets = [DecodeGraphs(model, kv_caches, shape.block_size, shape.max_batch, mode, on_bucket=shape.begin_step,
                                   mtp=draft, tables=self.tables, head=head) for draft in (False, True)[: 1 + mtp]]
         self.graphs = self.sets[0]
