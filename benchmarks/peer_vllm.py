@@ -14,6 +14,8 @@ The API (kept small and stable; other benchmarks import it):
   ``VLLM_USE_AOT_COMPILE=0`` (its compile cache does not load back on torch 2.13), and
   ``VLLM_MLA_DISABLE=1`` where the checkpoint's MLA widths are not DeepSeek-V3's (latent 512 + rope 64,
   the only ones its CPU MLA backend takes).
+- ``attention_backend(log) -> str | None``: the attention backend a vLLM process's log names (its logs are at
+  ``INFO``).
 - ``vllm_serving(checkpoint, log, threads=2, dtype="bfloat16", port=None, max_num_seqs=16,
   max_model_len=1024, served_name="small", environ=None)``: a context manager; ``python -m
   vllm.entrypoints.openai.api_server`` on ``port`` (a free one by default) until ``/health`` answers; yields
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,12 +86,18 @@ def mla_widths(checkpoint: Path) -> dict:
 def vllm_env(checkpoint: Path, threads: int, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a vLLM process on ``threads`` cores (0..threads-1) for ``checkpoint``."""
     e = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_USE_AOT_COMPILE": "0",
-         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "VLLM_LOGGING_LEVEL": "WARNING",
+         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "VLLM_LOGGING_LEVEL": "INFO",
          "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     e.pop("PYTHONPATH", None)
     if mla_widths(checkpoint) != DEEPSEEK_V3_MLA:
         e["VLLM_MLA_DISABLE"] = "1"
     return {**e, **(environ or {})}
+
+
+def attention_backend(log: Path) -> str | None:
+    """The attention backend a vLLM process's ``log`` says it chose (``CPU_MLA``, ``CPU_ATTN``, ...), if it says."""
+    found = re.findall(r"Using (\w+) backend\.", Path(log).read_text(errors="replace"))
+    return next((b for b in found if "MLA" in b or "ATTN" in b), found[0] if found else None)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:

@@ -63,7 +63,12 @@ LABELS = {"offline_out_tok_s": "offline: 16 prompts, 64 in / 32 out (output tok/
           "decode_b16": "batch-16 decode (tok/s)", "prefill_b16": "batch-16 prefill, 64 tokens (tok/s)",
           "served_out_tok_s": "served: 64 requests, concurrency 16, 256 in / 32 out (output tok/s)",
           "served_ttft_ms": "served: median TTFT (ms)", "served_tpot_ms": "served: median TPOT (ms)"}
+SHORT = {"offline_out_tok_s": "offline", "decode_b1": "batch-1 decode", "decode_b4": "batch-4 decode",
+         "decode_b16": "batch-16 decode", "prefill_b16": "batch-16 prefill", "served_out_tok_s": "served output",
+         "served_ttft_ms": "served TTFT", "served_tpot_ms": "served TPOT"}
 LOWER_IS_BETTER = ("served_ttft_ms", "served_tpot_ms")
+GOALS = (("vLLM", "decode_b1", 1.5), ("vLLM", "decode_b16", 1.5), ("vLLM", "served_out_tok_s", 1.3),
+         ("llama.cpp", "decode_b1", 1.2), ("transformers", "offline_out_tok_s", 3.0))  # issue 44's, besides ">1"
 
 
 def checkpoint(preset: str, dtype: str, cache: Path) -> Path:
@@ -223,7 +228,11 @@ def offline_and_batched(args: argparse.Namespace, preset: str, source: Path, bin
     finally:
         if vllm is not None:
             vllm.close()
-    return {"runs": runs, "vllm": vllm.info if vllm is not None else None}
+    if vllm is None:
+        return {"runs": runs, "vllm": None}
+    mla_off = peer_vllm.vllm_env(ckpt, args.threads).get("VLLM_MLA_DISABLE") == "1"
+    backend = peer_vllm.attention_backend(vllm.log) or ("CPU_ATTN" if mla_off else None)
+    return {"runs": runs, "vllm": {**vllm.info, "attention": backend, "mla_disabled": mla_off}}
 
 
 def served(args: argparse.Namespace, preset: str, source: Path, bin_dir: Path, work: Path) -> dict[str, list]:
@@ -276,7 +285,10 @@ def ratio(key: str, ours: float, theirs: float) -> float:
 def markdown(preset: str, result: dict) -> str:
     rows = result["table"]
     peers = [p for p in PEERS if p in rows]
-    lines = [f"**{preset}**" + (" (DeepSeek-V3's MLA widths: latent 512, rope 64)" if PRESETS.get(preset) else ""),
+    v = result.get("vllm") or {}
+    vllm = f"; vLLM's attention: {v.get('attention')}" + (" (`VLLM_MLA_DISABLE=1`)" if v.get("mla_disabled") else "")
+    widths = " (DeepSeek-V3's MLA widths: latent 512, rope 64)" if PRESETS.get(preset) else ""
+    lines = [f"**{preset}**{widths}{vllm if v else ''}",
              "", "| | epserve | " + " | ".join(peers) + " | " + " | ".join(f"epserve / {p}" for p in peers) + " |",
              "|---|---|" + "---|" * (2 * len(peers))]
     for key, label in LABELS.items():
@@ -286,9 +298,22 @@ def markdown(preset: str, result: dict) -> str:
         cells = [f"{rows[p][key]:.0f}" if key in rows[p] else "–" for p in peers]
         ratios = [f"**{ratio(key, ours, rows[p][key]):.2f}×**" if key in rows[p] else "–" for p in peers]
         lines.append(f"| {label} | {ours:.0f} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    lines += ["", goals(rows)]
     agree = "; ".join(f"{p} {a['equal']}/{a['tokens']} (logprobs within {a['max_logprob_diff']:.1e})"
                       for p, a in result["agreement"].items())
     return "\n".join([*lines, "", f"fp32 greedy tokens equal to epserve's: {agree}."])
+
+
+def goals(rows: dict[str, dict]) -> str:
+    """Issue 44's goals against this table: ahead of every peer on every row, and the margins ``GOALS`` names."""
+    behind = [f"{SHORT[k]} vs {p} ({ratio(k, rows['epserve'][k], rows[p][k]):.2f}×)"
+              for p in PEERS if p in rows for k in LABELS if k in rows[p] and k in rows["epserve"]
+              and ratio(k, rows["epserve"][k], rows[p][k]) <= 1]
+    short = [f"{SHORT[k]} vs {p}: {ratio(k, rows['epserve'][k], rows[p][k]):.2f}× (goal ≥ {g}×)"
+             for p, k, g in GOALS if k in rows.get(p, {}) and k in rows["epserve"]
+             and ratio(k, rows["epserve"][k], rows[p][k]) < g]
+    return (f"Goals: ahead on every row: {'yes' if not behind else 'no, behind on ' + '; '.join(behind)}. "
+            f"Margins: {'all met' if not short else 'short of ' + '; '.join(short)}.")
 
 
 def document(results: dict, command: str) -> str:

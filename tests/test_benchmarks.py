@@ -368,8 +368,12 @@ def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_p
     rows = v.table(runs, served, [1, 4, 16])
     assert rows["epserve"]["offline_out_tok_s"] == 310 and rows["epserve"]["decode_b16"] == 1600
     assert "served_out_tok_s" not in rows["transformers"] and "decode_b1" not in rows["llama.cpp"]
-    result = {"table": rows, "agreement": {"vLLM": {"equal": 128, "tokens": 128, "max_logprob_diff": 2e-5}}}
+    result = {"table": rows, "agreement": {"vLLM": {"equal": 128, "tokens": 128, "max_logprob_diff": 2e-5}},
+              "vllm": {"attention": "CPU_ATTN", "mla_disabled": True}}
     text = v.markdown("small-mla", result)
+    assert "vLLM's attention: CPU_ATTN (`VLLM_MLA_DISABLE=1`)" in text
+    assert "behind on " in text and "served TTFT vs llama.cpp (0.80×)" in text and "vs vLLM (" not in text
+    assert "short of served output vs vLLM: 1.25× (goal ≥ 1.3×)" in text and "decode vs vLLM:" not in text
     assert "| | epserve | vLLM | llama.cpp | transformers | epserve / vLLM |" in text
     assert "| batch-1 decode (tok/s) | 100 | 50 | – | 25 | **2.00×** | – | **4.00×** |" in text
     assert "| served: median TTFT (ms) | 100 | 150 | 80 | – | **1.50×** | **0.80×** | – |" in text
