@@ -317,7 +317,11 @@ def goals(rows: dict[str, dict]) -> str:
 
 
 def document(results: dict, command: str) -> str:
-    parts = [markdown(preset, r) for preset, r in results["presets"].items()]
+    intro = ("`benchmarks/vs_peers.py`: epserve, vLLM's CPU build (its own venv), llama.cpp (GGUF of the same "
+             "weights) and transformers on one checkpoint, fp32 greedy agreement first, then bf16 timings: offline, "
+             "decode and prefill alternated in one run (medians), then each server in turn under `epserve bench "
+             "serve`. Ratios are epserve's lead (speeds: epserve / peer; TTFT and TPOT: peer / epserve).")
+    parts = [intro, *(markdown(preset, r) for preset, r in results["presets"].items())]
     vllm = results.get("vllm_version")
     return "\n\n".join([*parts, f"{results['machine']}; vLLM's CPU build {vllm or '(not run)'} (`{peer_vllm.VLLM}`), "
                         f"llama.cpp from llama-cpp-python {results['llama_cpp_python']}, transformers "
@@ -363,9 +367,12 @@ def main() -> None:
         peer_vllm.install()
     import transformers
 
-    results: dict = {"machine": f"{platform.processor() or platform.machine()}, {args.threads} threads each, torch "
-                                f"{torch.__version__}", "llama_cpp_python": args.llama_cpp_python,
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
+    results: dict = {"machine": f"{cpu or platform.machine()} ({os.cpu_count()} cores), {args.threads} threads each, "
+                                f"torch {torch.__version__}", "llama_cpp_python": args.llama_cpp_python,
                      "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "presets": {}}
+    command = "python benchmarks/vs_peers.py " + " ".join(sys.argv[1:])
     for preset in args.presets:
         r: dict = {"agreement": agreement(args, preset, source, bin_dir, work)}
         r.update(offline_and_batched(args, preset, source, bin_dir, work))
@@ -373,13 +380,13 @@ def main() -> None:
         r["table"] = table(r["runs"], r["served"], args.batches)
         results["presets"][preset] = r
         results["vllm_version"] = (r.get("vllm") or {}).get("version") or results.get("vllm_version")
-        print(markdown(preset, r), flush=True)
-        if args.json:  # after each preset: a later one's failure keeps the earlier figures
+        text = document(results, command)
+        print(text, flush=True)
+        # after each preset: a later one's failure (or a run cut short) keeps the earlier figures
+        if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
-    text = document(results, "python benchmarks/vs_peers.py " + " ".join(sys.argv[1:]))
-    print(text)
-    if args.write_docs:
-        write_docs(text)
+        if args.write_docs:
+            write_docs(text)
 
 
 if __name__ == "__main__":
