@@ -14,6 +14,8 @@ The API (kept small and stable; other benchmarks import it):
   ``VLLM_USE_AOT_COMPILE=0`` (its compile cache does not load back on torch 2.13), and
   ``VLLM_MLA_DISABLE=1`` where the checkpoint's MLA widths are not DeepSeek-V3's (latent 512 + rope 64,
   the only ones its CPU MLA backend takes).
+- ``tcmalloc_preload() -> dict``: ``{"LD_PRELOAD": libtcmalloc_minimal}`` where the machine has it (vLLM's CPU
+  guide advises it), else ``{}``: an ``environ`` for the functions below.
 - ``attention_backend(log) -> str | None``: the attention backend a vLLM process's log names (its logs are at
   ``INFO``).
 - ``vllm_serving(checkpoint, log, threads=2, dtype="bfloat16", port=None, max_num_seqs=16,
@@ -76,6 +78,16 @@ def install(venv: Path = VENV) -> Path:
     print(f"{venv}: torch, vllm = {check.stdout.strip()}", flush=True)
     (venv / ".epserve-installed").write_text(check.stdout)
     return python(venv)
+
+
+def tcmalloc_preload() -> dict[str, str]:
+    """``{"LD_PRELOAD": libtcmalloc_minimal}`` where this machine has it (Debian: ``libtcmalloc-minimal4``), as
+    vLLM's CPU guide advises for its best speed; else ``{}``. Pass it as ``environ``."""
+    for lib in ("/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                "/usr/lib64/libtcmalloc_minimal.so.4"):
+        if Path(lib).exists():
+            return {"LD_PRELOAD": lib}
+    return {}
 
 
 def mla_widths(checkpoint: Path) -> dict:

@@ -9,7 +9,9 @@ whose MLA widths are not DeepSeek-V3's it runs with ``VLLM_MLA_DISABLE=1``), **l
 ``llama-cpp-python`` sdist and run on the checkpoint converted to GGUF, ``vs_llamacpp.py``) and
 **transformers** (``DeepseekV3ForCausalLM``, eager, its dynamic KV cache). Presets: ``small`` (the other CPU
 benchmarks' model) and ``small-mla``, the same with DeepSeek-V3's MLA widths (``kv_lora_rank`` 512,
-``qk_rope_head_dim`` 64), on which vLLM runs its MLA path. ``--threads`` threads each (2).
+``qk_rope_head_dim`` 64), on which vLLM runs its MLA path. ``--threads`` threads each (2). vLLM runs with
+tcmalloc preloaded where the machine has it (Debian's ``libtcmalloc-minimal4``), as its CPU guide advises
+(``--vllm-malloc system``: without).
 
 1. **Agreement** (fp32): ``--agree-tokens`` greedy tokens after the same 16-token prompt from every peer,
    equal to epserve's, and their logprobs' largest difference.
@@ -38,6 +40,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import peer_vllm
@@ -119,7 +122,9 @@ def vllm_batched(llm: peer_vllm.VllmOffline, batches: list[int], prompt_len: int
         prompts = batch_prompts(batch, prompt_len, vocab, seed)
         first = llm.generate(prompts, 1)["seconds"]
         whole = llm.generate(prompts, 1 + steps)["seconds"]
-        result[batch] = {"prefill": batch * prompt_len / first, "decode": batch * steps / max(whole - first, 1e-9)}
+        # (a host busy enough to make the longer batch no slower leaves no measurement: NaN, left out of medians)
+        decode = batch * steps / (whole - first) if whole > first else float("nan")
+        result[batch] = {"prefill": batch * prompt_len / first, "decode": decode}
     return result
 
 
@@ -180,6 +185,7 @@ def agreement(args: argparse.Namespace, preset: str, source: Path, bin_dir: Path
     result = {}
     if "vLLM" in args.peers:
         out = peer_vllm.vllm_generate(ckpt, [prompt], n, threads=args.threads, dtype="float32", logprobs=True,
+                                      environ=args.vllm_environ,
                                       log=work / f"vllm-agree-{preset}.log")
         result["vLLM"] = compare(ours, (out["token_ids"][0], out["logprobs"][0]))
     if "llama.cpp" in args.peers:
@@ -205,7 +211,8 @@ def offline_and_batched(args: argparse.Namespace, preset: str, source: Path, bin
     llm = LLM(ckpt, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
     lc.epserve_batched(llm, args.batches, args.prompt_len, 4, seed=999)  # warm: every shape once
     epserve_offline(llm, prompts[:2])
-    vllm = (peer_vllm.VllmOffline(ckpt, args.threads, "bfloat16", log=work / f"vllm-offline-{preset}.log")
+    vllm = (peer_vllm.VllmOffline(ckpt, args.threads, "bfloat16", log=work / f"vllm-offline-{preset}.log",
+                                  environ=args.vllm_environ)
             if "vLLM" in args.peers else None)
     gguf = lc.to_gguf(source, ckpt, "bf16") if "llama.cpp" in args.peers else None
     hf = load_transformers(ckpt, torch.bfloat16) if "transformers" in args.peers else None
@@ -246,7 +253,8 @@ def served(args: argparse.Namespace, preset: str, source: Path, bin_dir: Path, w
             bench_serve(url, warm, work / "warm.json")
             out["epserve"].append(bench_serve(url, bench, work / f"epserve-{preset}-{r}.json"))
         if "vLLM" in out:
-            with peer_vllm.vllm_serving(ckpt, work / f"vllm-serve-{preset}.log", args.threads) as (_, url):
+            with peer_vllm.vllm_serving(ckpt, work / f"vllm-serve-{preset}.log", args.threads,
+                                        environ=args.vllm_environ) as (_, url):
                 bench_serve(url, [*warm, "--model", "small"], work / "warm.json")
                 out["vLLM"].append(bench_serve(url, [*bench, "--model", "small"], work / f"vllm-{preset}-{r}.json"))
         if "llama.cpp" in out:
@@ -260,7 +268,10 @@ def served(args: argparse.Namespace, preset: str, source: Path, bin_dir: Path, w
 
 def table(runs: dict[str, list], served_runs: dict[str, list], batches: list[int]) -> dict[str, dict]:
     """{name: {row key: median}} over the rounds (a row a peer did not run is absent)."""
-    med = statistics.median
+    def med(values: Iterator[float]) -> float:
+        kept = [x for x in values if x == x]  # NaN: no measurement
+        return statistics.median(kept) if kept else float("nan")
+
     rows: dict[str, dict] = {}
     for name in runs.keys() | served_runs.keys():
         row: dict[str, float] = {}
@@ -323,7 +334,8 @@ def document(results: dict, command: str) -> str:
              "serve`. Ratios are epserve's lead (speeds: epserve / peer; TTFT and TPOT: peer / epserve).")
     parts = [intro, *(markdown(preset, r) for preset, r in results["presets"].items())]
     vllm = results.get("vllm_version")
-    return "\n\n".join([*parts, f"{results['machine']}; vLLM's CPU build {vllm or '(not run)'} (`{peer_vllm.VLLM}`), "
+    return "\n\n".join([*parts, f"{results['machine']}; vLLM's CPU build {vllm or '(not run)'} (`{peer_vllm.VLLM}`, "
+                        f"malloc: {results.get('vllm_malloc', 'system')}), "
                         f"llama.cpp from llama-cpp-python {results['llama_cpp_python']}, transformers "
                         f"{results['transformers']}. `{command}`, {results['date']}."])
 
@@ -353,12 +365,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="alternated rounds of offline and decode")
     ap.add_argument("--served-repeats", type=int, default=1, help="alternated rounds of the served workload")
     ap.add_argument("--agree-tokens", type=int, default=128)
+    ap.add_argument("--vllm-malloc", choices=["tcmalloc", "system"], default="tcmalloc",
+                    help="vLLM's allocator: tcmalloc preloaded where the machine has it (its CPU guide's advice)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--write-docs", action="store_true", help="put the tables into docs/benchmarks.md")
     args = ap.parse_args()
     if "llama.cpp" in args.peers and shutil.which("cmake") is None:
         raise SystemExit("llama.cpp's build needs cmake and a C++ compiler (or leave it out of --peers)")
     torch.set_num_threads(args.threads)
+    args.vllm_environ = peer_vllm.tcmalloc_preload() if args.vllm_malloc == "tcmalloc" else {}
     cache, work = Path(args.cache), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     source = lc.llama_source(args.llama_cpp_python, cache)
@@ -372,6 +387,7 @@ def main() -> None:
     results: dict = {"machine": f"{cpu or platform.machine()} ({os.cpu_count()} cores), {args.threads} threads each, "
                                 f"torch {torch.__version__}", "llama_cpp_python": args.llama_cpp_python,
                      "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"), "presets": {}}
+    results["vllm_malloc"] = "tcmalloc" if args.vllm_environ else "system"
     command = "python benchmarks/vs_peers.py " + " ".join(sys.argv[1:])
     for preset in args.presets:
         r: dict = {"agreement": agreement(args, preset, source, bin_dir, work)}
