@@ -12,9 +12,9 @@ than there are cores), back to spinning once they drop under a quarter.
 
 The kernels' thread count (:func:`threads`, passed to every kernel call, and rewritten in a recorded step's
 calls at replay: ``kernels/cpu_graph.py``) stays the count torch's intra-op pool has on the calling thread:
-brief waits on every thread beat fewer threads under every load measured (``benchmarks/cpu_contention.py``),
-and torch's own ops keep the thread count their results were checked with. ``EPSERVE_CPU_ADAPT=0``: no
-monitor, libgomp's waits always.
+brief waits on all of them beat fewer threads beside one or three busy Python or torch processes
+(docs/benchmarks.md), and torch's own ops keep the thread count their results were checked with.
+``EPSERVE_CPU_ADAPT=0``: no monitor, libgomp's waits always.
 """
 
 from __future__ import annotations
