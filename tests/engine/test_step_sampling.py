@@ -13,7 +13,7 @@ import torch
 from epserve import LLM
 from epserve.engine.batch_plan import BatchPlan
 from epserve.engine.request import Request, ScheduledChunk
-from epserve.engine.sampling import SamplingPipeline, plain_greedy
+from epserve.engine.sampling import SamplingPipeline, argmax_rows, plain_greedy
 from epserve.messages.sampling import SamplingParams, StructuredOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -56,6 +56,18 @@ def test_the_shortcut_and_the_whole_path_draw_the_same_tokens(llm):
             assert bool(result.logprobs) == (chunks is whole)
     result = pipeline.sample(plain[:1] + whole[1:2], hidden[:2], BatchPlan(logits_indices=(0, 1)), logits[:2].clone())
     assert [result.sampled["r0"], result.sampled["r1"]] == expected[:2] and set(result.logprobs) == {"r1"}
+    tied = torch.randint(0, 3, logits.shape, generator=torch.Generator().manual_seed(2)).float()  # many equal maxima
+    drawn = [pipeline.sample(chunks, hidden, plan, tied.clone()).sampled for chunks in (plain, whole)]
+    assert drawn[0] == drawn[1] == {f"r{i}": t for i, t in enumerate(tied.argmax(-1).tolist())}
+
+
+def test_the_shortcuts_argmax_is_torchs():
+    """The first of equal maxima, a NaN before any number, a row of -inf's first entry: as ``torch.argmax``."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (16, 5000), generator=g).float()
+    x[torch.rand(x.shape, generator=g) < 0.0005] = float("nan")
+    x[3], x[4, 7:] = float("-inf"), float("nan")
+    assert argmax_rows(x) == x.argmax(-1).tolist() and argmax_rows(x[5:6]) == x[5:6].argmax(-1).tolist()
 
 
 def test_a_row_that_asks_for_more_takes_its_step_down_the_whole_path(llm):

@@ -53,6 +53,15 @@ def plain_greedy(params: SamplingParams) -> bool:
             and not params.processes_logits)
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, as ``torch.argmax`` picks it (the first of equal maxima; a NaN before any number):
+    on the host numpy's (one thread, vectorised: torch's reduction over a few long rows splits them between its
+    threads, which costs milliseconds beside other work on the cores), else torch's."""
+    if logits.device.type == "cpu":
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def no_token_left(params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int]) -> str | None:
     """Why no token could ever be drawn for a request with these parameters, naming the fields (None if
     one can): its one-token ``bad_words`` alone, or with its ``stop_token_ids`` and EOS (unless
@@ -125,7 +134,7 @@ class SamplingPipeline:
             return StepResult({}, {}, prompt)
         raw = self._raw_logits(hidden, rows, logits)
         if plain:  # (the path below would draw the same: nothing to process or mask)
-            ids = raw.argmax(dim=-1).tolist()
+            ids = argmax_rows(raw)
             return StepResult({c.request.request_id: t for c, t in zip(sampling, ids)}, {}, prompt)
         requests: list[Request] = []  # row r follows requests[r]'s outputs, then extras[r]
         extras: list[tuple[int, ...]] = []
