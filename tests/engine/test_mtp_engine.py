@@ -123,7 +123,7 @@ def test_sampling_keeps_the_target_distribution(counter_ckpt, plain):
     prompt = plain.tokenizer.encode("The")
     llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **{**ENGINE, "num_blocks": 1024},
               max_num_seqs=256)
-    llm.engine.runner.proposer.rule = DraftRule(max_requests=256)  # draft at every batch (the CPU's rule: up to 8)
+    llm.engine.runner.proposer.rule = DraftRule(max_requests=256)  # always draft (the CPU rule: <= 8, acceptance)
     counts = []
     for engine in (plain, llm):
         params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)]

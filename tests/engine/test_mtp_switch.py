@@ -14,10 +14,11 @@ ENGINE = dict(dtype="float32", num_blocks=256, block_size=8, device=os.environ.g
 
 def test_rule_from_batch_and_acceptance():
     cpu = DraftRule.for_device("cpu")
-    assert cpu.pays(1, 0, 0) and not cpu.pays(16, 0, 0)  # batch 16 on the CPU: plain steps
-    assert cpu.pays(1, cpu.sample - 1, 0)  # too few drafts verified to judge
-    assert not cpu.pays(1, 1000, 100) and cpu.pays(1, 1000, 700)  # acceptance 0.1 stops drafting, 0.7 does not
-    assert DraftRule.for_device("cuda").pays(16, 0, 0)
+    assert cpu.pays(1, 1, 0, 0) and not cpu.pays(16, 1, 0, 0)  # batch 16 on the CPU: plain steps
+    assert cpu.pays(1, 1, cpu.sample - 1, 0)  # too few verifications to judge
+    assert not cpu.pays(1, 1, 1000, 500) and cpu.pays(1, 1, 1000, 900)  # a half of the drafts does not pay
+    assert not cpu.pays(1, 2, 1000, 1400) and cpu.pays(1, 2, 1000, 1700)  # two drafts: 1.5 a step is needed
+    assert DraftRule.for_device("cuda").pays(16, 3, 1000, 0)
 
 
 def test_drafting_stops_at_a_large_batch_and_resumes_at_batch_one(counter_ckpt):
@@ -29,7 +30,7 @@ def test_drafting_stops_at_a_large_batch_and_resumes_at_batch_one(counter_ckpt):
     reference = [o.token_ids for o in LLM(counter_ckpt, **ENGINE).generate(prompts, params)]
     llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=1, **ENGINE)
     proposer, engine = llm.engine.runner.proposer, llm.engine
-    proposer.rule = DraftRule(max_requests=2)
+    proposer.rule = DraftRule(max_requests=2)  # (and no acceptance floor: the counter drafts right half the time)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", p, sp)
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}

@@ -149,8 +149,8 @@ class MTPProposer:
     def _pays(self, chunks: list[ScheduledChunk], sampling: SamplingPipeline) -> bool:
         """Whether this step drafts: the rule, on the requests it samples and the acceptance so far."""
         stats = sampling.stats
-        drafted, accepted = (0, 0) if stats is None else (stats.num_draft_tokens, stats.num_accepted_tokens)
-        return self.rule.pays(sum(c.needs_sample for c in chunks), drafted, accepted)
+        verified, accepted = (0, 0) if stats is None else (stats.num_drafts, stats.num_accepted_tokens)
+        return self.rule.pays(sum(c.needs_sample for c in chunks), self.num_spec, verified, accepted)
 
     def _first_pass(
         self, chunks: list[ScheduledChunk], plan: BatchPlan, result: StepResult | None, draft: bool = True
