@@ -6,6 +6,7 @@ with the same bits."""
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -85,7 +86,7 @@ def test_brief_waits_leave_the_kernels_idle_threads_asleep(monkeypatch):
         assert lib.epserve_brief_waits(1) == os.cpu_count() + 1
         assert len(os.listdir("/proc/self/task")) > tasks
         burnt = [_idle_cpu_ms(lambda: cpu.linear(x, w)) for _ in range(5)]
-        assert min(burnt) < 1.0, burnt
+        assert statistics.median(burnt) < 1.0, burnt  # spinning: 3.5 ms each on a 2-core EPYC
     finally:
         assert lib.epserve_brief_waits(0) == 0
         torch.set_num_threads(threads)
