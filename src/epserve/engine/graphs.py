@@ -265,9 +265,12 @@ class DecodeGraphs:
         decode_plan.plan_replay(decode_plan.DecodeReplay(static.block_tables, static.seq_lens, step.seq_lens,
                                                          self.block_size))
 
-    @torch.inference_mode()
     def run(self, step: DecodeStep, overlap: OverlapMode) -> torch.Tensor:
-        """Hidden states [bucket, H] of a padded decode step (callers keep the real rows)."""
+        """Hidden states [bucket, H] of a padded decode step (callers keep the real rows), in inference mode
+        (entered here unless the caller is in it already: the runner's step is)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return DecodeGraphs.run(self, step, overlap)
         key = (step.bucket, overlap)
         if key in self._warm:
             return self._run(step, overlap)

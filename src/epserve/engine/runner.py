@@ -223,13 +223,15 @@ class ModelRunner:
         self.model.set_op_hook(self.profiler.timed if enabled else None)
 
     # ---- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def forward(self, plan: BatchPlan, global_max_tokens: int, all_decode: bool = False) -> torch.Tensor:
         """Every rank, every step (the empty plan on an idle DP group): the final hidden states of every
         token, ``[plan.num_tokens, H]``. ``global_max_tokens``: the most tokens
         any DP group runs this step, ``all_decode``: whether every DP group's batch is pure decode (from
         the step's all-reduce; then every rank can run the same captured bucket). A recorded CPU step leaves
-        its rows' logits in :attr:`logits` too."""
+        its rows' logits in :attr:`logits` too. In inference mode (entered here once, not again below)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return ModelRunner.forward(self, plan, global_max_tokens, all_decode)  # (this body, not a wrapper)
         self.tables.apply(plan.table_appends)  # the blocks its requests gained since their last step
         per_rank, overlap = self._step_shape(global_max_tokens)
         bucket = self._replay_bucket(global_max_tokens, all_decode, overlap)

@@ -107,13 +107,15 @@ class SamplingPipeline:
         return None if self.stats is None else self.stats.as_dict()
 
     # ---- a step's tokens ------------------------------------------------------------------------
-    @torch.inference_mode()
     def sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, plan: BatchPlan,
                logits: torch.Tensor | None = None) -> StepResult:
         """Leader only: the tokens of the chunks that reach their last known token (the rows
         ``plan.logits_indices`` of the forward's ``hidden`` states, in chunk order), their drafts verified,
         and the prompt logprobs the step computed. ``logits``: those of every row of ``hidden``, where the
-        forward computed them (else the head runs here, on the rows sampled)."""
+        forward computed them (else the head runs here, on the rows sampled). In inference mode."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return SamplingPipeline.sample(self, chunks, hidden, plan, logits)
         decodes = plan.num_decode_seqs and plan.num_decode_seqs == len(plan.seq_lens)  # (no prompt positions)
         prompt = {} if decodes else prompt_logprobs(self.compute_logits, chunks, hidden)
         sampling: list[ScheduledChunk] = []
