@@ -63,10 +63,9 @@ def load(spec: str) -> Iterator[None]:
 
 def adapt(on: bool) -> None:
     """epserve's waits follow the load (the monitor runs) or are libgomp's own (no monitor, spinning)."""
+    cpu_threads.stop()  # (the waits spin)
     os.environ["EPSERVE_CPU_ADAPT"] = "1" if on else "0"
-    if not on:
-        cpu_threads.stop()
-    cpu_threads.threads()  # (re)starts the monitor when on
+    cpu_threads.threads()  # starts a new monitor when on
     time.sleep(SETTLE_S)
 
 
