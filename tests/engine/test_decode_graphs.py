@@ -226,10 +226,12 @@ def test_a_bucket_that_cannot_be_recorded_runs_eagerly_and_counts_once(ckpt, mon
 
 
 @needs_cpu_kernels
-def test_the_mtp_draft_passes_replay_too(counter_ckpt, monkeypatch):
-    """Speculative decoding on the CPU graph: the MTP layer's draft passes are recorded as well; drafts,
-    acceptance and tokens are the eager engine's."""
-    kw = dict(speculative="mtp", num_speculative_tokens=2, dtype="float32", num_blocks=256, block_size=8)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_mtp_draft_passes_replay_too(counter_ckpt, dtype, monkeypatch):
+    """Speculative decoding on the CPU graph: the MTP layer's draft passes are recorded as well, the MTP head
+    inside them (each pass's draft logits are the MTP head's of its output, bit for bit); drafts, acceptance
+    and tokens are the eager engine's."""
+    kw = dict(speculative="mtp", num_speculative_tokens=2, dtype=dtype, num_blocks=256, block_size=8)
     params = SamplingParams(max_tokens=12, temperature=0.0)
     prompts = [[3, 4, 5, 6], [10, 11, 12]]
     eager_llm = LLM(counter_ckpt, cuda_graph=False, **kw)
@@ -241,6 +243,9 @@ def test_the_mtp_draft_passes_replay_too(counter_ckpt, monkeypatch):
     assert [a.token_ids for a in eager] == [b.token_ids for b in out]
     assert eager_llm.engine.sampling.speculative_stats() == llm.engine.sampling.speculative_stats()
     _assert_the_head_replays(llm)  # the verification rows' logits
+    mtp_head = llm.engine.runner.model.compute_mtp_logits
+    for _, (hidden, logits) in captured.drafts._cpu_graphs.values():  # the drafts' logits, from the recording
+        assert logits is not None and logits.dtype == torch.float32 and torch.equal(logits, mtp_head(hidden))
 
 
 @needs_cpu_kernels

@@ -4,7 +4,8 @@ bucket every rank replays, and their start-up: a probe capture that measures wha
 the KV pool is sized, then every bucket captured largest first (``engine/graphs.py`` holds one set). A step's
 block tables come from the rank's device tables (``engine/block_tables.py``): a plan names each row's table row,
 the step copies only its O(bucket) host values to the device. A CPU graph of the leader's decode (the rank that
-holds the model's head) computes its rows' logits too (:meth:`CapturedDecode.logits`)."""
+holds the model's head) computes its rows' logits too (:meth:`CapturedDecode.logits`), and a recorded MTP pass its
+rows' draft logits (:meth:`CapturedDecode.draft_logits`)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ class CapturedDecode:
         """An MTP pass of a pure-decode step (the proposer's hook): the layer's output, its real rows. A draft
         row reads its request's table row (the step's appends cover the blocks the passes write)."""
         return self.drafts.run(self.pad(plan, bucket, hidden), overlap)[: plan.num_tokens]  # type: ignore[union-attr]
+
+    def draft_logits(self) -> torch.Tensor | None:
+        """The last :meth:`draft` pass's MTP logits, every row of its bucket [bucket, V] fp32 (the recorded pass
+        computed them, the MTP layer's head included), or None (the proposer runs the MTP head)."""
+        return None if self.drafts is None else self.drafts.logits
 
     def warm_up(self, largest_only: bool = False) -> tuple[int, float, int]:
         """Every bucket of every set run once, largest first (CUDA: captured); with ``largest_only`` only

@@ -20,7 +20,8 @@ their buckets are every batch size up to the kernels' ``TILE_M`` rows, since a p
 the experts it routes to, and a bucket whose forward cannot be recorded (a torch op on the step's data:
 a collective, an FP8 reference) runs eagerly from then on. A CPU graph of the leader's decode holds the
 model's head too (``head``): a replay leaves every row's logits beside the final hidden states, and the
-sampling pipeline reads those (:attr:`DecodeGraphs.logits`) instead of running the head again.
+sampling pipeline reads those (:attr:`DecodeGraphs.logits`) instead of running the head again; an MTP pass's
+graph holds the MTP layer's head (its drafts' logits), which the proposer reads the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import torch
 
 from epserve import env
 from epserve.config import OverlapMode
-from epserve.engine.block_tables import PAD_ROW, DeviceTables
+from epserve.engine.block_tables import DeviceTables
+from epserve.engine.decode_step import DecodeInputs, DecodeStep
 from epserve.kernels import cpu as cpu_kernels
 from epserve.kernels import decode_plan
 from epserve.kernels.cpu_graph import CaptureError, CpuGraph, record
@@ -80,61 +82,6 @@ class WarmUp:
     memory_bytes: int
 
 
-@dataclass(frozen=True)
-class DecodeInputs:
-    """A bucket's static device inputs, what its graph reads: one token per row. [bucket] each, tables
-    [bucket, max_blocks]."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    hidden: torch.Tensor | None = None  # [bucket, H] for the MTP layer: the previous depth's hidden states
-
-    @property
-    def bucket(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        base = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
-        return base if self.hidden is None else (*base, self.hidden)
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """A decode step as it reaches the captured decode: its rows on the host, padded to the bucket (token 0 at
-    position 0, context length 0, writing ``sink_slot``, reading the padding table row), each naming its row of
-    the device block tables; with ``hidden`` the MTP pass's input ([real rows, H] on the device)."""
-
-    input_ids: tuple[int, ...]
-    positions: tuple[int, ...]
-    slot_mapping: tuple[int, ...]
-    seq_lens: tuple[int, ...]
-    table_rows: tuple[int, ...]
-    hidden: torch.Tensor | None = None
-
-    @property
-    def bucket(self) -> int:
-        return len(self.input_ids)
-
-    @classmethod
-    def pad(cls, input_ids: tuple[int, ...], positions: tuple[int, ...], slot_mapping: tuple[int, ...],
-            seq_lens: tuple[int, ...], table_rows: tuple[int, ...], bucket: int, sink_slot: int,
-            hidden: torch.Tensor | None = None) -> DecodeStep:
-        """The ``n`` decode rows padded to ``bucket`` rows."""
-        n = len(input_ids)
-        if n > bucket:
-            raise ValueError(f"{n} decode rows do not fit bucket {bucket}")
-        if len(table_rows) != n:
-            raise ValueError(f"{n} decode rows name {len(table_rows)} device-table rows")
-        if n == bucket:  # (every CPU step: a bucket per batch size)
-            return cls(input_ids, positions, slot_mapping, seq_lens, table_rows, hidden)
-        pad = (0,) * (bucket - n)
-        return cls((*input_ids, *pad), (*positions, *pad), (*slot_mapping, *(sink_slot,) * len(pad)),
-                   (*seq_lens, *pad), (*table_rows, *(PAD_ROW,) * len(pad)), hidden)
-
-
 class DecodeGraphs:
     """The model's decode forward per bucket, captured (``cuda_graph``), recorded (``cpu_graph``) or compiled
     (``compile``); with ``mtp``, the MTP layer's draft pass instead (its inputs carry the previous depth's hidden
@@ -156,10 +103,11 @@ class DecodeGraphs:
     ) -> None:
         """``on_bucket(bucket)`` runs before every forward of a bucket (the dispatcher's ``begin_step``);
         ``tables``: the rank's device block tables, which a step's rows are gathered from (:meth:`run`);
-        ``head`` (``cpu_graph`` only): each bucket's forward computes the logits of its rows too."""
+        ``head`` (``cpu_graph`` only): each bucket's forward computes the logits of its rows too (with ``mtp``,
+        the MTP layer's head)."""
         self.model = model
         self.mtp = mtp
-        self.head = head and mode == "cpu_graph" and not mtp
+        self.head = head and mode == "cpu_graph"
         self.logits: torch.Tensor | None = None  # the last run's logits [bucket, V] fp32, with ``head``
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -317,9 +265,11 @@ class DecodeGraphs:
         return out
 
     def _with_head(self, static: DecodeInputs, overlap: OverlapMode) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward on the bucket's static inputs, and with ``head`` the logits of its rows."""
+        """The forward on the bucket's static inputs, and with ``head`` the logits of its rows (an MTP pass's:
+        the MTP layer's head)."""
         hidden = self._forward(*self._args(static, overlap))
-        return hidden, self.model.compute_logits(hidden) if self.head else None
+        head = self.model.compute_mtp_logits if self.mtp else self.model.compute_logits
+        return hidden, head(hidden) if self.head else None
 
     def _replay_cpu(self, static: DecodeInputs, step: DecodeStep,
                     overlap: OverlapMode) -> tuple[torch.Tensor, torch.Tensor | None]:

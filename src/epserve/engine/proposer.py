@@ -16,7 +16,9 @@ and the scheduler frees the blocks it no longer needs (``SpecManager.verified``)
 A DP group's leader builds each pass and broadcasts it to its TP peers (``DraftPass``); only the leader
 holds the head, so only it draws drafts, from the engine's sampling pipeline
 (``SamplingPipeline.draft``: processed and masked as their verification rows will be), except where every
-drafting request is plain greedy (nothing processes or masks its logits): its drafts are the argmax.
+drafting request is plain greedy (nothing processes or masks its logits): its drafts are the argmax. A pass
+that replays a recorded CPU graph leaves its rows' draft logits beside its output (the MTP head inside the
+recording, ``engine/graphs.py``); an eager pass's drafting rows go through the MTP head here.
 
 The leader also decides whether the step drafts at all (``spec_manager.DraftRule``: few enough
 requests, drafts accepted often enough). A step that does not draft, in an engine of one DP
@@ -36,7 +38,7 @@ import torch
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.block_tables import DeviceTables
 from epserve.engine.request import Request, ScheduledChunk
-from epserve.engine.sampling import SamplingPipeline
+from epserve.engine.sampling import SamplingPipeline, argmax_rows
 from epserve.engine.spec_manager import DraftRule, draft_room
 from epserve.messages.sampling import SamplingParams
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -87,6 +89,8 @@ class MTPProposer:
         # A pure-decode step's passes through the captured draft graph: (plan, hidden, bucket, overlap) -> the
         # layer's output rows; set by the runner when the decode is captured.
         self.replay: Callable[[BatchPlan, torch.Tensor, int, str], torch.Tensor] | None = None
+        # the last replayed pass's draft logits, every row (None where its graph left the head out)
+        self.replay_logits: Callable[[], torch.Tensor | None] = lambda: None
         self.tables: DeviceTables | None = None  # the rank's device block tables (set by the runner)
         self.rule = DraftRule.for_device(ctx.device.type)  # when a step drafts (the leader decides)
         self.steps_without_drafts = 0  # steps the rule switched drafting off (the leader's count)
@@ -113,16 +117,16 @@ class MTPProposer:
         if step is None:
             sampling.keep_drafts(chunks, {})
             return {}
-        h = self._run(step, hidden, max_tokens_per_rank, overlap, bucket)
+        h, replayed = self._run(step, hidden, max_tokens_per_rank, overlap, bucket)
         drafts: dict[str, list[int]] = {d.request.request_id: [] for d in drafting}
         probs: dict[str, list[torch.Tensor | None]] = {d.request.request_id: [] for d in drafting}
         rows, active = step.plan.logits_indices, drafting
         greedy = all(_plain_greedy(d.request.sampling_params) for d in drafting)
         for depth in range(self.num_spec):
             if active:
-                logits = self.model.compute_mtp_logits(_take(h, rows))
+                logits = self._draft_logits(h, rows, replayed)
                 if greedy:  # nothing to process or mask: the argmax, no distributions kept
-                    ids, q = logits.argmax(dim=-1).tolist(), [None] * len(active)
+                    ids, q = argmax_rows(logits), [None] * len(active)
                 else:  # (each draft follows this step's tokens and the drafts before it, not yet the request's)
                     positions = [d.next_position + 1 + depth for d in active]  # where each draft would sit
                     before = [tuple(drafts[d.request.request_id]) for d in active]
@@ -140,7 +144,7 @@ class MTPProposer:
                 active = [active[i] for i in keep]
             step = self._share(chained)
             assert step is not None
-            h = self._run(step, h, max_tokens_per_rank, overlap, bucket)
+            h, replayed = self._run(step, h, max_tokens_per_rank, overlap, bucket)
             rows = step.plan.logits_indices
         sampling.keep_drafts(chunks, probs)
         return drafts
@@ -235,13 +239,20 @@ class MTPProposer:
         return step
 
     def _run(self, step: DraftPass, hidden: torch.Tensor, max_tokens_per_rank: int, overlap: str,
-             bucket: int | None) -> torch.Tensor:
+             bucket: int | None) -> tuple[torch.Tensor, bool]:
+        """The pass's output rows, and whether it replayed the captured draft graph."""
         hidden = _take(hidden, step.hidden_rows)
         if bucket is not None and self.replay is not None:
-            return self.replay(step.plan, hidden, bucket, overlap)
+            return self.replay(step.plan, hidden, bucket, overlap), True
         self.dispatcher.begin_step(max_tokens_per_rank)
         batch = step.plan.to_batch(hidden.device, self.block_size, self.tables)
-        return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]
+        return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap), False  # type: ignore[arg-type]
+
+    def _draft_logits(self, h: torch.Tensor, rows: tuple[int, ...], replayed: bool) -> torch.Tensor:
+        """The drafting rows' MTP logits [D, V] fp32: those the replayed pass's graph computed (its head inside
+        the recording), else the MTP head's, run here."""
+        logits = self.replay_logits() if replayed else None
+        return self.model.compute_mtp_logits(_take(h, rows)) if logits is None else _take(logits, rows)
 
 
 def _tokens(result: StepResult | None, request_id: str) -> tuple[int, ...]:

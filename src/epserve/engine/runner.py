@@ -163,6 +163,7 @@ class ModelRunner:
             self.decode_graphs = self.captured.graphs
             if self.proposer is not None:
                 self.proposer.replay = self.captured.draft
+                self.proposer.replay_logits = self.captured.draft_logits
             logger.info("decode steps: %s for batch buckets %s%s", mode, self.decode_graphs.buckets,
                         " (and the MTP passes)" if self.captured.drafts else "")
             if mode == "cuda_graph":

@@ -241,9 +241,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         return _run_segment([layer], x, mb, overlap)
 
     def compute_mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """MTP output [S, H] -> draft logits [S, V] in fp32."""
+        """MTP output [S, H] -> draft logits [S, V] in fp32: the MTP head's norm, GEMM and cast, kernel ops all
+        (a recorded draft pass holds them, as :meth:`compute_logits`)."""
         head = self.mtp[0].shared_head
-        return linear(head.norm(hidden), head.head).float()
+        return cast(linear(head.norm(hidden), head.head), torch.float32)
 
     def init_buffers(self, device: torch.device) -> None:
         """Compute the buffers that are derived, not loaded (the rotary tables, the expert slot
