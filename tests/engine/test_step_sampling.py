@@ -1,7 +1,8 @@
 """The sampling pipeline's greedy shortcut (``engine/sampling.py``): a step whose rows are all plain greedy
 takes the argmax of the logits and nothing else, with the tokens the whole path draws; a row that asks for
 more (logprobs, a bias, penalties, min_tokens, bad words, a grammar, a temperature) sends its step down the
-whole path. The logits come from the forward where it computed them, else from the head."""
+whole path. In an MTP engine the same holds with drafts: an all plain greedy step verifies them against the
+argmax alone. The logits come from the forward where it computed them, else from the head."""
 
 from __future__ import annotations
 
@@ -29,6 +30,50 @@ def _decode(rid: str, params: SamplingParams = GREEDY) -> ScheduledChunk:
     request = Request(rid, [1, 2, 3], params)
     request.append_output_token(4)  # a decode: one known token, an output
     return ScheduledChunk(request, request.num_tokens - 1, 1)
+
+
+def _verifying(rid: str, drafts: tuple[int, ...], params: SamplingParams = GREEDY) -> ScheduledChunk:
+    """A decode verifying ``drafts`` (its ``1 + len(drafts)`` rows)."""
+    request = Request(rid, [1, 2, 3], params)
+    request.append_output_token(4)
+    return ScheduledChunk(request, request.num_tokens - 1, 1 + len(drafts), drafts)
+
+
+def test_an_mtp_engines_greedy_steps_verify_on_the_argmax_alone(llm, monkeypatch):
+    """In an MTP engine, a step whose rows are all plain greedy (drafts or none) runs neither the logits
+    processor nor the constraints: each request keeps its drafts while they equal the argmax, then the argmax,
+    as the whole path gives (a step asking logprobs of every row); a biased request and one asking logprobs
+    beside them send the step down the whole path, where the bias holds (its draft, the argmax's loser, is
+    accepted) and the logprobs come back."""
+    config = replace(llm.engine.config, speculative="mtp", num_speculative_tokens=1)
+    model = llm.engine.runner.model
+    pipeline = SamplingPipeline(config, model.compute_logits, torch.device("cpu"))
+    processed = []
+    apply = pipeline.logits_processor.apply
+    monkeypatch.setattr(pipeline.logits_processor, "apply", lambda *a, **k: processed.append(1) or apply(*a, **k))
+    hidden = torch.randn(5, config.model.hidden_size, generator=torch.Generator().manual_seed(3))
+    logits = model.compute_logits(hidden)
+    a = logits.argmax(-1).tolist()
+    wrong = (a[3] + 1) % config.model.vocab_size
+    plan = BatchPlan(logits_indices=tuple(range(5)))
+    expected = {"r0": (a[0],), "r1": (a[1], a[2]), "r2": (a[3],)}
+
+    def chunks(params: SamplingParams = GREEDY) -> list[ScheduledChunk]:
+        return [_verifying("r0", (), params), _verifying("r1", (a[1],), params), _verifying("r2", (wrong,), params)]
+
+    result = pipeline.sample(chunks(), hidden, plan, logits.clone())
+    assert result.sampled == expected and not result.logprobs and not processed  # the shortcut
+    assert pipeline.stats.num_drafts == 2 and pipeline.stats.num_accepted_tokens == 1
+    whole = pipeline.sample(chunks(replace(GREEDY, logprobs=0)), hidden, plan, logits.clone())
+    assert whole.sampled == expected and set(whole.logprobs) == set(expected) and processed
+    assert pipeline.sample(chunks()[:1], hidden[:1], BatchPlan(logits_indices=(0,))).sampled == {"r0": (a[0],)}
+    favoured = int(logits[3].argmin())
+    assert float(logits[3].max() - logits[3].min()) < 100 and float(logits[4].max() - logits[4].min()) < 100
+    mixed = [_verifying("r0", (), replace(GREEDY, logprobs=1)), _verifying("r1", (a[1],)),
+             _verifying("r2", (favoured,), replace(GREEDY, logit_bias=((favoured, 100.0),)))]
+    result = pipeline.sample(mixed, hidden, plan, logits.clone())
+    assert result.sampled == {"r0": (a[0],), "r1": (a[1], a[2]), "r2": (favoured, favoured)}
+    assert set(result.logprobs) == {"r0"}
 
 
 def test_plain_greedy_is_greedy_with_nothing_else_asked():

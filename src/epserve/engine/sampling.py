@@ -19,9 +19,10 @@ tokens and EOS under ``min_tokens``, cover the vocabulary), else at the step who
 (the sampler reads that back with the tokens; :meth:`SamplingPipeline.take_failures`).
 
 The common step takes a shortcut through that path: when every row it samples is plain greedy
-(:func:`plain_greedy`: nothing processes, masks or reads its logits but the argmax) and no draft is
-verified, its tokens are the argmax of the logits and nothing else runs; the path's result for such rows
-is that argmax too (with no mask, no row is left without a token). The logits themselves come from the
+(:func:`plain_greedy`: nothing processes, masks or reads its logits but the argmax), its tokens are the
+argmax of the logits and nothing else runs: with drafts, each request's drafts while they equal the argmax,
+then the argmax after them (``spec_decode.verify_greedy``). The path's result for such rows is that too
+(with no mask, no row is left without a token). The logits themselves come from the
 forward where a recorded CPU step computed them (``engine/graphs.py``), else from the model's head here.
 """
 
@@ -39,7 +40,7 @@ from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.prompt_logprobs import prompt_logprobs
 from epserve.engine.request import Request, ScheduledChunk
 from epserve.engine.sampler import Sampler
-from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, draft_tokens, verify
+from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, draft_tokens, verify, verify_greedy
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
 NO_TOKEN_LEFT = ("the sampling parameters leave no token allowed (bad_words, logit_bias, the structured-output "
@@ -121,7 +122,7 @@ class SamplingPipeline:
         sampling: list[ScheduledChunk] = []
         rows: list[int] = []  # of plan.logits_indices: a request with max_tokens 0 samples nothing
         first = 0
-        plain = self.stats is None  # every row plain greedy, so far
+        plain = True  # every row plain greedy, so far
         for c in chunks:
             if not c.needs_sample:
                 continue
@@ -137,7 +138,13 @@ class SamplingPipeline:
         raw = self._raw_logits(hidden, rows, logits)
         if plain:  # (the path below would draw the same: nothing to process or mask)
             ids = argmax_rows(raw)
-            return StepResult({c.request.request_id: t for c, t in zip(sampling, ids)}, {}, prompt)
+            if self.stats is None:
+                return StepResult({c.request.request_id: t for c, t in zip(sampling, ids)}, {}, prompt)
+            verified = {}
+            for c, out in zip(sampling, verify_greedy(ids, [c.drafts for c in sampling])):
+                self.stats.record(len(c.drafts), out.num_accepted)
+                verified[c.request.request_id] = out.token_ids
+            return StepResult(verified, {}, prompt)
         requests: list[Request] = []  # row r follows requests[r]'s outputs, then extras[r]
         extras: list[tuple[int, ...]] = []
         for c in sampling:

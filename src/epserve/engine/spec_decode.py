@@ -158,7 +158,7 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
     if firsts[-1] != logits.shape[0]:
         raise ValueError(f"the groups have {firsts[-1]} rows, the logits {logits.shape[0]}")
     if all(g.params.is_greedy and g.params.logprobs is None for g in groups):
-        return _verify_greedy(logits.argmax(dim=-1).tolist(), groups, firsts)
+        return verify_greedy(logits.argmax(dim=-1).tolist(), [g.drafts for g in groups])
     argmax = logits.argmax(dim=-1)
     nxt = torch.tensor([t for g in groups for t in (*g.drafts, -1)], dtype=torch.long, device=device)  # -1: bonus
     accept = argmax == nxt  # greedy rows; sampled rows are decided below
@@ -215,11 +215,13 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
     return outcomes
 
 
-def _verify_greedy(argmax: list[int], groups: list[VerifyGroup], firsts: list[int]) -> list[VerifyOutcome]:
-    """Every group greedy without logprobs: its drafts while each equals the target's argmax, then the
-    argmax after them (what :func:`verify`'s general path gives such rows, from one transfer of the argmax)."""
-    outcomes = []
-    for g, first in zip(groups, firsts):
-        a = next((j for j, t in enumerate(g.drafts) if argmax[first + j] != t), len(g.drafts))
-        outcomes.append(VerifyOutcome((*g.drafts[:a], argmax[first + a]), None, a))
+def verify_greedy(argmax: list[int], drafts: list[tuple[int, ...]]) -> list[VerifyOutcome]:
+    """Greedy groups without logprobs, from the target's argmax of every row (``argmax``: the groups' rows in
+    order, ``len(drafts[i]) + 1`` each): each group's drafts while each equals the argmax, then the argmax after
+    them (what :func:`verify`'s general path gives such rows)."""
+    outcomes, first = [], 0
+    for d in drafts:
+        a = next((j for j, t in enumerate(d) if argmax[first + j] != t), len(d))
+        outcomes.append(VerifyOutcome((*d[:a], argmax[first + a]), None, a))
+        first += len(d) + 1
     return outcomes
