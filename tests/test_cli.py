@@ -160,6 +160,7 @@ def test_engine_defaults_are_the_config_dataclasses(tmp_path, monkeypatch):
 def test_vllm_and_sglang_flag_names_are_aliases_of_ours():
     from epserve.cli import build_parser
     from epserve.engine.args import apply_model_path, engine_options
+    from epserve.engine.options import build_engine_config
 
     parse = build_parser().parse_args
     common = ["--max-model-len", "512", "--no-prefix-caching", "--no-cuda-graph"]
@@ -177,6 +178,8 @@ def test_vllm_and_sglang_flag_names_are_aliases_of_ours():
         for command in ("serve", "engine"):
             assert engine_options(parse([command, *argv])) == ours, (command, argv)
     assert engine_options(parse(["serve", "--speculative-config", '{"method": "mtp"}']))["num_speculative_tokens"] == 1
+    off = engine_options(parse(["serve", "--speculative", "mtp", "--num-speculative-tokens", "0"]))
+    assert off["num_speculative_tokens"] == 0 and build_engine_config(**off).num_spec_tokens == 0  # 0: off
     for flag in ("--gpu-memory-utilization", "--mem-fraction-static"):
         options = engine_options(parse(["serve", flag, "0.85"]))
         assert (options["memory_fraction"], options["memory_budget_bytes"]) == (0.85, None)

@@ -241,7 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--train", action="store_true",
                     help="train the model and its MTP layer on the built-in English corpus (Python's reference "
                     "help topics) instead of random weights, retraining the tokenizer: minutes on a CPU")
-    mk.add_argument("--train-seconds", type=float, default=540.0, help="--train: wall-clock budget (default 540)")
+    mk.add_argument("--train-seconds", type=float, default=540.0,
+                    help="--train: wall-clock budget (default 540); the last 30%% self-distils the MTP layer on "
+                    "the main model's own predictions")
     mk.add_argument("--train-steps", type=int, default=None, help="--train: a fixed number of steps instead")
     mk.add_argument("--fp8", action="store_true", help="FP8 e4m3 weights with 128x128 block scales")
     mk.add_argument("--quantization", default="none", choices=["none", "fp8", "nvfp4"],

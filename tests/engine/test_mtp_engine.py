@@ -156,6 +156,21 @@ def test_a_checkpoint_without_mtp_is_refused_at_start(make_ckpt, tmp_path):
     assert src.exists()
 
 
+def test_zero_speculative_tokens_is_speculative_decoding_off(counter_ckpt, make_ckpt, reference, caplog):
+    """``num_speculative_tokens=0`` (``--num-speculative-tokens 0``): no MTP layer loaded, no drafts, plain
+    decoding's tokens; on a checkpoint without an MTP layer too; a negative count is refused. Logged."""
+    with caplog.at_level("INFO", logger="epserve.engine.options"):
+        off = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=0, **ENGINE)
+    assert "speculative decoding: off (num_speculative_tokens 0)" in caplog.text
+    runner = off.engine.runner
+    assert runner.proposer is None and runner.num_spec == 0 and len(runner.model.mtp) == 0
+    assert [o.token_ids for o in off.generate(PROMPTS, GREEDY)] == reference and off.speculative_stats() is None
+    no_mtp = make_ckpt("tiny", overrides={"num_nextn_predict_layers": 0})
+    assert LLM(no_mtp, speculative="mtp", num_speculative_tokens=0, num_blocks=16).engine.runner.proposer is None
+    with pytest.raises(ConfigError, match="integer >= 0"):
+        LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=-1, **ENGINE)
+
+
 def test_mtp_shares_the_embedding_and_head_when_equal(counter_ckpt, make_ckpt):
     """The counter checkpoint's MTP embedding equals the main one (shared, counted once), its head does
     not; the random preset copies both (both shared)."""

@@ -211,14 +211,15 @@ class EngineConfig:
     compile: bool = False
     cuda_graph_max_bs: int | None = None
     speculative: SpeculativeMethod = None
-    num_speculative_tokens: int = 1  # drafts per decode with ``speculative``, the MTP layer chained on itself
+    num_speculative_tokens: int = 1  # drafts per decode with ``speculative``, the MTP layer chained on itself; 0: off
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ConfigError(f"unknown speculative method {self.speculative!r}; choose from {SPECULATIVE_METHODS}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
-        if self.speculative == "mtp" and not self.model.num_nextn_predict_layers:
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0:
+            raise ConfigError("num_speculative_tokens must be an integer >= 0 (0: no speculative decoding), got "
+                              f"{self.num_speculative_tokens!r}")
+        if self.num_spec_tokens and not self.model.num_nextn_predict_layers:
             raise ConfigError(f"speculative='mtp' needs MTP layers; the checkpoint at {self.model_path} has none "
                               "(num_nextn_predict_layers is 0)")
         if self.quantization not in QUANTIZATIONS:
@@ -276,7 +277,8 @@ class EngineConfig:
 
     @property
     def num_spec_tokens(self) -> int:
-        """Draft tokens verified per decode (0 without speculative decoding)."""
+        """Draft tokens verified per decode (0 without speculative decoding: no ``speculative``, or
+        ``num_speculative_tokens`` 0)."""
         return self.num_speculative_tokens if self.speculative else 0
 
     @property

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,6 +28,8 @@ from epserve.config import (
     SpeculativeMethod,
 )
 from epserve.config.engine import DispatchDtype
+
+logger = logging.getLogger(__name__)
 
 # Where an option goes (``option``'s first argument, "section" or "section.name"), and the argument groups.
 SECTIONS = {"engine": EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
@@ -147,7 +150,7 @@ class EngineOptions:
     num_speculative_tokens: int = option(
         "engine.num_speculative_tokens", "--num-speculative-tokens", unset=True,
         help="draft tokens per decode step with --speculative (the MTP layer chained on itself; default "
-        f"{EngineConfig.num_speculative_tokens})",
+        f"{EngineConfig.num_speculative_tokens}; 0: speculative decoding off)",
         also=(Flag(("--speculative-config",), metavar="JSON", type=str, parse=_speculative_config,
                    sets=("speculative", "num_speculative_tokens"),
                    help="vLLM's speculative decoding option: '{\"method\": \"deepseek_mtp\" (or \"mtp\"), "
@@ -270,7 +273,7 @@ def build_engine_config(
     ``cuda_graph`` (default on for CUDA) / ``compile`` (CPU): pure-decode steps run one captured CUDA graph / one
     ``torch.compile(fullgraph=True)`` forward per batch bucket up to ``cuda_graph_max_bs`` (default:
     ``max_num_seqs``, at most 256). ``speculative="mtp"``: decode with the checkpoint's MTP layer drafting
-    ``num_speculative_tokens`` tokens per step, verified by the model in one forward (the output distribution is
+    ``num_speculative_tokens`` tokens per step (0: off), verified by the model in one forward (the output distribution is
     unchanged). ``num_redundant_experts`` extra expert slots hold replicas that share their expert's tokens;
     ``enable_eplb``: every ``eplb_step_interval`` steps the experts are placed by the load of the last
     ``eplb_window_size`` steps (``config.EplbConfig``)."""
@@ -304,7 +307,19 @@ def build_engine_config(
     from epserve.model.quantization import resolve_fp8_weights  # (torch: not imported with the command line)
 
     resolve_fp8_weights(config.quantization, model_config, parallel.tp, device.split(":")[0])  # refuses what FP8 cannot
+    _log_speculative(config)
     return config
+
+
+def _log_speculative(config: EngineConfig) -> None:
+    """Whether the engine decodes speculatively, and why (off by default: the checkpoint's MTP layer drafts only
+    with ``speculative="mtp"``)."""
+    if config.num_spec_tokens:
+        logger.info("speculative decoding: MTP, %d draft tokens a decode step", config.num_spec_tokens)
+    elif config.speculative:
+        logger.info("speculative decoding: off (num_speculative_tokens 0)")
+    elif config.model.num_nextn_predict_layers:
+        logger.info("speculative decoding: off (the default); the checkpoint's MTP layer drafts with --speculative mtp")
 
 
 # Its keywords, as inspect and help() show them: EngineOptions' fields, each with its default.
