@@ -363,3 +363,17 @@ def test_tool_calls_and_quantized_rows_have_one_home():
     quantizers = {"epserve.kernels.nvfp4_act", "epserve.kernels.fp8"}
     assert sorted(p.name for p in (PACKAGE / "moe" / "dispatch").glob("*.py")
                   if _imported_modules(ast.parse(p.read_text())) & quantizers) == ["payload.py"]
+
+
+def test_cpu_kernels_take_their_thread_count_from_one_place():
+    """Every C kernel call takes its thread count from ``kernels/cpu_threads.py`` (recorded steps are given it
+    again at replay), so only that module asks torch for it; and the model's head casts through the kernels
+    (no ``.float()``), so a recorded CPU decode step can hold it."""
+    asking = sorted(p.name for p in _sources(PACKAGE) if "get_num_threads" in p.read_text()
+                    and p.parent.name == "kernels")
+    assert asking == ["cpu_threads.py"]
+    model = ast.parse((PACKAGE / "model" / "deepseek_v3.py").read_text())
+    heads = [f for f in ast.walk(model) if isinstance(f, ast.FunctionDef) and f.name.startswith("compute_")
+             and f.name.endswith("logits")]
+    assert heads and not [f.name for f in heads for node in ast.walk(f)
+                          if isinstance(node, ast.Attribute) and node.attr in {"float", "to", "type"}]
