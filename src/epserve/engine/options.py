@@ -273,10 +273,10 @@ def build_engine_config(
     ``cuda_graph`` (default on for CUDA) / ``compile`` (CPU): pure-decode steps run one captured CUDA graph / one
     ``torch.compile(fullgraph=True)`` forward per batch bucket up to ``cuda_graph_max_bs`` (default:
     ``max_num_seqs``, at most 256). ``speculative="mtp"``: decode with the checkpoint's MTP layer drafting
-    ``num_speculative_tokens`` tokens per step (0: off), verified by the model in one forward (the output distribution is
-    unchanged). ``num_redundant_experts`` extra expert slots hold replicas that share their expert's tokens;
-    ``enable_eplb``: every ``eplb_step_interval`` steps the experts are placed by the load of the last
-    ``eplb_window_size`` steps (``config.EplbConfig``)."""
+    ``num_speculative_tokens`` tokens per step (0: off), verified by the model in one forward (the output
+    distribution is unchanged). ``num_redundant_experts`` extra expert slots hold replicas that share their
+    expert's tokens; ``enable_eplb``: every ``eplb_step_interval`` steps the experts are placed by the load of the
+    last ``eplb_window_size`` steps (``config.EplbConfig``)."""
     placed = EngineOptions.of(dtype=dtype, device=device, **options).placed()
     if model is None:
         from epserve.presets import default_model_path
