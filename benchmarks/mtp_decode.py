@@ -9,7 +9,8 @@ Prompts are the opening words of the training corpus's held-out paragraphs (gree
 Acceptance is measured one request at a time (where every step drafts). The MTP engines switch drafting
 off per step as the engine does (``spec_manager.DraftRule``): above its batch they run plain steps.
 ``--breakdown``: each engine's steady batch-1 decode steps, the step's phases timed around the engine's
-calls (the forward, sampling, the MTP passes, the draft graph replays, the MTP head), alternated, medians;
+calls (the forward, sampling, the MTP passes, the draft graph replays, the MTP head where it runs outside the
+draft graph: "-" where every pass replays a recorded graph, which holds it), alternated, medians;
 then each recorded CPU graph's kernels, timed in C (``cpu_decode.kernel_breakdown``'s timer), alternated.
 Train the checkpoint first: ``epserve make-checkpoint /tmp/trained --train``.
 """
@@ -88,7 +89,7 @@ def breakdown(engines: dict[str, LLM], words: int, rounds: int, steps: int = 50)
           "draft graph ms | MTP head ms |")
     print("|---" * (len(times["plain"]) + 5) + "|")
     for name, t in times.items():
-        med = {p: f"{1e3 * statistics.median(v):.3f}" for p, v in t.items()}
+        med = {p: f"{1e3 * statistics.median(v):.3f}" for p, v in t.items() if v}  # (no MTP head call: "-")
         extra = [med.get(p, "-") for p in ("MTP passes", "draft graph", "MTP head")]
         print(f"| {name} | {tokens[name] / (rounds * steps):.2f} | " + " | ".join(med[p] for p in times["plain"]) +
               " | " + " | ".join(extra) + " |")
