@@ -208,6 +208,7 @@ def offline_and_batched(args: argparse.Namespace, preset: str, source: Path, bin
     prompts = offline_prompts(vocab)
     shape = (args.batches, args.prompt_len, args.steps, vocab)
     runs: dict[str, list] = {name: [] for name in ("epserve", *args.peers)}
+    load: list[float] = []  # the host's 1-minute load average at each round's start (other work on the cores)
     llm = LLM(ckpt, dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
     lc.epserve_batched(llm, args.batches, args.prompt_len, 4, seed=999)  # warm: every shape once
     epserve_offline(llm, prompts[:2])
@@ -222,6 +223,7 @@ def offline_and_batched(args: argparse.Namespace, preset: str, source: Path, bin
         if hf is not None:
             transformers_batched(hf, [1], 8, 2, vocab, seed=999)
         for r in tqdm(range(args.repeats), desc=f"{preset}: offline and decode, alternated"):
+            load.append(os.getloadavg()[0])
             runs["epserve"].append({"offline": epserve_offline(llm, prompts),
                                     **lc.epserve_batched(llm, args.batches, args.prompt_len, args.steps, seed=r)})
             if vllm is not None:
@@ -235,11 +237,12 @@ def offline_and_batched(args: argparse.Namespace, preset: str, source: Path, bin
     finally:
         if vllm is not None:
             vllm.close()
+    load.append(os.getloadavg()[0])
     if vllm is None:
-        return {"runs": runs, "vllm": None}
+        return {"runs": runs, "vllm": None, "load": load}
     mla_off = peer_vllm.vllm_env(ckpt, args.threads).get("VLLM_MLA_DISABLE") == "1"
     backend = peer_vllm.attention_backend(vllm.log) or ("CPU_ATTN" if mla_off else None)
-    return {"runs": runs, "vllm": {**vllm.info, "attention": backend, "mla_disabled": mla_off}}
+    return {"runs": runs, "vllm": {**vllm.info, "attention": backend, "mla_disabled": mla_off}, "load": load}
 
 
 def served(args: argparse.Namespace, preset: str, source: Path, bin_dir: Path, work: Path) -> dict[str, list]:
@@ -312,7 +315,9 @@ def markdown(preset: str, result: dict) -> str:
     lines += ["", goals(rows)]
     agree = "; ".join(f"{p} {a['equal']}/{a['tokens']} (logprobs within {a['max_logprob_diff']:.1e})"
                       for p, a in result["agreement"].items())
-    return "\n".join([*lines, "", f"fp32 greedy tokens equal to epserve's: {agree}."])
+    load = result.get("load")
+    busy = f" The host's 1-minute load average through the timings: {min(load):.1f}–{max(load):.1f}." if load else ""
+    return "\n".join([*lines, "", f"fp32 greedy tokens equal to epserve's: {agree}.{busy}"])
 
 
 def goals(rows: dict[str, dict]) -> str:

@@ -370,7 +370,7 @@ def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_p
     assert rows["epserve"]["offline_out_tok_s"] == 310 and rows["epserve"]["decode_b16"] == 1600
     assert "served_out_tok_s" not in rows["transformers"] and "decode_b1" not in rows["llama.cpp"]
     result = {"table": rows, "agreement": {"vLLM": {"equal": 128, "tokens": 128, "max_logprob_diff": 2e-5}},
-              "vllm": {"attention": "CPU_ATTN", "mla_disabled": True}}
+              "vllm": {"attention": "CPU_ATTN", "mla_disabled": True}, "load": [9.5, 2.0, 3.0]}
     text = v.markdown("small-mla", result)
     assert "vLLM's attention: CPU_ATTN (`VLLM_MLA_DISABLE=1`)" in text
     assert "behind on " in text and "served TTFT vs llama.cpp (0.80×)" in text and "vs vLLM (" not in text
@@ -378,7 +378,7 @@ def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_p
     assert "| | epserve | vLLM | llama.cpp | transformers | epserve / vLLM |" in text
     assert "| batch-1 decode (tok/s) | 100 | 55 | – | 25 | **1.82×** | – | **4.00×** |" in text
     assert "| served: median TTFT (ms) | 100 | 150 | 80 | – | **1.50×** | **0.80×** | – |" in text
-    assert "MLA widths" in text and "vLLM 128/128" in text
+    assert "MLA widths" in text and "vLLM 128/128" in text and "load average through the timings: 2.0–9.5" in text
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# B\n\nbefore\n")
     v.write_docs(text, doc)
