@@ -335,6 +335,7 @@ def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_p
     from epserve import LLM
 
     v = _bench_module("vs_peers")
+    report = _bench_module("peers_report")
     ckpt = make_ckpt("tiny")
     llm = LLM(ckpt, dtype="float32", num_blocks=128, enable_prefix_caching=False)
     prompt = [5, 6, 7, 8, 9]
@@ -366,12 +367,12 @@ def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_p
     runs = {"epserve": [rnd(300, 100), rnd(310, 90), rnd(900, 110)], "vLLM": [rnd(200, 50), unmeasured, rnd(200, 60)],
             "transformers": [rnd(100, 25)] * 3}
     served = {"epserve": [srv(200, 100, 20)], "vLLM": [srv(160, 150, 25)], "llama.cpp": [srv(250, 80, 10)]}
-    rows = v.table(runs, served, [1, 4, 16])
+    rows = report.table(runs, served, [1, 4, 16])
     assert rows["epserve"]["offline_out_tok_s"] == 310 and rows["epserve"]["decode_b16"] == 1600
     assert "served_out_tok_s" not in rows["transformers"] and "decode_b1" not in rows["llama.cpp"]
     result = {"table": rows, "agreement": {"vLLM": {"equal": 128, "tokens": 128, "max_logprob_diff": 2e-5}},
               "vllm": {"attention": "CPU_ATTN", "mla_disabled": True}, "load": [9.5, 2.0, 3.0]}
-    text = v.markdown("small-mla", result)
+    text = report.markdown("small-mla", result)
     assert "vLLM's attention: CPU_ATTN (`VLLM_MLA_DISABLE=1`)" in text
     assert "behind on " in text and "served TTFT vs llama.cpp (0.80×)" in text and "vs vLLM (" not in text
     assert "short of served output vs vLLM: 1.25× (goal ≥ 1.3×)" in text and "decode vs vLLM:" not in text
@@ -381,11 +382,11 @@ def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_p
     assert "MLA widths" in text and "vLLM 128/128" in text and "load average through the timings: 2.0–9.5" in text
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# B\n\nbefore\n")
-    v.write_docs(text, doc)
-    v.write_docs(text.replace("100", "101"), doc)
+    report.write_docs(text, doc)
+    report.write_docs(text.replace("100", "101"), doc)
     written = doc.read_text()
-    assert written.startswith("# B\n\nbefore\n\n" + v.HEADING) and written.endswith(f"{v.END}\n")
-    assert written.count(v.HEADING) == 1 and "| 101 |" in written and "| 100 |" not in written
+    assert written.startswith("# B\n\nbefore\n\n" + report.HEADING) and written.endswith(f"{report.END}\n")
+    assert written.count(report.HEADING) == 1 and "| 101 |" in written and "| 100 |" not in written
 
 
 def test_decode_inputs_stage_the_same_host_bytes_at_any_max_model_len(tmp_path):
