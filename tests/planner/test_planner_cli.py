@@ -133,7 +133,11 @@ def test_calibrate_quick_writes_a_usable_hardware_file(tmp_path: Path, capsys: p
         curve = spec.memory_by_rows[kernel_class]
         assert min(r for r, _, _ in curve) == 1 and all(0 < f <= 1 for _, _, f in curve)
         assert len({size for _, size, _ in curve}) == 2  # two weight sizes
-    assert spec.op_overhead_us > 0 and spec.step_overhead_us >= 0
+    # the host overhead is fitted from the engine's own steps (the fit itself: test_planner_overhead.py); with the
+    # recorded CPU decode a step's per-op cost is a few microseconds, which a busy host can hide entirely
+    steps = [p for p in spec.points if p.kind == "engine_step"]
+    assert len(steps) >= 4 and all(p.time_us > 0 for p in steps)
+    assert spec.op_overhead_us >= 0 and spec.op_overhead_per_token_us >= 0 and spec.step_overhead_us >= 0
     assert load_hardware(out) == spec  # loads back as written
     small = json.dumps({**DEEPSEEK_V3, "n_routed_experts": 16, "num_hidden_layers": 4, "hidden_size": 512,
                         "moe_intermediate_size": 128, "intermediate_size": 1024, "num_attention_heads": 8,

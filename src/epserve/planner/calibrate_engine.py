@@ -209,9 +209,12 @@ def measure_mtp_acceptance(model: str | Path, device: str = "cpu", num_speculati
     """The draft acceptance of ``model``'s MTP layer on this engine: greedy continuations of
     ``MTP_PROMPTS`` with ``speculative="mtp"``; ``llm.speculative_stats()``."""
     from epserve.engine.llm import LLM
+    from epserve.engine.spec_manager import DraftRule
     from epserve.messages.sampling import SamplingParams
 
     with LLM(model, device=device, speculative="mtp", num_speculative_tokens=num_speculative_tokens) as llm:
+        # every step drafts: this measures the model's drafts, not the engine's rule of when drafting pays
+        llm.engine.runner.proposer.rule = DraftRule(max_requests=len(MTP_PROMPTS))
         llm.generate(list(MTP_PROMPTS), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         return llm.speculative_stats()  # type: ignore[return-value]
 
