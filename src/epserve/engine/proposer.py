@@ -38,9 +38,8 @@ import torch
 from epserve.engine.batch_plan import BatchPlan, StepResult
 from epserve.engine.block_tables import DeviceTables
 from epserve.engine.request import Request, ScheduledChunk
-from epserve.engine.sampling import SamplingPipeline, argmax_rows
+from epserve.engine.sampling import SamplingPipeline, argmax_only, argmax_rows
 from epserve.engine.spec_manager import DraftRule, draft_room
-from epserve.messages.sampling import SamplingParams
 from epserve.model.deepseek_v3 import DeepseekV3ForCausalLM
 from epserve.moe.dispatch.base import Dispatcher
 from epserve.parallel.comm import broadcast_from_leader
@@ -121,7 +120,7 @@ class MTPProposer:
         drafts: dict[str, list[int]] = {d.request.request_id: [] for d in drafting}
         probs: dict[str, list[torch.Tensor | None]] = {d.request.request_id: [] for d in drafting}
         rows, active = step.plan.logits_indices, drafting
-        greedy = all(_plain_greedy(d.request.sampling_params) for d in drafting)
+        greedy = all(argmax_only(d.request.sampling_params) for d in drafting)
         for depth in range(self.num_spec):
             if active:
                 logits = self._draft_logits(h, rows, replayed)
@@ -259,11 +258,6 @@ def _tokens(result: StepResult | None, request_id: str) -> tuple[int, ...]:
     """The tokens a request got from this step's sampling (none for a request that did not sample)."""
     sampled = result.sampled.get(request_id, ()) if result is not None else ()
     return (sampled,) if isinstance(sampled, int) else tuple(sampled)
-
-
-def _plain_greedy(params: SamplingParams) -> bool:
-    """A request whose draft is the MTP logits' argmax as they are: greedy, no logits processing, no grammar."""
-    return params.is_greedy and params.structured is None and not params.processes_logits
 
 
 def _take(t: torch.Tensor, rows: tuple[int, ...] | list[int]) -> torch.Tensor:

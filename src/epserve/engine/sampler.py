@@ -121,3 +121,13 @@ def _unmarked(token_ids: list[int]) -> tuple[list[int], tuple[int, ...]]:
     for row in empty:
         token_ids[row] = 0
     return token_ids, empty
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, as ``torch.argmax`` picks it (the first of equal maxima; a NaN before any number):
+    on the host numpy's (one thread, vectorised: torch's reduction over a few long rows splits them between its
+    threads, which costs milliseconds beside other work on the cores), else (another device or a dtype numpy
+    lacks) torch's."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()

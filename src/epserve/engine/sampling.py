@@ -39,7 +39,7 @@ from epserve.engine.constraints import Constraints
 from epserve.engine.logits_processor import LogitsProcessor
 from epserve.engine.prompt_logprobs import prompt_logprobs
 from epserve.engine.request import Request, ScheduledChunk
-from epserve.engine.sampler import Sampler
+from epserve.engine.sampler import Sampler, argmax_rows
 from epserve.engine.spec_decode import Noise, SpecStats, VerifyGroup, draft_tokens, verify, verify_greedy
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
@@ -47,20 +47,16 @@ NO_TOKEN_LEFT = ("the sampling parameters leave no token allowed (bad_words, log
                  "constraint or the stop tokens and EOS under min_tokens mask every token of the vocabulary)")
 
 
+def argmax_only(params: SamplingParams) -> bool:
+    """Whether a request's token is the argmax of the logits as they are: greedy, no logits processing
+    (``LogitsProcessor``), no grammar (what an MTP draft of it is, whatever it asks of the target's logits)."""
+    return params.is_greedy and params.structured is None and not params.processes_logits
+
+
 def plain_greedy(params: SamplingParams) -> bool:
     """Whether a request's next token is the argmax of the model's logits and nothing more is asked of them:
-    greedy, no logits processing (``LogitsProcessor``), no grammar, no logprobs."""
-    return (params.is_greedy and params.logprobs is None and params.structured is None
-            and not params.processes_logits)
-
-
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax, as ``torch.argmax`` picks it (the first of equal maxima; a NaN before any number):
-    on the host numpy's (one thread, vectorised: torch's reduction over a few long rows splits them between its
-    threads, which costs milliseconds beside other work on the cores), else torch's."""
-    if logits.device.type == "cpu":
-        return logits.numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+    :func:`argmax_only`, and no logprobs."""
+    return params.logprobs is None and argmax_only(params)
 
 
 def no_token_left(params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int]) -> str | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from epserve.engine.sampler import filter_logits
+from epserve.engine.sampler import argmax_rows, filter_logits
 from epserve.messages.sampling import SamplingParams, TokenLogprobs
 
 DRAFT, ACCEPT, SAMPLE = 1, 2, 3  # the roles of a position's draws
@@ -158,7 +158,7 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
     if firsts[-1] != logits.shape[0]:
         raise ValueError(f"the groups have {firsts[-1]} rows, the logits {logits.shape[0]}")
     if all(g.params.is_greedy and g.params.logprobs is None for g in groups):
-        return verify_greedy(logits.argmax(dim=-1).tolist(), [g.drafts for g in groups])
+        return verify_greedy(argmax_rows(logits), [g.drafts for g in groups])
     argmax = logits.argmax(dim=-1)
     nxt = torch.tensor([t for g in groups for t in (*g.drafts, -1)], dtype=torch.long, device=device)  # -1: bonus
     accept = argmax == nxt  # greedy rows; sampled rows are decided below
