@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from epserve.engine.request import Request
@@ -103,12 +104,20 @@ class DeviceTables:
         self.table = torch.full((max(rows, PAD_ROW + 1), max_blocks), sink_block, dtype=torch.long, device=device)
         self.staged_bytes = 0  # bytes of host tensors staged to the device so far
 
-    def stage(self, columns: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Equal-length host columns as one int64 tensor [len(columns), n] on the device: a step's one copy
-        of its host values (counted in ``staged_bytes``)."""
+    def stage(self, columns: Sequence[Sequence[int]], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Equal-length host columns as one int64 tensor [len(columns), n] on the device (into ``out`` when
+        given): a step's one copy of its host values (counted in ``staged_bytes``). On the CPU into ``out``
+        through numpy: no torch op (each costs tens of microseconds after a replay has streamed the weights
+        through the caches)."""
+        if out is not None and self.device.type == "cpu":
+            values = out.numpy()
+            values[:] = columns
+            self.staged_bytes += values.nbytes
+            return out
         host = torch.tensor(columns, dtype=torch.long)
         self.staged_bytes += host.numel() * host.element_size()
-        return host.to(self.device, non_blocking=True)
+        staged = host.to(self.device, non_blocking=True)
+        return staged if out is None else out.copy_(staged)
 
     def apply(self, appends: TableAppends) -> None:
         """Scatter a step's appends into the table (columns past ``max_blocks``, never read, are dropped)."""
@@ -129,7 +138,11 @@ class DeviceTables:
         self.table.index_put_((staged[0], staged[1]), staged[2])
 
     def gather(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The tables of ``rows`` (a device index, one per batch row) into ``out`` [len(rows), max_blocks]."""
+        """The tables of ``rows`` (a device index, one per batch row) into ``out`` [len(rows), max_blocks] (on the
+        CPU through numpy, as :meth:`stage`)."""
+        if self.device.type == "cpu":
+            np.take(self.table.numpy(), rows.numpy(), axis=0, out=out.numpy())
+            return out
         return torch.index_select(self.table, 0, rows, out=out)
 
     def select(self, rows: Sequence[int], width: int) -> torch.Tensor:

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 import torch
 
 from epserve import env
@@ -170,23 +169,16 @@ class DecodeGraphs:
 
     def stage(self, step: DecodeStep) -> DecodeInputs:
         """The bucket's static inputs holding ``step``: its host values copied to the device at once, then its
-        rows' block tables gathered from the device tables (outside any graph). On the CPU both are written in
-        place through numpy: no torch op a step (each costs tens of microseconds after a replay has streamed
-        the weights through the caches); its values counted as staged all the same."""
+        rows' block tables gathered from the device tables (outside any graph; on the CPU both without a torch op,
+        ``engine/block_tables.py``)."""
         assert self.tables is not None, "a decode step needs the device block tables"
         entry = self._inputs.get(step.bucket)
         if entry is None:
             entry = self._inputs[step.bucket] = self._static(step)
         static, packed = entry
-        columns = (step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.table_rows)
-        if packed.device.type == "cpu":
-            values = packed.numpy()
-            values[:] = columns
-            self.tables.staged_bytes += values.nbytes
-            np.take(self.tables.table.numpy(), values[4], axis=0, out=static.block_tables.numpy())
-        else:
-            packed.copy_(self.tables.stage(columns))
-            self.tables.gather(packed[4], out=static.block_tables)
+        self.tables.stage((step.input_ids, step.positions, step.slot_mapping, step.seq_lens, step.table_rows),
+                          out=packed)
+        self.tables.gather(packed[4], out=static.block_tables)
         if static.hidden is not None:
             n = step.hidden.shape[0]  # type: ignore[union-attr]
             static.hidden[:n].copy_(step.hidden)  # type: ignore[arg-type]
