@@ -15,6 +15,12 @@ a system's slowdown under a load is its figure under the first load (``quiet``) 
 generations by default: libgomp's spinning waits under three busy processes run at a few tokens a second.
 Both engines run bf16 on the `small` preset with the host's cores (vLLM bound to cores 0..threads-1, as
 ``peer_vllm.vllm_env`` sets). Figures go in docs/benchmarks.md.
+
+Each busy process runs in a session of its own, as other jobs on a host do. Where the kernel groups
+scheduling by session (``/proc/sys/kernel/sched_autogroup_enabled``), a session's processes share one fair share
+of the CPU: loads in the benchmark's own session would compete with epserve (which runs in this process) thread
+by thread, while vLLM's child, in its own session, would get half the cores whatever the load.
+``--shared-session`` starts them in this session, to show that difference.
 """
 
 from __future__ import annotations
@@ -45,12 +51,14 @@ SETTLE_S = 0.6  # after a load starts or the waits' mode changes: the monitor's 
 
 
 @contextlib.contextmanager
-def load(spec: str) -> Iterator[None]:
-    """``quiet``, or ``KIND:N``: N busy processes of BUSY[KIND] for the block's duration."""
+def load(spec: str, own_session: bool = True) -> Iterator[None]:
+    """``quiet``, or ``KIND:N``: N busy processes of BUSY[KIND] for the block's duration, each in a session of its
+    own unless ``own_session`` is False."""
     procs = []
     if spec != "quiet":
         kind, n = spec.split(":")
-        procs = [subprocess.Popen([sys.executable, "-c", BUSY[kind]]) for _ in range(int(n))]
+        procs = [subprocess.Popen([sys.executable, "-c", BUSY[kind]], start_new_session=own_session)
+                 for _ in range(int(n))]
     try:
         time.sleep(SETTLE_S)
         yield
@@ -108,6 +116,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16, help="prompts of the offline batch")
     ap.add_argument("--max-tokens", type=int, default=16, help="tokens each of the offline batch's prompts")
     ap.add_argument("--peers", nargs="*", default=[], choices=["vllm"], help="vLLM's CPU build beside epserve")
+    ap.add_argument("--shared-session", action="store_true",
+                    help="the busy processes in this process's session (see the module's docstring)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     path = checkpoint(args)
@@ -132,17 +142,25 @@ def main() -> None:
         names = list(systems)
         for r in range(args.rounds):
             for spec in args.loads:
-                with load(spec):
+                with load(spec, own_session=not args.shared_session):
                     for name in names[r % len(names):] + names[: r % len(names)]:
                         results[name][spec].append(systems[name]())
                         print(f"round {r + 1} {spec:9s} {name}: {results[name][spec][-1]}", flush=True)
     cpu_threads.stop()
     rows = report(results, args.loads)
     out = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads} threads, "
-                      f"torch {torch.__version__}", "checkpoint": str(path), "args": vars(args), "rows": rows,
-           "rounds": results}
+                      f"torch {torch.__version__}, autogroup {autogroup()}",
+           "checkpoint": str(path), "args": vars(args), "rows": rows, "rounds": results}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
+
+
+def autogroup() -> str:
+    """Whether the kernel groups scheduling by session (``1``), ``0``, or ``unknown``."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "unknown"
 
 
 def report(results: dict[str, dict[str, list[dict[str, float]]]], loads: list[str]) -> list[dict]:
