@@ -28,7 +28,7 @@ ENGINE = dict(dtype="float32", num_blocks=256, block_size=8, device=os.environ.g
 
 @pytest.fixture(scope="module")
 def plain(counter_ckpt):
-    return LLM(counter_ckpt, **ENGINE)
+    return LLM(counter_ckpt, num_speculative_tokens=0, **ENGINE)
 
 
 @pytest.fixture(scope="module")

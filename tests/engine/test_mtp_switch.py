@@ -27,7 +27,7 @@ def test_drafting_stops_at_a_large_batch_and_resumes_at_batch_one(counter_ckpt):
     lengths = (6, 10, 14, 18, 40)
     prompts = [[5 + i, 6, 7, 8 + i] for i in range(len(lengths))]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
-    reference = [o.token_ids for o in LLM(counter_ckpt, **ENGINE).generate(prompts, params)]
+    reference = [o.token_ids for o in LLM(counter_ckpt, num_speculative_tokens=0, **ENGINE).generate(prompts, params)]
     llm = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=1, **ENGINE)
     proposer, engine = llm.engine.runner.proposer, llm.engine
     proposer.rule = DraftRule(max_requests=2)  # (and no acceptance floor: the counter drafts right half the time)

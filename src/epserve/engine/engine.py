@@ -22,6 +22,8 @@ from epserve.engine.request import Request, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.sampling import SamplingPipeline, no_token_left
 from epserve.engine.scheduler import RequestUpdate, Scheduler
+from epserve.engine.spec_decode import SpecStats
+from epserve.engine.spec_probe import PROBE_MARGIN, SpecDecision, probes, release_mtp, run_probe, unprobed
 from epserve.messages.engine import AddRequest
 from epserve.messages.expert_load import ExpertLoad
 from epserve.messages.kv import KVWanted, PrefilledKV
@@ -41,20 +43,21 @@ class RequestError(CommandRefused):
 class LLMEngine:
     """Token-in/token-out engine of one rank; the leader of a DP group owns its scheduler."""
 
-    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, ctx: ParallelContext | None = None,
+                 spec_margin: float = PROBE_MARGIN) -> None:
+        """``spec_margin``: by how much MTP's measured tokens/s at batch 1 must beat plain decoding's for the
+        start-up probe to switch it on (where the engine probes: ``spec_probe.probes``)."""
         self.ctx = ctx if ctx is not None else ParallelContext.single(resolve_device(config.device))
+        probing = probes(config)
+        if probing:  # the MTP layer loaded for the start-up probe, which keeps or releases it
+            config = replace(config, speculative="mtp", num_speculative_tokens=1)
+        self.config = config
         self.runner = ModelRunner(config, self.ctx)
         self.sampling = SamplingPipeline(config, self.runner.model.compute_logits, self.ctx.device)
         self.constraints = self.sampling.constraints  # structured outputs: the step loop's one seam
         if self.ctx.device.type == "cpu":  # after loading: the load's temporaries are not kept
             keep_freed_host_memory()
-        self.scheduler = (
-            Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len,
-                      config.num_spec_tokens)
-            if self.ctx.is_leader
-            else None
-        )
+        self.scheduler = self._new_scheduler()
         self.anybody_unfinished = False  # from the last step's all-reduce
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
         self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
@@ -64,6 +67,40 @@ class LLMEngine:
         # leaves no token allowed: ``Constraints``); their updates finish as "abort", the loop reports
         # them failed
         self.failed: dict[str, str] = {}
+        # whether the engine drafts, why, and the start-up probe's figures where it probed
+        self.speculation = self._settle_speculation(spec_margin) if probing else unprobed(config)
+
+    def _new_scheduler(self) -> Scheduler | None:
+        """A DP group leader's scheduler, empty (None elsewhere)."""
+        config = self.config
+        if not self.ctx.is_leader:
+            return None
+        return Scheduler(config.scheduler, config.cache, self.runner.num_blocks, config.max_model_len,
+                         config.num_spec_tokens)
+
+    def _settle_speculation(self, margin: float) -> SpecDecision:
+        """Probe whether MTP pays (``engine/spec_probe.py``), keep the MTP layer or release it, and leave the
+        engine as it was before the probe: a fresh scheduler (no prefix cache, every KV block free), the
+        acceptance, expert-load and step counters at zero. Logged in one line."""
+        decision = run_probe(self, margin)
+        runner = self.runner
+        if decision.on:
+            assert runner.proposer is not None and decision.rule is not None
+            runner.proposer.rule = decision.rule
+            runner.proposer.steps_without_drafts = 0
+            self.sampling.stats = SpecStats(self.config.num_spec_tokens)
+        else:
+            release_mtp(runner)
+            self.config = replace(self.config, speculative=None, num_speculative_tokens=0)
+            self.sampling.stats = None
+        self.scheduler = self._new_scheduler()
+        if runner.balancer is not None:
+            runner.balancer.reset()
+        runner.dispatcher.reset_stats()
+        self.num_forwards = self.step_tokens = 0
+        self.failed = {}
+        logger.info("speculative decoding: %s (the start-up probe took %.2f s)", decision.reason, decision.seconds)
+        return decision
 
     def check_request(self, request: AddRequest) -> AddRequest:
         """The one check of a request, where it enters (the offline command on every rank, the gRPC

@@ -19,6 +19,7 @@ from epserve.engine.balancer import RebalanceReport
 from epserve.engine.engine import LLMEngine
 from epserve.engine.options import EngineOptions, build_engine_config
 from epserve.engine.profiler import StepRecord
+from epserve.engine.spec_probe import unprobed
 from epserve.engine.worker import EngineWorker, join_torchrun, spawn_ranks
 from epserve.messages.commands import (
     Generate,
@@ -156,8 +157,18 @@ class LLM:
     def speculative_stats(self) -> dict[str, object] | None:
         """Draft acceptance since start-up, over every DP group: ``num_drafts`` (decodes that verified
         drafts), ``num_draft_tokens``, ``num_accepted_tokens``, ``acceptance_rate`` and
-        ``accepted_per_position`` (how often draft ``j`` was accepted); None without speculative decoding."""
+        ``accepted_per_position`` (how often draft ``j`` was accepted); None without speculative decoding
+        (whether the engine drafts and why: :meth:`speculative_decision`)."""
         return self._call(GetSpeculativeStats())
+
+    def speculative_decision(self) -> dict[str, object]:
+        """Whether the engine drafts with MTP and why (``mtp``, ``reason``: one line, as logged at start-up), and
+        where it decided by its start-up probe (``engine/spec_probe.py``) the figures: ``acceptance``, ``speeds``
+        (each batch timed: plain and MTP decode tokens/s, their ratio, a drafting step's cost in plain steps), the
+        rule it drafts by (``max_requests``, ``break_even_acceptance``) and ``probe_seconds``."""
+        if self.engine is not None:
+            return self.engine.speculation.as_dict()
+        return unprobed(self.config).as_dict()  # (spawned ranks: the options decide, no probe)
 
     def expert_load(self) -> ExpertLoad:
         """Tokens per (MoE layer, logical expert) and per rank since start-up, and the imbalance."""

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from epserve.config import (
     CacheConfig,
@@ -144,13 +144,16 @@ class EngineOptions:
     compile: bool = option(
         "engine.compile", "--compile",
         help="CPU: decode steps through torch.compile(fullgraph=True), one graph per batch bucket")
-    speculative: SpeculativeMethod = option(
-        "engine.speculative", "--speculative",
-        help="speculative decoding: mtp drafts with the checkpoint's multi-token prediction layer")
+    speculative: SpeculativeMethod | Literal["auto"] = option(
+        "engine.speculative", "--speculative", choices=("auto", "mtp"),
+        help="speculative decoding with the checkpoint's multi-token prediction (MTP) layer: mtp always drafts; "
+        "auto (the default) loads the layer and measures at start-up (a few greedy continuations: the drafts' "
+        "acceptance, then tokens/s with and without drafting) whether drafting pays here, one draft token a step, "
+        "one rank; off where the checkpoint has no MTP layer")
     num_speculative_tokens: int = option(
         "engine.num_speculative_tokens", "--num-speculative-tokens", unset=True,
-        help="draft tokens per decode step with --speculative (the MTP layer chained on itself; default "
-        f"{EngineConfig.num_speculative_tokens}; 0: speculative decoding off)",
+        help="draft tokens per decode step with --speculative mtp (the MTP layer chained on itself; default "
+        f"{EngineConfig.num_speculative_tokens}; 0: speculative decoding off, without a probe)",
         also=(Flag(("--speculative-config",), metavar="JSON", type=str, parse=_speculative_config,
                    sets=("speculative", "num_speculative_tokens"),
                    help="vLLM's speculative decoding option: '{\"method\": \"deepseek_mtp\" (or \"mtp\"), "
@@ -274,9 +277,12 @@ def build_engine_config(
     ``torch.compile(fullgraph=True)`` forward per batch bucket up to ``cuda_graph_max_bs`` (default:
     ``max_num_seqs``, at most 256). ``speculative="mtp"``: decode with the checkpoint's MTP layer drafting
     ``num_speculative_tokens`` tokens per step (0: off), verified by the model in one forward (the output
-    distribution is unchanged). ``num_redundant_experts`` extra expert slots hold replicas that share their
+    distribution is unchanged); ``"auto"`` (or None, the default): on one rank with a checkpoint that has an MTP
+    layer, the engine measures at start-up whether one draft token a step pays and drafts only if it does
+    (``engine/spec_probe.py``). ``num_redundant_experts`` extra expert slots hold replicas that share their
     expert's tokens; ``enable_eplb``: every ``eplb_step_interval`` steps the experts are placed by the load of the
     last ``eplb_window_size`` steps (``config.EplbConfig``)."""
+    options = _speculative_options(options)
     placed = EngineOptions.of(dtype=dtype, device=device, **options).placed()
     if model is None:
         from epserve.presets import default_model_path
@@ -307,19 +313,45 @@ def build_engine_config(
     from epserve.model.quantization import resolve_fp8_weights  # (torch: not imported with the command line)
 
     resolve_fp8_weights(config.quantization, model_config, parallel.tp, device.split(":")[0])  # refuses what FP8 cannot
-    _log_speculative(config)
+    return _speculation(config)
+
+
+def _speculative_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``speculative="auto"`` is the default (None in the configuration); ValueError for a draft count it
+    cannot go with: auto probes one draft token, more drafts are ``speculative="mtp"``'s."""
+    method, num = options.get("speculative"), options.get("num_speculative_tokens")
+    if method == "auto" and num is not None and num != 1:
+        raise ValueError(f"speculative 'auto' (--speculative auto) probes one draft token a step at start-up; "
+                         f"num_speculative_tokens {num} goes with --speculative mtp (always drafting), 0 with "
+                         "neither (off)")
+    if method is None and num is not None and num > 1:
+        raise ValueError(f"num_speculative_tokens {num} (--num-speculative-tokens {num}) drafts with --speculative "
+                         "mtp; the default (auto) probes one draft token a step, 0 is off")
+    return {**options, "speculative": None} if method == "auto" else options
+
+
+def _speculation(config: EngineConfig) -> EngineConfig:
+    """The configuration, logged with whether the engine drafts and why (:func:`speculation_without_probe`)."""
+    reason = speculation_without_probe(config)
+    logger.info("speculative decoding: %s", reason or "auto: the engine measures at start-up whether the "
+                "checkpoint's MTP layer pays")
     return config
 
 
-def _log_speculative(config: EngineConfig) -> None:
-    """Whether the engine decodes speculatively, and why (off by default: the checkpoint's MTP layer drafts only
-    with ``speculative="mtp"``)."""
+def speculation_without_probe(config: EngineConfig) -> str | None:
+    """Whether an engine of ``config`` drafts, and why, where its options decide it: ``speculative="mtp"`` drafts,
+    0 draft tokens is off, and the default is off without an MTP layer or on several ranks; None where the default
+    is left to the engine's start-up probe (``engine/spec_probe.py``: one rank, a checkpoint with an MTP layer)."""
     if config.num_spec_tokens:
-        logger.info("speculative decoding: MTP, %d draft tokens a decode step", config.num_spec_tokens)
-    elif config.speculative:
-        logger.info("speculative decoding: off (num_speculative_tokens 0)")
-    elif config.model.num_nextn_predict_layers:
-        logger.info("speculative decoding: off (the default); the checkpoint's MTP layer drafts with --speculative mtp")
+        return f"MTP, {config.num_spec_tokens} draft tokens a decode step"
+    if config.speculative or not config.num_speculative_tokens:
+        return "off (num_speculative_tokens 0)"
+    if not config.model.num_nextn_predict_layers:
+        return "off (the checkpoint has no MTP layer)"
+    if config.parallel.world_size > 1:
+        return (f"off: the start-up probe that decides it runs on one rank, not dp x tp = "
+                f"{config.parallel.world_size}; --speculative mtp forces it")
+    return None
 
 
 # Its keywords, as inspect and help() show them: EngineOptions' fields, each with its default.

@@ -195,26 +195,16 @@ def fit_stream_efficiency(spec: HardwareSpec, points: Sequence[MeasuredPoint]) -
     return (lo + hi) / 2
 
 
-# A few plain English openings: the drafts' acceptance on them is this engine's own figure for its model.
-MTP_PROMPTS = (
-    "The following section describes", "When the interpreter starts, it", "A function definition is",
-    "In the example above, the value of", "It is important to note that the", "The result of the operation is",
-    "Each object has an identity, a type and", "If the condition is true, the", "This chapter explains how",
-    "The default value of the argument is", "For example, the expression", "An exception is raised when",
-)
-
-
 def measure_mtp_acceptance(model: str | Path, device: str = "cpu", num_speculative_tokens: int = 1,
                            max_tokens: int = 64) -> dict[str, object]:
-    """The draft acceptance of ``model``'s MTP layer on this engine: greedy continuations of
-    ``MTP_PROMPTS`` with ``speculative="mtp"``; ``llm.speculative_stats()``."""
+    """The draft acceptance of ``model``'s MTP layer on this engine: greedy continuations of the engine's own
+    probe prompts (``engine.spec_probe.MTP_PROMPTS``, all of them) with ``speculative="mtp"``, every step
+    drafting; ``llm.speculative_stats()``."""
     from epserve.engine.llm import LLM
-    from epserve.engine.spec_manager import DraftRule
-    from epserve.messages.sampling import SamplingParams
+    from epserve.engine.spec_probe import MTP_PROMPTS, measure_acceptance, probe_prompts
 
     with LLM(model, device=device, speculative="mtp", num_speculative_tokens=num_speculative_tokens) as llm:
-        # every step drafts: this measures the model's drafts, not the engine's rule of when drafting pays
-        llm.engine.runner.proposer.rule = DraftRule(max_requests=len(MTP_PROMPTS))
-        llm.generate(list(MTP_PROMPTS), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        engine = llm.engine
+        assert engine is not None  # (one rank)
+        measure_acceptance(engine, probe_prompts(engine.config, len(MTP_PROMPTS)), max_tokens)
         return llm.speculative_stats()  # type: ignore[return-value]
-

@@ -1,0 +1,288 @@
+"""Whether MTP speculative decoding pays on this engine, measured at start-up: the default (``speculative``
+not given, ``num_speculative_tokens`` not 0) on one rank, with a checkpoint that has an MTP layer. The engine
+loads the layer, warms up as usual, and before it serves:
+
+1. acceptance: greedy continuations of a few fixed prompts (:data:`MTP_PROMPTS`), every step drafting one
+   token; the drafts' acceptance bounds what drafting can gain (a drafting step yields ``1 + acceptance``
+   tokens a request and costs at least a plain step), so below :data:`PROBE_MARGIN` it is off without timing
+   anything (a random-weight checkpoint: every test's model);
+2. speed: the same continuations with and without drafting, timed at batch 1 and at the device's drafting
+   cap (``DraftRule``), alternated, medians of a few rounds; the greedy tokens with drafts must equal those
+   without (a mismatch is logged as an error and MTP stays off);
+3. the decision (:func:`decide`, on the figures alone): on where MTP's tokens/s at batch 1 is at least the
+   margin above plain's; the proposer's ``DraftRule`` then drafts up to the largest batch measured to pay,
+   while the drafts' acceptance stays above the measured break-even (a drafting step's cost in plain steps,
+   less one).
+
+The probe leaves no trace (the engine resets what it touched: the scheduler with its prefix cache and KV
+blocks, the acceptance counters, the expert-load counters, the unseeded requests' generator); switched off,
+the MTP layer's weights, KV cache and draft graphs are released (:func:`release_mtp`). The planner's
+acceptance figure (``planner/calibrate_engine.py``) is :func:`measure_acceptance` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from epserve.checkpoint import CheckpointReader
+from epserve.config import EngineConfig
+from epserve.engine.options import speculation_without_probe
+from epserve.engine.runner import ModelRunner
+from epserve.engine.sampling import SamplingPipeline
+from epserve.engine.spec_manager import DraftRule
+from epserve.messages.sampling import SamplingParams
+from epserve.parallel.context import ParallelContext
+from epserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# A few plain English openings: the drafts' acceptance on them is this engine's own figure for its model.
+MTP_PROMPTS = (
+    "The following section describes", "When the interpreter starts, it", "A function definition is",
+    "In the example above, the value of", "It is important to note that the", "The result of the operation is",
+    "Each object has an identity, a type and", "If the condition is true, the", "This chapter explains how",
+    "The default value of the argument is", "For example, the expression", "An exception is raised when",
+)
+PROBE_MARGIN = 1.05  # MTP's tokens/s at batch 1 over plain's, at least, for the default to draft
+PROBE_PROMPTS = 4  # continuations the acceptance is counted on (at once)
+PROBE_TOKENS = 16  # tokens each continuation generates
+PROBE_ROUNDS = 3  # timed runs per mode and batch (medians), after one untimed
+PROBE_MAX_BATCH = 16  # the largest batch timed (the device's drafting cap, the engine's running requests)
+
+
+@dataclass(frozen=True)
+class SpeedFigures:
+    """One batch's timed continuations: decode tokens/s without and with drafting (medians), and a drafting
+    step's time in plain steps."""
+
+    batch: int
+    plain_tps: float
+    mtp_tps: float
+    step_cost: float
+
+    @property
+    def ratio(self) -> float:
+        return self.mtp_tps / self.plain_tps
+
+
+@dataclass(frozen=True)
+class SpecDecision:
+    """The start-up decision: drafting ``on`` or not, why (one line), the figures it rests on, the
+    proposer's rule where on, and the probe's seconds."""
+
+    on: bool
+    reason: str
+    acceptance: float | None = None
+    speeds: tuple[SpeedFigures, ...] = ()
+    rule: DraftRule | None = None
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mtp": self.on, "reason": self.reason, "acceptance": self.acceptance,
+                "speeds": [{"batch": s.batch, "plain_tps": s.plain_tps, "mtp_tps": s.mtp_tps, "ratio": s.ratio,
+                            "step_cost": s.step_cost} for s in self.speeds],
+                "max_requests": self.rule.max_requests if self.rule else None,
+                "break_even_acceptance": self.rule.cost if self.rule else None, "probe_seconds": self.seconds}
+
+
+def decide(acceptance: float, speeds: Sequence[SpeedFigures], cap: int, margin: float = PROBE_MARGIN) -> SpecDecision:
+    """The decision on the measured figures: off where the acceptance alone cannot reach ``margin`` (nothing
+    timed) or MTP's batch-1 tokens/s is under ``margin`` x plain's; else on, drafting for up to the largest
+    batch timed at which it was not slower (``cap``, the device's, where that batch is the largest timed), while
+    the acceptance stays above that batch's break-even (its drafting step's cost in plain steps, less one)."""
+    forced = "; --speculative mtp forces it"
+    if 1 + acceptance < margin or not speeds:
+        return SpecDecision(False, f"off: MTP's drafts were accepted {acceptance:.2f} of the time, so drafting "
+                            f"gains at most {1 + acceptance:.2f}x (under {margin:.2f}x){forced}", acceptance)
+    first = speeds[0]
+    figures = (f"acceptance {acceptance:.2f}, a drafting step costs {first.step_cost:.2f} plain ones; "
+               f"{first.mtp_tps:.1f} against {first.plain_tps:.1f} tokens/s")
+    if first.ratio < margin:
+        return SpecDecision(False, f"off: MTP measured {first.ratio:.2f}x plain at batch 1 ({figures}){forced}",
+                            acceptance, tuple(speeds))
+    top = max((s for s in speeds if s.ratio >= min(margin, 1.0)), key=lambda s: s.batch)  # (batch 1's among them)
+    largest = max(s.batch for s in speeds)
+    rule = DraftRule(cap if top.batch == largest else top.batch, max(top.step_cost - 1.0, 0.0))
+    at = ", ".join(f"{s.ratio:.2f}x at batch {s.batch}" for s in speeds)
+    return SpecDecision(True, f"on: MTP measured {at} ({figures}); drafting for up to {rule.max_requests} requests "
+                        f"while the drafts' acceptance stays above {rule.cost:.2f}", acceptance, tuple(speeds), rule)
+
+
+class ProbedEngine(Protocol):
+    """What the probe drives: an engine of one rank with the MTP layer loaded (``engine.LLMEngine``)."""
+
+    config: EngineConfig
+    ctx: ParallelContext
+    runner: ModelRunner
+    sampling: SamplingPipeline
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self, stopping: bool = False) -> list[Any]: ...
+
+
+def probes(config: EngineConfig) -> bool:
+    """Whether an engine of ``config`` decides speculative decoding at start-up: the default (``speculative``
+    None, ``num_speculative_tokens`` not 0), one rank, a checkpoint with the MTP layer's tensors."""
+    if speculation_without_probe(config) is not None:
+        return False
+    return CheckpointReader(config.model_path).has(f"model.layers.{config.model.num_hidden_layers}.eh_proj.weight")
+
+
+def unprobed(config: EngineConfig) -> SpecDecision:
+    """The decision of an engine that does not probe (:func:`probes`): its options', or off where the
+    checkpoint's MTP layer has no tensors."""
+    reason = speculation_without_probe(config) or "off: the checkpoint's MTP layer has no tensors"
+    return SpecDecision(bool(config.num_spec_tokens), reason)
+
+
+def probe_prompts(config: EngineConfig, count: int) -> list[list[int]]:
+    """``count`` prompts as token ids: :data:`MTP_PROMPTS` in turn through the checkpoint's tokenizer, or
+    without one a fixed spread of the vocabulary."""
+    tokenizer = load_tokenizer(config.model_path)
+    vocab = config.model.vocab_size
+    texts = [MTP_PROMPTS[i % len(MTP_PROMPTS)] for i in range(count)]
+    if tokenizer is not None:
+        return [tokenizer.encode(t) for t in texts]
+    return [[(7 + 31 * i + 97 * j) % vocab for j in range(8)] for i in range(count)]
+
+
+@dataclass(frozen=True)
+class _Continuations:
+    """What one run of the probe's prompts gave: each prompt's tokens, and the decode steps' seconds, tokens and
+    count (the steps once every prompt had its first token)."""
+
+    tokens: list[list[int]]
+    seconds: float
+    decoded: int
+    steps: int
+
+
+def _run(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int, tag: str, rule: DraftRule) -> _Continuations:
+    """The prompts' greedy continuations through the engine's own steps, the proposer drafting by ``rule``."""
+    proposer = engine.runner.proposer
+    assert proposer is not None
+    proposer.rule = rule
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"spec-probe-{tag}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    seconds, decoded, steps = 0.0, 0, 0
+    while engine.has_unfinished_requests():
+        timed = all(tokens.values())  # (a decode step: every prompt prefilled)
+        start = time.perf_counter()
+        updates = engine.step()
+        if timed:
+            if engine.ctx.device.type == "cuda":
+                torch.cuda.synchronize(engine.ctx.device)
+            seconds += time.perf_counter() - start
+            decoded += sum(len(u.new_token_ids) for u in updates)
+            steps += 1
+        for u in updates:
+            tokens[u.request_id].extend(u.new_token_ids)
+    return _Continuations([tokens[rid] for rid in ids], seconds, decoded, steps)
+
+
+def measure_acceptance(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    """The drafts' acceptance on the prompts' greedy continuations, every step drafting (whatever the batch):
+    the acceptance rate and the drafts counted."""
+    stats = engine.sampling.stats
+    assert stats is not None
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
+    _run(engine, prompts, max_tokens, "accept", DraftRule(max_requests=max(len(prompts), 1), sample=0))
+    drafts, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    return (accepted / drafts if drafts else 0.0), drafts
+
+
+def measure_speed(engine: ProbedEngine, prompts: list[list[int]], rounds: int = PROBE_ROUNDS) -> SpeedFigures | str:
+    """``prompts`` at once, without then with drafting on every step, alternated (one untimed round first):
+    the medians, or why not (the greedy tokens with drafts differ from those without)."""
+    batch = len(prompts)
+    rules = {False: DraftRule(max_requests=0), True: DraftRule(max_requests=batch, sample=0)}
+    runs: dict[bool, list[_Continuations]] = {False: [], True: []}
+    for r in range(rounds + 1):
+        out = {draft: _run(engine, prompts, PROBE_TOKENS, f"b{batch}-{r}-{int(draft)}", rule)
+               for draft, rule in rules.items()}
+        if out[False].tokens != out[True].tokens:
+            return f"the greedy tokens with drafts differ from those without at batch {batch}"
+        for draft, run in out.items():
+            if r and run.steps:
+                runs[draft].append(run)
+    if not runs[False] or not runs[True]:
+        return f"no decode step to time at batch {batch}"
+    tps = {d: statistics.median(c.decoded / c.seconds for c in runs[d]) for d in runs}
+    step = {d: statistics.median(c.seconds / c.steps for c in runs[d]) for d in runs}
+    return SpeedFigures(batch, tps[False], tps[True], step[True] / step[False])
+
+
+def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecision:
+    """Acceptance, then (where it could pay) speed at batch 1 and at the drafting cap, and the decision; the
+    EPLB window and the unseeded requests' generator as they were (the caller resets the rest)."""
+    start = time.perf_counter()
+    cap = DraftRule.for_device(engine.ctx.device.type).max_requests
+    batch = max(1, min(cap, engine.config.scheduler.max_num_seqs, PROBE_MAX_BATCH))
+    prompts = probe_prompts(engine.config, max(PROBE_PROMPTS, batch))
+    generator = engine.sampling.sampler.default_generator
+    state = generator.get_state()
+    runner = engine.runner
+    balancer, runner.balancer = runner.balancer, None  # the probe's steps neither fill the window nor rebalance
+    try:
+        acceptance, _ = measure_acceptance(engine, prompts[:PROBE_PROMPTS], PROBE_TOKENS)
+        speeds: list[SpeedFigures] = []
+        for b in sorted({1, batch}) if 1 + acceptance >= margin else ():
+            figures = measure_speed(engine, prompts[:b])
+            if isinstance(figures, str):
+                logger.error("speculative decoding: MTP's self-check failed: %s (verification must keep the greedy "
+                             "tokens: a defect)", figures)
+                decision = SpecDecision(False, f"off: {figures}", acceptance, tuple(speeds))
+                break
+            speeds.append(figures)
+        else:
+            decision = decide(acceptance, speeds, cap, margin)
+    except ValueError as e:  # a probe request this engine refuses (a context or KV pool too small for it)
+        decision = SpecDecision(False, f"off: the start-up probe does not fit this engine ({e}); --speculative mtp "
+                                "forces it")
+    finally:
+        runner.balancer = balancer
+        generator.set_state(state)
+    return SpecDecision(decision.on, decision.reason, decision.acceptance, decision.speeds, decision.rule,
+                        time.perf_counter() - start)
+
+
+def release_mtp(runner: ModelRunner) -> None:
+    """A probed runner that will not draft made the plain one it would have been: no proposer, no draft graphs,
+    the MTP layer's weights and latent cache released, its row of the expert-load counters dropped (the last
+    one, ``moe_layers``' order, so the other rows, which recorded graphs count into in place, keep their
+    storage). The KV pool keeps the blocks it was sized to with the MTP layer's cache beside it."""
+    layer = runner.config.model.num_hidden_layers
+    runner.proposer = None
+    runner.num_spec = 0
+    captured = runner.captured
+    if captured is not None and captured.drafts is not None:
+        captured.sets = captured.sets[:1]
+        captured.drafts = None
+    balancer = runner.balancer
+    if balancer is not None and layer in balancer.moes:
+        del balancer.moes[layer]
+        if not balancer.moes:
+            runner.balancer = None
+        else:  # (ExpertBalancer's counters, one row a layer)
+            for name in ("_counts", "_last", "_at_rebalance"):
+                setattr(balancer, name, getattr(balancer, name)[:-1])
+            if balancer.window is not None:
+                balancer.window = balancer.window[:, :-1]
+    runner.model.mtp = torch.nn.ModuleList()
+    del runner.kv_caches[layer:]
+    runner.num_cache_layers = layer
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
