@@ -41,7 +41,9 @@ def _state(llm: LLM) -> tuple:
     balancer = engine.runner.balancer
     return (len(prefix), kv.num_free_blocks, kv.num_prefix_query_tokens, kv.num_prefix_hit_tokens,
             engine.num_forwards, balancer.num_steps, balancer.num_rebalances, llm.expert_load(), llm.cache_info(),
-            llm.speculative_stats(), len(engine.runner.kv_caches), len(engine.runner.model.mtp))
+            llm.speculative_stats(), len(engine.runner.kv_caches), len(engine.runner.model.mtp),
+            engine.runner.capture_shape.max_batch, engine.runner.captured.drafts,
+            sorted(engine.runner.decode_graphs._cpu_graphs))
 
 
 def test_a_random_checkpoint_decides_off_and_is_the_plain_engine(tiny_ckpt):

@@ -340,8 +340,9 @@ def _speculation(config: EngineConfig) -> EngineConfig:
 
 def speculation_without_probe(config: EngineConfig) -> str | None:
     """Whether an engine of ``config`` drafts, and why, where its options decide it: ``speculative="mtp"`` drafts,
-    0 draft tokens is off, and the default is off without an MTP layer or on several ranks; None where the default
-    is left to the engine's start-up probe (``engine/spec_probe.py``: one rank, a checkpoint with an MTP layer)."""
+    0 draft tokens is off, and the default is off without an MTP layer, on several ranks or with ``compile``;
+    None where the default is left to the engine's start-up probe (``engine/spec_probe.py``: one rank, a
+    checkpoint with an MTP layer)."""
     if config.num_spec_tokens:
         return f"MTP, {config.num_spec_tokens} draft tokens a decode step"
     if config.speculative or not config.num_speculative_tokens:
@@ -351,6 +352,9 @@ def speculation_without_probe(config: EngineConfig) -> str | None:
     if config.parallel.world_size > 1:
         return (f"off: the start-up probe that decides it runs on one rank, not dp x tp = "
                 f"{config.parallel.world_size}; --speculative mtp forces it")
+    if config.compile:
+        return ("off: the start-up probe does not run with --compile (each batch it ran would compile); "
+                "--speculative mtp forces it")
     return None
 
 

@@ -26,13 +26,14 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
 from epserve.checkpoint import CheckpointReader
 from epserve.config import EngineConfig
+from epserve.engine.captured import CapturedDecode
 from epserve.engine.options import speculation_without_probe
 from epserve.engine.runner import ModelRunner
 from epserve.engine.sampling import SamplingPipeline
@@ -260,17 +261,17 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
 
 
 def release_mtp(runner: ModelRunner) -> None:
-    """A probed runner that will not draft made the plain one it would have been: no proposer, no draft graphs,
-    the MTP layer's weights and latent cache released, its row of the expert-load counters dropped (the last
-    one, ``moe_layers``' order, so the other rows, which recorded graphs count into in place, keep their
-    storage). The KV pool keeps the blocks it was sized to with the MTP layer's cache beside it."""
+    """A probed runner that will not draft made the plain one it would have been: no proposer, no draft graphs
+    (CUDA graphs captured at start-up keep the plain decode's; a CPU graph's recordings start afresh), the MTP
+    layer's weights and latent cache released, its row of the expert-load counters dropped (the last one,
+    ``moe_layers``' order, so the other rows, which captured graphs count into in place, keep their storage).
+    The KV pool keeps the blocks it was sized to with the MTP layer's cache beside it."""
     layer = runner.config.model.num_hidden_layers
     runner.proposer = None
     runner.num_spec = 0
     captured = runner.captured
-    if captured is not None and captured.drafts is not None:
-        captured.sets = captured.sets[:1]
-        captured.drafts = None
+    if captured is not None and captured.mode == "cuda_graph":  # captured at start-up: the plain decode's kept
+        captured.sets, captured.drafts = captured.sets[:1], None
     balancer = runner.balancer
     if balancer is not None and layer in balancer.moes:
         del balancer.moes[layer]
@@ -284,5 +285,12 @@ def release_mtp(runner: ModelRunner) -> None:
     runner.model.mtp = torch.nn.ModuleList()
     del runner.kv_caches[layer:]
     runner.num_cache_layers = layer
+    if captured is not None and captured.mode != "cuda_graph":  # recorded at first use: none yet, as a plain
+        config = runner.config  # engine's (the probe's verification rows recorded buckets it would not have)
+        runner.capture_shape = replace(runner.capture_shape, max_batch=config.cuda_graph_max_bs or min(
+            config.scheduler.max_num_seqs, 256))
+        runner.captured = CapturedDecode(runner.model, runner.kv_caches, captured.mode, runner.capture_shape, False,
+                                         runner.tables)
+        runner.decode_graphs = runner.captured.graphs
     if runner.device.type == "cuda":
         torch.cuda.empty_cache()
