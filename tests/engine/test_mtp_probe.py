@@ -48,10 +48,11 @@ def _state(llm: LLM) -> tuple:
 
 def test_a_random_checkpoint_decides_off_and_is_the_plain_engine(tiny_ckpt):
     """The default on the random ``tiny`` checkpoint (its MTP layer's drafts almost never accepted): off by the
-    acceptance alone, nothing timed; the MTP layer, its cache and counters released; then the same tokens,
-    expert load (EPLB on), prefix cache and KV pool as ``num_speculative_tokens=0``, before and after requests
-    (the probe's own prompts find nothing cached)."""
-    auto, plain = LLM(tiny_ckpt, **ENGINE), LLM(tiny_ckpt, num_speculative_tokens=0, **ENGINE)
+    acceptance alone, nothing timed; the probed engine released and loaded again without the MTP layer; then
+    the same tokens, expert load (EPLB on), prefix cache, KV pool (sized by memory) and recorded graphs as
+    ``num_speculative_tokens=0``, before and after requests (the probe's own prompts find nothing cached)."""
+    sized = {**ENGINE, "num_blocks": None, "memory_budget_bytes": 48 * 2**20}  # the KV pool sized by memory
+    auto, plain = LLM(tiny_ckpt, **sized), LLM(tiny_ckpt, num_speculative_tokens=0, **sized)
     decision = auto.speculative_decision()
     assert not decision["mtp"] and decision["speeds"] == [] and decision["acceptance"] < 0.05
     assert decision["reason"].startswith("off: MTP's drafts were accepted") and decision["probe_seconds"] > 0

@@ -11,8 +11,12 @@ requests.
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from dataclasses import replace
+
+import torch
 
 from epserve.config import EngineConfig
 from epserve.engine.balancer import RebalanceReport
@@ -23,7 +27,7 @@ from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.sampling import SamplingPipeline, no_token_left
 from epserve.engine.scheduler import RequestUpdate, Scheduler
 from epserve.engine.spec_decode import SpecStats
-from epserve.engine.spec_probe import PROBE_MARGIN, SpecDecision, probes, release_mtp, run_probe, unprobed
+from epserve.engine.spec_probe import PROBE_MARGIN, SpecDecision, probes, run_probe, unprobed
 from epserve.messages.engine import AddRequest
 from epserve.messages.expert_load import ExpertLoad
 from epserve.messages.kv import KVWanted, PrefilledKV
@@ -49,15 +53,9 @@ class LLMEngine:
         start-up probe to switch it on (where the engine probes: ``spec_probe.probes``)."""
         self.ctx = ctx if ctx is not None else ParallelContext.single(resolve_device(config.device))
         probing = probes(config)
-        if probing:  # the MTP layer loaded for the start-up probe, which keeps or releases it
+        if probing:  # the MTP layer loaded for the start-up probe, which keeps it or loads the engine again without
             config = replace(config, speculative="mtp", num_speculative_tokens=1)
-        self.config = config
-        self.runner = ModelRunner(config, self.ctx)
-        self.sampling = SamplingPipeline(config, self.runner.model.compute_logits, self.ctx.device)
-        self.constraints = self.sampling.constraints  # structured outputs: the step loop's one seam
-        if self.ctx.device.type == "cpu":  # after loading: the load's temporaries are not kept
-            keep_freed_host_memory()
-        self.scheduler = self._new_scheduler()
+        self._load(config)
         self.anybody_unfinished = False  # from the last step's all-reduce
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
         self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
@@ -70,6 +68,17 @@ class LLMEngine:
         # whether the engine drafts, why, and the start-up probe's figures where it probed
         self.speculation = self._settle_speculation(spec_margin) if probing else unprobed(config)
 
+    def _load(self, config: EngineConfig) -> None:
+        """The engine's parts for ``config``: the runner (the model, its KV pool and captured decode), the
+        sampling pipeline and, on a DP group's leader, the scheduler."""
+        self.config = config
+        self.runner = ModelRunner(config, self.ctx)
+        self.sampling = SamplingPipeline(config, self.runner.model.compute_logits, self.ctx.device)
+        self.constraints = self.sampling.constraints  # structured outputs: the step loop's one seam
+        if self.ctx.device.type == "cpu":  # after loading: the load's temporaries are not kept
+            keep_freed_host_memory()
+        self.scheduler = self._new_scheduler()
+
     def _new_scheduler(self) -> Scheduler | None:
         """A DP group leader's scheduler, empty (None elsewhere)."""
         config = self.config
@@ -79,9 +88,11 @@ class LLMEngine:
                          config.num_spec_tokens)
 
     def _settle_speculation(self, margin: float) -> SpecDecision:
-        """Probe whether MTP pays (``engine/spec_probe.py``), keep the MTP layer or release it, and leave the
-        engine as it was before the probe: a fresh scheduler (no prefix cache, every KV block free), the
-        acceptance, expert-load and step counters at zero. Logged in one line."""
+        """Probe whether MTP pays (``engine/spec_probe.py``) and leave the engine as it was before the probe,
+        drafting or not. On: the proposer drafts by the measured rule; a fresh scheduler (no prefix cache, every
+        KV block free), the acceptance, expert-load and step counters at zero. Off: the probed engine's parts
+        released (the MTP layer's weights, its KV cache and draft graphs with them), then loaded again as a plain
+        engine's (its KV pool sized without the MTP layer). Logged in one line."""
         decision = run_probe(self, margin)
         runner = self.runner
         if decision.on:
@@ -89,14 +100,20 @@ class LLMEngine:
             runner.proposer.rule = decision.rule
             runner.proposer.steps_without_drafts = 0
             self.sampling.stats = SpecStats(self.config.num_spec_tokens)
+            if runner.balancer is not None:
+                runner.balancer.reset()
+            runner.dispatcher.reset_stats()
+            self.scheduler = self._new_scheduler()
         else:
-            release_mtp(runner)
-            self.config = replace(self.config, speculative=None, num_speculative_tokens=0)
-            self.sampling.stats = None
-        self.scheduler = self._new_scheduler()
-        if runner.balancer is not None:
-            runner.balancer.reset()
-        runner.dispatcher.reset_stats()
+            config = replace(self.config, speculative=None, num_speculative_tokens=0)
+            model = weakref.ref(runner.model)
+            del runner
+            self.runner = self.sampling = self.constraints = self.scheduler = None  # type: ignore[assignment]
+            if model() is not None:  # (held by a reference cycle)
+                gc.collect()
+            if self.ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._load(config)
         self.num_forwards = self.step_tokens = 0
         self.failed = {}
         logger.info("speculative decoding: %s (the start-up probe took %.2f s)", decision.reason, decision.seconds)

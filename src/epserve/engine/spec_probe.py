@@ -14,10 +14,11 @@ loads the layer, warms up as usual, and before it serves:
    while the drafts' acceptance stays above the measured break-even (a drafting step's cost in plain steps,
    less one).
 
-The probe leaves no trace (the engine resets what it touched: the scheduler with its prefix cache and KV
-blocks, the acceptance counters, the expert-load counters, the unseeded requests' generator); switched off,
-the MTP layer's weights, KV cache and draft graphs are released (:func:`release_mtp`). The planner's
-acceptance figure (``planner/calibrate_engine.py``) is :func:`measure_acceptance` too.
+The probe leaves no trace: kept on, the engine resets what it touched (the scheduler with its prefix cache
+and KV blocks, the acceptance and expert-load counters; the probe puts back the unseeded requests' generator
+and keeps its steps out of the EPLB window); switched off, the engine releases its parts (the MTP layer's
+weights, KV cache and draft graphs with them) and loads again as a plain engine (``LLMEngine``). The
+planner's acceptance figure (``planner/calibrate_engine.py``) is :func:`measure_acceptance` too.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from epserve.checkpoint import CheckpointReader
 from epserve.config import EngineConfig
-from epserve.engine.captured import CapturedDecode
 from epserve.engine.options import speculation_without_probe
 from epserve.engine.runner import ModelRunner
 from epserve.engine.sampling import SamplingPipeline
@@ -259,38 +259,3 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
     return SpecDecision(decision.on, decision.reason, decision.acceptance, decision.speeds, decision.rule,
                         time.perf_counter() - start)
 
-
-def release_mtp(runner: ModelRunner) -> None:
-    """A probed runner that will not draft made the plain one it would have been: no proposer, no draft graphs
-    (CUDA graphs captured at start-up keep the plain decode's; a CPU graph's recordings start afresh), the MTP
-    layer's weights and latent cache released, its row of the expert-load counters dropped (the last one,
-    ``moe_layers``' order, so the other rows, which captured graphs count into in place, keep their storage).
-    The KV pool keeps the blocks it was sized to with the MTP layer's cache beside it."""
-    layer = runner.config.model.num_hidden_layers
-    runner.proposer = None
-    runner.num_spec = 0
-    captured = runner.captured
-    if captured is not None and captured.mode == "cuda_graph":  # captured at start-up: the plain decode's kept
-        captured.sets, captured.drafts = captured.sets[:1], None
-    balancer = runner.balancer
-    if balancer is not None and layer in balancer.moes:
-        del balancer.moes[layer]
-        if not balancer.moes:
-            runner.balancer = None
-        else:  # (ExpertBalancer's counters, one row a layer)
-            for name in ("_counts", "_last", "_at_rebalance"):
-                setattr(balancer, name, getattr(balancer, name)[:-1])
-            if balancer.window is not None:
-                balancer.window = balancer.window[:, :-1]
-    runner.model.mtp = torch.nn.ModuleList()
-    del runner.kv_caches[layer:]
-    runner.num_cache_layers = layer
-    if captured is not None and captured.mode != "cuda_graph":  # recorded at first use: none yet, as a plain
-        config = runner.config  # engine's (the probe's verification rows recorded buckets it would not have)
-        runner.capture_shape = replace(runner.capture_shape, max_batch=config.cuda_graph_max_bs or min(
-            config.scheduler.max_num_seqs, 256))
-        runner.captured = CapturedDecode(runner.model, runner.kv_caches, captured.mode, runner.capture_shape, False,
-                                         runner.tables)
-        runner.decode_graphs = runner.captured.graphs
-    if runner.device.type == "cuda":
-        torch.cuda.empty_cache()
