@@ -86,8 +86,16 @@ class CapturedDecode:
 
     def draft(self, plan: BatchPlan, hidden: torch.Tensor, bucket: int, overlap: OverlapMode) -> torch.Tensor:
         """An MTP pass of a pure-decode step (the proposer's hook): the layer's output, its real rows. A draft
-        row reads its request's table row (the step's appends cover the blocks the passes write)."""
-        return self.drafts.run(self.pad(plan, bucket, hidden), overlap)[: plan.num_tokens]  # type: ignore[union-attr]
+        row reads its request's table row (the step's appends cover the blocks the passes write). ``bucket``:
+        the step's, which every rank replays; the CPU graph's rank replays alone, a bucket per size: there the
+        pass runs the bucket of its own rows (a verification's rejected rows leave none: no padding row's
+        experts to run, nor to count), and a pass of no rows runs nothing, as an eager one would."""
+        assert self.drafts is not None
+        if self.mode == "cpu_graph":
+            if not plan.num_tokens:
+                return hidden[:0]
+            bucket = self.drafts.bucket_for(plan.num_tokens)  # type: ignore[assignment]
+        return self.drafts.run(self.pad(plan, bucket, hidden), overlap)[: plan.num_tokens]
 
     def draft_logits(self) -> torch.Tensor | None:
         """The last :meth:`draft` pass's MTP logits, every row of its bucket [bucket, V] fp32 (the recorded pass

@@ -4,13 +4,14 @@ same padding.
 
 A pure-decode step of ``n`` sequences runs as the bucket ``b >= n`` (1, 2, 4, 8, then every multiple of
 8 up to the maximum): rows ``n..b`` are padding (token 0 at position 0, context length 0, their KV written
-to a sink block the scheduler never hands out), so every step of one bucket has the same shapes. A step sends
-the device its rows' host values alone, one copy of O(bucket) integers (:class:`DecodeStep`: tokens, positions,
-slots, lengths and each row's row of the device block tables, ``engine/block_tables.py``); the bucket's
-``[bucket, max_blocks]`` table is gathered on the device, before the graph runs. Nothing in
-the forward reads the device on the host (routing counts, offsets, attention lengths stay tensors; the CPU
-references that do read them are custom ops), so the forward captures as one CUDA graph and compiles as
-one graph: ``fullgraph=True`` is the proof. Prefill and mixed steps run eagerly.
+to a sink block the scheduler never hands out, their experts' work left out of the expert-load counters on one
+rank), so every step of one bucket has the same shapes. A step sends the device its rows' host values alone,
+one copy of O(bucket) integers (:class:`DecodeStep`: tokens, positions, slots, lengths and each row's row of
+the device block tables, ``engine/block_tables.py``); the bucket's ``[bucket, max_blocks]`` table is gathered
+on the device, before the graph runs. Nothing in the forward reads the device on the host (routing counts,
+offsets, attention lengths stay tensors; the CPU references that do read them are custom ops), so the forward
+captures as one CUDA graph and compiles as one graph: ``fullgraph=True`` is the proof. Prefill and mixed steps
+run eagerly.
 
 CUDA graphs are captured at start-up (:meth:`DecodeGraphs.warm_up`, every bucket, largest first), after a
 probe capture of the largest bucket measured what the graphs need so the KV pool is sized without it
@@ -115,6 +116,7 @@ class DecodeGraphs:
                         else decode_buckets(max_batch))
         self._bucket_of = tuple(next(b for b in self.buckets if b >= n) for n in range(self.buckets[-1] + 1))
         self.mode = mode
+        self._fn = self._forward_mtp if mtp else self._forward  # the forward a bucket runs
         self.on_bucket = on_bucket or (lambda bucket: None)
         # each bucket's static inputs (its graphs read them), the first four rows of one [5, bucket] tensor whose
         # last row holds the step's table rows: a step's host values land in it in one copy
@@ -134,11 +136,24 @@ class DecodeGraphs:
                 cpu_kernels.available(dtype)
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(self.buckets))
-            self._compiled = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=env.compile_backend())
+            self._compiled = torch.compile(self._fn, fullgraph=True, dynamic=False, backend=env.compile_backend())
 
     def bucket_for(self, num_seqs: int) -> int | None:
         """The smallest bucket holding ``num_seqs`` rows, or None above the largest (run eagerly)."""
         return self._bucket_of[num_seqs] if num_seqs < len(self._bucket_of) else None
+
+    def _batch(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               seq_lens: torch.Tensor, block_tables: torch.Tensor) -> ForwardBatch:
+        """A bucket's rows as the model's batch. A padding row's context length is 0, a request's at least 1:
+        the rows counted by the expert load are told apart on the device (a CPU graph's buckets hold no padding
+        row, and its recording no torch op: it leaves them unmarked)."""
+        bucket = input_ids.shape[0]
+        return ForwardBatch(
+            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
+            block_tables=block_tables, logits_indices=torch.arange(bucket, device=input_ids.device),
+            num_decode_seqs=bucket, seq_lens_cpu=(0,) * bucket, query_start_loc_cpu=tuple(range(bucket + 1)),
+            block_size=self.block_size, real_rows=None if self.mode == "cpu_graph" else seq_lens > 0,
+        )
 
     def _forward(
         self,
@@ -150,18 +165,24 @@ class DecodeGraphs:
         overlap: OverlapMode,
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Final hidden states of every row [bucket, H] (the one forward captured or compiled); the MTP
-        layer's output with ``mtp``."""
-        bucket = input_ids.shape[0]
-        batch = ForwardBatch(
-            input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, seq_lens=seq_lens,
-            block_tables=block_tables, logits_indices=torch.arange(bucket, device=input_ids.device),
-            num_decode_seqs=bucket, seq_lens_cpu=(0,) * bucket, query_start_loc_cpu=tuple(range(bucket + 1)),
-            block_size=self.block_size,
-        )
-        if self.mtp:
-            return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]
-        return self.model(batch, self.kv_caches, overlap)
+        """Final hidden states of every row [bucket, H] (the one forward captured or compiled)."""
+        return self.model(self._batch(input_ids, positions, slot_mapping, seq_lens, block_tables), self.kv_caches,
+                          overlap)
+
+    def _forward_mtp(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        overlap: OverlapMode,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The MTP layer's output of every row [bucket, H], fed ``hidden`` (a function of its own: compiled, the
+        draft passes' buckets count against their own recompile limit, not the decode's)."""
+        batch = self._batch(input_ids, positions, slot_mapping, seq_lens, block_tables)
+        return self.model.forward_mtp(batch, self.kv_caches, hidden, overlap)  # type: ignore[arg-type]
 
     @staticmethod
     def _args(inputs: DecodeInputs, overlap: OverlapMode) -> tuple:
@@ -259,7 +280,7 @@ class DecodeGraphs:
     def _with_head(self, static: DecodeInputs, overlap: OverlapMode) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward on the bucket's static inputs, and with ``head`` the logits of its rows (an MTP pass's:
         the MTP layer's head)."""
-        hidden = self._forward(*self._args(static, overlap))
+        hidden = self._fn(*self._args(static, overlap))
         head = self.model.compute_mtp_logits if self.mtp else self.model.compute_logits
         return hidden, head(hidden) if self.head else None
 
@@ -306,12 +327,12 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._plan(static, step)
-                self._forward(*self._args(static, overlap))
+                self._fn(*self._args(static, overlap))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             self._plan(static, step)
             with torch.cuda.graph(graph, pool=self._pool):  # one memory pool for every bucket's graph
-                out = self._forward(*self._args(static, overlap))
+                out = self._fn(*self._args(static, overlap))
             self._pool = graph.pool()
             self._graphs[key] = (graph, out)
             logger.debug("captured the decode graph of batch %d (%s) in %.2f s", step.bucket, overlap,

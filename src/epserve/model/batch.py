@@ -21,6 +21,8 @@ class ForwardBatch:
     - ``logits_indices``: ``[S]`` flat token indices whose logits are wanted (chunks that sample).
     - ``seq_lens_cpu``: the same as a tuple; ``query_start_loc_cpu``: ``B + 1`` offsets of each
       sequence's tokens in the flat batch (host-side, for per-sequence loops).
+    - ``real_rows``: ``[T]`` bool, False at a captured bucket's padding rows (``engine/graphs.py``), which the
+      expert-load counters leave out; None: every row is a request's.
     """
 
     input_ids: torch.Tensor
@@ -33,6 +35,7 @@ class ForwardBatch:
     seq_lens_cpu: tuple[int, ...]
     query_start_loc_cpu: tuple[int, ...]
     block_size: int
+    real_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -69,6 +72,7 @@ class ForwardBatch:
             seq_lens_cpu=self.seq_lens_cpu[first:last],
             query_start_loc_cpu=tuple(s - lo for s in starts[first : last + 1]),
             block_size=self.block_size,
+            real_rows=None if self.real_rows is None else self.real_rows[lo:hi],
         )
 
 

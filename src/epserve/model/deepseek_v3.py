@@ -85,7 +85,9 @@ class DecoderLayer(nn.Module):
         h = run_op(hook, POST_NORM, self.post_attention_layernorm, own)
         if self.is_moe:
             routed: Result[torch.Tensor] = Result()
-            yield from self.mlp.forward(h, routed, self.shared_during_dispatch[mode], hook)
+            real = mb.batch.real_rows
+            real = None if real is None else self.tp.own_rows(real)  # (the rows of ``own``)
+            yield from self.mlp.forward(h, routed, self.shared_during_dispatch[mode], hook, real)
             out = routed.value
         else:
             out = run_op(hook, MLP, self.mlp, h)

@@ -64,7 +64,8 @@ class MoE(nn.Module):
         for name, t in zip(ROUTING_BUFFERS, self._routing(placement)):
             self.register_buffer(name, t, persistent=False)
         # Token copies this rank's slots received per logical expert since start-up (or the last reset),
-        # counted on the device (no sync per layer); a placement change does not disturb it.
+        # counted on the device (no sync per layer); a placement change does not disturb it. A captured
+        # bucket's padding rows are not requests' tokens: on one rank they are left out (``forward``).
         self.expert_load = torch.zeros(placement.num_logical_experts, dtype=torch.long)
         self.side_stream = SideStream()  # the shared expert beside dispatch and routed experts, on CUDA
         self.shared_experts = (
@@ -75,13 +76,14 @@ class MoE(nn.Module):
 
     def forward(
         self, x: torch.Tensor, result: Result[torch.Tensor], shared_during_dispatch: bool = True,
-        hook: OpHook | None = None,
+        hook: OpHook | None = None, real_rows: torch.Tensor | None = None,
     ) -> Stages:
         """x [T, H] (this TP rank's normed tokens) -> ``result.value``: the routed experts' weighted sum
         plus the shared expert [T, H]. ``shared_during_dispatch``: compute the shared expert while the
-        dispatch is in flight (else after the combine). Yields after the gate, after the dispatch is
-        sent, after the combine is sent: the ends of the micro-batch schedule's stages 2-4
-        (``parallel/overlap.py``)."""
+        dispatch is in flight (else after the combine). ``real_rows`` [T] bool: False at a captured bucket's
+        padding rows (None: every row a request's), whose token copies :attr:`expert_load` leaves out. Yields
+        after the gate, after the dispatch is sent, after the combine is sent: the ends of the micro-batch
+        schedule's stages 2-4 (``parallel/overlap.py``)."""
         topk_ids, topk_weights = run_op(hook, GATE, self.route, x)
         yield
         sent = run_op(hook, DISPATCH_SEND, self.dispatcher.dispatch_send, x, topk_ids, topk_weights)
@@ -91,7 +93,7 @@ class MoE(nn.Module):
             else:
                 forked = Forked(run_op(hook, SHARED_EXPERT, self.shared_expert, x))
         yield
-        expert_input, route = run_op(hook, DISPATCH_RECV, self._dispatch_recv, sent)
+        expert_input, route = run_op(hook, DISPATCH_RECV, self._dispatch_recv, sent, topk_ids, real_rows)
         y = run_op(hook, EXPERTS, self.experts, expert_input)
         combining = run_op(hook, COMBINE_SEND, self.dispatcher.combine_send, y, route)
         yield
@@ -132,8 +134,16 @@ class MoE(nn.Module):
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.shared_experts(x) if self.shared_experts is not None else None
 
-    def _dispatch_recv(self, sent: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
+    def _dispatch_recv(self, sent: DispatchHandle, topk_ids: torch.Tensor,
+                       real_rows: torch.Tensor | None) -> tuple[ExpertInput, DispatchHandle]:
+        """The dispatch received, and its token copies counted per logical expert (on the device: no sync)."""
         expert_input, route = self.dispatcher.dispatch_recv(sent)
-        counts = expert_input.num_tokens_per_expert
-        index_add_counts(self.expert_load, self.slot_experts, counts)  # on the device (one C call on the CPU)
+        if real_rows is not None and self.placement.ep_size == 1:
+            # padding rows among the step's (a captured bucket's): on one rank every copy stays here, so the
+            # copies counted are the real rows' own (slots are logical experts' through ``slot_experts``)
+            copies = real_rows[:, None].expand(topk_ids.shape).reshape(-1).to(self.expert_load.dtype)
+            self.expert_load.index_add_(0, self.slot_experts[topk_ids.reshape(-1)], copies)
+        else:
+            counts = expert_input.num_tokens_per_expert
+            index_add_counts(self.expert_load, self.slot_experts, counts)  # one C call on the CPU
         return expert_input, route
