@@ -38,6 +38,8 @@ from epserve.parallel.spawned import CommandRefused
 
 logger = logging.getLogger(__name__)
 
+RELEASE_NOW_BYTES = 2**30  # a probed engine's weights and KV pool from which they are collected before reloading
+
 
 class RequestError(CommandRefused):
     """A request the engine refuses; raised identically on every rank, before any collective, so
@@ -106,12 +108,15 @@ class LLMEngine:
             self.scheduler = self._new_scheduler()
         else:
             config = replace(self.config, speculative=None, num_speculative_tokens=0)
-            model = weakref.ref(runner.model)
+            model, held = weakref.ref(runner.model), runner.weight_bytes + sum(c.nbytes for c in runner.kv_caches)
             del runner
             self.runner = self.sampling = self.constraints = self.scheduler = None  # type: ignore[assignment]
-            if model() is not None:  # (held by a reference cycle)
+            cuda = self.ctx.device.type == "cuda"
+            # held by reference cycles: collected now where that memory matters (a full collection costs a tenth
+            # of a second in a large process; a small model's waits for the next automatic one)
+            if model() is not None and (cuda or held >= RELEASE_NOW_BYTES):
                 gc.collect()
-            if self.ctx.device.type == "cuda":
+            if cuda:
                 torch.cuda.empty_cache()
             self._load(config)
         self.num_forwards = self.step_tokens = 0
