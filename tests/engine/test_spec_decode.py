@@ -38,6 +38,28 @@ def test_greedy_accepts_the_drafts_that_match_then_takes_the_target_token():
     assert [o.num_accepted for o in out] == [2, 0, 2]
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.0, logprobs=1),
+                                    SamplingParams(temperature=0.8, seed=3)], ids=["greedy", "logprobs", "sampled"])
+def test_a_row_with_no_token_left_fails_its_request_after_the_drafts_before_it(params):
+    """A row whose every logit is masked (-inf: bad words, a grammar) accepts no draft, not even a draft 0 (its
+    argmax), and draws nothing: its request keeps the drafts accepted before it, then token 0 to drop, and fails
+    (``no_token_left``), as plain sampling fails such a row; the other requests are verified as before."""
+    noise = Noise(torch.Generator().manual_seed(0))
+    logits = _logits_with_argmax([3, 0, 0, 2, 5])
+    logits[1] = float("-inf")  # request A's row after its first draft: nothing allowed
+    drafts = [(3, 0), (2,)]
+    probs = None
+    if not params.is_greedy:  # the drafts drawn from q = their rows' own distributions
+        probs = [torch.softmax(_logits_with_argmax([3, 0]), -1), torch.softmax(_logits_with_argmax([2]), -1)]
+    groups = [VerifyGroup(d, q, params, 10) for d, q in zip(drafts, probs or [None, None])]
+    a, b = verify(logits, groups, noise)
+    assert (a.token_ids, a.num_accepted) == ((3, 0), 1)  # draft 0 rejected: the 0 is the failed row's, dropped
+    assert a.no_token_left
+    assert not b.no_token_left and b.token_ids[0] == 2
+    if params.logprobs is not None:
+        assert a.logprobs is not None and len(a.logprobs) == 2
+
+
 def test_logprobs_are_the_targets_for_every_emitted_token():
     noise = Noise(torch.Generator().manual_seed(0))
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from epserve.engine.sampler import argmax_rows, filter_logits
@@ -62,11 +63,14 @@ class VerifyGroup:
 @dataclass(frozen=True)
 class VerifyOutcome:
     """The tokens a request gets this step (the accepted drafts, then the token sampled after them), the
-    target's logprobs of each when asked, and how many drafts were accepted."""
+    target's logprobs of each when asked, and how many drafts were accepted. ``no_token_left``: the row after
+    the accepted drafts had every logit masked (-inf): its token is 0, to be dropped, and the request fails
+    (``sampler.SamplerOutput.empty_rows``' case, with drafts)."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs, ...] | None
     num_accepted: int
+    no_token_left: bool = False
 
 
 @dataclass
@@ -150,7 +154,8 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
            raw_logits: torch.Tensor | None = None) -> list[VerifyOutcome]:
     """Verify every group's drafts against the target ``logits`` [R, V] (fp32, after ``LogitsProcessor``;
     the groups' rows in order) and sample the token after the accepted ones (see the module docstring).
-    Logprobs are of ``raw_logits`` (before processing) when given."""
+    Logprobs are of ``raw_logits`` (before processing) when given. A row whose every logit is -inf (its masks
+    cover the vocabulary) accepts no draft and draws nothing: its request's outcome says ``no_token_left``."""
     device = logits.device
     firsts = [0]
     for g in groups:
@@ -158,10 +163,11 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
     if firsts[-1] != logits.shape[0]:
         raise ValueError(f"the groups have {firsts[-1]} rows, the logits {logits.shape[0]}")
     if all(g.params.is_greedy and g.params.logprobs is None for g in groups):
-        return verify_greedy(argmax_rows(logits), [g.drafts for g in groups])
+        return verify_greedy(_argmax_marked(logits), [g.drafts for g in groups])
     argmax = logits.argmax(dim=-1)
     nxt = torch.tensor([t for g in groups for t in (*g.drafts, -1)], dtype=torch.long, device=device)  # -1: bonus
     accept = argmax == nxt  # greedy rows; sampled rows are decided below
+    empty = logits.amax(dim=-1) == float("-inf")  # rows with no token left (read back with the tokens)
     candidate = argmax.clone()  # the token each row emits if verification stops there
     for g, first in zip(groups, firsts):
         if g.params.is_greedy:
@@ -180,8 +186,10 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
                             for i in range(len(g.drafts))]))
             accept[first : first + len(g.drafts)] = u * q[j, drafts] < p[j, drafts]
         residual = (p - q).clamp_(min=0)  # the bonus row: q = 0, so p itself
-        empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: the residual is p
-        candidate[rows] = _race_rows(torch.where(empty, p, residual), g.params.seed, g.first_position, noise)
+        same = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: the residual is p
+        candidate[rows] = _race_rows(torch.where(same, p, residual), g.params.seed, g.first_position, noise)
+    accept &= ~empty  # (an empty row's argmax is 0, and its p NaN)
+    candidate.masked_fill_(empty, -1)
     wanted = [(g, first) for g, first in zip(groups, firsts) if g.params.logprobs is not None]
     packed = [argmax.new_tensor([])]
     k = max((g.params.logprobs or 0 for g, _ in wanted), default=0)
@@ -190,7 +198,7 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
         lp = torch.log_softmax((logits if raw_logits is None else raw_logits)[lp_rows], dim=-1)
         top = torch.topk(lp, k, dim=-1)
         packed = [lp.gather(1, nxt[lp_rows, None].clamp(min=0)).flatten(),
-                  lp.gather(1, candidate[lp_rows, None]).flatten(),
+                  lp.gather(1, candidate[lp_rows, None].clamp(min=0)).flatten(),
                   top.values.flatten(), top.indices.double().flatten()]
     flat = torch.cat([candidate.double(), accept.double(), *(t.double() for t in packed)]).tolist()  # one transfer
     n = logits.shape[0]
@@ -200,7 +208,8 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
     outcomes, lp_row = [], 0
     for g, first in zip(groups, firsts):
         a = next((j for j in range(len(g.drafts)) if not acc[first + j]), len(g.drafts))
-        tokens = (*g.drafts[:a], int(cand[first + a]))
+        last = int(cand[first + a])
+        tokens = (*g.drafts[:a], max(last, 0))
         lps = None
         if g.params.logprobs is not None:
             want = g.params.logprobs
@@ -211,17 +220,28 @@ def verify(logits: torch.Tensor, groups: list[VerifyGroup], noise: Noise,
                 for j, t in enumerate(tokens)
             )
             lp_row += g.num_rows
-        outcomes.append(VerifyOutcome(tokens, lps, a))
+        outcomes.append(VerifyOutcome(tokens, lps, a, last < 0))
     return outcomes
 
 
 def verify_greedy(argmax: list[int], drafts: list[tuple[int, ...]]) -> list[VerifyOutcome]:
     """Greedy groups without logprobs, from the target's argmax of every row (``argmax``: the groups' rows in
-    order, ``len(drafts[i]) + 1`` each): each group's drafts while each equals the argmax, then the argmax after
-    them (what :func:`verify`'s general path gives such rows)."""
+    order, ``len(drafts[i]) + 1`` each; -1: a row with no token left): each group's drafts while each equals the
+    argmax, then the argmax after them (what :func:`verify`'s general path gives such rows)."""
     outcomes, first = [], 0
     for d in drafts:
         a = next((j for j, t in enumerate(d) if argmax[first + j] != t), len(d))
-        outcomes.append(VerifyOutcome((*d[:a], argmax[first + a]), None, a))
+        last = argmax[first + a]
+        outcomes.append(VerifyOutcome((*d[:a], max(last, 0)), None, a, last < 0))
         first += len(d) + 1
     return outcomes
+
+
+def _argmax_marked(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (``sampler.argmax_rows``' on the CPU), -1 where every logit is -inf (masked): one
+    transfer elsewhere."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        ids = argmax_rows(logits)
+        rows = logits.numpy()
+        return [-1 if rows[r, t] == -np.inf else t for r, t in enumerate(ids)]
+    return logits.argmax(dim=-1).masked_fill(logits.amax(dim=-1) == float("-inf"), -1).tolist()
