@@ -58,6 +58,8 @@ class LLMEngine:
         if probing:  # the MTP layer loaded for the start-up probe, which keeps it or loads the engine again without
             config = replace(config, speculative="mtp", num_speculative_tokens=1)
         self._load(config)
+        if self.ctx.device.type == "cpu":  # after loading (the load's temporaries are not kept), before any step
+            keep_freed_host_memory()
         self.anybody_unfinished = False  # from the last step's all-reduce
         self.anybody_stopping = False  # likewise: some rank asked the group to drain and stop
         self.anybody_receiving = False  # likewise: some request waits for its prompt's KV from a prefill instance
@@ -77,8 +79,6 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.ctx)
         self.sampling = SamplingPipeline(config, self.runner.model.compute_logits, self.ctx.device)
         self.constraints = self.sampling.constraints  # structured outputs: the step loop's one seam
-        if self.ctx.device.type == "cpu":  # after loading: the load's temporaries are not kept
-            keep_freed_host_memory()
         self.scheduler = self._new_scheduler()
 
     def _new_scheduler(self) -> Scheduler | None:
