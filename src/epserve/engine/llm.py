@@ -8,6 +8,7 @@ them; under ``torchrun`` this process is itself one rank and every rank runs the
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 import logging
 from dataclasses import dataclass, field, replace
@@ -89,6 +90,7 @@ class LLM:
                 if isinstance(e, RankFailure):
                     raise
                 raise RankFailure(f"rank {self.rank} failed while starting: {str(e).splitlines()[0]}") from e
+            atexit.register(self.shutdown)  # (the groups' threads must end before the interpreter finalizes)
         else:
             self.rank = parallel.node_rank * parallel.local_world_size
             self._ranks = spawn_ranks(self.config)
@@ -114,7 +116,8 @@ class LLM:
                 if not self._worker.ctx.distributed or isinstance(e, RankFailure):
                     raise
                 raise RankFailure(f"rank {self.rank} failed: {str(e).splitlines()[0]}") from e
-        assert self._ranks is not None
+        if self._ranks is None:
+            raise RankFailure("this rank has left the world (shut down)")
         return self._ranks.call(command)
 
     # ---- API ---------------------------------------------------------------------------------
@@ -208,10 +211,23 @@ class LLM:
         return self._call(GetProfile())
 
     def shutdown(self) -> None:
-        """Stop the rank processes (nothing to do for an in-process engine). Idempotent."""
+        """Stop the rank processes; as a torchrun rank, leave the world (nothing to do for a one-process
+        engine). Idempotent.
+
+        A torchrun rank's process groups keep gloo's threads alive until their last reference goes. Left
+        to the interpreter's finalization, they outlive the point after which a thread that takes the GIL
+        is ended on the spot; one still releasing the last collective's tensors (which need the GIL) then
+        aborts the process ("terminate called without an active exception"). So the worker closes the
+        groups and is dropped, and the collection that follows joins those threads here."""
         if self._ranks is not None:
             self._ranks.close()
             atexit.unregister(self.shutdown)
+        elif self._worker is not None and self._worker.ctx.distributed:
+            worker, self._worker = self._worker, None
+            atexit.unregister(self.shutdown)
+            worker.close()
+            del worker
+            gc.collect()
 
     def __enter__(self) -> LLM:
         return self

@@ -28,6 +28,7 @@ from epserve.engine.profiler import StepRecord
 from epserve.engine.runner import resolve_device
 from epserve.engine.spec_decode import merge_stats
 from epserve.env import collectives_on, pinning_enabled
+from epserve.kernels import cpu_threads
 from epserve.messages.commands import (
     Generate,
     GetCacheInfo,
@@ -206,6 +207,9 @@ class EngineWorker:
         return gather_objects(steps, self.ctx)  # type: ignore[return-value]
 
     def close(self) -> None:
+        """Leave the world: the CPU threads' monitor stopped, the process groups destroyed (gloo's threads end
+        with the groups' last reference: ``LLM.shutdown`` drops this worker for that)."""
+        cpu_threads.stop()
         shutdown_parallel()
 
 
