@@ -159,13 +159,12 @@ def probe_prompts(config: EngineConfig, count: int) -> list[list[int]]:
 
 @dataclass(frozen=True)
 class _Continuations:
-    """What one run of the probe's prompts gave: each prompt's tokens, and the decode steps' seconds, tokens and
-    count (the steps once every prompt had its first token)."""
+    """What one run of the probe's prompts gave: each prompt's tokens, and each decode step's seconds and tokens
+    (the steps once every prompt had its first token)."""
 
     tokens: list[list[int]]
-    seconds: float
-    decoded: int
-    steps: int
+    seconds: list[float]
+    decoded: list[int]
 
 
 def _run(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int, tag: str, rule: DraftRule) -> _Continuations:
@@ -178,7 +177,8 @@ def _run(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int, tag: s
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    seconds, decoded, steps = 0.0, 0, 0
+    seconds: list[float] = []
+    decoded: list[int] = []
     while engine.has_unfinished_requests():
         timed = all(tokens.values())  # (a decode step: every prompt prefilled)
         start = time.perf_counter()
@@ -186,12 +186,11 @@ def _run(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int, tag: s
         if timed:
             if engine.ctx.device.type == "cuda":
                 torch.cuda.synchronize(engine.ctx.device)
-            seconds += time.perf_counter() - start
-            decoded += sum(len(u.new_token_ids) for u in updates)
-            steps += 1
+            seconds.append(time.perf_counter() - start)
+            decoded.append(sum(len(u.new_token_ids) for u in updates))
         for u in updates:
             tokens[u.request_id].extend(u.new_token_ids)
-    return _Continuations([tokens[rid] for rid in ids], seconds, decoded, steps)
+    return _Continuations([tokens[rid] for rid in ids], seconds, decoded)
 
 
 def measure_acceptance(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
@@ -207,23 +206,31 @@ def measure_acceptance(engine: ProbedEngine, prompts: list[list[int]], max_token
 
 def measure_speed(engine: ProbedEngine, prompts: list[list[int]], rounds: int = PROBE_ROUNDS) -> SpeedFigures | str:
     """``prompts`` at once, without then with drafting on every step, alternated (one untimed round first):
-    the medians, or why not (the greedy tokens with drafts differ from those without)."""
+    each mode's step (its lower quartile: what a step costs when the host lets it run, as steady as the host's
+    other work allows) and its tokens a step, or why not (the greedy tokens with drafts differ from those
+    without)."""
     batch = len(prompts)
     rules = {False: DraftRule(max_requests=0), True: DraftRule(max_requests=batch, sample=0)}
-    runs: dict[bool, list[_Continuations]] = {False: [], True: []}
+    steps: dict[bool, list[float]] = {False: [], True: []}
+    decoded: dict[bool, list[int]] = {False: [], True: []}
     for r in range(rounds + 1):
         out = {draft: _run(engine, prompts, PROBE_TOKENS, f"b{batch}-{r}-{int(draft)}", rule)
                for draft, rule in rules.items()}
         if out[False].tokens != out[True].tokens:
             return f"the greedy tokens with drafts differ from those without at batch {batch}"
         for draft, run in out.items():
-            if r and run.steps:
-                runs[draft].append(run)
-    if not runs[False] or not runs[True]:
+            if r:
+                steps[draft] += run.seconds
+                decoded[draft] += run.decoded
+    if not steps[False] or not steps[True]:
         return f"no decode step to time at batch {batch}"
-    tps = {d: statistics.median(c.decoded / c.seconds for c in runs[d]) for d in runs}
-    step = {d: statistics.median(c.seconds / c.steps for c in runs[d]) for d in runs}
+    step = {d: _lower_quartile(steps[d]) for d in steps}
+    tps = {d: sum(decoded[d]) / len(decoded[d]) / step[d] for d in steps}
     return SpeedFigures(batch, tps[False], tps[True], step[True] / step[False])
+
+
+def _lower_quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4)[0] if len(values) > 1 else values[0]
 
 
 def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecision:
