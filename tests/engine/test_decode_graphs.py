@@ -133,13 +133,18 @@ def test_compiled_decode_matches_eager_over_two_ranks_with_the_padded_dispatcher
     monkeypatch.setenv("EPSERVE_COMPILE_BACKEND", "aot_eager")
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
     # eager over two ranks = one process (test_parallel): one process is the reference
-    eager = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2).generate(PROMPTS, params)
+    one = LLM(ckpt, dtype="float32", num_blocks=64, max_num_seqs=2)
+    eager = one.generate(PROMPTS, params)
     kw = dict(dtype="float32", num_blocks=64, max_num_seqs=2, dp=2, dispatch="padded")
     with LLM(ckpt, compile=True, **kw) as llm:
         compiled = llm.generate(PROMPTS, params)
+        load = llm.expert_load()
     for a, b in zip(eager, compiled):
         assert a.token_ids == b.token_ids
         assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    # a rank of fewer rows than the step's bucket sends its padding rows' copies as the dispatcher's padding:
+    # every expert counts the tokens one process counts
+    assert load.per_expert == one.expert_load().per_expert
 
 
 def test_capture_options_are_checked(ckpt):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from epserve import LLM, SamplingParams
 from epserve.kernels import cpu
+from epserve.moe.dispatch.padded import PaddedDispatcher
 
 PROMPTS = [[3, 4, 5, 6], [10, 11, 12], [20, 21], list(range(30, 60))]
 MTP = dict(speculative="mtp", num_speculative_tokens=1, dtype="float32", num_blocks=64)
@@ -87,3 +89,27 @@ def test_eplb_with_mtp_balances_the_mtp_layer_too(skewed_ckpt):
     mtp_moe = llm.engine.runner.model.moe_layers()[mc.num_hidden_layers]
     assert mtp_moe.replica_count[4:6].min() >= 2  # the hot experts got the redundant slots there too
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == before
+
+
+def test_the_padded_dispatcher_leaves_padding_rows_unsent(request):
+    """Over ranks a captured bucket's padding rows are the fixed-shape dispatcher's to leave out: their copies
+    travel as its own padding (zero rows, slot -1), so no rank computes or counts them, and the real rows
+    combine as before (a one-rank gloo group: the real backend and its collectives)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    request.addfinalizer(dist.destroy_process_group)
+    g = torch.Generator().manual_seed(0)
+    slots, tokens, top_k = 6, 5, 2
+    x = torch.randn(tokens, 8, generator=g)
+    ids = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    real = torch.tensor([True, True, True, False, False])
+    padded = PaddedDispatcher(slots, dist.group.WORLD)
+    padded.begin_step(tokens)
+    every, route = padded.dispatch(x, ids, weights)
+    only, only_route = padded.dispatch(x, ids, weights, real)
+    assert torch.equal(every.num_tokens_per_expert, torch.bincount(ids.flatten(), minlength=slots))
+    assert torch.equal(only.num_tokens_per_expert, torch.bincount(ids[real].flatten(), minlength=slots))
+    n = int(only.num_tokens_per_expert.sum())
+    assert not only.hidden_states[n:].any()  # the padding copies arrive as zero rows past the counted ones
+    y, y_only = every.hidden_states * 2, only.hidden_states * 2  # (an "expert": rows past the counts stay zero)
+    torch.testing.assert_close(padded.combine(y_only, only_route)[real], padded.combine(y, route)[real])

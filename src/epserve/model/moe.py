@@ -86,7 +86,7 @@ class MoE(nn.Module):
         schedule's stages 2-4 (``parallel/overlap.py``)."""
         topk_ids, topk_weights = run_op(hook, GATE, self.route, x)
         yield
-        sent = run_op(hook, DISPATCH_SEND, self.dispatcher.dispatch_send, x, topk_ids, topk_weights)
+        sent = run_op(hook, DISPATCH_SEND, self.dispatcher.dispatch_send, x, topk_ids, topk_weights, real_rows)
         if shared_during_dispatch:  # on CUDA on a second stream, joined before the sum (timed in place)
             if hook is None:
                 forked = self.side_stream.start(self.shared_expert, x)
@@ -140,7 +140,8 @@ class MoE(nn.Module):
         expert_input, route = self.dispatcher.dispatch_recv(sent)
         if real_rows is not None and self.placement.ep_size == 1:
             # padding rows among the step's (a captured bucket's): on one rank every copy stays here, so the
-            # copies counted are the real rows' own (slots are logical experts' through ``slot_experts``)
+            # copies counted are the real rows' own (slots are logical experts' through ``slot_experts``);
+            # over ranks, the dispatcher leaves them out of the counts where it can (``dispatch_send``)
             copies = real_rows[:, None].expand(topk_ids.shape).reshape(-1).to(self.expert_load.dtype)
             self.expert_load.index_add_(0, self.slot_experts[topk_ids.reshape(-1)], copies)
         else:

@@ -66,7 +66,8 @@ class AllToAllDispatcher(GroupDispatcher):
     name = "all_to_all"
 
     def dispatch_send(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        real_rows: torch.Tensor | None = None,
     ) -> AllToAllInFlight:
         """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]."""
         ep, slots = self.ep_size, self.num_local_slots

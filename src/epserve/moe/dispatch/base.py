@@ -72,9 +72,14 @@ class Dispatcher(ABC):
 
     @abstractmethod
     def dispatch_send(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        real_rows: torch.Tensor | None = None,
     ) -> DispatchHandle:
-        """Start sending; ``topk_ids`` are physical expert slots. Returns the in-flight handle."""
+        """Start sending; ``topk_ids`` are physical expert slots. Returns the in-flight handle. ``real_rows``
+        [T] bool: False at a captured bucket's padding rows (None: every row real). A backend that can leaves
+        their copies unsent, so no rank computes or counts them (``padded``); ``local`` sends them as any row
+        (its one rank counts the real rows' copies itself: ``model/moe.py``), ``all_to_all`` never meets
+        them (it runs eagerly), ``symm_mem`` still sends and counts them."""
 
     @abstractmethod
     def dispatch_recv(self, handle: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:
@@ -89,9 +94,10 @@ class Dispatcher(ABC):
         """Wait for the outputs; returns ``[T, H]``, weighted and summed over each token's top-k."""
 
     def dispatch(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        real_rows: torch.Tensor | None = None,
     ) -> tuple[ExpertInput, DispatchHandle]:
-        return self.dispatch_recv(self.dispatch_send(x, topk_ids, topk_weights))
+        return self.dispatch_recv(self.dispatch_send(x, topk_ids, topk_weights, real_rows))
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         return self.combine_recv(self.combine_send(y, handle))

@@ -45,7 +45,8 @@ class LocalDispatcher(Dispatcher):
         self.payload = Payload(fp8, nvfp4)
         self.reset_stats()  # stays zero: nothing leaves this rank
 
-    def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> LocalInFlight:
+    def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      real_rows: torch.Tensor | None = None) -> LocalInFlight:
         if not self.payload.quantized:  # one C call on the CPU: the grouping, the rows, their tokens and weights
             rows, counts, token_idx, weights = local_dispatch(x, topk_ids, topk_weights, self.num_local_experts)
             return LocalInFlight(ExpertInput(rows, counts), LocalRoute(x.shape[0], token_idx, weights))

@@ -81,8 +81,10 @@ class PaddedDispatcher(GroupDispatcher):
         sent = sum(b.numel() * b.element_size() for b in buffers)
         self.comm_bytes[phase] += sent // self.ep_size * (self.ep_size - 1)
 
-    def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> PaddedInFlight:
-        """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]."""
+    def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      real_rows: torch.Tensor | None = None) -> PaddedInFlight:
+        """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]; the copies of rows ``real_rows`` marks
+        False (a captured bucket's padding) go as padding: zero rows at slot -1, neither computed nor counted."""
         ep, slots = self.ep_size, self.num_local_slots
         capacity = self._capacity(x.shape[0], topk_ids.shape[1])
         order, slot_counts = group_by_expert(topk_ids, ep * slots)
@@ -93,10 +95,14 @@ class PaddedDispatcher(GroupDispatcher):
         send_pos = dest * capacity + torch.arange(order.shape[0], device=order.device) - rank_starts[dest]
 
         token_idx = order // topk_ids.shape[1]
-        rows = self.payload.rows(x)
-        send = rows.new_zeros(ep * capacity, rows.shape[1]).index_copy_(0, send_pos, rows.index_select(0, token_idx))
+        rows = self.payload.rows(x).index_select(0, token_idx)
+        local = sorted_slots % slots
+        if real_rows is not None:
+            real = real_rows.index_select(0, token_idx)
+            rows, local = rows.masked_fill(~real[:, None], 0), torch.where(real, local, -1)  # (uint8 payloads too)
+        send = rows.new_zeros(ep * capacity, rows.shape[1]).index_copy_(0, send_pos, rows)
         send_slots = torch.full((ep * capacity,), -1, dtype=torch.long, device=x.device)
-        send_slots.index_copy_(0, send_pos, sorted_slots % slots)
+        send_slots.index_copy_(0, send_pos, local)
         # Functional collectives: asynchronous until waited on, and traceable by torch.compile.
         recv_slots = funcol.all_to_all_single(send_slots, None, None, self.group)
         recv = funcol.all_to_all_single(send, None, None, self.group)

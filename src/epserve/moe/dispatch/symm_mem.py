@@ -191,7 +191,8 @@ class SymmMemDispatcher(Dispatcher):
         buffers.busy = True
         return buffers
 
-    def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> DispatchHandle:
+    def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      real_rows: torch.Tensor | None = None) -> DispatchHandle:
         """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]."""
         if self._larger():
             return self.larger_steps.dispatch_send(x, topk_ids, topk_weights)
