@@ -23,11 +23,13 @@ planner's acceptance figure (``planner/calibrate_engine.py``) is :func:`measure_
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -40,7 +42,7 @@ from epserve.engine.sampling import SamplingPipeline
 from epserve.engine.spec_manager import DraftRule
 from epserve.messages.sampling import SamplingParams
 from epserve.parallel.context import ParallelContext
-from epserve.tokenizer import load_tokenizer
+from epserve.tokenizer import TOKENIZER_FILE, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +54,9 @@ MTP_PROMPTS = (
     "The default value of the argument is", "For example, the expression", "An exception is raised when",
 )
 PROBE_MARGIN = 1.05  # MTP's tokens/s at batch 1 over plain's, at least, for the default to draft
-PROBE_PROMPTS = 4  # continuations the acceptance is counted on (at once)
-PROBE_TOKENS = 16  # tokens each continuation generates
+ACCEPTANCE_PROMPTS = 8  # continuations the acceptance is counted on (at once: few steps)
+ACCEPTANCE_TOKENS = 8  # tokens each of them generates
+PROBE_TOKENS = 16  # tokens each timed continuation generates
 PROBE_ROUNDS = 3  # timed runs per mode and batch (medians), after one untimed
 PROBE_MAX_BATCH = 16  # the largest batch timed (the device's drafting cap, the engine's running requests)
 
@@ -149,12 +152,19 @@ def unprobed(config: EngineConfig) -> SpecDecision:
 def probe_prompts(config: EngineConfig, count: int) -> list[list[int]]:
     """``count`` prompts as token ids: :data:`MTP_PROMPTS` in turn through the checkpoint's tokenizer, or
     without one a fixed spread of the vocabulary."""
-    tokenizer = load_tokenizer(config.model_path)
-    vocab = config.model.vocab_size
-    texts = [MTP_PROMPTS[i % len(MTP_PROMPTS)] for i in range(count)]
-    if tokenizer is not None:
-        return [tokenizer.encode(t) for t in texts]
-    return [[(7 + 31 * i + 97 * j) % vocab for j in range(8)] for i in range(count)]
+    path = Path(config.model_path) / TOKENIZER_FILE
+    encoded = _encoded(str(path), path.stat().st_mtime_ns) if path.is_file() else None
+    if encoded is not None:
+        return [list(encoded[i % len(encoded)]) for i in range(count)]
+    return [[(7 + 31 * i + 97 * j) % config.model.vocab_size for j in range(8)] for i in range(count)]
+
+
+@functools.lru_cache(maxsize=8)
+def _encoded(tokenizer_file: str, mtime_ns: int) -> tuple[tuple[int, ...], ...] | None:
+    """:data:`MTP_PROMPTS` through the tokenizer of that file (as it was at ``mtime_ns``): loaded once a process
+    (its chat template compiles in tens of milliseconds, a large part of a small engine's probe)."""
+    tokenizer = load_tokenizer(Path(tokenizer_file).parent)
+    return None if tokenizer is None else tuple(tuple(tokenizer.encode(t)) for t in MTP_PROMPTS)
 
 
 @dataclass(frozen=True)
@@ -239,13 +249,19 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
     start = time.perf_counter()
     cap = DraftRule.for_device(engine.ctx.device.type).max_requests
     batch = max(1, min(cap, engine.config.scheduler.max_num_seqs, PROBE_MAX_BATCH))
-    prompts = probe_prompts(engine.config, max(PROBE_PROMPTS, batch))
+    prompts = probe_prompts(engine.config, max(ACCEPTANCE_PROMPTS, batch))
     generator = engine.sampling.sampler.default_generator
     state = generator.get_state()
     runner = engine.runner
     balancer, runner.balancer = runner.balancer, None  # the probe's steps neither fill the window nor rebalance
     try:
-        acceptance, _ = measure_acceptance(engine, prompts[:PROBE_PROMPTS], PROBE_TOKENS)
+        captured = runner.captured
+        if captured is not None and captured.mode != "cuda_graph":  # eager: a CPU graph records at first use, and
+            runner.captured = None  # recording a bucket costs more than these few steps run eagerly
+        try:
+            acceptance, _ = measure_acceptance(engine, prompts[:ACCEPTANCE_PROMPTS], ACCEPTANCE_TOKENS)
+        finally:
+            runner.captured = captured
         speeds: list[SpeedFigures] = []
         for b in sorted({1, batch}) if 1 + acceptance >= margin else ():
             figures = measure_speed(engine, prompts[:b])
