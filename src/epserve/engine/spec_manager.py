@@ -26,7 +26,9 @@ from epserve.engine.request import Request
 # drafts a verification average at least ``DRAFT_COST * k``. On the CPU (benchmarks/mtp_decode.py
 # --breakdown, the trained tiny checkpoint, fp32, 2 cores) a k = 1 step cost 1.72-1.9 plain ones at batch 1
 # to 8 and 2.1 at batch 16, where even every draft accepted does not pay: at most 8 requests draft. A GPU's
-# step stays weight-bound longer; its cost is not measured here, so only its batch cap applies.
+# step stays weight-bound longer; its cost is not measured here, so only its batch cap applies. These are
+# ``--speculative mtp``'s; where the start-up probe switched MTP on (the default, ``engine/spec_probe.py``)
+# the rule is its measurement's: the largest batch timed to pay, and that batch's break-even.
 DRAFT_COST = {"cpu": 0.75, "cuda": 0.0}
 DRAFT_REQUESTS = {"cpu": 8, "cuda": 256}
 ACCEPTANCE_SAMPLE = 64  # verifications (decodes verifying drafts) before the measured acceptance decides

@@ -2,13 +2,15 @@
 not given, ``num_speculative_tokens`` not 0) on one rank, with a checkpoint that has an MTP layer. The engine
 loads the layer, warms up as usual, and before it serves:
 
-1. acceptance: greedy continuations of a few fixed prompts (:data:`MTP_PROMPTS`), every step drafting one
-   token; the drafts' acceptance bounds what drafting can gain (a drafting step yields ``1 + acceptance``
-   tokens a request and costs at least a plain step), so below :data:`PROBE_MARGIN` it is off without timing
-   anything (a random-weight checkpoint: every test's model);
-2. speed: the same continuations with and without drafting, timed at batch 1 and at the device's drafting
-   cap (``DraftRule``), alternated, medians of a few rounds; the greedy tokens with drafts must equal those
-   without (a mismatch is logged as an error and MTP stays off);
+1. acceptance: greedy continuations of a few fixed prompts (:data:`MTP_PROMPTS`) at once, every step drafting
+   one token (eager steps on the CPU: recording graphs would cost more); the drafts' acceptance bounds what
+   drafting can gain (a drafting step yields ``1 + acceptance`` tokens a request and costs at least a plain
+   step), so below :data:`PROBE_MARGIN` it is off without timing anything (a random-weight checkpoint: every
+   test's model);
+2. speed: short continuations with and without drafting, timed at batch 1 and at the device's drafting cap
+   (``DraftRule``; within the engine's running requests), alternated run by run over a few rounds, each mode's
+   step its lower quartile (steady beside other work on the host); the greedy tokens with drafts must equal
+   those without (a mismatch is logged as an error and MTP stays off);
 3. the decision (:func:`decide`, on the figures alone): on where MTP's tokens/s at batch 1 is at least the
    margin above plain's; the proposer's ``DraftRule`` then drafts up to the largest batch measured to pay,
    while the drafts' acceptance stays above the measured break-even (a drafting step's cost in plain steps,
@@ -56,15 +58,15 @@ MTP_PROMPTS = (
 PROBE_MARGIN = 1.05  # MTP's tokens/s at batch 1 over plain's, at least, for the default to draft
 ACCEPTANCE_PROMPTS = 8  # continuations the acceptance is counted on (at once: few steps)
 ACCEPTANCE_TOKENS = 8  # tokens each of them generates
-PROBE_TOKENS = 16  # tokens each timed continuation generates
-PROBE_ROUNDS = 3  # timed runs per mode and batch (medians), after one untimed
+PROBE_TOKENS = 10  # tokens each timed continuation generates
+PROBE_ROUNDS = 6  # timed runs per mode and batch, alternated, after one untimed
 PROBE_MAX_BATCH = 16  # the largest batch timed (the device's drafting cap, the engine's running requests)
 
 
 @dataclass(frozen=True)
 class SpeedFigures:
-    """One batch's timed continuations: decode tokens/s without and with drafting (medians), and a drafting
-    step's time in plain steps."""
+    """One batch's timed continuations: decode tokens/s without and with drafting, and a drafting step's time
+    in plain steps."""
 
     batch: int
     plain_tps: float
