@@ -203,19 +203,36 @@ def test_torchrun_two_nodes_on_loopback(ckpt):
     assert _tokens(outs[1][0]) == []  # only rank 0 prints
 
 
-def _communicate_or_kill(nodes: list[subprocess.Popen], timeout_s: float) -> list[tuple[str, str]]:
-    """Every node's (stdout, stderr) once all have exited; past ``timeout_s``, every node's process group
-    killed and the test failed with what each had printed (a hang shows where it hung)."""
+def _communicate_or_kill(nodes: list[subprocess.Popen], timeout_s: float,
+                         grace_s: float = 15.0) -> list[tuple[str, str]]:
+    """Every node's (stdout, stderr) once all have exited. Past ``timeout_s``, or ``grace_s`` after a node
+    failed (the other node's torchrun agent, its own rank done, then waits out torchrun's exit barrier:
+    minutes), every node's process group is killed and the test failed with what each had printed (a
+    hang shows where it hung)."""
+    printed: list[tuple[str, str]] = [("", "")] * len(nodes)
+
+    def read(i: int) -> None:
+        printed[i] = nodes[i].communicate()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(nodes))]
+    for r in readers:
+        r.start()
     deadline = time.monotonic() + timeout_s
-    try:
-        return [n.communicate(timeout=max(1.0, deadline - time.monotonic())) for n in nodes]
-    except subprocess.TimeoutExpired:
-        for n in nodes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(n.pid, signal.SIGKILL)
-        printed = [n.communicate() for n in nodes]
-        pytest.fail(f"the nodes did not finish within {timeout_s:g} s:\n" + "\n".join(
-            f"node {i} stderr:\n{err[-3000:]}" for i, (_, err) in enumerate(printed)))
+    failed = False
+    while any(r.is_alive() for r in readers) and time.monotonic() < deadline:
+        if not failed and any(n.returncode not in (None, 0) for n in nodes):
+            failed, deadline = True, min(deadline, time.monotonic() + grace_s)
+        time.sleep(0.1)
+    if not any(r.is_alive() for r in readers):
+        return printed
+    for n in nodes:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(n.pid, signal.SIGKILL)
+    for r in readers:
+        r.join(10)
+    why = "a node failed and the other did not finish" if failed else f"the nodes did not finish within {timeout_s:g} s"
+    pytest.fail(f"{why}:\n" + "\n".join(f"node {i} (exit code {n.returncode}) stderr:\n{err[-3000:]}"
+                                       for i, (n, (_, err)) in enumerate(zip(nodes, printed))))
 
 
 # what rank logs say once the world is in a phase: its model loaded (the start-up collectives follow), or
