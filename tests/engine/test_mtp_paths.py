@@ -12,7 +12,9 @@ import torch.distributed as dist
 
 from epserve import LLM, SamplingParams
 from epserve.kernels import cpu
+from epserve.moe.dispatch.exchange import GlooExchange
 from epserve.moe.dispatch.padded import PaddedDispatcher
+from epserve.moe.dispatch.symm_mem import SymmMemDispatcher
 
 PROMPTS = [[3, 4, 5, 6], [10, 11, 12], [20, 21], list(range(30, 60))]
 MTP = dict(speculative="mtp", num_speculative_tokens=1, dtype="float32", num_blocks=64)
@@ -91,25 +93,35 @@ def test_eplb_with_mtp_balances_the_mtp_layer_too(skewed_ckpt):
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == before
 
 
-def test_the_padded_dispatcher_leaves_padding_rows_unsent(request):
-    """Over ranks a captured bucket's padding rows are the fixed-shape dispatcher's to leave out: their copies
-    travel as its own padding (zero rows, slot -1), so no rank computes or counts them, and the real rows
-    combine as before (a one-rank gloo group: the real backend and its collectives)."""
+@pytest.mark.parametrize("backend", ["padded", "symm_mem"])
+def test_the_fixed_shape_dispatchers_leave_padding_rows_unsent(backend, request):
+    """Over ranks a captured bucket's padding rows are the fixed-shape dispatchers' to leave out: their copies
+    are not sent (``padded``: as its own padding, zero rows at slot -1; ``symm_mem``: sorted past every slot),
+    so no rank computes or counts them, and the real rows combine as before (a one-rank gloo group: the real
+    backends, ``symm_mem`` through its exchange's gloo twin)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     request.addfinalizer(dist.destroy_process_group)
     g = torch.Generator().manual_seed(0)
-    slots, tokens, top_k = 6, 5, 2
-    x = torch.randn(tokens, 8, generator=g)
+    slots, tokens, top_k, hidden = 6, 5, 2, 8
+    x = torch.randn(tokens, hidden, generator=g)
     ids = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=g)
     real = torch.tensor([True, True, True, False, False])
-    padded = PaddedDispatcher(slots, dist.group.WORLD)
-    padded.begin_step(tokens)
-    every, route = padded.dispatch(x, ids, weights)
-    only, only_route = padded.dispatch(x, ids, weights, real)
-    assert torch.equal(every.num_tokens_per_expert, torch.bincount(ids.flatten(), minlength=slots))
-    assert torch.equal(only.num_tokens_per_expert, torch.bincount(ids[real].flatten(), minlength=slots))
-    n = int(only.num_tokens_per_expert.sum())
-    assert not only.hidden_states[n:].any()  # the padding copies arrive as zero rows past the counted ones
-    y, y_only = every.hidden_states * 2, only.hidden_states * 2  # (an "expert": rows past the counts stay zero)
-    torch.testing.assert_close(padded.combine(y_only, only_route)[real], padded.combine(y, route)[real])
+    group = dist.group.WORLD
+    if backend == "padded":
+        dispatcher = PaddedDispatcher(slots, group)
+    else:
+        dispatcher = SymmMemDispatcher(slots, group, top_k, tokens, hidden, torch.float32, torch.device("cpu"),
+                                       exchange=GlooExchange(group))
+    outputs, counts = [], []
+    for marks in (None, real):
+        dispatcher.begin_step(tokens)
+        got, route = dispatcher.dispatch(x, ids, weights, marks)
+        counts.append(got.num_tokens_per_expert)
+        if not got.masked:  # the unsent copies arrive as zero rows past the counted ones
+            assert not got.hidden_states[int(got.num_tokens_per_expert.sum()):].any()
+        outputs.append(dispatcher.combine(got.hidden_states * 2, route))  # (an "expert" doubling its rows)
+    assert torch.equal(counts[0], torch.bincount(ids.flatten(), minlength=slots))
+    assert torch.equal(counts[1], torch.bincount(ids[real].flatten(), minlength=slots))
+    torch.testing.assert_close(outputs[1][real], outputs[0][real])
+    torch.testing.assert_close(outputs[0], 2 * x * weights.sum(1, keepdim=True))

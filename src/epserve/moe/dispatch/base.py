@@ -77,9 +77,9 @@ class Dispatcher(ABC):
     ) -> DispatchHandle:
         """Start sending; ``topk_ids`` are physical expert slots. Returns the in-flight handle. ``real_rows``
         [T] bool: False at a captured bucket's padding rows (None: every row real). A backend that can leaves
-        their copies unsent, so no rank computes or counts them (``padded``); ``local`` sends them as any row
-        (its one rank counts the real rows' copies itself: ``model/moe.py``), ``all_to_all`` never meets
-        them (it runs eagerly), ``symm_mem`` still sends and counts them."""
+        their copies unsent, so no rank computes or counts them (``padded``, ``symm_mem``); ``local`` sends them
+        as any row (its one rank counts the real rows' copies itself: ``model/moe.py``), ``all_to_all`` never
+        meets them (it runs eagerly)."""
 
     @abstractmethod
     def dispatch_recv(self, handle: DispatchHandle) -> tuple[ExpertInput, DispatchHandle]:

@@ -93,6 +93,7 @@ class SymmMemSender:
     num_tokens: int
     token_idx: torch.Tensor  # [T*K] source token of each sent row, in send order
     weights: torch.Tensor  # [T*K] routing weight of each sent row (fp32)
+    real: torch.Tensor | None = None  # [T*K] bool, False: a padding row's copy, left unsent (None: all sent)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,9 @@ class SymmMemDispatcher(Dispatcher):
 
     def dispatch_send(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       real_rows: torch.Tensor | None = None) -> DispatchHandle:
-        """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]."""
+        """x [T, H], topk_ids [T, K] physical slots, topk_weights [T, K]. The copies of rows ``real_rows`` marks
+        False (a captured bucket's padding) sort past every slot and are not sent: no rank computes or counts
+        them, and their outputs come back as zeros."""
         if self._larger():
             return self.larger_steps.dispatch_send(x, topk_ids, topk_weights)
         ep, slots = self.ep_size, self.num_local_slots
@@ -202,8 +205,14 @@ class SymmMemDispatcher(Dispatcher):
             raise ValueError(f"SymmMemDispatcher was built for top-k {self.top_k} and hidden size {self.shape.hidden}, "
                              f"got topk_ids {tuple(topk_ids.shape)} and x {tuple(x.shape)}")
         b = self._acquire(num_tokens)
-        order, counts = group_by_expert(topk_ids, ep * slots)  # rank-major, then local slot: the send order
+        ids, real = topk_ids, None
+        if real_rows is not None:  # padding rows' copies to a slot past the last: sorted last, never sent
+            ids = torch.where(real_rows[:, None], topk_ids, ep * slots)
+        order, counts = group_by_expert(ids, ep * slots + (real_rows is not None))  # rank-major, then local slot
+        counts = counts[: ep * slots]
         token_idx = order // top_k
+        if real_rows is not None:
+            real = real_rows.index_select(0, token_idx)
         rows = self.payload.rows(x)  # the T tokens, quantized once with an FP8 or NVFP4 payload
         n = num_tokens * top_k
         b.send[:n, : rows.shape[1]] = rows.index_select(0, token_idx)
@@ -212,9 +221,10 @@ class SymmMemDispatcher(Dispatcher):
         self.exchange.all_to_all(b.counts_send, b.counts_splits, b.counts_recv, b.counts_splits_offsets)
         self.exchange.all_to_all(b.send, b.in_splits, b.recv, b.recv_splits_offsets)
         to_self = b.in_splits[self.ep_rank]
-        self._sent[0] += (n - to_self) * rows.shape[1] * rows.element_size()
+        sent = n if real is None else b.in_splits.sum()
+        self._sent[0] += (sent - to_self) * rows.shape[1] * rows.element_size()
         step = int(self.step_tokens)  # type: ignore[arg-type]
-        sender = SymmMemSender(num_tokens, token_idx, topk_weights.reshape(-1).index_select(0, order))
+        sender = SymmMemSender(num_tokens, token_idx, topk_weights.reshape(-1).index_select(0, order), real)
         # N: the most rows this rank can receive this step; the expected real rows of a slot: tokens * K / experts
         return SymmMemInFlight(b, x.shape[1], ep * step * min(top_k, slots), step * top_k / slots, sender)
 
@@ -249,6 +259,8 @@ class SymmMemDispatcher(Dispatcher):
         sender, b = handle.sender, handle.buffers
         # every copy comes back, in the order it was sent
         y = b.combine_out[: sender.token_idx.shape[0], : self.shape.hidden]
+        if sender.real is not None:  # (the unsent copies' rows hold an earlier step's)
+            y = y.masked_fill(~sender.real[:, None], 0)
         out = weighted_combine(y, sender.token_idx, sender.weights, sender.num_tokens)
         b.busy = False
         return out
