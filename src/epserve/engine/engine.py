@@ -26,7 +26,6 @@ from epserve.engine.request import Request, check_prompt
 from epserve.engine.runner import BatchPlan, ModelRunner, resolve_device
 from epserve.engine.sampling import SamplingPipeline, no_token_left
 from epserve.engine.scheduler import RequestUpdate, Scheduler
-from epserve.engine.spec_decode import SpecStats
 from epserve.engine.spec_probe import PROBE_MARGIN, SpecDecision, probes, run_probe, unprobed
 from epserve.messages.engine import AddRequest
 from epserve.messages.expert_load import ExpertLoad
@@ -92,7 +91,7 @@ class LLMEngine:
     def _settle_speculation(self, margin: float) -> SpecDecision:
         """Probe whether MTP pays (``engine/spec_probe.py``) and leave the engine as it was before the probe,
         drafting or not. On: the proposer drafts by the measured rule; a fresh scheduler (no prefix cache, every
-        KV block free), the acceptance, expert-load and step counters at zero. Off: the probed engine's parts
+        KV block free), the expert-load and step counters at zero. Off: the probed engine's parts
         released (the MTP layer's weights, its KV cache and draft graphs with them), then loaded again as a plain
         engine's (its KV pool sized without the MTP layer). Logged in one line."""
         decision = run_probe(self, margin)
@@ -101,7 +100,6 @@ class LLMEngine:
             assert runner.proposer is not None and decision.rule is not None
             runner.proposer.rule = decision.rule
             runner.proposer.steps_without_drafts = 0
-            self.sampling.stats = SpecStats(self.config.num_spec_tokens)
             if runner.balancer is not None:
                 runner.balancer.reset()
             runner.dispatcher.reset_stats()

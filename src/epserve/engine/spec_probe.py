@@ -17,14 +17,16 @@ loads the layer, warms up as usual, and before it serves:
    less one).
 
 The probe leaves no trace: kept on, the engine resets what it touched (the scheduler with its prefix cache
-and KV blocks, the acceptance and expert-load counters; the probe puts back the unseeded requests' generator
-and keeps its steps out of the EPLB window); switched off, the engine releases its parts (the MTP layer's
-weights, KV cache and draft graphs with them) and loads again as a plain engine (``LLMEngine``). The
-planner's acceptance figure (``planner/calibrate_engine.py``) is :func:`measure_acceptance` too.
+and KV blocks, the expert-load counters; the probe puts back the acceptance counters and the unseeded
+requests' generator, and keeps its steps out of the EPLB window); switched off, the engine releases its
+parts (the MTP layer's weights, KV cache and draft graphs with them) and loads again as a plain engine
+(``LLMEngine``). The planner's acceptance figure (``planner/calibrate_engine.py``) is
+:func:`measure_acceptance` too.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import statistics
@@ -247,13 +249,14 @@ def _lower_quartile(values: list[float]) -> float:
 
 def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecision:
     """Acceptance, then (where it could pay) speed at batch 1 and at the drafting cap, and the decision; the
-    EPLB window and the unseeded requests' generator as they were (the caller resets the rest)."""
+    acceptance counters, the EPLB window and the unseeded requests' generator as they were (the caller resets
+    the rest)."""
     start = time.perf_counter()
     cap = DraftRule.for_device(engine.ctx.device.type).max_requests
     batch = max(1, min(cap, engine.config.scheduler.max_num_seqs, PROBE_MAX_BATCH))
     prompts = probe_prompts(engine.config, max(ACCEPTANCE_PROMPTS, batch))
     generator = engine.sampling.sampler.default_generator
-    state = generator.get_state()
+    state, stats = generator.get_state(), copy.deepcopy(engine.sampling.stats)
     runner = engine.runner
     balancer, runner.balancer = runner.balancer, None  # the probe's steps neither fill the window nor rebalance
     try:
@@ -281,6 +284,7 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
     finally:
         runner.balancer = balancer
         generator.set_state(state)
+        engine.sampling.stats = stats
     return SpecDecision(decision.on, decision.reason, decision.acceptance, decision.speeds, decision.rule,
                         time.perf_counter() - start)
 
