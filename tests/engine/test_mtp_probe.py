@@ -88,8 +88,9 @@ def test_a_probe_whose_margin_it_passes_turns_mtp_on(tiny_ckpt):
     assert tokens == plain.generate([prompt], GREEDY)[0].token_ids
 
 
-def test_speculative_option_combinations(capsys):
-    """``--speculative auto`` spells the default; a draft count it cannot go with is a one-line CLI error."""
+def test_speculative_option_combinations(capsys, tiny_ckpt):
+    """``--speculative auto`` spells the default; a draft count it cannot go with is a one-line CLI error; an
+    engine too small for the probe's requests says so and does not draft."""
     from epserve.cli import build_parser
     from epserve.engine.args import engine_options
 
@@ -104,3 +105,5 @@ def test_speculative_option_combinations(capsys):
         code = main(["serve", *args])
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
+    small = LLM(tiny_ckpt, dtype="float32", num_blocks=1).speculative_decision()
+    assert not small["mtp"] and small["reason"].startswith("off: the start-up probe does not fit this engine (")

@@ -44,6 +44,7 @@ from epserve.engine.options import speculation_without_probe
 from epserve.engine.runner import ModelRunner
 from epserve.engine.sampling import SamplingPipeline
 from epserve.engine.spec_manager import DraftRule
+from epserve.messages.engine import AddRequest
 from epserve.messages.sampling import SamplingParams
 from epserve.parallel.context import ParallelContext
 from epserve.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -130,6 +131,8 @@ class ProbedEngine(Protocol):
     ctx: ParallelContext
     runner: ModelRunner
     sampling: SamplingPipeline
+
+    def check_request(self, request: AddRequest) -> AddRequest: ...
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
 
@@ -255,18 +258,23 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
     cap = DraftRule.for_device(engine.ctx.device.type).max_requests
     batch = max(1, min(cap, engine.config.scheduler.max_num_seqs, PROBE_MAX_BATCH))
     prompts = probe_prompts(engine.config, max(ACCEPTANCE_PROMPTS, batch))
+    params = SamplingParams(max_tokens=max(ACCEPTANCE_TOKENS, PROBE_TOKENS), ignore_eos=True)
+    try:
+        for prompt in prompts:
+            engine.check_request(AddRequest("spec-probe", tuple(prompt), params))
+    except ValueError as e:  # (RequestError: a context or a KV pool too small for the probe's requests)
+        return SpecDecision(False, f"off: the start-up probe does not fit this engine ({e}); --speculative mtp "
+                            "forces it", seconds=time.perf_counter() - start)
     generator = engine.sampling.sampler.default_generator
     state, stats = generator.get_state(), copy.deepcopy(engine.sampling.stats)
     runner = engine.runner
     balancer, runner.balancer = runner.balancer, None  # the probe's steps neither fill the window nor rebalance
+    captured = runner.captured
     try:
-        captured = runner.captured
         if captured is not None and captured.mode != "cuda_graph":  # eager: a CPU graph records at first use, and
             runner.captured = None  # recording a bucket costs more than these few steps run eagerly
-        try:
-            acceptance, _ = measure_acceptance(engine, prompts[:ACCEPTANCE_PROMPTS], ACCEPTANCE_TOKENS)
-        finally:
-            runner.captured = captured
+        acceptance, _ = measure_acceptance(engine, prompts[:ACCEPTANCE_PROMPTS], ACCEPTANCE_TOKENS)
+        runner.captured = captured
         speeds: list[SpeedFigures] = []
         for b in sorted({1, batch}) if 1 + acceptance >= margin else ():
             figures = measure_speed(engine, prompts[:b])
@@ -278,13 +286,9 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
             speeds.append(figures)
         else:
             decision = decide(acceptance, speeds, cap, margin)
-    except ValueError as e:  # a probe request this engine refuses (a context or KV pool too small for it)
-        decision = SpecDecision(False, f"off: the start-up probe does not fit this engine ({e}); --speculative mtp "
-                                "forces it")
     finally:
-        runner.balancer = balancer
+        runner.balancer, runner.captured = balancer, captured
         generator.set_state(state)
         engine.sampling.stats = stats
     return SpecDecision(decision.on, decision.reason, decision.acceptance, decision.speeds, decision.rule,
                         time.perf_counter() - start)
-
