@@ -85,13 +85,15 @@ def test_no_token_left_names_the_fields():
     assert no_token_left(SamplingParams(max_tokens=0, bad_words=tuple((t,) for t in every)), V, eos) is None
 
 
-def test_an_engine_refuses_what_is_decidable_and_aborts_a_row_left_empty(tiny_ckpt):
+@pytest.mark.parametrize("speculative", [None, "mtp"])
+def test_an_engine_refuses_what_is_decidable_and_aborts_a_row_left_empty(tiny_ckpt, speculative):
     """Through the engine: parameters that leave no token at all are refused where the request enters (the
     router answers such a RequestError with a 400); a row emptied only by what was drawn (a two-token bad
-    word X X after the only allowed token X) fails the request, where it drew token 0 before."""
+    word X X after the only allowed token X) fails the request, where it drew token 0 before. With MTP the
+    row left empty is a verification row: it fails the request too (it emitted a banned token 0 before)."""
     from epserve.engine.engine import RequestError
 
-    llm = LLM(tiny_ckpt, dtype="float32", num_blocks=64)
+    llm = LLM(tiny_ckpt, dtype="float32", num_blocks=64, **({"speculative": speculative} if speculative else {}))
     vocab = llm.engine.config.model.vocab_size
     x = 7
     with pytest.raises(RequestError, match="bad_words ban every token"):

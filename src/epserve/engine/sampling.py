@@ -203,6 +203,8 @@ class SamplingPipeline:
         for c, out in zip(sampling, verify(logits, groups, self.noise, raw)):
             self.stats.record(len(c.drafts), out.num_accepted)
             sampled[c.request.request_id] = out.token_ids
+            if out.no_token_left:
+                self._failures[c.request.request_id] = NO_TOKEN_LEFT
             if out.logprobs is not None:
                 logprobs[c.request.request_id] = out.logprobs
         return sampled, logprobs
