@@ -147,9 +147,10 @@ class EngineOptions:
     speculative: SpeculativeMethod | Literal["auto"] = option(
         "engine.speculative", "--speculative", choices=("auto", "mtp"),
         help="speculative decoding with the checkpoint's multi-token prediction (MTP) layer: mtp always drafts; "
-        "auto (the default) loads the layer and measures at start-up (a few greedy continuations: the drafts' "
-        "acceptance, then tokens/s with and without drafting) whether drafting pays here, one draft token a step, "
-        "one rank; off where the checkpoint has no MTP layer")
+        "auto (the default): on one rank, where the checkpoint has an MTP layer, the engine loads it and measures "
+        "at start-up (the drafts' acceptance on a few greedy continuations, then decode tokens/s with and without "
+        "one draft token a step) whether drafting pays here, and drafts only if it does (the log says why); off "
+        "with dp x tp > 1 or --compile")
     num_speculative_tokens: int = option(
         "engine.num_speculative_tokens", "--num-speculative-tokens", unset=True,
         help="draft tokens per decode step with --speculative mtp (the MTP layer chained on itself; default "

@@ -120,7 +120,8 @@ def decide(acceptance: float, speeds: Sequence[SpeedFigures], cap: int, margin: 
     largest = max(s.batch for s in speeds)
     rule = DraftRule(cap if top.batch == largest else top.batch, max(top.step_cost - 1.0, 0.0))
     at = ", ".join(f"{s.ratio:.2f}x at batch {s.batch}" for s in speeds)
-    return SpecDecision(True, f"on: MTP measured {at} ({figures}); drafting for up to {rule.max_requests} requests "
+    return SpecDecision(True, f"on: MTP measured {at} ({figures}); drafting for up to {rule.max_requests} "
+                        f"request{'s' * (rule.max_requests > 1)} "
                         f"while the drafts' acceptance stays above {rule.cost:.2f}", acceptance, tuple(speeds), rule)
 
 
