@@ -23,6 +23,7 @@ together; a second Ctrl-C kills at once.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import threading
@@ -255,6 +256,8 @@ def run_engine(config: EngineConfig, options: ServeOptions, max_restarts: int = 
             EngineServer(worker, options).serve()  # (no parent pipe: the leaders log their addresses)
         finally:
             worker.close()
+            del worker
+            gc.collect()  # gloo's threads end with the groups' last references: here, not in Python's shutdown
         return 0
     signals = StopSignals()
     env.take_api_key()  # (the engines have no use for a router's key; their processes do not inherit it)
