@@ -59,8 +59,8 @@ MTP_PROMPTS = (
     "The default value of the argument is", "For example, the expression", "An exception is raised when",
 )
 PROBE_MARGIN = 1.05  # MTP's tokens/s at batch 1 over plain's, at least, for the default to draft
-ACCEPTANCE_PROMPTS = 8  # continuations the acceptance is counted on (at once: few steps)
-ACCEPTANCE_TOKENS = 8  # tokens each of them generates
+ACCEPTANCE_PROMPTS = 12  # continuations the acceptance is counted on (at once: few steps)
+ACCEPTANCE_TOKENS = 6  # tokens each of them generates
 PROBE_TOKENS = 10  # tokens each timed continuation generates
 PROBE_ROUNDS = 6  # timed runs per mode and batch, alternated, after one untimed
 PROBE_MAX_BATCH = 16  # the largest batch timed (the device's drafting cap, the engine's running requests)
