@@ -93,6 +93,24 @@ def test_a_uniform_load_reproduces_the_plan_without_one(tmp_path: Path) -> None:
     assert summed.per_expert[0, :3].tolist() == [4, 2, 0]
 
 
+def test_an_mtp_engines_load_prices_the_mtp_layer_with_its_own_row(tmp_path: Path) -> None:
+    """An engine decoding with MTP counts its layer too (layer id num_hidden_layers, the last row): the main
+    layers are priced as without that row, the MTP layer with it (it was stretched in as a main layer)."""
+    main_rows = _zipf()
+    mtp_row = [1e6] * 32 + [1.0] * 224  # the copies on the first GPU's 32 experts: it takes them all
+    base = {"layers": list(V3.moe_layer_ids), "per_expert": main_rows}
+    plain = load_expert_load(_write(tmp_path, "plain.json", base), V3)
+    with_mtp = load_expert_load(_write(tmp_path, "mtp.json", {"layers": [*V3.moe_layer_ids, V3.num_hidden_layers],
+                                                              "per_expert": [*main_rows, mtp_row]}), V3)
+    assert (with_mtp.num_main, with_mtp.num_mtp) == (NUM_MOE, 1)
+    a, b = plan_decode(V3, H200, D, NAME, plain).step, plan_decode(V3, H200, D, NAME, with_mtp).step
+    assert b.moe_layer_time_us == pytest.approx(a.moe_layer_time_us, rel=1e-12)
+    assert b.mtp_time_us > 1.05 * a.mtp_time_us  # its own skew (the mean of the main layers was priced)
+    idle_mtp = load_expert_load(_write(tmp_path, "idle.json", {"layers": [*V3.moe_layer_ids, V3.num_hidden_layers],
+                                                               "per_expert": [*main_rows, [0] * 256]}), V3)
+    assert idle_mtp.num_mtp == 0 and plan_decode(V3, H200, D, NAME, idle_mtp).step.mtp_time_us == a.mtp_time_us
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -105,6 +123,10 @@ def test_a_uniform_load_reproduces_the_plan_without_one(tmp_path: Path) -> None:
         ({"per_expert": [[1] * 255 + [-1]]}, "layer 0, expert 255: -1 is not a non-negative number"),
         ({"per_expert": [[0] * 256] * 2}, "every count is zero"),
         ({"instances": [{"per_expert": [[1] * 256]}, {"per_expert": [[1] * 256] * 2}]}, "instances differ in shape"),
+        ({"layers": [3, 4], "per_expert": [[1] * 256]}, '"layers" is not a sorted list of layer ids'),
+        ({"layers": [61], "per_expert": [[1] * 256]}, "every layer is past the model's 61"),
+        ({"instances": [{"layers": [3, 61], "per_expert": [[1] * 256] * 2}, {"per_expert": [[1] * 256] * 2}]},
+         "instances differ in their MTP layer's rows"),
     ],
 )
 def test_bad_load_files_name_the_file_and_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str],

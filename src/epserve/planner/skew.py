@@ -2,7 +2,9 @@
 
 The file is the JSON of ``LLM.expert_load().summary()`` or the server's statistics: an object whose
 ``per_expert`` is one list per MoE layer of the tokens (token copies) each logical expert received;
-its other keys (``layers``, ``per_rank``, ``imbalance``, ...) are ignored. ``{"instances": [...]}``
+its ``layers`` (the layer ids of those rows, where given) set apart the MTP layer's rows (ids from
+``num_hidden_layers`` on: an engine decoding with MTP counts its layer too); its other keys (``per_rank``,
+``imbalance``, ...) are ignored. ``{"instances": [...]}``
 or a bare list of such objects (several engine instances) is summed layer by layer, expert by expert.
 
 A placement puts the logical experts in ``n_routed_experts + num_redundant_experts`` physical slots,
@@ -12,8 +14,9 @@ slot ``e``, the redundant slots holding copies of experts ``0..R-1``); with EPLB
 ``epserve.eplb.rebalance_experts(load, slots, n_group, nodes, ep)`` of the file's layers. A layer's
 **imbalance** is the busiest rank's share of its copies over the mean rank's (1 = even).
 
-MoE layer ``i`` of ``L`` in the model is priced with the file's layer ``floor(i * F / L)`` of ``F``:
-the file's own layers when the counts agree, else stretched or sampled by depth. ``torch`` (for
+MoE layer ``i`` of ``L`` in the model is priced with the file's layer ``floor(i * F / L)`` of ``F``
+main-model layers: the file's own layers when the counts agree, else stretched or sampled by depth. The MTP
+layer is priced with the file's MTP row where it has one, else at the mean of its layers. ``torch`` (for
 ``epserve.eplb`` and the engine's placement) is imported only when a placement is built, numpy only
 when a file is read.
 """
@@ -64,7 +67,7 @@ class PlacedLoad:
 @dataclass(frozen=True)
 class LayerLoad:
     """One MoE layer of a placed load, what the step model prices with; ``layer=None``: a layer at the
-    mean of the file's layers (the MTP layer's, whose own load the file does not hold)."""
+    mean of the file's layers (the MTP layer's, where the file does not hold its own load)."""
 
     placed: PlacedLoad
     layer: int | None
@@ -101,12 +104,18 @@ class ExpertLoadFile:
     """A load file read and checked: ``per_expert[layer][expert]`` tokens, as floats."""
 
     path: str
-    per_expert: np.ndarray  # [layers, n_routed_experts] float64
+    per_expert: np.ndarray  # [layers, n_routed_experts] float64: the main model's layers, then the MTP layer's
+    num_mtp: int = 0  # the last rows that are the MTP layer's
     _placements: dict[tuple[int, ...], PlacedLoad] = field(default_factory=dict, repr=False)
 
     @property
     def num_layers(self) -> int:
         return self.per_expert.shape[0]
+
+    @property
+    def num_main(self) -> int:
+        """The rows of the main model's layers."""
+        return self.num_layers - self.num_mtp
 
     def placed(self, model: ModelConfig, d: Deployment) -> PlacedLoad:
         """The file's layers under ``d``'s placement (``d.eplb``; cached per layout)."""
@@ -125,13 +134,15 @@ class ExpertLoadFile:
         return self._placements[key]
 
     def model_layers(self, model: ModelConfig, d: Deployment) -> tuple[LayerLoad, ...]:
-        """One load per MoE layer of the model: layer ``i`` of ``L`` takes the file's ``floor(i F / L)``."""
+        """One load per MoE layer of the model: layer ``i`` of ``L`` takes the file's ``floor(i F / L)`` of its
+        ``F`` main-model layers."""
         placed = self.placed(model, d)
         num_moe = len(model.moe_layer_ids)
-        return tuple(LayerLoad(placed, i * self.num_layers // num_moe) for i in range(num_moe))
+        return tuple(LayerLoad(placed, i * self.num_main // num_moe) for i in range(num_moe))
 
     def mean_layer(self, model: ModelConfig, d: Deployment) -> LayerLoad:
-        return LayerLoad(self.placed(model, d), None)
+        """The MTP layer's load: the file's MTP row, else the mean of its layers."""
+        return LayerLoad(self.placed(model, d), self.num_main if self.num_mtp else None)
 
     def report(self, model: ModelConfig, d: Deployment) -> LoadReport:
         return LoadReport(self.path, d.eplb, tuple(self.placed(model, d).imbalance.tolist()))
@@ -166,6 +177,20 @@ def _instances(raw: Any) -> list[Any]:
             raise ValueError('"instances" is not a list')
         return raw["instances"]
     return [raw]
+
+
+def _mtp_rows(instance: Any, model: ModelConfig, where: str) -> int:
+    """How many of the instance's last ``per_expert`` rows are the MTP layer's, by its ``layers`` (0 without)."""
+    layers = instance.get("layers")
+    if layers is None:
+        return 0
+    if (not isinstance(layers, list) or len(layers) != len(instance["per_expert"])
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in layers) or layers != sorted(layers)):
+        raise ValueError(f'{where}"layers" is not a sorted list of layer ids, one per "per_expert" row')
+    mtp = sum(x >= model.num_hidden_layers for x in layers)
+    if mtp == len(layers):
+        raise ValueError(f"{where}every layer is past the model's {model.num_hidden_layers} (an MTP layer's)")
+    return mtp
 
 
 def _per_expert(instance: Any, index: int) -> np.ndarray:
@@ -205,9 +230,14 @@ def load_expert_load(path: str | Path, model: ModelConfig) -> ExpertLoadFile:
         loads = [_per_expert(x, i if len(instances) > 1 else -1) for i, x in enumerate(instances)]
         if len({x.shape for x in loads}) != 1:
             raise ValueError(f"instances differ in shape (layers x experts): {sorted({x.shape for x in loads})}")
+        mtp = {_mtp_rows(x, model, f"instance {i}: " if len(instances) > 1 else "") for i, x in enumerate(instances)}
+        if len(mtp) != 1:
+            raise ValueError(f"instances differ in their MTP layer's rows: {sorted(mtp)}")
     except ValueError as e:
         raise PlanError(f"expert load {name}: {e}") from None
-    total = sum(loads[1:], loads[0])
+    total, num_mtp = sum(loads[1:], loads[0]), mtp.pop()
+    if num_mtp and total[-num_mtp:].sum() <= 0:  # an MTP layer that never drafted: priced as without one
+        total, num_mtp = total[:-num_mtp], 0
     if total.shape[1] != model.n_routed_experts:
         raise PlanError(f"expert load {name}: {total.shape[1]} experts per layer, the model has "
                         f"{model.n_routed_experts} routed experts")
@@ -216,4 +246,4 @@ def load_expert_load(path: str | Path, model: ModelConfig) -> ExpertLoadFile:
         raise PlanError(f"expert load {name}: every count is zero (no tokens routed)")
     if idle:
         raise PlanError(f"expert load {name}: MoE layer {idle[0]} of the file has no tokens")
-    return ExpertLoadFile(name, total)
+    return ExpertLoadFile(name, total, num_mtp)
