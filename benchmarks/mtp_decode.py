@@ -129,7 +129,7 @@ def main() -> None:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = dict(dtype=args.dtype, device=args.device, num_blocks=2048, max_num_seqs=max(args.batches))
-    engines = {"plain": LLM(args.model, **engine)}
+    engines = {"plain": LLM(args.model, num_speculative_tokens=0, **engine)}
     for k in args.k:
         engines[f"mtp k={k}"] = LLM(args.model, speculative="mtp", num_speculative_tokens=k, **engine)
 

@@ -157,6 +157,19 @@ def test_engine_defaults_are_the_config_dataclasses(tmp_path, monkeypatch):
     assert config == EngineConfig(config.model, config.model_path)
 
 
+def test_disaggregated_serving_keeps_mtp_off_unless_asked():
+    """Prefill and decode instances must agree on the MTP layer's KV: the default (each engine probing whether MTP
+    pays) is off there; --speculative mtp (or an explicit 0) is kept as given."""
+    from epserve.cli import _disaggregated_speculation, build_parser
+
+    parse = build_parser().parse_args
+    off = {"speculative": None, "num_speculative_tokens": 0}
+    assert _disaggregated_speculation(parse(["serve", "--disaggregate"])) == off
+    assert _disaggregated_speculation(parse(["serve", "--disaggregate", "--speculative", "auto"])) == off
+    assert _disaggregated_speculation(parse(["serve", "--disaggregate", "--speculative", "mtp"])) == {}
+    assert _disaggregated_speculation(parse(["serve", "--disaggregate", "--num-speculative-tokens", "0"])) == {}
+
+
 def test_vllm_and_sglang_flag_names_are_aliases_of_ours():
     from epserve.cli import build_parser
     from epserve.engine.args import apply_model_path, engine_options

@@ -54,11 +54,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         groups = [(engine_config(args), options)]
     else:  # prefill instances first, then decode instances (ports in that order when --engine-port is given)
         prefill_dp = layouts["prefill"]["dp"]
-        groups = [(engine_config(args, **layouts[role]),
+        spec = _disaggregated_speculation(args)
+        groups = [(engine_config(args, **layouts[role], **spec),
                    dataclasses.replace(options, role=role, port=options.port + prefill_dp if options.port and
                                        role == "decode" else options.port))
                   for role in ("prefill", "decode")]
     return serve(groups, router, args.log_level.upper(), args.max_restarts)
+
+
+def _disaggregated_speculation(args: argparse.Namespace) -> dict[str, object]:
+    """Prefill and decode instances hand KV over, so they must agree on the MTP layer's: the default (each engine
+    probing whether MTP pays) could decide differently on each side, so it is off there unless asked for."""
+    options = engine_options(args)
+    if options.get("speculative") == "mtp" or options.get("num_speculative_tokens") == 0:
+        return {}
+    logging.getLogger("epserve").info("speculative decoding: off for disaggregated serving (prefill and decode "
+                                      "instances must agree on the KV layout); --speculative mtp forces it")
+    return {"speculative": None, "num_speculative_tokens": 0}
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:

@@ -330,7 +330,7 @@ def test_processing_is_exact_under_mtp_verification(counter_ckpt, device) -> Non
         {"repetition_penalty": 1.2, "frequency_penalty": 0.3},
         {"logit_bias": {40: 2.0}, "presence_penalty": 0.5, "prompt_logprobs": 1},
         {"min_tokens": 5, "frequency_penalty": -0.2})]
-    plain = LLM(counter_ckpt, **engine).generate(prompts, params)
+    plain = LLM(counter_ckpt, num_speculative_tokens=0, **engine).generate(prompts, params)
     mtp = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **engine)
     outs = mtp.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

@@ -228,7 +228,7 @@ def test_mtp_drafts_are_verified_against_the_grammar(counter_ckpt, device) -> No
     greedy = [constrained("json_schema", json.dumps(schema), temperature=0.0),
               constrained("regex", "[a-z]{3,8}( [a-z]{2,6}){4}", temperature=0.0, max_tokens=60),
               SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)]
-    plain = LLM(counter_ckpt, **engine).generate(prompts, greedy)
+    plain = LLM(counter_ckpt, num_speculative_tokens=0, **engine).generate(prompts, greedy)
     mtp = LLM(counter_ckpt, speculative="mtp", num_speculative_tokens=2, **engine)
     outs = mtp.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]

@@ -26,7 +26,7 @@ ENGINE = dict(dtype="float32", num_blocks=256, block_size=8, max_num_batched_tok
 
 @pytest.fixture(scope="module")
 def reference(counter_ckpt):
-    return LLM(counter_ckpt, **ENGINE).generate(PROMPTS, PARAMS)
+    return LLM(counter_ckpt, num_speculative_tokens=0, **ENGINE).generate(PROMPTS, PARAMS)
 
 
 @pytest.mark.parametrize(("dp", "tp", "dispatch", "k", "modes"), [

@@ -33,7 +33,7 @@ def server(counter_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(counter_ckpt):
-    return LLM(counter_ckpt, dtype="float32", num_blocks=128, block_size=8, max_model_len=512)
+    return LLM(counter_ckpt, dtype="float32", num_blocks=128, block_size=8, max_model_len=512, num_speculative_tokens=0)
 
 
 def test_answers_and_usage_equal_plain_decoding(server, plain):

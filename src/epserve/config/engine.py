@@ -210,6 +210,8 @@ class EngineConfig:
     cuda_graph: bool | None = None  # decode captured per batch bucket (engine/graphs.py); False: every step eager
     compile: bool = False
     cuda_graph_max_bs: int | None = None
+    # None, the default: an engine of one rank whose checkpoint has an MTP layer measures at start-up whether MTP
+    # pays (engine/spec_probe.py); its own config then says "mtp", or has 0 drafts
     speculative: SpeculativeMethod = None
     num_speculative_tokens: int = 1  # drafts per decode with ``speculative``, the MTP layer chained on itself; 0: off
 
@@ -277,8 +279,8 @@ class EngineConfig:
 
     @property
     def num_spec_tokens(self) -> int:
-        """Draft tokens verified per decode (0 without speculative decoding: no ``speculative``, or
-        ``num_speculative_tokens`` 0)."""
+        """Draft tokens verified per decode as configured (0 where ``speculative`` is None, the start-up probe's
+        case, or ``num_speculative_tokens`` is 0)."""
         return self.num_speculative_tokens if self.speculative else 0
 
     @property
