@@ -88,6 +88,25 @@ def test_a_probe_whose_margin_it_passes_turns_mtp_on(tiny_ckpt):
     assert tokens == plain.generate([prompt], GREEDY)[0].token_ids
 
 
+def test_a_budget_the_mtp_layer_does_not_fit_starts_plain(tiny_ckpt):
+    """The default asked for nothing: where the memory budget holds the plain engine but not the MTP layer's
+    weights too, the engine starts plain (no probe) and says why; ``--speculative mtp`` is refused there."""
+    import torch
+
+    from epserve.config import ModelConfig, OutOfMemoryError
+    from epserve.model.load_plan import plan_weight_bytes
+    from epserve.parallel.context import ParallelContext
+
+    weights = plan_weight_bytes(ModelConfig.from_hf(str(tiny_ckpt)), ParallelContext.single(torch.device("cpu")),
+                                fp8=False, dtype=torch.float32)
+    sized = {**ENGINE, "num_blocks": None, "memory_budget_bytes": weights + 2**18}  # + 0.25 MiB: the MTP layer is 0.75
+    decision = LLM(tiny_ckpt, **sized).speculative_decision()
+    assert not decision["mtp"] and decision["probe_seconds"] == 0.0
+    assert decision["reason"].startswith("off: the MTP layer does not fit (") and "forces it" in decision["reason"]
+    with pytest.raises(OutOfMemoryError):
+        LLM(tiny_ckpt, speculative="mtp", **sized)
+
+
 def test_speculative_option_combinations(capsys, tiny_ckpt):
     """``--speculative auto`` spells the default; a draft count it cannot go with is a one-line CLI error; an
     engine too small for the probe's requests says so and does not draft."""

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from epserve.config import EngineConfig
+from epserve.config import EngineConfig, OutOfMemoryError
 from epserve.engine.balancer import RebalanceReport
 from epserve.engine.kv_handoff import KVWrite
 from epserve.engine.memory import keep_freed_host_memory
@@ -53,10 +53,16 @@ class LLMEngine:
         """``spec_margin``: by how much MTP's measured tokens/s at batch 1 must beat plain decoding's for the
         start-up probe to switch it on (where the engine probes: ``spec_probe.probes``)."""
         self.ctx = ctx if ctx is not None else ParallelContext.single(resolve_device(config.device))
-        probing = probes(config)
+        probing, unfit = probes(config), None
         if probing:  # the MTP layer loaded for the start-up probe, which keeps it or loads the engine again without
-            config = replace(config, speculative="mtp", num_speculative_tokens=1)
-        self._load(config)
+            try:
+                self._load(replace(config, speculative="mtp", num_speculative_tokens=1))
+            except OutOfMemoryError as e:  # the default asked for nothing: the plain engine, if it fits
+                probing, unfit = False, SpecDecision(False, f"off: the MTP layer does not fit ({e}); --speculative "
+                                                            "mtp forces it")
+                logger.info("speculative decoding: %s", unfit.reason)
+        if not probing:
+            self._load(config)
         if self.ctx.device.type == "cpu":  # after loading (the load's temporaries are not kept), before any step
             keep_freed_host_memory()
         self.anybody_unfinished = False  # from the last step's all-reduce
@@ -69,7 +75,7 @@ class LLMEngine:
         # them failed
         self.failed: dict[str, str] = {}
         # whether the engine drafts, why, and the start-up probe's figures where it probed
-        self.speculation = self._settle_speculation(spec_margin) if probing else unprobed(config)
+        self.speculation = self._settle_speculation(spec_margin) if probing else unfit or unprobed(config)
 
     def _load(self, config: EngineConfig) -> None:
         """The engine's parts for ``config``: the runner (the model, its KV pool and captured decode), the
