@@ -32,7 +32,7 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -211,15 +211,15 @@ def _run(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int, tag: s
     return _Continuations([tokens[rid] for rid in ids], seconds, decoded)
 
 
-def measure_acceptance(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-    """The drafts' acceptance on the prompts' greedy continuations, every step drafting (whatever the batch):
-    the acceptance rate and the drafts counted."""
+def measure_acceptance(engine: ProbedEngine, prompts: list[list[int]], max_tokens: int) -> float:
+    """The drafts' acceptance rate on the prompts' greedy continuations, every step drafting (whatever the
+    batch); they are counted in the engine's acceptance counters too."""
     stats = engine.sampling.stats
     assert stats is not None
     before = (stats.num_draft_tokens, stats.num_accepted_tokens)
     _run(engine, prompts, max_tokens, "accept", DraftRule(max_requests=max(len(prompts), 1), sample=0))
     drafts, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
-    return (accepted / drafts if drafts else 0.0), drafts
+    return accepted / drafts if drafts else 0.0
 
 
 def measure_speed(engine: ProbedEngine, prompts: list[list[int]], rounds: int = PROBE_ROUNDS) -> SpeedFigures | str:
@@ -274,7 +274,7 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
     try:
         if captured is not None and captured.mode != "cuda_graph":  # eager: a CPU graph records at first use, and
             runner.captured = None  # recording a bucket costs more than these few steps run eagerly
-        acceptance, _ = measure_acceptance(engine, prompts[:ACCEPTANCE_PROMPTS], ACCEPTANCE_TOKENS)
+        acceptance = measure_acceptance(engine, prompts[:ACCEPTANCE_PROMPTS], ACCEPTANCE_TOKENS)
         runner.captured = captured
         speeds: list[SpeedFigures] = []
         for b in sorted({1, batch}) if 1 + acceptance >= margin else ():
@@ -291,5 +291,4 @@ def run_probe(engine: ProbedEngine, margin: float = PROBE_MARGIN) -> SpecDecisio
         runner.balancer, runner.captured = balancer, captured
         generator.set_state(state)
         engine.sampling.stats = stats
-    return SpecDecision(decision.on, decision.reason, decision.acceptance, decision.speeds, decision.rule,
-                        time.perf_counter() - start)
+    return replace(decision, seconds=time.perf_counter() - start)
