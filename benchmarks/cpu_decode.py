@@ -11,7 +11,10 @@ calls (``cpu_graph``, the default: the model's head inside, greedy rows drawn by
 argmax shortcut), the same graphs without the head (``head after``: the head after the replay and the
 sampling pipeline's whole path, as before both moved), eagerly with the fused ops of ``kernels/cpu_ops*.c``,
 and eagerly with them reported missing (every op then runs its torch reference); medians of the rounds'
-medians, with the weight-streaming floor of the step (the bytes it reads at the measured read bandwidth).
+medians, with the weight-streaming floor of the step: the bytes it reads at the read bandwidth measured in
+the same round, just before and just after the recorded steps (this host's bandwidth moves by 30-50% within
+a minute; one reading at the start made the floor ratio swing by as much). The ratio is the median of the
+rounds' ratios.
 ``contention``: the same step alone and beside one process spinning on the cores (a Python loop, or a
 two-thread torch loop with ``--busy torch``), alternated. ``streams``: the served workload of
 docs/benchmarks.md (64 requests, concurrency 16, 256 tokens in, 32 out). Figures go in
@@ -31,7 +34,6 @@ from pathlib import Path
 
 import torch
 from common import bench_serve, serving, start_decode_batch, wide_vocab_checkpoint
-from offline_throughput import measure_bandwidth
 
 from epserve import LLM
 from epserve.engine import sampling
@@ -85,7 +87,7 @@ def run_steps(args: argparse.Namespace) -> dict:
     llm = LLM(checkpoint(args), dtype="bfloat16", num_blocks=1024, enable_prefix_caching=False)
     engine = llm.engine
     fused_available = cpu.available(cpu.OPS)
-    bandwidth = measure_bandwidth("cpu")
+    read_bandwidth = ReadBandwidth()
     runner = engine.runner
     captured = runner.captured
     head_after = None if captured is None or captured.mode != "cpu_graph" else CapturedDecode(
@@ -102,13 +104,17 @@ def run_steps(args: argparse.Namespace) -> dict:
             engine.step()
             runner.captured = captured
         runs: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        bandwidths: list[float] = []  # bytes/s, each round's (the mean of its readings around the recorded steps)
         try:
             for _ in range(args.rounds):
                 for variant in VARIANTS:
                     runner.captured = {"graph": captured, "head_after": head_after}.get(variant)
                     sampling.plain_greedy = shortcut if variant != "head_after" else lambda params: False
                     cpu._available[cpu.OPS] = variant != "torch" and fused_available
+                    before = read_bandwidth() if variant == "graph" else None
                     runs[variant].append(timed(engine, args.steps))
+                    if before is not None:
+                        bandwidths.append((before + read_bandwidth()) / 2)
         finally:
             runner.captured = captured
             sampling.plain_greedy = shortcut
@@ -117,19 +123,41 @@ def run_steps(args: argparse.Namespace) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
         ms = {v: statistics.median(r) for v, r in runs.items()}
-        floor = 1e3 * nbytes / bandwidth
+        floors = [1e3 * nbytes / bw for bw in bandwidths]  # each round's
+        floor, bandwidth = statistics.median(floors), statistics.median(bandwidths)
+        over = {v: statistics.median(t / f for t, f in zip(runs[v], floors)) for v in ("graph", "head_after")}
         rows.append({"batch": batch, **{f"{v}_ms": ms[v] for v in VARIANTS}, "floor_ms": floor,
-                     "graph_over_floor": ms["graph"] / floor, "head_after_over_floor": ms["head_after"] / floor,
-                     "eager_over_graph": ms["eager"] / ms["graph"],
+                     "graph_over_floor": over["graph"], "head_after_over_floor": over["head_after"],
+                     "eager_over_graph": ms["eager"] / ms["graph"], "rounds_floor_ms": floors,
+                     "rounds_bandwidth_GBps": [bw / 1e9 for bw in bandwidths],
                      **{f"rounds_{v}_ms": runs[v] for v in VARIANTS}, "kernels_ms": breakdown})
         print(f"batch {batch:2d}: graph {ms['graph']:6.2f} ms  head after {ms['head_after']:6.2f} ms  "
-              f"eager {ms['eager']:6.2f} ms  torch ops "
-              f"{ms['torch']:6.2f} ms  floor {floor:6.2f} ms ({nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s): "
-              f"graph {ms['graph'] / floor:.2f}x the floor (head after: {ms['head_after'] / floor:.2f}x)")
+              f"eager {ms['eager']:6.2f} ms  torch ops {ms['torch']:6.2f} ms  floor {floor:6.2f} ms "
+              f"({nbytes / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s, the rounds' "
+              f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}): graph {over['graph']:.2f}x the floor "
+              f"(head after: {over['head_after']:.2f}x; the rounds' medians)")
         if breakdown:
             print("  where a replay goes (ms a step): " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items()))
     return {"fused_ops_available": fused_available, "capture": None if captured is None else captured.mode,
-            "read_bandwidth_GBps": bandwidth / 1e9, "steps": rows}
+            "steps": rows}
+
+
+class ReadBandwidth:
+    """The host's memory read bandwidth now, in bytes/s: the best of three reductions over one 1 GiB array
+    (``offline_throughput.measure_bandwidth``'s, its array kept between readings)."""
+
+    def __init__(self, num_bytes: int = 1 << 30) -> None:
+        self.data = torch.ones(num_bytes // 4, dtype=torch.float32)
+        self.num_bytes = num_bytes
+        float(self.data.sum())
+
+    def __call__(self) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            float(self.data.sum())
+            best = min(best, time.perf_counter() - t)
+        return self.num_bytes / best
 
 
 def kernel_breakdown(captured, batch: int, replays: int) -> dict[str, float]:  # noqa: ANN001

@@ -255,7 +255,8 @@ def test_gpu_micro_refuses_cleanly_without_cuda(tmp_path):
 
 
 def test_cpu_decode_steps_compares_captured_eager_and_torch_ops(tmp_path):
-    """The CPU decode benchmark's quick run: the three ways timed in one engine, the floor from the bytes read."""
+    """The CPU decode benchmark's quick run: the ways timed in one engine, the floor from the bytes read at the
+    bandwidth read in the same round."""
     out = tmp_path / "steps.json"
     proc = subprocess.run(
         [sys.executable, "cpu_decode.py", "steps", "--tiny", "--checkpoint", str(tmp_path / "ckpt"), "--batches", "1",
@@ -266,7 +267,8 @@ def test_cpu_decode_steps_compares_captured_eager_and_torch_ops(tmp_path):
     result = json.loads(out.read_text())
     (row,) = result["steps"]
     assert result["capture"] == ("cpu_graph" if result["fused_ops_available"] else None)
-    assert row["batch"] == 1 and row["floor_ms"] > 0
+    assert row["batch"] == 1 and row["floor_ms"] > 0 and row["rounds_floor_ms"] == [row["floor_ms"]]
+    assert row["graph_over_floor"] == row["graph_ms"] / row["floor_ms"]
     assert all(row[f"{v}_ms"] > 0 and len(row[f"rounds_{v}_ms"]) == 1 for v in ("graph", "eager", "torch"))
 
 
