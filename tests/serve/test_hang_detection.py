@@ -34,4 +34,6 @@ def test_a_frozen_leader_is_seen_at_the_step_timeout(step_timeout_s=1.2):
         probes.close()
         frozen.close()
     assert "engine instance 0 at 127.0.0.1:" in verdict and "not answering (DEADLINE_EXCEEDED)" in verdict
-    assert step_timeout_s - 0.1 <= took <= step_timeout_s + 0.4, f"seen {took:.2f} s after the first probe"
+    # (the whole 2 s probe it used to wait for made this 2 s at least; 0.7 s is left for the deadline to fire
+    # and the verdict to come back on a loaded host)
+    assert step_timeout_s - 0.1 <= took <= step_timeout_s + 0.7, f"seen {took:.2f} s after the first probe"
