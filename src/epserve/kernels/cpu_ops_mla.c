@@ -26,7 +26,9 @@ static inline float hsum8(__m256 v) {
 /* The two passes of a work item (nh <= MLA_HEADS heads of one sequence over its L cached rows): the scores
  * p[h * L + t] = q_h . row_t * scale with each head's max raised into m, and the outputs out[h, :R] =
  * sum_t p[h, t] row_t[:R], the accumulators in registers; eight columns at a time (AVX2), or sixteen
- * (AVX-512, when D and R allow and the CPU has it: the same sums, fewer instructions). */
+ * (AVX-512, when D and R allow and the CPU has it: the same sums, fewer instructions). The AVX-512 passes
+ * are compiled for a whole group of heads (nh a constant, so the accumulators stay in registers: with nh
+ * known only at run time they lived on the stack) and for the cache's dtype. */
 static void mla_scores8(const float *qb, int64_t nh, int64_t D, const char *const *rows, int64_t L, int is_bf16,
                         float scale, float *p, float *m) {
   for (int64_t t = 0; t < L; t++) {
@@ -59,7 +61,7 @@ static void mla_values8(const float *p, int64_t nh, const char *const *rows, int
 
 #define AVX512 __attribute__((target("avx512f,avx2,fma")))
 
-AVX512 static inline __m512 load16(const void *row, int64_t j, int is_bf16) {
+AVX512 static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t j, int is_bf16) {
   if (is_bf16) {
     const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + j));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -67,8 +69,9 @@ AVX512 static inline __m512 load16(const void *row, int64_t j, int is_bf16) {
   return _mm512_loadu_ps((const float *)row + j);
 }
 
-AVX512 static void mla_scores16(const float *qb, int64_t nh, int64_t D, const char *const *rows, int64_t L,
-                                int is_bf16, float scale, float *p, float *m) {
+AVX512 static inline __attribute__((always_inline)) void scores16_n(const float *qb, const int64_t nh, int64_t D,
+                                                                     const char *const *rows, int64_t L, int is_bf16,
+                                                                     float scale, float *p, float *m) {
   for (int64_t t = 0; t < L; t++) {
     __m512 acc[MLA_HEADS];
     for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm512_setzero_ps();
@@ -84,8 +87,70 @@ AVX512 static void mla_scores16(const float *qb, int64_t nh, int64_t D, const ch
   }
 }
 
-AVX512 static void mla_values16(const float *p, int64_t nh, const char *const *rows, int64_t L, int64_t R,
-                                int is_bf16, float *out) {
+/* The sixteen sums of a[0..15]'s lanes, sum i in lane i: one transposing tree (30 shuffles, 15 adds) in place of
+ * sixteen separate reductions. */
+AVX512 static inline __m512 reduce16(const __m512 *a) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; i++)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; i++)
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+/* Scores of MLA_HEADS (4) heads over four rows at a time: sixteen sums in flight, reduced by one tree; the rows
+ * past the last four one at a time (scores16_n). */
+AVX512 static inline __attribute__((always_inline)) void scores16_4x4(const float *qb, int64_t D,
+                                                                       const char *const *rows, int64_t L, int is_bf16,
+                                                                       float scale, float *p, float *m) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  int64_t t = 0;
+  for (; t + 4 <= L; t += 4) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < D; j += 16) {
+      __m512 v[4];
+      for (int r = 0; r < 4; r++) v[r] = load16(rows[t + r], j, is_bf16);
+      for (int h = 0; h < 4; h++) {
+        const __m512 qv = _mm512_loadu_ps(qb + h * D + j);
+        for (int r = 0; r < 4; r++) acc[4 * h + r] = _mm512_fmadd_ps(qv, v[r], acc[4 * h + r]);
+      }
+    }
+    const __m512 sc = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)); /* lane 4h + r: head h, row t + r */
+    mx = _mm512_max_ps(mx, sc);
+    for (int h = 0; h < 4; h++) _mm_storeu_ps(p + h * L + t, _mm512_extractf32x4_ps(sc, h));
+  }
+  float lanes[16];
+  _mm512_storeu_ps(lanes, mx);
+  for (int h = 0; h < 4; h++)
+    for (int r = 0; r < 4; r++)
+      if (lanes[4 * h + r] > m[h]) m[h] = lanes[4 * h + r];
+  for (; t < L; t++) { /* the last L % 4 rows */
+    for (int h = 0; h < 4; h++) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < D; j += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qb + h * D + j), load16(rows[t], j, is_bf16), acc);
+      const float sc = _mm512_reduce_add_ps(acc) * scale;
+      p[h * L + t] = sc;
+      if (sc > m[h]) m[h] = sc;
+    }
+  }
+}
+
+AVX512 static void mla_scores16(const float *qb, int64_t nh, int64_t D, const char *const *rows, int64_t L,
+                                int is_bf16, float scale, float *p, float *m) {
+  if (nh == MLA_HEADS && is_bf16) scores16_4x4(qb, D, rows, L, 1, scale, p, m);
+  else if (nh == MLA_HEADS) scores16_4x4(qb, D, rows, L, 0, scale, p, m);
+  else scores16_n(qb, nh, D, rows, L, is_bf16, scale, p, m);
+}
+
+AVX512 static inline __attribute__((always_inline)) void values16_n(const float *p, const int64_t nh,
+                                                                     const char *const *rows, int64_t L, int64_t R,
+                                                                     int is_bf16, float *out) {
   for (int64_t j = 0; j < R; j += 16) {
     __m512 acc[MLA_HEADS];
     for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm512_setzero_ps();
@@ -95,6 +160,13 @@ AVX512 static void mla_values16(const float *p, int64_t nh, const char *const *r
     }
     for (int64_t h = 0; h < nh; h++) _mm512_storeu_ps(out + h * R + j, acc[h]);
   }
+}
+
+AVX512 static void mla_values16(const float *p, int64_t nh, const char *const *rows, int64_t L, int64_t R,
+                                int is_bf16, float *out) {
+  if (nh == MLA_HEADS && is_bf16) values16_n(p, MLA_HEADS, rows, L, R, 1, out);
+  else if (nh == MLA_HEADS) values16_n(p, MLA_HEADS, rows, L, R, 0, out);
+  else values16_n(p, nh, rows, L, R, is_bf16, out);
 }
 
 /* Absorbed MLA decode: out[b, h, :R] = softmax_t(q[b, h] . kv_t * scale) @ kv_t[:R] over the lens[b]
