@@ -14,9 +14,10 @@ reference. Results match torch's path up to summation order.
 weights as stored (W4A16, any number of rows; ``kernels.cpu_nvfp4`` is their front end, the CPU implementation
 of ``kernels.nvfp4``'s ops).
 
-``cpu_ops.c``, ``cpu_ops_mla.c`` and ``cpu_ops_moe.c`` (AVX2 + FMA, one library: ``OPS``) hold the small
-ops of a decode step fused, each in place of a chain of eager torch ops that costs more in dispatch than in
-arithmetic; ``kernels.cpu_ops`` is their front end. ``cpu_threads.c``, in the same library, switches how
+``cpu_ops.c``, ``cpu_ops_mla.c``, ``cpu_ops_heads.c`` and ``cpu_ops_moe.c`` (AVX2 + FMA, one library:
+``OPS``) hold the small ops of a decode step fused, each in place of a chain of eager torch ops that costs
+more in dispatch than in arithmetic; ``kernels.cpu_ops`` is their front end. ``cpu_threads.c``, in the same
+library, switches how
 the process's OpenMP threads wait (``kernels.cpu_threads`` decides when, and gives every kernel call its
 thread count). Each library's functions are declared to ctypes from its signature table
 (``kernels/cpu_abi.py``), which also generates their packed twins, built in with the sources. Every kernel
@@ -70,7 +71,8 @@ _KINDS: dict[torch.dtype | str, _Build] = {  # per element type, or OPS, NVFP4
                            ("avx512f", "avx512_bf16", "avx2", "fma"), cpu_abi.experts_table("bf16")),
     torch.float32: _Build("f32", (_DIR / "cpu_f32.c",), ("-mavx2", "-mfma"), ("avx2", "fma"),
                           cpu_abi.experts_table("f32")),
-    OPS: _Build("ops", (_DIR / "cpu_ops.c", _DIR / "cpu_ops_mla.c", _DIR / "cpu_ops_moe.c", _DIR / "cpu_threads.c"),
+    OPS: _Build("ops", (_DIR / "cpu_ops.c", _DIR / "cpu_ops_mla.c", _DIR / "cpu_ops_heads.c", _DIR / "cpu_ops_moe.c",
+                      _DIR / "cpu_threads.c"),
                 ("-mavx2", "-mfma", "-ffp-contract=off"), ("avx2", "fma"), cpu_abi.OPS_TABLE),  # torch's roundings
     NVFP4: _Build("nvfp4", (_DIR / "cpu_nvfp4.c", _DIR / "cpu_nvfp4_bf16.c"),
                   ("-mavx512f", "-mavx512bw", "-mavx512vbmi", "-mavx512bf16", "-mavx2", "-mfma"),

@@ -50,7 +50,7 @@ def fn(name: str, args: str, returns: str | None = None, recorded: bool = True) 
     return Signature(name, tuple(INT if k == THREADS else k for k in kinds), returns, recorded, threads)
 
 
-OPS_TABLE: tuple[Signature, ...] = (  # cpu_ops.c, cpu_ops_mla.c, cpu_ops_moe.c, cpu_threads.c
+OPS_TABLE: tuple[Signature, ...] = (  # cpu_ops.c, cpu_ops_mla.c, cpu_ops_heads.c, cpu_ops_moe.c, cpu_threads.c
     fn("epserve_mla_decode", "ptr i64 i64 i64 ptr int i64 i64 ptr i64 ptr f32 i64 ptr threads", INT),
     fn("epserve_head_matmul", "ptr int i64 i64 i64 i64 i64 ptr i64 ptr i64 i64 int threads"),
     fn("epserve_rope_heads", "ptr i64 i64 i64 ptr ptr i64 int int"),

@@ -1,7 +1,7 @@
-/* What the small fused ops of a CPU decode step share (cpu_ops.c, cpu_ops_mla.c, cpu_ops_moe.c: one library,
- * x86-64 with AVX2 + FMA; plain C the compiler vectorizes, built with -ffp-contract=off so products and sums
- * round as torch's separate ops do; paged MLA decode, whose sums are not torch's in any case, in AVX2/FMA
- * intrinsics).
+/* What the small fused ops of a CPU decode step share (cpu_ops.c, cpu_ops_mla.c, cpu_ops_heads.c, cpu_ops_moe.c:
+ * one library, x86-64 with AVX2 + FMA; plain C the compiler vectorizes, built with -ffp-contract=off so
+ * products and sums round as torch's separate ops do; paged MLA decode, whose sums are not torch's in any
+ * case, in AVX2/FMA intrinsics, AVX-512 where the CPU has it).
  *
  * Each op replaces a chain of eager torch ops whose cost at decode sizes is the dispatch of every op, not
  * its arithmetic. Math is fp32 rounded to the dtype where torch's ops round; results equal the references
