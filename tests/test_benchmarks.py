@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_harness import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,15 +63,6 @@ def test_gpu_check_dry_run_fits_one_lease():
     assert "token reference: benchmarks/gpu_reference/tokens.json" in proc.stdout
 
 
-def _gpu_report():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_report
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return gpu_report
-
-
 def test_the_summary_keeps_a_cut_off_stages_partial_results(tmp_path):
     """A pytest killed mid-test (the plugin's report: what finished, the test it was in) and a benchmark JSON
     cut mid-write (its values up to the cut) both reach summary.json; the full output travels in logs.tar.gz;
@@ -78,7 +71,7 @@ def test_the_summary_keeps_a_cut_off_stages_partial_results(tmp_path):
     import os
     import tarfile
 
-    gpu_report = _gpu_report()
+    gpu_report = bench_module("gpu_report")
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir()
     (tmp_path / "toys").mkdir()
@@ -126,7 +119,7 @@ def test_the_summary_keeps_a_cut_off_stages_partial_results(tmp_path):
 
 
 def test_salvage_json_recovers_the_prefix_of_a_cut_file():
-    gpu_report = _gpu_report()
+    gpu_report = bench_module("gpu_report")
     assert gpu_report.salvage_json('{"a": [1, 2, {"b": "x, ]y"}], "c": 3}') == (
         {"a": [1, 2, {"b": "x, ]y"}], "c": 3}, True)
     assert gpu_report.salvage_json('{"a": [1, 2, {"b": "x, ]y"}], "c": [4, 5') == (
@@ -157,21 +150,12 @@ def test_gpu_check_stages_run_and_report_off_the_gpu(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("  tokens ")
 
 
-def _gpu_tokens():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_tokens
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return gpu_tokens
-
-
 def test_the_shipped_token_reference_is_current(tmp_path):
     """The GPU check's reference tokens, regenerated here: the same checkpoints (hashes) and greedy tokens, the
     captured and the eager CPU decode alike (``--check`` on the CPU), the top-2 gaps all clear of rounding."""
     import json
 
-    gpu_tokens = _gpu_tokens()
+    gpu_tokens = bench_module("gpu_tokens")
     out = tmp_path / "tokens.json"
     assert gpu_tokens.check(gpu_tokens.REFERENCE, tmp_path / "ckpts", "cpu", out) == 0
     result = json.loads(out.read_text())
@@ -187,7 +171,7 @@ def test_the_shipped_token_reference_is_current(tmp_path):
 
 
 def test_token_comparison_names_the_first_difference():
-    gpu_tokens = _gpu_tokens()
+    gpu_tokens = bench_module("gpu_tokens")
     want = {"tokens": [[1, 2, 3, 4], [5, 6]], "top2_gaps": [[3.0, 3.0, 3.0, 3.0], [4.0, 4.0]]}
     got = {"tokens": [[1, 2, 9, 4], [5, 6]], "top2_gaps": [[3.5, 2.0, 0.1, 3.0], [4.0, 4.25]]}
     assert gpu_tokens.compare(want, got) == [
@@ -225,11 +209,7 @@ def test_v3_layer_tiny_on_the_cpu(tmp_path):
 def test_v3_layer_full_size_is_deepseek_v3_with_one_ep8_shard():
     """The full-size config without building it: DeepSeek-V3's widths, a dense then an MoE layer holding
     32 of the 256 experts, runnable with FP8 weights (~2.3e9 parameters)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import v3_layer
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    v3_layer = bench_module("v3_layer")
     from epserve.config import ModelConfig
     from epserve.model.quantization import fp8_runtime_problems
     from epserve.presets import build_config, count_parameters

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.bench_harness import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,11 +38,7 @@ def test_nvfp4_decode_quick_times_three_checkpoints_alternated(tmp_path):
 def test_vs_llamacpp_q4_0_table_and_its_own_markers(tmp_path):
     """``vs_llamacpp.py --quant q4_0``: the table names both four-bit formats and their bytes, and fills its own
     section of the document, leaving the bf16 table's alone."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import vs_llamacpp as v
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    v = bench_module("vs_llamacpp")
     table = {"epserve": {"decode_b1": 300.0, "decode_b16": 900.0},
              "llama.cpp": {"decode_b1": 250.0, "decode_b16": 600.0}}
     result = {"timings": {"table": table, "model_bytes": {"epserve": 260e6, "llama.cpp": 240e6}}, "quant": "q4_0",

@@ -5,19 +5,11 @@ between the document's markers."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+from tests.bench_harness import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _vs_llamacpp():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import vs_llamacpp
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return vs_llamacpp
 
 
 def test_vs_llamacpp_epserve_side_and_the_table(make_ckpt, tmp_path):
@@ -26,7 +18,7 @@ def test_vs_llamacpp_epserve_side_and_the_table(make_ckpt, tmp_path):
     between the document's markers and replaced on the next run."""
     from epserve import LLM
 
-    v = _vs_llamacpp()
+    v = bench_module("vs_llamacpp")
     lines = ('main: n_kv_max = 512, n_batch = 2048\n'
              '{"n_kv_max": 512, "pp": 64, "tg": 8, "pl": 1, "t_pp": 0.148783, "speed_pp": 430.156677, '
              '"t_tg": 0.096352, "speed_tg": 83.028893}\n'
@@ -60,14 +52,6 @@ def test_vs_llamacpp_epserve_side_and_the_table(make_ckpt, tmp_path):
     assert written.startswith("# B\n\nbefore\n\n") and written.endswith(f"{v.END}\n\nafter\n")
 
 
-def _bench_module(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
 def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_path):
     """The peers comparison's own parts (vLLM's install and llama.cpp's build run in the benchmark, minutes on 2
     cores): epserve's offline side, transformers' greedy tokens equal to epserve's in fp32 and its batches
@@ -75,8 +59,8 @@ def test_vs_peers_epserve_and_transformers_sides_and_the_tables(make_ckpt, tmp_p
     and the section added at the end of the document, then replaced."""
     from epserve import LLM
 
-    v = _bench_module("vs_peers")
-    report = _bench_module("peers_report")
+    v = bench_module("vs_peers")
+    report = bench_module("peers_report")
     ckpt = make_ckpt("tiny")
     llm = LLM(ckpt, dtype="float32", num_blocks=128, enable_prefix_caching=False)
     prompt = [5, 6, 7, 8, 9]

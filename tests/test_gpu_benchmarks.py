@@ -14,19 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench_harness import bench_module as _bench
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
-
-
-def _bench(name: str):  # noqa: ANN202 - a benchmark script as a module
-    """``benchmarks/<name>.py`` imported (with the scripts it imports), the folder on the path only meanwhile."""
-    import importlib
-
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 gf = _bench("gpu_figures")
