@@ -5,11 +5,8 @@ between the document's markers."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from tests.bench_harness import bench_module
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_vs_llamacpp_epserve_side_and_the_table(make_ckpt, tmp_path):
