@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 from common import bench_serve, serving, start_decode_batch, wide_vocab_checkpoint
+from offline_throughput import ReadBandwidth
 
 from epserve import LLM
 from epserve.engine import sampling
@@ -140,24 +141,6 @@ def run_steps(args: argparse.Namespace) -> dict:
             print("  where a replay goes (ms a step): " + ", ".join(f"{k} {v:.3f}" for k, v in breakdown.items()))
     return {"fused_ops_available": fused_available, "capture": None if captured is None else captured.mode,
             "steps": rows}
-
-
-class ReadBandwidth:
-    """The host's memory read bandwidth now, in bytes/s: the best of three reductions over one 1 GiB array
-    (``offline_throughput.measure_bandwidth``'s, its array kept between readings)."""
-
-    def __init__(self, num_bytes: int = 1 << 30) -> None:
-        self.data = torch.ones(num_bytes // 4, dtype=torch.float32)
-        self.num_bytes = num_bytes
-        float(self.data.sum())
-
-    def __call__(self) -> float:
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            float(self.data.sum())
-            best = min(best, time.perf_counter() - t)
-        return self.num_bytes / best
 
 
 def kernel_breakdown(captured, batch: int, replays: int) -> dict[str, float]:  # noqa: ANN001

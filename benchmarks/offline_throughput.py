@@ -24,17 +24,28 @@ from epserve.model.moe import MoE
 from epserve.presets import make_checkpoint
 
 
+class ReadBandwidth:
+    """The device's memory read bandwidth now, in bytes/s: the best of ``repeats`` reductions over one array
+    (1 GiB: far larger than any cache), which is what streaming weights needs; the array is kept between
+    readings (``cpu_decode.py steps`` reads it every round)."""
+
+    def __init__(self, device: str = "cpu", num_bytes: int = 1 << 30) -> None:
+        self.data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+        self.num_bytes = num_bytes
+        float(self.data.sum())
+
+    def __call__(self, repeats: int = 3) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            float(self.data.sum())  # float() waits for the device
+            best = min(best, time.perf_counter() - t)
+        return self.num_bytes / best
+
+
 def measure_bandwidth(device: str, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Memory read bandwidth in bytes/s: the best of ``repeats`` reductions over a 1 GiB array (far
-    larger than any cache), which is what streaming weights needs."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
-    float(data.sum())
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        float(data.sum())  # float() waits for the device
-        best = min(best, time.perf_counter() - t)
-    return num_bytes / best
+    """One reading of :class:`ReadBandwidth`, its array made for it."""
+    return ReadBandwidth(device, num_bytes)(repeats)
 
 
 def decode_step_profile(llm: LLM, batch: int, prompt_len: int, steps: int, seed: int) -> dict:
