@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 
 import httpx
@@ -27,7 +26,7 @@ from epserve.router.generation import Generation, GenerationContext
 from epserve.router.response_body import LARGE_COST, dumps
 from epserve.router.streaming import gather_or_raise
 from epserve.tokenizer import Tokenizer, write_tokenizer_files
-from tests.serve_harness import Proc, named, wait_http_ok
+from tests.serve_harness import Proc, cpu_seconds, named, wait_http_ok
 
 MAX_MODEL_LEN = 640
 
@@ -89,9 +88,7 @@ class Server:
         the whole process's (ended threads included) from its ``stat``."""
         with open(f"/proc/{self.router}/task/{self.router}/schedstat") as f:
             main = int(f.read().split()[0]) / 1e9
-        with open(f"/proc/{self.router}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return main, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return main, cpu_seconds(self.router)
 
 
 @pytest.fixture(scope="module")
