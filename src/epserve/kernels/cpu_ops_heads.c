@@ -38,8 +38,9 @@ AVX512 static int64_t head_row16(const void *x, int is_bf16, int64_t at, int64_t
   return n0;
 }
 
-static void head_row(const void *x, int is_bf16, int64_t at, int64_t K, const float *w, int64_t N, float *o) {
-  int64_t n0 = __builtin_cpu_supports("avx512f") ? head_row16(x, is_bf16, at, K, w, N, o) : 0;
+static void head_row(const void *x, int is_bf16, int64_t at, int64_t K, const float *w, int64_t N, float *o,
+                     int wide) {
+  int64_t n0 = wide ? head_row16(x, is_bf16, at, K, w, N, o) : 0;
   for (; n0 + 32 <= N; n0 += 32) {
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t k = 0; k < K; k++) {
@@ -67,15 +68,16 @@ static void head_row(const void *x, int is_bf16, int64_t at, int64_t K, const fl
 void epserve_head_matmul(const void *x, int is_bf16, int64_t B, int64_t H, int64_t K, int64_t ldb, int64_t ldh,
                          const float *w, int64_t N, void *out, int64_t ldo_b, int64_t ldo_h, int out_bf16,
                          int num_threads) {
+  const int wide = __builtin_cpu_supports("avx512f"); /* head_row16 takes the columns it can */
   #pragma omp parallel for schedule(static) num_threads(num_threads) if (B * H * K * N >= (1 << 15))
   for (int64_t i = 0; i < B * H; i++) {
     const int64_t b = i / H, h = i % H, at = b * ldo_b + h * ldo_h;
     if (out_bf16) { /* the fp32 sums rounded once, as .to(bfloat16) rounds them */
       float row[N];
-      head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, row);
+      head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, row, wide);
       for (int64_t n = 0; n < N; n++) ((uint16_t *)out)[at + n] = f32_to_bf16(row[n]);
     } else {
-      head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, (float *)out + at);
+      head_row(x, is_bf16, b * ldb + h * ldh, K, w + h * K * N, N, (float *)out + at, wide);
     }
   }
 }
