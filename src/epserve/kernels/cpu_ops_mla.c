@@ -69,10 +69,11 @@ AVX512 static inline __attribute__((always_inline)) __m512 load16(const void *ro
   return _mm512_loadu_ps((const float *)row + j);
 }
 
+/* Scores of rows t0..L, one row at a time. */
 AVX512 static inline __attribute__((always_inline)) void scores16_n(const float *qb, const int64_t nh, int64_t D,
-                                                                     const char *const *rows, int64_t L, int is_bf16,
-                                                                     float scale, float *p, float *m) {
-  for (int64_t t = 0; t < L; t++) {
+                                                                     const char *const *rows, int64_t t0, int64_t L,
+                                                                     int is_bf16, float scale, float *p, float *m) {
+  for (int64_t t = t0; t < L; t++) {
     __m512 acc[MLA_HEADS];
     for (int64_t h = 0; h < MLA_HEADS; h++) acc[h] = _mm512_setzero_ps();
     for (int64_t j = 0; j < D; j += 16) {
@@ -136,23 +137,14 @@ AVX512 static inline __attribute__((always_inline)) void scores16_4x4(const floa
   for (int h = 0; h < 4; h++)
     for (int r = 0; r < 4; r++)
       if (lanes[4 * h + r] > m[h]) m[h] = lanes[4 * h + r];
-  for (; t < L; t++) { /* the last L % 4 rows */
-    for (int h = 0; h < 4; h++) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < D; j += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qb + h * D + j), load16(rows[t], j, is_bf16), acc);
-      const float sc = _mm512_reduce_add_ps(acc) * scale;
-      p[h * L + t] = sc;
-      if (sc > m[h]) m[h] = sc;
-    }
-  }
+  scores16_n(qb, 4, D, rows, t, L, is_bf16, scale, p, m); /* the last L % 4 rows */
 }
 
 AVX512 static void mla_scores16(const float *qb, int64_t nh, int64_t D, const char *const *rows, int64_t L,
                                 int is_bf16, float scale, float *p, float *m) {
   if (nh == MLA_HEADS && is_bf16) scores16_4x4(qb, D, rows, L, 1, scale, p, m);
   else if (nh == MLA_HEADS) scores16_4x4(qb, D, rows, L, 0, scale, p, m);
-  else scores16_n(qb, nh, D, rows, L, is_bf16, scale, p, m);
+  else scores16_n(qb, nh, D, rows, 0, L, is_bf16, scale, p, m);
 }
 
 AVX512 static inline __attribute__((always_inline)) void values16_n(const float *p, const int64_t nh,
